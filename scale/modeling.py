@@ -1,0 +1,173 @@
+"""Load the base model (full precision or 4-bit), add LoRA, enable gradient checkpointing. No Accelerator.
+
+``build_model(cfg.model, cfg.lora, ...)`` returns a ``peft.PeftModel`` whose only trainable parameters are
+the LoRA matrices. Workarounds carry their reason and link:
+
+- Gradient checkpointing goes through the model's own API with ``use_reentrant=False`` by default:
+  re-entrant checkpointing breaks DDP + LoRA ("marked ready twice", peft#313, trl#921).
+- Input-embedding outputs require grad when checkpointing a frozen base (peft#137), which transformers'
+  ``activation_checkpointing_enable`` does itself.
+- ``use_cache=False`` while training; :func:`restore_inference_config` puts it back before saving.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from typing import Any
+
+import torch
+
+from scale.assets import resolve_model
+from scale.config import LoraConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TINY = "tiny-llama"
+
+
+def load_tokenizer(cfg: ModelConfig) -> Any:
+    """The tokenizer for ``cfg`` (``tiny-llama`` borrows SmolLM2's); pad token falls back to EOS."""
+    from transformers import AutoTokenizer
+
+    source = cfg.tokenizer or ("smollm2-135m" if cfg.name_or_path == TINY else cfg.name_or_path)
+    tok = AutoTokenizer.from_pretrained(resolve_model(source), trust_remote_code=cfg.trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def tiny_llama_config(cfg: ModelConfig, vocab_size: int) -> Any:
+    """A small ``LlamaConfig`` built from ``model.tiny_*`` fields (no download)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.tiny_hidden_size,
+        intermediate_size=cfg.tiny_intermediate_size,
+        num_hidden_layers=cfg.tiny_num_layers,
+        num_attention_heads=cfg.tiny_num_heads,
+        num_key_value_heads=cfg.tiny_num_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        use_cache=False,
+    )
+
+
+def bnb_config(cfg: ModelConfig) -> Any:
+    """The ``BitsAndBytesConfig`` for QLoRA (NF4, double quantization, compute and storage dtypes)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=cfg.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=_DTYPES[cfg.bnb_4bit_compute_dtype],
+        bnb_4bit_quant_storage=getattr(torch, cfg.bnb_4bit_quant_storage),
+    )
+
+
+def load_base(cfg: ModelConfig, vocab_size: int, seed: int, device_map: Any = None) -> torch.nn.Module:
+    """Load (or, for ``tiny-llama``, build with ``seed``) the base causal LM, 4-bit when ``quantize_4bit``.
+
+    Args:
+        cfg: the model section.
+        vocab_size: tokenizer size; used by ``tiny-llama`` only.
+        seed: initialises ``tiny-llama`` weights.
+        device_map: passed to ``from_pretrained`` for 4-bit loading (one device per rank).
+
+    Returns:
+        A transformers ``PreTrainedModel`` with ``use_cache=False``.
+
+    Raises:
+        ImportError: ``quantize_4bit`` without bitsandbytes (``pip install 'scale[qlora]'``).
+    """
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": _DTYPES[cfg.dtype], "trust_remote_code": cfg.trust_remote_code}
+    if cfg.quantize_4bit:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            raise ImportError("model.quantize_4bit=true needs bitsandbytes: pip install 'scale[qlora]'") from e
+        kwargs["quantization_config"] = bnb_config(cfg)
+        kwargs["device_map"] = device_map if device_map is not None else "cpu"
+    if cfg.name_or_path == TINY:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(tiny_llama_config(cfg, vocab_size)).to(_DTYPES[cfg.dtype])
+        if cfg.quantize_4bit:  # quantization happens at load time: round-trip through a directory
+            with tempfile.TemporaryDirectory() as tmp:
+                model.save_pretrained(tmp)
+                model = AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.name_or_path), **kwargs)
+    model.config.use_cache = False
+    return model
+
+
+def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfig) -> torch.nn.Module:
+    """Freeze the base, prepare k-bit training, enable checkpointing and wrap with a LoRA adapter.
+
+    Returns:
+        A ``peft.PeftModel``; only ``lora_A``/``lora_B`` require grad.
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if model_cfg.quantize_4bit:
+        # Casts norms to fp32 and freezes the base. Checkpointing is enabled below, once, our way.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if model_cfg.gradient_checkpointing:
+        # Also makes the embedding output require grad, so checkpointed blocks of a frozen base still
+        # pass gradient to LoRA (peft#137).
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": model_cfg.use_reentrant})
+    peft_cfg = PeftLoraConfig(
+        r=lora_cfg.r,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=lora_cfg.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, vocab_size: int, seed: int,
+                device_map: Any = None) -> torch.nn.Module:
+    """Base model + LoRA, ready for training. LoRA weights are initialised from ``seed``.
+
+    Args:
+        model_cfg: the model section.
+        lora_cfg: the lora section.
+        vocab_size: tokenizer size (``tiny-llama`` only).
+        seed: RNG seed for tiny weights and LoRA init.
+        device_map: per-rank device for 4-bit loading.
+
+    Returns:
+        The PEFT model in train mode.
+    """
+    base = load_base(model_cfg, vocab_size, seed, device_map)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = add_lora(base, model_cfg, lora_cfg)
+    model.train()
+    return model
+
+
+def restore_inference_config(model: torch.nn.Module) -> None:
+    """Turn the KV cache back on in the saved config (training ran with ``use_cache=False``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.config.use_cache = True
+
+
+def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """``(trainable, total)`` parameter counts; 4-bit weights count their logical elements."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = 0
+    for p in model.parameters():
+        n = p.numel()
+        if p.__class__.__name__ == "Params4bit":
+            n = p.quant_state.shape.numel() if getattr(p, "quant_state", None) is not None else n * 2
+        total += n
+    return trainable, total

@@ -1,0 +1,25 @@
+"""Learning-rate schedule as a pure function of the optimizer step. No torch.distributed.
+
+``lr_factor(step)`` is the multiplier of ``optim.lr`` used by optimizer step ``step`` (0-based):
+linear warmup ``(step + 1) / warmup_steps`` for ``step < warmup_steps``, then cosine or linear decay
+from 1 to ``min_lr_ratio``, reaching ``min_lr_ratio`` at the last step ``max_steps - 1``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from scale.config import OptimConfig
+
+
+def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
+    """Multiplier of the peak LR at optimizer step ``step`` (0-based; unitless, in (0, 1])."""
+    warmup = min(optim.warmup_steps, max_steps - 1)
+    if step < warmup:
+        return (step + 1) / warmup
+    if optim.schedule == "constant":
+        return 1.0
+    span = max(max_steps - 1 - warmup, 1)
+    progress = min((step - warmup) / span, 1.0)
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1.0 - progress
+    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * shape

@@ -1,0 +1,337 @@
+"""The training loop: tail-loss LoRA/QLoRA fine-tuning on ``accelerate.Accelerator``.
+
+    scale-train                                            # the default job (configs/train/default.yaml)
+    scale-train --config configs/train/tiny_cpu.yaml train.max_steps=20
+    accelerate launch --config_file configs/accelerate/cpu_ddp.yaml -m scale.train --config configs/train/tiny_cpu.yaml
+
+Shapes: ``B`` micro-batch rows, ``T`` padded length, ``N`` tail tokens (``loss.threshold``), ``V`` vocabulary.
+``step`` always counts optimizer steps; a forward/backward on one micro-batch is a micro-step.
+
+The maths of one optimizer step: the window of ``gradient_accumulation_steps`` micro-batches on every rank
+contributes ``sum(weighted tail CE) / sum(weights)`` where both sums run over the whole window and all
+ranks. A partial last window (end of an epoch) is normalised by its own sums: not dropped, not rescaled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.logging import get_logger
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from scale import loss as L
+from scale.assets import resolve_data
+from scale.config import Config, dump_config, load_config, to_dict
+from scale.data import Collator, build_splits
+from scale.metrics import JsonlSink, StepMeter
+from scale.modeling import build_model, load_tokenizer, parameter_counts, restore_inference_config
+from scale.schedule import lr_factor
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class LossSpec:
+    """Everything :func:`loss_step` needs besides the model and the batch."""
+
+    threshold: int
+    padding_side: str
+    type_weights: list[float] | None
+    criterion: L.Criterion | None
+    criterion_mode: str
+    target_position: int
+    label_token_ids: torch.Tensor  # [L]
+
+    @classmethod
+    def from_config(cls, cfg: Config, label_token_ids: list[int]) -> LossSpec:
+        return cls(
+            threshold=cfg.loss.threshold,
+            padding_side=cfg.data.padding_side,
+            type_weights=cfg.loss.type_weights,
+            criterion=L.load_criterion(cfg.loss.criterion) if cfg.loss.criterion else None,
+            criterion_mode=cfg.loss.criterion_mode,
+            target_position=cfg.loss.target_position,
+            label_token_ids=torch.tensor(label_token_ids, dtype=torch.long),
+        )
+
+    def weights(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[B, N]`` tail-token weights of a batch (a user criterion counts every token once)."""
+        if self.criterion is not None:
+            return torch.ones(batch["input_ids"].shape[0], self.threshold, device=batch["input_ids"].device)
+        return L.token_weights(batch["type_indicator"], self.threshold, self.type_weights)
+
+
+def loss_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], spec: LossSpec) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """Forward one micro-batch; return the tail-loss ``(numerator [], denominator [])``. Pure: no collectives."""
+    tail_logits, targets = L.forward_tail(model, batch, spec.threshold, spec.padding_side)   # [B, N, V], [B, N]
+    return L.tail_loss(tail_logits, targets, spec.weights(batch), batch["type_indicator"], spec.criterion,
+                       spec.criterion_mode)
+
+
+@torch.no_grad()
+def evaluate(acc: Accelerator, model: torch.nn.Module, eval_dl: DataLoader, spec: LossSpec) -> dict[str, float]:
+    """Tail loss (ratio of sums), target NLL (nats) and label accuracy over the whole eval split.
+
+    Per-example figures go through ``gather_for_metrics``, which drops the samples accelerate repeats to
+    even out the last batch across ranks. Collective: every rank must call it.
+    """
+    was_training = model.training
+    model.eval()
+    label_ids = spec.label_token_ids.to(acc.device)
+    rows = []
+    for batch in eval_dl:
+        tail_logits, targets = L.forward_tail(model, batch, spec.threshold, spec.padding_side)
+        weights = spec.weights(batch)
+        per_row = [L.tail_loss(tail_logits[b:b + 1], targets[b:b + 1], weights[b:b + 1],
+                               batch["type_indicator"][b:b + 1], spec.criterion, spec.criterion_mode)
+                   for b in range(tail_logits.shape[0])] if spec.criterion is not None else None
+        if per_row is None:
+            ce = torch.nn.functional.cross_entropy(tail_logits.float().transpose(1, 2), targets, reduction="none")
+            num, den = (ce * weights).sum(1), weights.sum(1)                       # [B], [B]
+        else:
+            num, den = torch.stack([p[0] for p in per_row]), torch.stack([p[1] for p in per_row])
+        stats = L.target_stats(tail_logits, batch["target_token"], label_ids, spec.target_position)
+        rows.append(acc.gather_for_metrics(torch.stack([num, den, stats.logprob, stats.correct], dim=1)))
+    table = torch.cat(rows).double()                                                # [n_eval, 4]
+    num, den, logprob, correct = table.sum(0).tolist()  # host sync (eval only)
+    n = table.shape[0]
+    if was_training:
+        model.train()
+    return {"eval/loss": num / den, "eval/target_nll": -logprob / n, "eval/accuracy": correct / n,
+            "eval/examples": n}
+
+
+def windows(acc: Accelerator, dl: DataLoader, ga: int) -> Iterator[list[tuple[dict[str, torch.Tensor], bool]]]:
+    """Yield accumulation windows of at most ``ga`` micro-batches, the same length on every rank.
+
+    Each item is ``(batch, real)``. With ``even_batches=False`` a rank can run out of batches before the
+    others at the end of an epoch; it then repeats its last batch with ``real=False`` (the loop zeroes its
+    loss weight), so every rank runs the same number of forward/backward passes and no collective hangs.
+    The epoch ends when no rank has a batch left. Collective: one tiny all-gather per window.
+    """
+    it, last = iter(dl), None
+    while True:
+        window = list(itertools.islice(it, ga))
+        last = window[-1] if window else last
+        n = torch.tensor([len(window)], device=acc.device)
+        n_max = int(acc.gather(n).max())  # collective + host sync, once per window: agree on its length
+        if n_max == 0:
+            return
+        if last is None:
+            raise RuntimeError("a rank got no batch in an epoch: lower train.micro_batch_size or num_processes")
+        yield [(b, True) for b in window] + [(last, False)] * (n_max - len(window))
+
+
+def build_accelerator(cfg: Config) -> Accelerator:
+    """Create the Accelerator for the launch mode found in the environment, with start-up guards.
+
+    Raises:
+        RuntimeError: several processes were launched but accelerate did not set up a process group.
+    """
+    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    on_cpu = not torch.cuda.is_available()
+    handlers = []
+    if on_cpu and use_deepspeed:  # DeepSpeed on CPU needs gloo; cpu=True would silently drop DeepSpeed
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    acc = Accelerator(
+        cpu=on_cpu and not use_deepspeed,
+        mixed_precision=cfg.train.mixed_precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=cfg.train.gradient_accumulation_steps, sync_with_dataloader=False),
+        # even_batches=False: no sample is repeated to even out ranks (that would change the maths).
+        dataloader_config=DataLoaderConfiguration(even_batches=False, use_seedable_sampler=True),
+        log_with=[t for t in cfg.log.trackers if t != "none"] or None,
+        project_dir=cfg.output_dir,
+        kwargs_handlers=handlers,
+    )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and acc.distributed_type == DistributedType.NO:
+        raise RuntimeError(f"WORLD_SIZE={world} but accelerate runs DistributedType.NO: the processes would "
+                           f"train unsynced replicas. Launch with a MULTI_GPU/DEEPSPEED accelerate config.")
+    return acc
+
+
+def setup_trackers(cfg: Config, acc: Accelerator) -> None:
+    """Start the trackers on the main process. W&B without an API key runs offline (one-line notice)."""
+    trackers = [t for t in cfg.log.trackers if t != "none"]
+    if not trackers:
+        return
+    init_kwargs: dict[str, Any] = {}
+    if "wandb" in trackers:
+        if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+            os.environ["WANDB_MODE"] = "offline"
+            logger.info("W&B: no API key configured, logging offline to %s/wandb (upload later with "
+                        "`wandb sync`)", cfg.output_dir, main_process_only=True)
+        init_kwargs["wandb"] = {"dir": cfg.output_dir, "name": cfg.log.run_name}
+    acc.init_trackers(cfg.log.project, config=to_dict(cfg), init_kwargs=init_kwargs)
+
+
+def save_adapter(acc: Accelerator, model: torch.nn.Module, out: Path) -> None:
+    """Write the PEFT adapter to ``out`` atomically (temp dir, then rename). Collective: every rank calls."""
+    state_dict = acc.get_state_dict(model)  # collective: gathers ZeRO-3 shards on every rank
+    if acc.is_main_process:
+        unwrapped = acc.unwrap_model(model)
+        restore_inference_config(unwrapped)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        old = out.with_name(out.name + ".old")
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()  # collective: every rank must reach this
+
+
+def fit(cfg: Config, acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler, train_dl: DataLoader, eval_dl: DataLoader,
+        spec: LossSpec, sink: JsonlSink) -> dict[str, float]:
+    """Run ``train.max_steps`` optimizer steps; evaluate at step 0, every ``eval_every`` and at the end.
+
+    Returns:
+        The final evaluation metrics.
+    """
+    t = cfg.train
+    ga, world = t.gradient_accumulation_steps, acc.num_processes
+    meter = StepMeter(acc.device)
+    max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
+    step, epoch, last_eval = 0, 0, None
+
+    def log(metrics: dict[str, float]) -> None:
+        acc.log(metrics, step=step)
+        sink.write(step, metrics)
+
+    last_eval = evaluate(acc, model, eval_dl, spec)
+    log(last_eval)
+    pbar = tqdm(total=t.max_steps, disable=not acc.is_local_main_process, desc="optimizer steps")
+    model.train()
+    while step < t.max_steps:
+        train_dl.set_epoch(epoch)
+        for window in windows(acc, train_dl, ga):
+            weighted = [(b, spec.weights(b) * float(r), r) for b, r in window]      # weights [B, N]
+            # The window's denominator, summed over its micro-batches and all ranks.
+            den = acc.reduce(sum(w.sum() for _, w, _ in weighted), reduction="sum")  # collective: every rank
+            # accumulate() syncs when its counter hits a multiple of GA: start the counter so that the
+            # window's last micro-batch is the sync point, whatever the window's length.
+            acc.step = ga - len(weighted)
+            for batch, weights, real in weighted:
+                with acc.accumulate(model):
+                    tail_logits, targets = L.forward_tail(model, batch, spec.threshold, spec.padding_side)
+                    num, _ = L.tail_loss(tail_logits, targets, weights, batch["type_indicator"], spec.criterion,
+                                         spec.criterion_mode)
+                    del tail_logits
+                    # backward() divides by GA and DDP/ZeRO average over ranks; undo both so the update
+                    # is sum(weighted token CE) / den for the whole window on every rank.
+                    # A stand-in batch (real=False) backpropagates an exact zero.
+                    acc.backward(num * ((ga * world) / den if real else 0.0))
+                    if acc.sync_gradients:
+                        meter.grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                if real:
+                    meter.add_micro(num, weights.sum(), batch, spec.threshold)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()  # unprepared: exactly once per optimizer step, whatever num_processes is
+            step += 1
+            meter.steps += 1
+            pbar.update(1)
+            if step % t.log_every == 0 or step == t.max_steps:
+                metrics = meter.flush(acc, lr)
+                log(metrics)
+                pbar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+            if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
+                last_eval = evaluate(acc, model, eval_dl, spec)
+                log(last_eval)
+            if step >= t.max_steps:
+                break
+        epoch += 1
+    pbar.close()
+    return last_eval
+
+
+def run(cfg: Config) -> dict[str, float]:
+    """Build everything from ``cfg``, train, evaluate, save the adapter; return the final eval metrics."""
+    acc = build_accelerator(cfg)
+    out = Path(cfg.output_dir)
+    if acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, out / "config.yaml")
+    set_seed(cfg.train.seed)
+    with acc.main_process_first():  # one process prepares the cached assets, the others then read them
+        tokenizer = load_tokenizer(cfg.model)
+        data_path = resolve_data(cfg.data.path)
+        splits = build_splits(cfg.data, cfg.loss, tokenizer, data_path, cfg.train.seed)
+        model = build_model(cfg.model, cfg.lora, len(tokenizer), cfg.train.seed)
+    spec = LossSpec.from_config(cfg, splits.label_token_ids)
+    collate = Collator(tokenizer.pad_token_id, cfg.data.padding_side)
+    train_dl = DataLoader(splits.train, batch_size=cfg.train.micro_batch_size, shuffle=True, collate_fn=collate,
+                          generator=torch.Generator().manual_seed(cfg.train.seed), num_workers=cfg.data.num_workers)
+    eval_dl = DataLoader(splits.eval, batch_size=cfg.train.eval_micro_batch_size, shuffle=False,
+                         collate_fn=collate, num_workers=cfg.data.num_workers)
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    # The scheduler is NOT prepared: a prepared one steps num_processes times per optimizer step.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, o, cfg.train.max_steps))
+    model, optimizer, train_dl = acc.prepare(model, optimizer, train_dl)
+    acc.even_batches = True  # eval: gather_for_metrics drops the repeated samples
+    eval_dl = acc.prepare(eval_dl)
+
+    trainable, total = parameter_counts(model)
+    mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, acc.num_processes
+    mean_len = sum(len(e.input_ids) for e in splits.train) / len(splits.train)
+    logger.info(
+        "start: mode=%s world_size=%d micro_batch_size=%d gradient_accumulation_steps=%d global_batch_size=%d "
+        "tokens_per_step~%d (mean %.1f tokens/row) tail_tokens_per_step=%d trainable=%d total=%d (%.3f%%) "
+        "train=%d eval=%d", acc.distributed_type, world, mb, ga, mb * ga * world, mb * ga * world * mean_len,
+        mean_len, mb * ga * world * cfg.loss.threshold, trainable, total, 100 * trainable / total,
+        len(splits.train), len(splits.eval), main_process_only=True)
+    setup_trackers(cfg, acc)
+    sink = JsonlSink(out / "metrics.jsonl", acc.is_main_process)
+    final = fit(cfg, acc, model, optimizer, scheduler, train_dl, eval_dl, spec, sink)
+    if cfg.train.save_adapter:
+        save_adapter(acc, model, out / "adapter")
+    logger.info("final: %s", json.dumps(final), main_process_only=True)
+    acc.end_training()
+    return final
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``scale-train [--config PATH] [section.key=value ...]``."""
+    parser = argparse.ArgumentParser(prog="scale-train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="training YAML (default: configs/train/default.yaml)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=50")
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    cfg = load_config(args.config, args.overrides)
+    run(cfg)
+    # torch 2.13 + gloo can abort at interpreter exit (pytorch/pytorch#190489): end the process group and
+    # collect garbage while the interpreter is still whole.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    gc.collect()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
