@@ -109,6 +109,7 @@ class LossConfig:
 class OptimConfig:
     """AdamW and the learning-rate schedule."""
 
+    name: str = _f("adamw", "Optimizer: adamw | sgd (plain SGD, for equivalence checks: Adam hides gradient scale).")
     lr: float = _f(2e-4, "Peak learning rate (per optimizer step).")
     weight_decay: float = _f(0.0, "AdamW decoupled weight decay.")
     betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
@@ -167,6 +168,7 @@ _CHOICES = {
     "model.bnb_4bit_quant_storage": ("uint8", "float32", "bfloat16", "float16"),
     "data.padding_side": ("left", "right"),
     "loss.criterion_mode": ("plain", "input"),
+    "optim.name": ("adamw", "sgd"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.mixed_precision": ("no", "bf16", "fp16"),
 }

@@ -104,7 +104,29 @@ def load_base(cfg: ModelConfig, vocab_size: int, seed: int, device_map: Any = No
     else:
         model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.name_or_path), **kwargs)
     model.config.use_cache = False
+    if cfg.quantize_4bit:
+        disable_cpu_inference_packing(model)
     return model
+
+
+def disable_cpu_inference_packing(model: torch.nn.Module) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights for CPU inference; return how many layers it touched.
+
+    On a CPU with AVX512-BF16, ``bnb.nn.Linear4bit.forward`` in eval mode converts its weight *in place*
+    to an inference layout (bf16 absmax, no double quantization) that ``matmul_4bit`` then serves with
+    ``gemv_4bit``, an op with no autograd kernel. After one evaluation pass (we evaluate at step 0) the
+    layer stays converted in train mode, and no gradient flows through the frozen base layers: measured
+    on a 2-layer tiny Llama, 10 of 14 LoRA gradient tensors came out exactly zero (bitsandbytes 0.50.2
+    warns "gemv_4bit: an autograd kernel was not registered"). With the flag off, LoRA gradients equal
+    those of an fp32 model holding the dequantized weights (tests/test_qlora.py). Remove when bitsandbytes
+    converts back on ``train()`` or registers an autograd kernel.
+    """
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count
 
 
 def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfig) -> torch.nn.Module:

@@ -287,7 +287,10 @@ def run(cfg: Config) -> dict[str, float]:
                          collate_fn=collate, num_workers=cfg.data.num_workers)
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optim
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    if o.name == "sgd":
+        optimizer = torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     # The scheduler is NOT prepared: a prepared one steps num_processes times per optimizer step.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, o, cfg.train.max_steps))
     model, optimizer, train_dl = acc.prepare(model, optimizer, train_dl)

@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny configs (no model download), accelerate state reset, offline W&B."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_YAML = ROOT / "configs" / "train" / "tiny_cpu.yaml"
+TINY_DATA = ROOT / "data" / "tiny_reviews.jsonl"
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def tiny_cfg(out: Path, *overrides: str):
+    """The tiny CPU job with its output in ``out`` and absolute data path, plus overrides."""
+    from scale.config import load_config
+
+    return load_config(TINY_YAML, [f"output_dir={out}", f"data.path={TINY_DATA}", *overrides])
+
+
+@pytest.fixture(autouse=True)
+def _reset_accelerate():
+    """Accelerator state is process-global; reset it so each in-process run starts clean."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from scale.config import ModelConfig
+    from scale.modeling import load_tokenizer
+
+    return load_tokenizer(ModelConfig(name_or_path="tiny-llama"))
