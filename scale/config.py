@@ -132,6 +132,8 @@ class TrainConfig:
     eval_every: int = _f(50, "Evaluate every this many optimizer steps (also at step 0 and at the end); 0: ends only.")
     seed: int = _f(1234, "Seed for the split, shuffling, LoRA init and dropout.")
     mixed_precision: str = _f("no", "Autocast: no | bf16 | fp16.")
+    deepspeed_config: str | None = _f(None, "DeepSpeed JSON to use without `accelerate launch` (the `deepspeed` "
+                                            "launcher, torchrun); null: the accelerate config decides.")
     save_adapter: bool = _f(True, "Write the final PEFT adapter to `<output_dir>/adapter/`.")
 
 

@@ -184,11 +184,12 @@ def restore_inference_config(model: torch.nn.Module) -> None:
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """``(trainable, total)`` parameter counts; 4-bit weights count their logical elements."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    """``(trainable, total)`` parameter counts; 4-bit weights count their logical elements, ZeRO-3
+    partitioned ones their full size (``ds_numel``)."""
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     total = 0
     for p in model.parameters():
-        n = p.numel()
+        n = getattr(p, "ds_numel", p.numel())
         if p.__class__.__name__ == "Params4bit":
             n = p.quant_state.shape.numel() if getattr(p, "quant_state", None) is not None else n * 2
         total += n

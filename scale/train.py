@@ -139,17 +139,58 @@ def windows(acc: Accelerator, dl: DataLoader, ga: int) -> Iterator[list[tuple[di
         yield [(b, True) for b in window] + [(last, False)] * (n_max - len(window))
 
 
+class LaunchError(RuntimeError):
+    """The launch mode contradicts itself or the training config; the message names the fix."""
+
+
+def check_launch_environment(env: dict[str, str] | None = None) -> None:
+    """Fail fast on launches that would start fewer processes than asked, before any work is done.
+
+    ``accelerate launch --cpu --num_processes 2`` and a ``MULTI_CPU`` YAML start ONE process (accelerate
+    1.15): it is recognisable by a rendezvous address without a ``WORLD_SIZE``.
+
+    Raises:
+        LaunchError: the environment is such a launch.
+    """
+    env = os.environ if env is None else env
+    launched_by_accelerate = "ACCELERATE_MIXED_PRECISION" in env
+    if launched_by_accelerate and "MASTER_ADDR" in env and "WORLD_SIZE" not in env:
+        raise LaunchError("accelerate launch started ONE process for a multi-process CPU launch (--cpu with "
+                          "--num_processes > 1, or distributed_type: MULTI_CPU). Use "
+                          "--config_file configs/accelerate/cpu_ddp.yaml (MULTI_GPU, num_processes: 2): on a "
+                          "machine without CUDA the loop then runs a real gloo process group.")
+
+
+def _cpu_threads(env: dict[str, str]) -> None:
+    """The ``deepspeed`` launcher leaves ``OMP_NUM_THREADS`` unset: 2 ranks on 2 cores ran 37x slower."""
+    local = int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", "1")))
+    if local > 1 and "OMP_NUM_THREADS" not in env and not torch.cuda.is_available():
+        threads = max(1, (os.cpu_count() or 1) // local)
+        torch.set_num_threads(threads)
+        logger.warning("OMP_NUM_THREADS unset with %d local ranks: using %d threads per rank", local, threads,
+                       main_process_only=True)
+
+
 def build_accelerator(cfg: Config) -> Accelerator:
     """Create the Accelerator for the launch mode found in the environment, with start-up guards.
 
     Raises:
-        RuntimeError: several processes were launched but accelerate did not set up a process group.
+        LaunchError: several processes were launched but accelerate did not set up a process group; a
+            DeepSpeed config contradicts the training config (gradient_accumulation_steps, gradient_clipping);
+            see also :func:`check_launch_environment`.
     """
-    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    check_launch_environment()
+    use_deepspeed = (os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+                     or cfg.train.deepspeed_config is not None)
     on_cpu = not torch.cuda.is_available()
     handlers = []
     if on_cpu and use_deepspeed:  # DeepSpeed on CPU needs gloo; cpu=True would silently drop DeepSpeed
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    plugin = None
+    if cfg.train.deepspeed_config is not None:  # e.g. under the `deepspeed` launcher or torchrun
+        from accelerate.utils import DeepSpeedPlugin
+
+        plugin = DeepSpeedPlugin(hf_ds_config=cfg.train.deepspeed_config)
     acc = Accelerator(
         cpu=on_cpu and not use_deepspeed,
         mixed_precision=cfg.train.mixed_precision,
@@ -157,15 +198,41 @@ def build_accelerator(cfg: Config) -> Accelerator:
             num_steps=cfg.train.gradient_accumulation_steps, sync_with_dataloader=False),
         # even_batches=False: no sample is repeated to even out ranks (that would change the maths).
         dataloader_config=DataLoaderConfiguration(even_batches=False, use_seedable_sampler=True),
+        deepspeed_plugin=plugin,
         log_with=[t for t in cfg.log.trackers if t != "none"] or None,
         project_dir=cfg.output_dir,
         kwargs_handlers=handlers,
     )
+    _cpu_threads(dict(os.environ))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and acc.distributed_type == DistributedType.NO:
-        raise RuntimeError(f"WORLD_SIZE={world} but accelerate runs DistributedType.NO: the processes would "
-                           f"train unsynced replicas. Launch with a MULTI_GPU/DEEPSPEED accelerate config.")
+        raise LaunchError(f"WORLD_SIZE={world} but accelerate runs DistributedType.NO: the processes would "
+                          f"train unsynced replicas. Launch with a MULTI_GPU/DEEPSPEED accelerate config.")
+    if use_deepspeed and acc.distributed_type != DistributedType.DEEPSPEED:
+        raise LaunchError(f"a DeepSpeed launch ended up as {acc.distributed_type}: DeepSpeed was dropped")
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        _reconcile_deepspeed(cfg, acc.state.deepspeed_plugin.deepspeed_config)
     return acc
+
+
+def _reconcile_deepspeed(cfg: Config, ds: dict[str, Any]) -> None:
+    """Make the DeepSpeed JSON agree with the training config; a contradiction is an error.
+
+    DeepSpeed's ``gradient_accumulation_steps`` silently wins over ours (accelerate only warns), and an
+    unset ``gradient_clipping: "auto"`` becomes 1.0; both would change the maths without a word.
+    """
+    ours = {"gradient_accumulation_steps": cfg.train.gradient_accumulation_steps,
+            "gradient_clipping": cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else 0.0,
+            "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size}
+    for key, value in ours.items():
+        theirs = ds.get(key, "auto")
+        if theirs == "auto":
+            ds[key] = value
+        elif float(theirs) != float(value):
+            raise LaunchError(f"the DeepSpeed config sets {key}={theirs} but the training config has {value} "
+                              f"(train.*/optim.*); set it to \"auto\" in the JSON so the training config owns it")
+    if ds.get("train_batch_size", "auto") == "auto":
+        ds.pop("train_batch_size", None)  # DeepSpeed derives it from micro-batch x GA x world size
 
 
 def setup_trackers(cfg: Config, acc: Accelerator) -> None:
@@ -210,7 +277,6 @@ def fit(cfg: Config, acc: Accelerator, model: torch.nn.Module, optimizer: torch.
     """
     t = cfg.train
     ga, world = t.gradient_accumulation_steps, acc.num_processes
-    meter = StepMeter(acc.device)
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
     step, epoch, last_eval = 0, 0, None
 
@@ -220,6 +286,7 @@ def fit(cfg: Config, acc: Accelerator, model: torch.nn.Module, optimizer: torch.
 
     last_eval = evaluate(acc, model, eval_dl, spec)
     log(last_eval)
+    meter = StepMeter(acc.device)  # after the step-0 eval, so throughput counts training time only
     pbar = tqdm(total=t.max_steps, disable=not acc.is_local_main_process, desc="optimizer steps")
     model.train()
     while step < t.max_steps:
@@ -283,7 +350,8 @@ def run(cfg: Config) -> dict[str, float]:
     collate = Collator(tokenizer.pad_token_id, cfg.data.padding_side)
     train_dl = DataLoader(splits.train, batch_size=cfg.train.micro_batch_size, shuffle=True, collate_fn=collate,
                           generator=torch.Generator().manual_seed(cfg.train.seed), num_workers=cfg.data.num_workers)
-    eval_dl = DataLoader(splits.eval, batch_size=cfg.train.eval_micro_batch_size, shuffle=False,
+    # Evaluation order does not change its sums; longest first keeps padding (and peak memory) low.
+    eval_dl = DataLoader(sorted(splits.eval, key=lambda e: -len(e.input_ids)), batch_size=cfg.train.eval_micro_batch_size, shuffle=False,
                          collate_fn=collate, num_workers=cfg.data.num_workers)
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optim
@@ -317,24 +385,42 @@ def run(cfg: Config) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``scale-train [--config PATH] [section.key=value ...]``."""
+    """``scale-train [--config PATH] [section.key=value ...]``: parse, train; return the exit code."""
     parser = argparse.ArgumentParser(prog="scale-train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="training YAML (default: configs/train/default.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=50")
+    # The `deepspeed` launcher appends --local_rank=N; the rank is read from LOCAL_RANK in the environment.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     cfg = load_config(args.config, args.overrides)
     run(cfg)
-    # torch 2.13 + gloo can abort at interpreter exit (pytorch/pytorch#190489): end the process group and
-    # collect garbage while the interpreter is still whole.
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    gc.collect()
     return 0
 
 
+def cli() -> None:
+    """Console entry point: :func:`main`, then a clean process exit.
+
+    torch 2.13 + gloo aborts 10-25% of multi-process runs at interpreter exit ("terminate called without an
+    active exception", pytorch/pytorch#190489: a gloo thread frees a tensor during finalization). We end
+    the process group and collect garbage while the interpreter is whole, flush, and leave with
+    ``os._exit`` so finalization never runs. Trackers were already closed by ``end_training()``.
+    """
+    code = main()
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed:
+        torch.distributed.destroy_process_group()
+    gc.collect()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if distributed:
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -1,0 +1,131 @@
+"""Parity: the same tiny fp32 tail-loss job under every launch mode gives the same numbers.
+
+    python benchmarks/parity.py [--modes single_8x1,ddp_2x2x2 ...] [--tolerance 1e-5]
+
+Job: configs/train/tiny_cpu.yaml on 20 examples (global batch 8, so every epoch ends with a partial
+window of 4), 6 optimizer steps (2 epochs), AdamW, no dropout, logged every step. For each mode it reads
+``metrics.jsonl`` (per-step ``train/loss`` and ``train/grad_norm``) and the saved adapter, and prints the
+max relative deviation from the first row; exits 1 if any row exceeds the tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "train" / "tiny_cpu.yaml"
+JOB = ["data.max_train_examples=20", "train.max_steps=6", "train.log_every=1", "train.eval_every=0",
+       "lora.dropout=0.0", "optim.warmup_steps=2", f"data.path={ROOT / 'data' / 'tiny_reviews.jsonl'}",
+       "log.trackers=[]", "optim.name=sgd", "optim.lr=0.5"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _accelerate(config: str, extra: list[str] | None = None) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "accelerate" / config),
+            "--main_process_port", str(_free_port()), *(extra or []), "-m", "scale.train"]
+
+
+def modes() -> dict[str, tuple[list[list[str]], list[str]]]:
+    """name -> (commands to start together, overrides). Micro-batch x GA x processes = 8 in every mode."""
+    py = [sys.executable, "-m", "scale.train"]
+    zero2 = str(ROOT / "configs" / "deepspeed" / "zero2.json")
+    port = _free_port()
+    nodes = [[sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--num_machines", "2", "--num_processes", "2",
+              "--machine_rank", str(r), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+              "-m", "scale.train"] for r in (0, 1)]
+    return {
+        "single 1x(8,1)": ([py], ["train.micro_batch_size=8", "train.gradient_accumulation_steps=1"]),
+        "single 1x(2,4)": ([py], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=4"]),
+        "ddp 2x(2,2)": ([_accelerate("cpu_ddp.yaml")], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]),
+        "zero1 2x(2,2)": ([_accelerate("cpu_zero1.yaml")], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]),
+        "zero2 2x(2,2)": ([_accelerate("cpu_zero2.yaml")], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]),
+        "zero3 2x(2,2)": ([_accelerate("cpu_zero3.yaml")], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]),
+        "2 nodes x 1 proc (2,4)": (nodes, ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]),
+        "deepspeed launcher 2x(2,2)": (
+            [["deepspeed", "--num_accelerators", "2", "--master_port", str(_free_port()), "--module", "scale.train"]],
+            ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2", f"train.deepspeed_config={zero2}"]),
+    }
+
+
+def run_mode(cmds: list[list[str]], overrides: list[str], out: Path, timeout: float = 600) -> dict:
+    """Start ``cmds`` together with the tiny job + ``overrides`` writing to ``out``; return its numbers.
+
+    Raises:
+        RuntimeError: a process exits non-zero (its output tail is in the message).
+    """
+    from safetensors.torch import load_file
+
+    args = ["--config", str(TINY), f"output_dir={out}", *JOB, *overrides]
+    env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+    procs = [subprocess.Popen(c + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for c in cmds]
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for p, text in zip(procs, outputs):
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(p.args[:6])} ... exited {p.returncode}:\n{text[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/loss" in r]
+    return {"loss": [r["train/loss"] for r in train], "grad_norm": [r["train/grad_norm"] for r in train],
+            "lr": [r["train/lr"] for r in train], "steps": [r["step"] for r in train],
+            "weights": load_file(out / "adapter" / "adapter_model.safetensors")}
+
+
+def rel_dev(a: list[float], b: list[float]) -> float:
+    """max_i |a_i - b_i| / |a_i| (lists of equal length; a length mismatch is infinite deviation)."""
+    if len(a) != len(b):
+        return float("inf")
+    return max(abs(x - y) / max(abs(x), 1e-30) for x, y in zip(a, b))
+
+
+def weight_dev(a: dict, b: dict) -> float:
+    """max over tensors of max |a - b| / max |a| (trainable LoRA weights after the run)."""
+    if a.keys() != b.keys():
+        return float("inf")
+    return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-30)).item() for k in a)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default=None, help="comma-separated subset of the mode names (substring match)")
+    parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument("--out", default=str(ROOT / "runs" / "parity"))
+    args = parser.parse_args()
+    table = modes()
+    if args.modes:
+        wanted = args.modes.split(",")
+        table = {k: v for i, (k, v) in enumerate(table.items()) if i == 0 or any(w in k for w in wanted)}
+    results, worst = {}, 0.0
+    header = f"| {'mode':<28} | {'loss':>9} | {'grad_norm':>9} | {'weights':>9} | {'wall s':>6} |"
+    lines = [header, "|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|"]
+    for i, (name, (cmds, overrides)) in enumerate(table.items()):
+        t0 = time.perf_counter()
+        res = run_mode(cmds, overrides, Path(args.out) / f"mode{i}")
+        wall = time.perf_counter() - t0
+        results[name] = res
+        ref = next(iter(results.values()))
+        devs = (rel_dev(ref["loss"], res["loss"]), rel_dev(ref["grad_norm"], res["grad_norm"]),
+                weight_dev(ref["weights"], res["weights"]))
+        worst = max(worst, *devs)
+        lines.append(f"| {name:<28} | {devs[0]:9.2e} | {devs[1]:9.2e} | {devs[2]:9.2e} | {wall:6.1f} |")
+        sys.stdout.write(lines[-1] + "\n")
+        sys.stdout.flush()
+    sys.stdout.write("\n" + "\n".join(lines) + f"\n\nsteps: {ref['steps']} (windows of 8, 8, 4 examples per epoch)\n")
+    sys.stdout.write(f"max relative deviation: {worst:.3e}\n")
+    return 0 if worst <= args.tolerance else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
