@@ -167,8 +167,8 @@ def _cpu_threads(env: dict[str, str]) -> None:
     if local > 1 and "OMP_NUM_THREADS" not in env and not torch.cuda.is_available():
         threads = max(1, (os.cpu_count() or 1) // local)
         torch.set_num_threads(threads)
-        logger.warning("OMP_NUM_THREADS unset with %d local ranks: using %d threads per rank", local, threads,
-                       main_process_only=True)
+        logging.getLogger(__name__).warning("OMP_NUM_THREADS unset with %d local ranks: using %d threads per rank",
+                                            local, threads)
 
 
 def build_accelerator(cfg: Config) -> Accelerator:

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# One machine. Usage: launch/local.sh <accelerate-config-name> [scale-train args...]
+#   launch/local.sh single --config configs/train/default.yaml
+#   launch/local.sh ddp --config configs/train/default.yaml      # all GPUs of this machine
+#   launch/local.sh cpu_ddp --config configs/train/tiny_cpu.yaml # 2 CPU processes (gloo)
+set -euo pipefail
+cfg="$1"; shift
+exec accelerate launch --config_file "configs/accelerate/${cfg}.yaml" -m scale.train "$@"

@@ -1,0 +1,132 @@
+"""Same numbers under 2 CPU processes (gloo) through the real `accelerate launch`, and loud launch guards.
+
+Each launch costs ~20 s on 2 cores; the full matrix (two nodes, the deepspeed launcher) is in
+``python benchmarks/parity.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks.parity import ROOT, TINY, modes, rel_dev, run_mode, weight_dev
+from scale.config import load_config
+from scale.schedule import lr_factor
+from scale.train import LaunchError, _cpu_threads, _reconcile_deepspeed, check_launch_environment
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    cmds, overrides = modes()["single 1x(8,1)"]
+    return run_mode(cmds, overrides, tmp_path_factory.mktemp("single"))
+
+
+def _expected_lrs(n_steps):
+    cfg = load_config(TINY, ["optim.warmup_steps=2", f"train.max_steps={n_steps}", "optim.lr=0.5"])
+    return [cfg.optim.lr * lr_factor(s, cfg.optim, n_steps) for s in range(n_steps)]
+
+
+def test_single_process_lr_follows_schedule(reference):
+    assert reference["steps"] == [1, 2, 3, 4, 5, 6]
+    assert rel_dev(_expected_lrs(6), reference["lr"]) < 1e-12
+
+
+MODES = ["single 1x(2,4)", "ddp 2x(2,2)"]
+if __import__("importlib").util.find_spec("deepspeed") is not None:
+    MODES += ["zero2 2x(2,2)", "zero3 2x(2,2)"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mode_matches_single_device(mode, reference, tmp_path):
+    cmds, overrides = modes()[mode]
+    got = run_mode(cmds, overrides, tmp_path)
+    # Every optimizer step, including the partial last window of each epoch (8, 8, 4 examples).
+    assert rel_dev(reference["loss"], got["loss"]) < TOL
+    assert rel_dev(reference["grad_norm"], got["grad_norm"]) < TOL
+    assert weight_dev(reference["weights"], got["weights"]) < TOL
+    assert rel_dev(_expected_lrs(6), got["lr"]) < 1e-12   # the scheduler steps once per optimizer step
+
+
+# ---- guards: each fails loudly at start-up ----
+
+def test_guard_multi_cpu_launch_that_starts_one_process():
+    env = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1"}
+    with pytest.raises(LaunchError, match=r"started ONE process .* configs/accelerate/cpu_ddp.yaml"):
+        check_launch_environment(env)
+    check_launch_environment({**env, "WORLD_SIZE": "2"})      # a real 2-process launch passes
+    check_launch_environment({"ACCELERATE_MIXED_PRECISION": "no"})   # a single-process accelerate launch passes
+
+
+def test_guard_real_launch_cpu_num_processes_2_exits_with_message(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "-m", "scale.train",
+         "--config", str(TINY), f"output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "WANDB_MODE": "offline"})
+    assert proc.returncode != 0
+    assert "accelerate launch started ONE process for a multi-process CPU launch" in proc.stderr + proc.stdout
+
+
+def test_guard_world_size_without_process_group(monkeypatch, tmp_path):
+    import scale.train as train
+    from accelerate.utils import DistributedType
+
+    class FakeAccelerator:
+        distributed_type = DistributedType.NO
+
+        def __init__(self, **kwargs):
+            pass
+
+    monkeypatch.setattr(train, "Accelerator", FakeAccelerator)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(LaunchError, match=r"WORLD_SIZE=2 but accelerate runs DistributedType.NO: .*unsynced replicas"):
+        train.build_accelerator(load_config(TINY, [f"output_dir={tmp_path}"]))
+
+
+def test_guard_deepspeed_dropped(monkeypatch, tmp_path):
+    import scale.train as train
+    from accelerate.utils import DistributedType
+
+    class FakeAccelerator:
+        distributed_type = DistributedType.MULTI_CPU   # what cpu=True + a DeepSpeed config silently gives
+
+        def __init__(self, **kwargs):
+            assert kwargs["cpu"] is False   # we never pass cpu=True with DeepSpeed
+            assert any(type(h).__name__ == "InitProcessGroupKwargs" for h in kwargs["kwargs_handlers"])
+
+    monkeypatch.setattr(train, "Accelerator", FakeAccelerator)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(LaunchError, match=r"a DeepSpeed launch ended up as .*MULTI_CPU.*DeepSpeed was dropped"):
+        train.build_accelerator(load_config(TINY, [f"output_dir={tmp_path}"]))
+
+
+def test_guard_deepspeed_json_contradicting_training_config():
+    cfg = load_config(TINY, ["train.gradient_accumulation_steps=2", "optim.max_grad_norm=0.5"])
+    ds = {"gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto"}
+    _reconcile_deepspeed(cfg, ds)
+    assert ds == {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": 8}
+    with pytest.raises(LaunchError, match=r"sets gradient_accumulation_steps=4 but the training config has 2"):
+        _reconcile_deepspeed(cfg, {"gradient_accumulation_steps": 4})
+    with pytest.raises(LaunchError, match=r"sets gradient_clipping=1.0 but the training config has 0.5"):
+        _reconcile_deepspeed(cfg, {"gradient_clipping": 1.0})
+
+
+def test_guard_deepspeed_launcher_threads(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(os, "cpu_count", lambda: 2)
+        _cpu_threads({"LOCAL_SIZE": "2"})        # the deepspeed launcher's variables, no OMP_NUM_THREADS
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        _cpu_threads({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "2"})   # an explicit choice is left alone
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
