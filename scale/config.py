@@ -134,6 +134,8 @@ class TrainConfig:
     mixed_precision: str = _f("no", "Autocast: no | bf16 | fp16.")
     deepspeed_config: str | None = _f(None, "DeepSpeed JSON to use without `accelerate launch` (the `deepspeed` "
                                             "launcher, torchrun); null: the accelerate config decides.")
+    check_invariants: bool = _f(False, "After training, check base weights bit-identical, LoRA weights equal on "
+                                       "every rank, every lora_B non-zero; written to metrics.jsonl as check/*.")
     save_adapter: bool = _f(True, "Write the final PEFT adapter to `<output_dir>/adapter/`.")
 
 

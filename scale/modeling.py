@@ -75,7 +75,8 @@ def load_base(cfg: ModelConfig, vocab_size: int, seed: int, device_map: Any = No
         cfg: the model section.
         vocab_size: tokenizer size; used by ``tiny-llama`` only.
         seed: initialises ``tiny-llama`` weights.
-        device_map: passed to ``from_pretrained`` for 4-bit loading (one device per rank).
+        device_map: passed to ``from_pretrained`` for 4-bit loading (one device per rank); None lets
+            transformers place the weights (required under ZeRO-3).
 
     Returns:
         A transformers ``PreTrainedModel`` with ``use_cache=False``.
@@ -92,14 +93,19 @@ def load_base(cfg: ModelConfig, vocab_size: int, seed: int, device_map: Any = No
         except ImportError as e:
             raise ImportError("model.quantize_4bit=true needs bitsandbytes: pip install 'scale[qlora]'") from e
         kwargs["quantization_config"] = bnb_config(cfg)
-        kwargs["device_map"] = device_map if device_map is not None else "cpu"
+        if device_map is not None:  # None under ZeRO-3, which places (and partitions) weights itself
+            kwargs["device_map"] = device_map
     if cfg.name_or_path == TINY:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = LlamaForCausalLM(tiny_llama_config(cfg, vocab_size)).to(_DTYPES[cfg.dtype])
         if cfg.quantize_4bit:  # quantization happens at load time: round-trip through a directory
+            from safetensors.torch import save_model
+
             with tempfile.TemporaryDirectory() as tmp:
-                model.save_pretrained(tmp)
+                # Written by hand: save_pretrained writes on global rank 0 only, and every rank needs it.
+                model.config.save_pretrained(tmp)
+                save_model(model, f"{tmp}/model.safetensors")
                 model = AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.name_or_path), **kwargs)

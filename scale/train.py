@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, gather_object, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -235,6 +235,93 @@ def _reconcile_deepspeed(cfg: Config, ds: dict[str, Any]) -> None:
         ds.pop("train_batch_size", None)  # DeepSpeed derives it from micro-batch x GA x world size
 
 
+@dataclass
+class ModePlan:
+    """Every knob that differs by launch mode, decided in one place (:func:`plan_for_mode`) and logged."""
+
+    mode: str
+    zero_stage: int | None
+    use_reentrant: bool
+    device_map: Any
+    notes: list[str]
+
+
+def plan_for_mode(cfg: Config, acc: Accelerator) -> ModePlan:
+    """Decide checkpointing and QLoRA placement for the resolved launch mode.
+
+    - Re-entrant checkpointing under DDP with LoRA fails ("Expected to mark a variable ready only once",
+      peft#313, trl#921): an error, with the fix. Non-reentrant also works under ZeRO-3 + PEFT here
+      (measured: ZeRO-3 parity within 4e-7 of single device, benchmarks/parity.py), so we do not force
+      re-entrant there as TRL does.
+    - QLoRA: each rank loads its 4-bit model onto its own device (``device_map`` per local rank). Under
+      ZeRO-3 or FSDP the packed 4-bit weights are only partitioned when their storage dtype is a float
+      equal to the compute dtype (``bnb_4bit_quant_storage``).
+
+    Raises:
+        LaunchError: one of the combinations above.
+    """
+    dt = acc.distributed_type
+    zero = acc.state.deepspeed_plugin.zero_stage if dt == DistributedType.DEEPSPEED else None
+    mode = {DistributedType.NO: "single", DistributedType.DEEPSPEED: f"zero{zero}",
+            DistributedType.FSDP: "fsdp"}.get(dt, "ddp")
+    m, notes = cfg.model, []
+    if m.gradient_checkpointing and m.use_reentrant and mode in ("ddp", "zero1", "zero2") and acc.num_processes > 1:
+        raise LaunchError("model.use_reentrant=true with LoRA under data parallelism fails with 'marked ready "
+                          "twice' (peft#313, trl#921); set model.use_reentrant=false")
+    if m.gradient_checkpointing:
+        notes.append(f"checkpointing use_reentrant={m.use_reentrant}")
+    device_map = None
+    if m.quantize_4bit:
+        if mode != "zero3":  # transformers refuses a device_map under ZeRO-3
+            device_map = {"": acc.local_process_index} if acc.device.type == "cuda" else "cpu"
+        notes.append(f"4-bit base on {device_map or 'ZeRO-3 placement'}, storage {m.bnb_4bit_quant_storage}")
+        if mode in ("zero3", "fsdp") and m.bnb_4bit_quant_storage != m.bnb_4bit_compute_dtype:
+            raise LaunchError(f"{mode} shards 4-bit weights only when model.bnb_4bit_quant_storage equals the "
+                              f"compute dtype; set model.bnb_4bit_quant_storage={m.bnb_4bit_compute_dtype}")
+    return ModePlan(mode, zero, m.use_reentrant, device_map, notes)
+
+
+def dtype_census(model: torch.nn.Module) -> dict[str, int]:
+    """Parameter elements per ``dtype/trainable|frozen`` (catches a bf16 run silently upcast to fp32)."""
+    census: dict[str, int] = {}
+    for p in model.parameters():
+        key = f"{str(p.dtype).replace('torch.', '')}/{'trainable' if p.requires_grad else 'frozen'}"
+        census[key] = census.get(key, 0) + getattr(p, "ds_numel", p.numel())
+    return census
+
+
+def fingerprints(acc: Accelerator, model: torch.nn.Module) -> dict[str, Any] | None:
+    """sha256 of the full (gathered) LoRA weights and of the base weights, and how many ``lora_B`` tensors
+    are non-zero. ``None`` on ranks that get no full copy (ZeRO-3 gathers onto rank 0 only).
+    Collective: every rank calls."""
+    import hashlib
+
+    state = acc.get_state_dict(model, unwrap=True)  # collective: gathers ZeRO-3 shards
+    if not state:
+        return None
+    digests = {"lora": hashlib.sha256(), "base": hashlib.sha256()}
+    lora_b = []
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        digests["lora" if "lora_" in name else "base"].update(name.encode() + t.view(-1).view(torch.uint8).numpy().tobytes())
+        if "lora_B" in name:
+            lora_b.append(t.numel() > 0 and bool(t.abs().max() > 0))
+    return {"lora": digests["lora"].hexdigest(), "base": digests["base"].hexdigest(),
+            "lora_B": len(lora_b), "lora_B_nonzero": sum(lora_b)}
+
+
+def check_invariants(acc: Accelerator, model: torch.nn.Module, before: dict[str, Any] | None) -> dict[str, Any]:
+    """After training: base weights bit-identical to ``before``; LoRA weights equal on every rank that holds
+    a full copy; every ``lora_B`` non-zero. Collective: every rank calls; every rank gets the same answer."""
+    after = fingerprints(acc, model)
+    pairs = [p for p in gather_object([(before, after)]) if p[1] is not None]  # collective: every rank
+    return {"check/base_unchanged": all(b is not None and b["base"] == a["base"] for b, a in pairs),
+            "check/ranks_agree": len({a["lora"] for _, a in pairs}) == 1,
+            "check/ranks_compared": len(pairs),
+            "check/lora_B_nonzero": all(a["lora_B_nonzero"] == a["lora_B"] for _, a in pairs),
+            "check/lora_B_tensors": pairs[0][1]["lora_B"]}
+
+
 def setup_trackers(cfg: Config, acc: Accelerator) -> None:
     """Start the trackers on the main process. W&B without an API key runs offline (one-line notice)."""
     trackers = [t for t in cfg.log.trackers if t != "none"]
@@ -341,18 +428,20 @@ def run(cfg: Config) -> dict[str, float]:
         out.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, out / "config.yaml")
     set_seed(cfg.train.seed)
+    plan = plan_for_mode(cfg, acc)
     with acc.main_process_first():  # one process prepares the cached assets, the others then read them
         tokenizer = load_tokenizer(cfg.model)
         data_path = resolve_data(cfg.data.path)
         splits = build_splits(cfg.data, cfg.loss, tokenizer, data_path, cfg.train.seed)
-        model = build_model(cfg.model, cfg.lora, len(tokenizer), cfg.train.seed)
+        model = build_model(cfg.model, cfg.lora, len(tokenizer), cfg.train.seed, device_map=plan.device_map)
     spec = LossSpec.from_config(cfg, splits.label_token_ids)
     collate = Collator(tokenizer.pad_token_id, cfg.data.padding_side)
     train_dl = DataLoader(splits.train, batch_size=cfg.train.micro_batch_size, shuffle=True, collate_fn=collate,
                           generator=torch.Generator().manual_seed(cfg.train.seed), num_workers=cfg.data.num_workers)
     # Evaluation order does not change its sums; longest first keeps padding (and peak memory) low.
-    eval_dl = DataLoader(sorted(splits.eval, key=lambda e: -len(e.input_ids)), batch_size=cfg.train.eval_micro_batch_size, shuffle=False,
-                         collate_fn=collate, num_workers=cfg.data.num_workers)
+    eval_dl = DataLoader(sorted(splits.eval, key=lambda e: -len(e.input_ids)),
+                         batch_size=cfg.train.eval_micro_batch_size, shuffle=False, collate_fn=collate,
+                         num_workers=cfg.data.num_workers)
     params = [p for p in model.parameters() if p.requires_grad]
     o = cfg.optim
     if o.name == "sgd":
@@ -374,9 +463,16 @@ def run(cfg: Config) -> dict[str, float]:
         "train=%d eval=%d", acc.distributed_type, world, mb, ga, mb * ga * world, mb * ga * world * mean_len,
         mean_len, mb * ga * world * cfg.loss.threshold, trainable, total, 100 * trainable / total,
         len(splits.train), len(splits.eval), main_process_only=True)
+    logger.info("mode plan: %s %s; parameter dtypes: %s", plan.mode, "; ".join(plan.notes), dtype_census(model),
+                main_process_only=True)
     setup_trackers(cfg, acc)
     sink = JsonlSink(out / "metrics.jsonl", acc.is_main_process)
+    before = fingerprints(acc, model) if cfg.train.check_invariants else None
     final = fit(cfg, acc, model, optimizer, scheduler, train_dl, eval_dl, spec, sink)
+    if cfg.train.check_invariants:  # on every rank: under ZeRO-3 only rank 0 gets a `before`
+        checks = check_invariants(acc, model, before)
+        sink.write(cfg.train.max_steps, checks)
+        logger.info("invariants: %s", checks, main_process_only=True)
     if cfg.train.save_adapter:
         save_adapter(acc, model, out / "adapter")
     logger.info("final: %s", json.dumps(final), main_process_only=True)

@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-PLAIN = ["config", "data", "loss", "modeling", "schedule", "assets"]
+PLAIN = ["config", "data", "loss", "modeling", "schedule", "assets", "export"]
 
 
 @pytest.mark.parametrize("name", PLAIN)
