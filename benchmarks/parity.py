@@ -53,7 +53,7 @@ def modes() -> dict[str, tuple[list[list[str]], list[str]]]:
         "zero1 2x(2,2)": ([_accelerate("cpu_zero1.yaml")], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]),
         "zero2 2x(2,2)": ([_accelerate("cpu_zero2.yaml")], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]),
         "zero3 2x(2,2)": ([_accelerate("cpu_zero3.yaml")], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]),
-        "2 nodes x 1 proc (2,4)": (nodes, ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]),
+        "2 nodes x 1 proc (2,2)": (nodes, ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]),
         "deepspeed launcher 2x(2,2)": (
             [["deepspeed", "--num_accelerators", "2", "--master_port", str(_free_port()), "--module", "scale.train"]],
             ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2", f"train.deepspeed_config={zero2}"]),

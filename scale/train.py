@@ -315,7 +315,10 @@ def check_invariants(acc: Accelerator, model: torch.nn.Module, before: dict[str,
     a full copy; every ``lora_B`` non-zero. Collective: every rank calls; every rank gets the same answer."""
     after = fingerprints(acc, model)
     pairs = [p for p in gather_object([(before, after)]) if p[1] is not None]  # collective: every rank
+    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+    full = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     return {"check/base_unchanged": all(b is not None and b["base"] == a["base"] for b, a in pairs),
+            "check/param_elements_local_fraction": local / full,  # < 1 where ZeRO-3 partitions weights
             "check/ranks_agree": len({a["lora"] for _, a in pairs}) == 1,
             "check/ranks_compared": len(pairs),
             "check/lora_B_nonzero": all(a["lora_B_nonzero"] == a["lora_B"] for _, a in pairs),
