@@ -20,7 +20,7 @@ class StepMeter:
     """Accumulates training sums between two log points, on device (no host sync until :meth:`flush`).
 
     Sums: ``loss_num`` (weighted tail CE, nats), ``loss_den`` (weights), ``tokens`` (real tokens seen),
-    ``tail_tokens``, ``samples`` (sequences). Counts come from tensors, never from ``len(batch)``.
+    ``tail_tokens``, ``samples`` (sequences). Counts come from tensors, never from the length of the batch dict.
     """
 
     KEYS = ("loss_num", "loss_den", "tokens", "tail_tokens", "samples")

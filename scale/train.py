@@ -77,12 +77,15 @@ class LossSpec:
         return L.token_weights(batch["type_indicator"], self.threshold, self.type_weights)
 
 
-def loss_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], spec: LossSpec) -> tuple[torch.Tensor,
-                                                                                                 torch.Tensor]:
-    """Forward one micro-batch; return the tail-loss ``(numerator [], denominator [])``. Pure: no collectives."""
+def loss_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], spec: LossSpec,
+              weights: torch.Tensor) -> torch.Tensor:
+    """Forward one micro-batch; return the tail-loss numerator ``[]`` under ``weights`` ``[B, N]``.
+
+    Pure: no collectives. The tail logits ``[B, N, V]`` are freed before returning.
+    """
     tail_logits, targets = L.forward_tail(model, batch, spec.threshold, spec.padding_side)   # [B, N, V], [B, N]
-    return L.tail_loss(tail_logits, targets, spec.weights(batch), batch["type_indicator"], spec.criterion,
-                       spec.criterion_mode)
+    num, _ = L.tail_loss(tail_logits, targets, weights, batch["type_indicator"], spec.criterion, spec.criterion_mode)
+    return num
 
 
 @torch.no_grad()
@@ -99,14 +102,12 @@ def evaluate(acc: Accelerator, model: torch.nn.Module, eval_dl: DataLoader, spec
     for batch in eval_dl:
         tail_logits, targets = L.forward_tail(model, batch, spec.threshold, spec.padding_side)
         weights = spec.weights(batch)
+        # One tail_loss per row (also for a user criterion that returns a mean), so that gathered rows
+        # keep their own numerator and denominator.
         per_row = [L.tail_loss(tail_logits[b:b + 1], targets[b:b + 1], weights[b:b + 1],
                                batch["type_indicator"][b:b + 1], spec.criterion, spec.criterion_mode)
-                   for b in range(tail_logits.shape[0])] if spec.criterion is not None else None
-        if per_row is None:
-            ce = torch.nn.functional.cross_entropy(tail_logits.float().transpose(1, 2), targets, reduction="none")
-            num, den = (ce * weights).sum(1), weights.sum(1)                       # [B], [B]
-        else:
-            num, den = torch.stack([p[0] for p in per_row]), torch.stack([p[1] for p in per_row])
+                   for b in range(tail_logits.shape[0])]
+        num, den = (torch.stack(column) for column in zip(*per_row))                # [B], [B]
         stats = L.target_stats(tail_logits, batch["target_token"], label_ids, spec.target_position)
         rows.append(acc.gather_for_metrics(torch.stack([num, den, stats.logprob, stats.correct], dim=1)))
     table = torch.cat(rows).double()                                                # [n_eval, 4]
@@ -368,7 +369,7 @@ def fit(cfg: Config, acc: Accelerator, model: torch.nn.Module, optimizer: torch.
     t = cfg.train
     ga, world = t.gradient_accumulation_steps, acc.num_processes
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
-    step, epoch, last_eval = 0, 0, None
+    step, epoch = 0, 0
 
     def log(metrics: dict[str, float]) -> None:
         acc.log(metrics, step=step)
@@ -390,10 +391,7 @@ def fit(cfg: Config, acc: Accelerator, model: torch.nn.Module, optimizer: torch.
             acc.step = ga - len(weighted)
             for batch, weights, real in weighted:
                 with acc.accumulate(model):
-                    tail_logits, targets = L.forward_tail(model, batch, spec.threshold, spec.padding_side)
-                    num, _ = L.tail_loss(tail_logits, targets, weights, batch["type_indicator"], spec.criterion,
-                                         spec.criterion_mode)
-                    del tail_logits
+                    num = loss_step(model, batch, spec, weights)
                     # backward() divides by GA and DDP/ZeRO average over ranks; undo both so the update
                     # is sum(weighted token CE) / den for the whole window on every rank.
                     # A stand-in batch (real=False) backpropagates an exact zero.
