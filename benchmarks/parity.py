@@ -33,7 +33,8 @@ def _free_port() -> int:
 
 
 def _accelerate(config: str, extra: list[str] | None = None) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "accelerate" / config),
+    yaml_path = str(ROOT / "configs" / "accelerate" / config)
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", yaml_path,
             "--main_process_port", str(_free_port()), *(extra or []), "-m", "scale.train"]
 
 
@@ -46,14 +47,15 @@ def modes() -> dict[str, tuple[list[list[str]], list[str]]]:
               str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--num_machines", "2", "--num_processes", "2",
               "--machine_rank", str(r), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
               "-m", "scale.train"] for r in (0, 1)]
+    mb2 = ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]
     return {
         "single 1x(8,1)": ([py], ["train.micro_batch_size=8", "train.gradient_accumulation_steps=1"]),
         "single 1x(2,4)": ([py], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=4"]),
-        "ddp 2x(2,2)": ([_accelerate("cpu_ddp.yaml")], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]),
-        "zero1 2x(2,2)": ([_accelerate("cpu_zero1.yaml")], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]),
-        "zero2 2x(2,2)": ([_accelerate("cpu_zero2.yaml")], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]),
-        "zero3 2x(2,2)": ([_accelerate("cpu_zero3.yaml")], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]),
-        "2 nodes x 1 proc (2,2)": (nodes, ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]),
+        "ddp 2x(2,2)": ([_accelerate("cpu_ddp.yaml")], mb2),
+        "zero1 2x(2,2)": ([_accelerate("cpu_zero1.yaml")], mb2),
+        "zero2 2x(2,2)": ([_accelerate("cpu_zero2.yaml")], mb2),
+        "zero3 2x(2,2)": ([_accelerate("cpu_zero3.yaml")], mb2),
+        "2 nodes x 1 proc (2,2)": (nodes, mb2),
         "deepspeed launcher 2x(2,2)": (
             [["deepspeed", "--num_accelerators", "2", "--master_port", str(_free_port()), "--module", "scale.train"]],
             ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2", f"train.deepspeed_config={zero2}"]),

@@ -150,7 +150,8 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
     if model_cfg.gradient_checkpointing:
         # Also makes the embedding output require grad, so checkpointed blocks of a frozen base still
         # pass gradient to LoRA (peft#137).
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": model_cfg.use_reentrant})
+        kwargs = {"use_reentrant": model_cfg.use_reentrant}
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     peft_cfg = PeftLoraConfig(
         r=lora_cfg.r,
         lora_alpha=lora_cfg.alpha,

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, gather_object, set_seed
+from accelerate.utils import (DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, gather_object,
+                               set_seed)
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -304,7 +305,8 @@ def fingerprints(acc: Accelerator, model: torch.nn.Module) -> dict[str, Any] | N
     lora_b = []
     for name in sorted(state):
         t = state[name].detach().cpu().contiguous()
-        digests["lora" if "lora_" in name else "base"].update(name.encode() + t.view(-1).view(torch.uint8).numpy().tobytes())
+        raw = t.view(-1).view(torch.uint8).numpy().tobytes()
+        digests["lora" if "lora_" in name else "base"].update(name.encode() + raw)
         if "lora_B" in name:
             lora_b.append(t.numel() > 0 and bool(t.abs().max() > 0))
     return {"lora": digests["lora"].hexdigest(), "base": digests["base"].hexdigest(),

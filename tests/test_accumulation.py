@@ -6,7 +6,6 @@ LoRA B starts at 0, so after one step its change is exactly ``-lr * dL/dB``.
 
 from __future__ import annotations
 
-import torch
 from safetensors.torch import load_file
 
 from scale.train import run

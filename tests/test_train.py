@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 import yaml
 
 from scale.metrics import read_jsonl
