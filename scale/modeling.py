@@ -190,13 +190,18 @@ def restore_inference_config(model: torch.nn.Module) -> None:
     base.config.use_cache = True
 
 
+def full_numel(p: torch.nn.Parameter) -> int:
+    """Elements of ``p`` as stored, counting a ZeRO-3 partitioned parameter at its full size (``ds_numel``)."""
+    return getattr(p, "ds_numel", p.numel())
+
+
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     """``(trainable, total)`` parameter counts; 4-bit weights count their logical elements, ZeRO-3
     partitioned ones their full size (``ds_numel``)."""
-    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
     total = 0
     for p in model.parameters():
-        n = getattr(p, "ds_numel", p.numel())
+        n = full_numel(p)
         if p.__class__.__name__ == "Params4bit":
             n = p.quant_state.shape.numel() if getattr(p, "quant_state", None) is not None else n * 2
         total += n

@@ -41,7 +41,7 @@ from scale.assets import resolve_data
 from scale.config import Config, dump_config, load_config, to_dict
 from scale.data import Collator, build_splits
 from scale.metrics import JsonlSink, StepMeter
-from scale.modeling import build_model, load_tokenizer, parameter_counts, restore_inference_config
+from scale.modeling import build_model, full_numel, load_tokenizer, parameter_counts, restore_inference_config
 from scale.schedule import lr_factor
 
 logger = get_logger(__name__)
@@ -242,8 +242,6 @@ class ModePlan:
     """Every knob that differs by launch mode, decided in one place (:func:`plan_for_mode`) and logged."""
 
     mode: str
-    zero_stage: int | None
-    use_reentrant: bool
     device_map: Any
     notes: list[str]
 
@@ -280,7 +278,7 @@ def plan_for_mode(cfg: Config, acc: Accelerator) -> ModePlan:
         if mode in ("zero3", "fsdp") and m.bnb_4bit_quant_storage != m.bnb_4bit_compute_dtype:
             raise LaunchError(f"{mode} shards 4-bit weights only when model.bnb_4bit_quant_storage equals the "
                               f"compute dtype; set model.bnb_4bit_quant_storage={m.bnb_4bit_compute_dtype}")
-    return ModePlan(mode, zero, m.use_reentrant, device_map, notes)
+    return ModePlan(mode, device_map, notes)
 
 
 def dtype_census(model: torch.nn.Module) -> dict[str, int]:
@@ -288,7 +286,7 @@ def dtype_census(model: torch.nn.Module) -> dict[str, int]:
     census: dict[str, int] = {}
     for p in model.parameters():
         key = f"{str(p.dtype).replace('torch.', '')}/{'trainable' if p.requires_grad else 'frozen'}"
-        census[key] = census.get(key, 0) + getattr(p, "ds_numel", p.numel())
+        census[key] = census.get(key, 0) + full_numel(p)
     return census
 
 
@@ -319,7 +317,7 @@ def check_invariants(acc: Accelerator, model: torch.nn.Module, before: dict[str,
     after = fingerprints(acc, model)
     pairs = [p for p in gather_object([(before, after)]) if p[1] is not None]  # collective: every rank
     local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
-    full = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    full = sum(full_numel(p) for p in model.parameters())
     return {"check/base_unchanged": all(b is not None and b["base"] == a["base"] for b, a in pairs),
             "check/param_elements_local_fraction": local / full,  # < 1 where ZeRO-3 partitions weights
             "check/ranks_agree": len({a["lora"] for _, a in pairs}) == 1,
