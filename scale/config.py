@@ -11,6 +11,8 @@ No torch, no accelerate: this module is imported by every other one.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -137,6 +139,17 @@ class TrainConfig:
     check_invariants: bool = _f(False, "After training, check base weights bit-identical, LoRA weights equal on "
                                        "every rank, every lora_B non-zero; written to metrics.jsonl as check/*.")
     save_adapter: bool = _f(True, "Write the final PEFT adapter to `<output_dir>/adapter/`.")
+    save_every: int = _f(0, "Write a resumable checkpoint (`save_state`) to `<output_dir>/checkpoints/step_XXXXXX/` "
+                            "every this many optimizer steps and at the end; 0: only when pre-empted (SIGTERM).")
+    save_total_limit: int | None = _f(2, "Keep this many newest complete checkpoints; null keeps all.")
+    save_on_each_node: bool = _f(False, "Every node writes the checkpoint files it needs (nodes without shared "
+                                        "storage); false: shared storage, written once.")
+    resume_from: str | None = _f(None, "Resume: 'latest' (newest complete checkpoint in `<output_dir>/checkpoints`, "
+                                       "or a fresh start if there is none) or a checkpoint directory.")
+    on_nonfinite: str = _f("error", "A non-finite loss or gradient norm: 'error' stops naming the step and batch "
+                                    "(no checkpoint is written after it); 'skip' drops that optimizer step.")
+    collective_timeout_s: float = _f(1800.0, "Seconds a rank waits in a collective before the job fails (a lost "
+                                             "rank on another node); torch's default is 1800.")
 
 
 @dataclass
@@ -175,6 +188,7 @@ _CHOICES = {
     "optim.name": ("adamw", "sgd"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.mixed_precision": ("no", "bf16", "fp16"),
+    "train.on_nonfinite": ("error", "skip"),
 }
 _POSITIVE = ("train.max_steps", "train.micro_batch_size", "train.gradient_accumulation_steps",
              "train.eval_micro_batch_size", "train.log_every", "loss.threshold", "data.max_length", "lora.r")
@@ -190,6 +204,12 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={get_key(cfg, key)} must be >= 1")
     if cfg.train.eval_every < 0:
         raise ConfigError("train.eval_every must be >= 0 (0 evaluates only at step 0 and the end)")
+    if cfg.train.save_every < 0:
+        raise ConfigError("train.save_every must be >= 0 (0 writes a checkpoint only when pre-empted)")
+    if cfg.train.save_total_limit is not None and cfg.train.save_total_limit < 1:
+        raise ConfigError(f"train.save_total_limit={cfg.train.save_total_limit} must be >= 1, or null to keep all")
+    if cfg.train.collective_timeout_s <= 0:
+        raise ConfigError(f"train.collective_timeout_s={cfg.train.collective_timeout_s} must be > 0 (seconds)")
     if not cfg.data.template.endswith("{label}") or "{text}" not in cfg.data.template:
         raise ConfigError(f"data.template={cfg.data.template!r} must contain '{{text}}' and end with '{{label}}'")
     if not (-cfg.loss.threshold <= cfg.loss.target_position <= -1):
@@ -311,9 +331,42 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return _build(Config, tree, "")
 
 
+_SECRET_PATTERNS = (
+    (re.compile(r"(://[^/\s:@]+:)[^@\s/]+@"), r"\1<redacted>@"),  # credentials in a URL
+    (re.compile(r"\bhf_[A-Za-z0-9]{20,}"), "<redacted>"),           # Hugging Face token
+    (re.compile(r"\bsk-[A-Za-z0-9_-]{20,}"), "<redacted>"),         # API keys of the sk- family
+    (re.compile(r"\b[0-9a-f]{40}\b"), "<redacted>"),                # W&B API key
+)
+_SECRET_ENV = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
+
+
+def redact(text: str, env: dict[str, str] | None = None) -> str:
+    """``text`` with API keys, tokens and URL passwords replaced by ``<redacted>``.
+
+    Redacts well-known token shapes, and the value of every environment variable whose name contains
+    TOKEN, KEY, SECRET or PASSWORD (8+ characters), wherever it appears.
+    """
+    env = os.environ if env is None else env
+    for name, value in env.items():
+        if _SECRET_ENV.search(name) and len(value) >= 8:
+            text = text.replace(value, "<redacted>")
+    for pattern, replacement in _SECRET_PATTERNS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
 def to_dict(cfg: Config) -> dict[str, Any]:
-    """The resolved config as plain YAML-able data."""
-    return dataclasses.asdict(cfg)
+    """The resolved config as plain YAML-able data, secrets redacted (it goes to config.yaml and trackers)."""
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            return redact(value)
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    return clean(dataclasses.asdict(cfg))
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:

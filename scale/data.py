@@ -6,7 +6,8 @@ A row ``{"text": "A three-hour cinema master class.", "label": "positive"}`` ren
 
 - ``input_ids`` ``[B, T]`` int64, ``attention_mask`` ``[B, T]`` int64 (left or right padded);
 - ``type_indicator`` ``[B]`` int64: ``data.type_column`` or the label's index in ``data.labels``;
-- ``target_token`` ``[B]`` int64: token id of the row's label word.
+- ``target_token`` ``[B]`` int64: token id of the row's label word;
+- ``row`` ``[B]`` int64: index of each example's row in the data file (error messages name it).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def load_rows(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
                             f"fix the row or add the label to data.labels")
         if text is None or not str(text).strip():
             raise DataError(f"row {i} of {path}: empty {cfg.text_column!r}")
-        row = {"text": str(text).strip(), "label": label}
+        row = {"text": str(text).strip(), "label": label, "row": i}
         if types is not None:
             if not isinstance(types[i], int) or isinstance(types[i], bool):
                 raise DataError(f"row {i} of {path}: data.type_column={cfg.type_column!r} must be an integer, "
@@ -137,6 +138,7 @@ class Example:
     input_ids: list[int]
     type_indicator: int
     target_token: int
+    row: int = -1  # index of the row in the data file (for error messages); -1 when unknown
 
 
 def tokenize_rows(rows: list[dict[str, Any]], tokenizer: Any, data_cfg: DataConfig,
@@ -156,6 +158,7 @@ def tokenize_rows(rows: list[dict[str, Any]], tokenizer: Any, data_cfg: DataConf
     examples = []
     need = loss_cfg.threshold + 1
     for i, (row, ids) in enumerate(zip(rows, encoded)):
+        i = row.get("row", i)  # report the row of the data file, not of the split
         ids = list(ids) + [eos]
         ids = ids[-data_cfg.max_length:]  # drop from the prompt side: the answer tail survives
         if len(ids) < need:
@@ -167,7 +170,7 @@ def tokenize_rows(rows: list[dict[str, Any]], tokenizer: Any, data_cfg: DataConf
             got = tokenizer.decode([ids[loss_cfg.target_position]])
             raise DataError(f"row {i}: the token at loss.target_position={loss_cfg.target_position} is {got!r}, "
                             f"not the label {row['label']!r}; set loss.target_position to where the label sits")
-        examples.append(Example(ids, int(row.get("type", label_index)), target))
+        examples.append(Example(ids, int(row.get("type", label_index)), target, i))
     return examples
 
 
@@ -213,6 +216,7 @@ class Collator:
             "attention_mask": mask,
             "type_indicator": torch.tensor([e.type_indicator for e in examples], dtype=torch.long),
             "target_token": torch.tensor([e.target_token for e in examples], dtype=torch.long),
+            "row": torch.tensor([e.row for e in examples], dtype=torch.long),
         }
 
 

@@ -7,7 +7,7 @@ Cross-rank numbers are ratios of sums: every rank adds numerators and denominato
 from __future__ import annotations
 
 import json
-import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ class StepMeter:
         loss_num, loss_den, tokens, tail_tokens, samples = totals.tolist()  # host sync (log interval only)
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         out = {
-            "train/loss": loss_num / loss_den if loss_den > 0 else math.nan,
+            "train/loss": loss_num / loss_den if loss_den > 0 else None,  # None: every step was skipped
             "train/lr": lr,
             "train/grad_norm": grad_norm,
             "train/tokens_per_s": tokens / elapsed,
@@ -62,6 +62,8 @@ class StepMeter:
             "train/samples_per_s": samples / elapsed,
             "train/steps_per_s": self.steps / elapsed,
         }
+        if out["train/loss"] is None:
+            del out["train/loss"]
         self.sums.zero_()
         self.steps = 0
         self.t0 = time.perf_counter()
@@ -69,14 +71,26 @@ class StepMeter:
 
 
 class JsonlSink:
-    """Append one JSON object per call to ``<output_dir>/metrics.jsonl`` (main process only)."""
+    """Append one JSON object per call to ``<output_dir>/metrics.jsonl`` (main process only).
 
-    def __init__(self, path: Path, enabled: bool) -> None:
+    Args:
+        path: the file.
+        enabled: write at all (the main process).
+        keep_until: resuming from this optimizer step: keep the lines of steps ``<= keep_until`` (what the
+            checkpoint had seen) and drop later ones (logged after it, before the crash). ``None``: start empty.
+    """
+
+    def __init__(self, path: Path, enabled: bool, keep_until: int | None = None) -> None:
         self.path = path
         self.enabled = enabled
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("", encoding="utf-8")
+            kept = []
+            if keep_until is not None and path.exists():
+                kept = [json.dumps(r) + "\n" for r in read_jsonl(path) if r.get("step", 0) <= keep_until]
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, path)  # atomic: a crash here leaves the old history, never half of it
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Write ``{"step": step, **metrics}`` as one line and flush."""

@@ -22,8 +22,11 @@ import logging
 import math
 import os
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Iterator
+from datetime import timedelta
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,8 +41,9 @@ from tqdm.auto import tqdm
 
 from scale import loss as L
 from scale.assets import resolve_data
+from scale.checkpoint import TrainerState, load_checkpoint, register_hooks, resolve_resume, save_checkpoint
 from scale.config import Config, dump_config, load_config, to_dict
-from scale.data import Collator, build_splits
+from scale.data import Collator, DataError, build_splits
 from scale.metrics import JsonlSink, StepMeter
 from scale.modeling import build_model, full_numel, load_tokenizer, parameter_counts, restore_inference_config
 from scale.schedule import lr_factor
@@ -120,25 +124,78 @@ def evaluate(acc: Accelerator, model: torch.nn.Module, eval_dl: DataLoader, spec
             "eval/examples": n}
 
 
-def windows(acc: Accelerator, dl: DataLoader, ga: int) -> Iterator[list[tuple[dict[str, torch.Tensor], bool]]]:
-    """Yield accumulation windows of at most ``ga`` micro-batches, the same length on every rank.
+def windows(acc: Accelerator, dl: DataLoader, ga: int, preemption: Preemption | None = None
+            ) -> Iterator[tuple[list[tuple[dict[str, torch.Tensor], bool]], bool]]:
+    """Yield ``(window, stop)``: accumulation windows of at most ``ga`` micro-batches, the same length on
+    every rank, and whether any rank was asked to stop (SIGTERM/SIGINT) before this window.
 
-    Each item is ``(batch, real)``. With ``even_batches=False`` a rank can run out of batches before the
-    others at the end of an epoch; it then repeats its last batch with ``real=False`` (the loop zeroes its
+    Each window item is ``(batch, real)``. With ``even_batches=False`` a rank can run out of batches before
+    the others at the end of an epoch; it then repeats its last batch with ``real=False`` (the loop zeroes its
     loss weight), so every rank runs the same number of forward/backward passes and no collective hangs.
-    The epoch ends when no rank has a batch left. Collective: one tiny all-gather per window.
+    The epoch ends when no rank has a batch left. Collective: one tiny all-gather per window, which also
+    carries the stop flag (pre-emption costs no extra collective).
     """
     it, last = iter(dl), None
     while True:
         window = list(itertools.islice(it, ga))
         last = window[-1] if window else last
-        n = torch.tensor([len(window)], device=acc.device)
-        n_max = int(acc.gather(n).max())  # collective + host sync, once per window: agree on its length
+        flag = preemption is not None and preemption.signum is not None
+        n = torch.tensor([[len(window), int(flag)]], device=acc.device)
+        n_max, stop = (int(v) for v in acc.gather(n).max(0).values)  # collective + host sync, once per window
+        if stop:
+            yield [], True
+            return
         if n_max == 0:
             return
         if last is None:
             raise RuntimeError("a rank got no batch in an epoch: lower train.micro_batch_size or num_processes")
-        yield [(b, True) for b in window] + [(last, False)] * (n_max - len(window))
+        yield [(b, True) for b in window] + [(last, False)] * (n_max - len(window)), False
+
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): checkpoint written after SIGTERM/SIGINT; rerun to resume
+
+
+class Preemption:
+    """SIGTERM/SIGINT (SLURM pre-emption, Ctrl-C) become a request the loop honours between optimizer steps.
+
+    The first signal only sets :attr:`signum`. Ranks agree on it in :func:`windows`, finish the optimizer
+    step in flight, write a checkpoint and exit with :data:`EXIT_PREEMPTED`. A second signal takes the
+    default action at once (Ctrl-C twice). Under ``accelerate launch``/``torchrun`` the launcher forwards
+    SIGTERM to the ranks and kills them 30 s later (torch elastic's shutdown timeout).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def uninstall(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+        # No logging here (not async-signal-safe); one line straight to stderr.
+        os.write(2, f"scale: got signal {signum}: finishing this optimizer step, then checkpoint and exit "
+                    f"{EXIT_PREEMPTED}\n".encode())
+
+
+class NonFiniteError(FloatingPointError):
+    """A non-finite loss or gradient norm (``train.on_nonfinite=error``); the message names the step and rows."""
+
+
+class Preempted(Exception):
+    """Raised out of :func:`run` after a pre-emption checkpoint was written; :func:`main` exits 75."""
 
 
 class LaunchError(RuntimeError):
@@ -185,9 +242,10 @@ def build_accelerator(cfg: Config) -> Accelerator:
     use_deepspeed = (os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
                      or cfg.train.deepspeed_config is not None)
     on_cpu = not torch.cuda.is_available()
-    handlers = []
-    if on_cpu and use_deepspeed:  # DeepSpeed on CPU needs gloo; cpu=True would silently drop DeepSpeed
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    # DeepSpeed on CPU needs gloo (cpu=True would silently drop DeepSpeed); otherwise accelerate picks.
+    # The timeout bounds how long a rank waits for a peer that died on another node.
+    handlers = [InitProcessGroupKwargs(backend="gloo" if on_cpu and use_deepspeed else None,
+                                       timeout=timedelta(seconds=cfg.train.collective_timeout_s))]
     plugin = None
     if cfg.train.deepspeed_config is not None:  # e.g. under the `deepspeed` launcher or torchrun
         from accelerate.utils import DeepSpeedPlugin
@@ -268,6 +326,9 @@ def plan_for_mode(cfg: Config, acc: Accelerator) -> ModePlan:
     if m.gradient_checkpointing and m.use_reentrant and mode in ("ddp", "zero1", "zero2") and acc.num_processes > 1:
         raise LaunchError("model.use_reentrant=true with LoRA under data parallelism fails with 'marked ready "
                           "twice' (peft#313, trl#921); set model.use_reentrant=false")
+    if cfg.train.on_nonfinite == "skip" and dt == DistributedType.DEEPSPEED:
+        raise LaunchError("train.on_nonfinite=skip cannot work under DeepSpeed: its optimizer steps inside "
+                          "backward(), before the loop sees the gradient norm; use train.on_nonfinite=error")
     if m.gradient_checkpointing:
         notes.append(f"checkpointing use_reentrant={m.use_reentrant}")
     device_map = None
@@ -327,7 +388,11 @@ def check_invariants(acc: Accelerator, model: torch.nn.Module, before: dict[str,
 
 
 def setup_trackers(cfg: Config, acc: Accelerator) -> None:
-    """Start the trackers on the main process. W&B without an API key runs offline (one-line notice)."""
+    """Start the trackers on the main process. W&B without an API key runs offline (one-line notice).
+
+    A tracker that cannot start (W&B unreachable, a bad key, the package missing) costs one warning:
+    training goes on and ``metrics.jsonl`` still gets every figure.
+    """
     trackers = [t for t in cfg.log.trackers if t != "none"]
     if not trackers:
         return
@@ -338,7 +403,16 @@ def setup_trackers(cfg: Config, acc: Accelerator) -> None:
             logger.info("W&B: no API key configured, logging offline to %s/wandb (upload later with "
                         "`wandb sync`)", cfg.output_dir, main_process_only=True)
         init_kwargs["wandb"] = {"dir": cfg.output_dir, "name": cfg.log.run_name}
-    acc.init_trackers(cfg.log.project, config=to_dict(cfg), init_kwargs=init_kwargs)
+    try:
+        acc.init_trackers(cfg.log.project, config=to_dict(cfg), init_kwargs=init_kwargs)  # main process only
+    except Exception as e:  # noqa: BLE001 - any tracker failure must not stop training
+        _drop_trackers(acc, cfg, e)
+
+
+def _drop_trackers(acc: Accelerator, cfg: Config, error: BaseException) -> None:
+    logger.warning("trackers %s failed (%s: %s); training goes on, metrics stay in %s/metrics.jsonl",
+                   cfg.log.trackers, type(error).__name__, str(error).splitlines()[0][:200], cfg.output_dir)
+    acc.trackers = []
 
 
 def save_adapter(acc: Accelerator, model: torch.nn.Module, out: Path) -> None:
@@ -360,71 +434,154 @@ def save_adapter(acc: Accelerator, model: torch.nn.Module, out: Path) -> None:
 
 def fit(cfg: Config, acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler, train_dl: DataLoader, eval_dl: DataLoader,
-        spec: LossSpec, sink: JsonlSink) -> dict[str, float]:
-    """Run ``train.max_steps`` optimizer steps; evaluate at step 0, every ``eval_every`` and at the end.
+        spec: LossSpec, sink: JsonlSink, state: TrainerState, preemption: Preemption | None = None
+        ) -> tuple[dict[str, float], bool]:
+    """Run optimizer steps from ``state.step`` to ``train.max_steps``; evaluate at step 0, every
+    ``eval_every`` and at the end; checkpoint every ``save_every``, at the end, and when pre-empted.
+
+    A resumed ``state`` continues mid-epoch: each rank skips the ``windows_in_epoch * GA`` micro-batches
+    of its shard it already trained on (``skip_first_batches``), so the sample order equals an
+    uninterrupted run's.
 
     Returns:
-        The final evaluation metrics.
+        ``(final eval metrics, pre-empted)``; when pre-empted a checkpoint of the last finished step exists.
+
+    Raises:
+        NonFiniteError: the gradient norm (or loss) is non-finite and ``train.on_nonfinite=error``; nothing is
+            saved after it, so the newest checkpoint is the last good state.
     """
     t = cfg.train
     ga, world = t.gradient_accumulation_steps, acc.num_processes
     max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
-    step, epoch = 0, 0
 
     def log(metrics: dict[str, float]) -> None:
-        acc.log(metrics, step=step)
-        sink.write(step, metrics)
+        sink.write(state.step, metrics)
+        try:
+            acc.log(metrics, step=state.step)  # main process only
+        except Exception as e:  # noqa: BLE001 - a tracker that fails mid-run is dropped, with one warning
+            _drop_trackers(acc, cfg, e)
 
-    last_eval = evaluate(acc, model, eval_dl, spec)
-    log(last_eval)
+    def checkpoint(reason: str) -> None:
+        state.reason = reason
+        save_checkpoint(acc, cfg, state)  # collective: every rank
+
+    last_eval: dict[str, float] = {}
+    if state.step == 0:
+        last_eval = evaluate(acc, model, eval_dl, spec)
+        log(last_eval)
     meter = StepMeter(acc.device)  # after the step-0 eval, so throughput counts training time only
-    pbar = tqdm(total=t.max_steps, disable=not acc.is_local_main_process, desc="optimizer steps")
+    pbar = tqdm(total=t.max_steps, initial=state.step, disable=not acc.is_local_main_process,
+                desc="optimizer steps")
     model.train()
-    while step < t.max_steps:
-        train_dl.set_epoch(epoch)
-        for window in windows(acc, train_dl, ga):
+    while state.step < t.max_steps:
+        train_dl.set_epoch(state.epoch)
+        dl = train_dl
+        if state.windows_in_epoch:  # resumed mid-epoch; the copy must be told the epoch too (accelerate#2016)
+            dl = acc.skip_first_batches(train_dl, state.windows_in_epoch * ga)
+            dl.set_epoch(state.epoch)
+        for window, stop in windows(acc, dl, ga, preemption):
+            if stop:
+                checkpoint("preempted")
+                pbar.close()
+                return last_eval, True
             weighted = [(b, spec.weights(b) * float(r), r) for b, r in window]      # weights [B, N]
             # The window's denominator, summed over its micro-batches and all ranks.
             den = acc.reduce(sum(w.sum() for _, w, _ in weighted), reduction="sum")  # collective: every rank
             # accumulate() syncs when its counter hits a multiple of GA: start the counter so that the
             # window's last micro-batch is the sync point, whatever the window's length.
             acc.step = ga - len(weighted)
+            nums, finite = [], True
             for batch, weights, real in weighted:
                 with acc.accumulate(model):
                     num = loss_step(model, batch, spec, weights)
+                    nums.append(num.detach())
                     # backward() divides by GA and DDP/ZeRO average over ranks; undo both so the update
                     # is sum(weighted token CE) / den for the whole window on every rank.
                     # A stand-in batch (real=False) backpropagates an exact zero.
                     acc.backward(num * ((ga * world) / den if real else 0.0))
                     if acc.sync_gradients:
                         meter.grad_norm = acc.clip_grad_norm_(model.parameters(), max_norm)
-                    optimizer.step()
+                        finite = all_finite(acc, meter.grad_norm, nums)  # collective + host sync, per step
+                        if not finite:
+                            _nonfinite(cfg, state, weighted, nums, meter.grad_norm)
+                    if finite:
+                        optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                if real:
-                    meter.add_micro(num, weights.sum(), batch, spec.threshold)
+            if finite:
+                for (batch, weights, real), num in zip(weighted, nums):
+                    if real:
+                        meter.add_micro(num, weights.sum(), batch, spec.threshold)
+            else:
+                state.skipped_steps += 1
             lr = scheduler.get_last_lr()[0]
             scheduler.step()  # unprepared: exactly once per optimizer step, whatever num_processes is
-            step += 1
+            state.step += 1
+            state.windows_in_epoch += 1
             meter.steps += 1
             pbar.update(1)
-            if step % t.log_every == 0 or step == t.max_steps:
+            if state.step % t.log_every == 0 or state.step == t.max_steps:
                 metrics = meter.flush(acc, lr)
+                if t.on_nonfinite == "skip":
+                    metrics["train/skipped_steps"] = state.skipped_steps
                 log(metrics)
-                pbar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-            if step == t.max_steps or (t.eval_every and step % t.eval_every == 0):
+                pbar.set_postfix(loss=f"{metrics.get('train/loss', math.nan):.4f}")
+            if state.step == t.max_steps or (t.eval_every and state.step % t.eval_every == 0):
                 last_eval = evaluate(acc, model, eval_dl, spec)
                 log(last_eval)
-            if step >= t.max_steps:
+            if t.save_every and (state.step % t.save_every == 0 or state.step == t.max_steps):
+                checkpoint("end" if state.step == t.max_steps else "interval")
+            if state.step >= t.max_steps:
                 break
-        epoch += 1
+        else:  # the epoch ran out
+            state.epoch += 1
+            state.windows_in_epoch = 0
     pbar.close()
-    return last_eval
+    if not last_eval:  # resumed from a checkpoint of the last step: nothing was trained
+        last_eval = evaluate(acc, model, eval_dl, spec)
+    return last_eval, False
 
 
-def run(cfg: Config) -> dict[str, float]:
-    """Build everything from ``cfg``, train, evaluate, save the adapter; return the final eval metrics."""
+def all_finite(acc: Accelerator, grad_norm: Any, nums: list[torch.Tensor]) -> bool:
+    """Whether the gradient norm and every rank's window losses are finite; the same answer on every rank.
+
+    A NaN loss usually brings NaN gradients, but not always (a criterion can add a constant NaN), and a
+    rank that skipped the optimizer step alone would silently fork the replicas. Collective (one tiny
+    all-reduce per optimizer step when world size > 1) and a host sync.
+    """
+    local = torch.stack([torch.as_tensor(grad_norm, dtype=torch.float32, device=acc.device).reshape(()),
+                         torch.stack(nums).sum().float().to(acc.device)])
+    bad = (~torch.isfinite(local)).any().float()
+    if acc.num_processes > 1:
+        bad = acc.reduce(bad, reduction="sum")  # collective: every rank reaches the sync micro-batch
+    return not bool(bad)
+
+
+def _nonfinite(cfg: Config, state: TrainerState, weighted: list, nums: list[torch.Tensor],
+               grad_norm: Any) -> None:
+    """Name the step and the rows of a non-finite optimizer step; raise unless ``on_nonfinite=skip``."""
+    bad_rows = [int(r) for (batch, _, real), num in zip(weighted, nums) if real and not torch.isfinite(num)
+                for r in batch["row"].tolist()]
+    where = (f"optimizer step {state.step + 1} (epoch {state.epoch}, window {state.windows_in_epoch} of the "
+             f"epoch): gradient norm {float(torch.as_tensor(grad_norm)):.4g}; ")
+    where += (f"micro-batches with a non-finite loss on this rank hold data-file rows {bad_rows}" if bad_rows
+              else "the losses on this rank are finite (the bad rows are on another rank, or the weights are)")
+    if cfg.train.on_nonfinite == "skip":
+        logger.warning("skipping %s", where)
+        return
+    raise NonFiniteError(f"non-finite loss at {where}. Nothing was saved after the last good step; fix the data "
+                         f"or lower optim.lr, or set train.on_nonfinite=skip to drop such steps.")
+
+
+def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
+    """Build everything from ``cfg``, train (or resume), evaluate, save the adapter; return final eval metrics.
+
+    Raises:
+        Preempted: a signal arrived; a checkpoint of the last finished step was written.
+        DataError, ConfigError, LaunchError, CheckpointError, NonFiniteError: see the functions they come from.
+    """
     acc = build_accelerator(cfg)
     out = Path(cfg.output_dir)
+    resume = resolve_resume(cfg.train.resume_from, out)
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, out / "config.yaml")
@@ -435,9 +592,14 @@ def run(cfg: Config) -> dict[str, float]:
         data_path = resolve_data(cfg.data.path)
         splits = build_splits(cfg.data, cfg.loss, tokenizer, data_path, cfg.train.seed)
         model = build_model(cfg.model, cfg.lora, len(tokenizer), cfg.train.seed, device_map=plan.device_map)
+    mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, acc.num_processes
+    if mb * world > len(splits.train):
+        raise DataError(f"train.micro_batch_size={mb} x num_processes={world} is larger than the train split "
+                        f"({len(splits.train)} rows): a rank's shard would hold less than one micro-batch. "
+                        f"Lower train.micro_batch_size to at most {max(1, len(splits.train) // world)} or add data.")
     spec = LossSpec.from_config(cfg, splits.label_token_ids)
     collate = Collator(tokenizer.pad_token_id, cfg.data.padding_side)
-    train_dl = DataLoader(splits.train, batch_size=cfg.train.micro_batch_size, shuffle=True, collate_fn=collate,
+    train_dl = DataLoader(splits.train, batch_size=mb, shuffle=True, collate_fn=collate,
                           generator=torch.Generator().manual_seed(cfg.train.seed), num_workers=cfg.data.num_workers)
     # Evaluation order does not change its sums; longest first keeps padding (and peak memory) low.
     eval_dl = DataLoader(sorted(splits.eval, key=lambda e: -len(e.input_ids)),
@@ -449,14 +611,16 @@ def run(cfg: Config) -> dict[str, float]:
         optimizer = torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
     else:
         optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    # The scheduler is NOT prepared: a prepared one steps num_processes times per optimizer step.
+    # The scheduler is NOT prepared: a prepared one steps num_processes times per optimizer step. It is
+    # registered so that save_state/load_state carry it.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, o, cfg.train.max_steps))
     model, optimizer, train_dl = acc.prepare(model, optimizer, train_dl)
     acc.even_batches = True  # eval: gather_for_metrics drops the repeated samples
     eval_dl = acc.prepare(eval_dl)
+    acc.register_for_checkpointing(scheduler)
+    register_hooks(acc)
 
     trainable, total = parameter_counts(model)
-    mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, acc.num_processes
     mean_len = sum(len(e.input_ids) for e in splits.train) / len(splits.train)
     logger.info(
         "start: mode=%s world_size=%d micro_batch_size=%d gradient_accumulation_steps=%d global_batch_size=%d "
@@ -466,10 +630,21 @@ def run(cfg: Config) -> dict[str, float]:
         len(splits.train), len(splits.eval), main_process_only=True)
     logger.info("mode plan: %s %s; parameter dtypes: %s", plan.mode, "; ".join(plan.notes), dtype_census(model),
                 main_process_only=True)
+    before = fingerprints(acc, model) if cfg.train.check_invariants else None  # the base, before any resume
+    state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=world)
+    if resume is not None:
+        state = load_checkpoint(acc, cfg, resume)  # collective
+    elif cfg.train.resume_from == "latest":
+        logger.info("resume_from=latest: no checkpoint in %s yet, starting fresh", out / "checkpoints",
+                    main_process_only=True)
     setup_trackers(cfg, acc)
-    sink = JsonlSink(out / "metrics.jsonl", acc.is_main_process)
-    before = fingerprints(acc, model) if cfg.train.check_invariants else None
-    final = fit(cfg, acc, model, optimizer, scheduler, train_dl, eval_dl, spec, sink)
+    # A resumed run keeps the history up to its checkpoint and drops what was logged after it.
+    sink = JsonlSink(out / "metrics.jsonl", acc.is_main_process, keep_until=state.step if resume else None)
+    final, preempted = fit(cfg, acc, model, optimizer, scheduler, train_dl, eval_dl, spec, sink, state, preemption)
+    if preempted:
+        acc.end_training()
+        raise Preempted(f"pre-empted at step {state.step}: checkpoint written; rerun with "
+                        f"train.resume_from=latest to continue")
     if cfg.train.check_invariants:  # on every rank: under ZeRO-3 only rank 0 gets a `before`
         checks = check_invariants(acc, model, before)
         sink.write(cfg.train.max_steps, checks)
@@ -494,7 +669,15 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     cfg = load_config(args.config, args.overrides)
-    run(cfg)
+    preemption = Preemption()
+    preemption.install()
+    try:
+        run(cfg, preemption)
+    except Preempted as e:
+        logger.warning("%s; exit code %d", e, EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
+    finally:
+        preemption.uninstall()
     return 0
 
 

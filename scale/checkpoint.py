@@ -1,0 +1,238 @@
+"""Resumable checkpoints: ``accelerate.save_state`` written atomically, found again, checked against the config.
+
+Layout of one checkpoint ``<output_dir>/checkpoints/step_000040/``:
+
+    trainer_state.json          our counters (step, epoch, windows done in the epoch), world size, the config;
+                                written last: a directory without it is not a checkpoint
+    adapter_model.safetensors   the trainable (LoRA) tensors only; the frozen base is rebuilt from the config
+    optimizer.bin scheduler     accelerate's files (torch.save; read back with ``weights_only=True``)
+    custom_checkpoint_0.pkl     the LR scheduler (registered for checkpointing: it is not ``prepare``d)
+    random_states_<rank>.pkl    Python, NumPy and torch RNG states of every rank
+    pytorch_model/              DeepSpeed only: its own files (frozen parameters excluded), read by DeepSpeed
+
+Atomicity: every rank writes into ``step_000040.tmp/``; after a barrier the directory is renamed (one
+``os.replace``). A crash or kill at any point before the rename leaves ``*.tmp`` behind, which
+:func:`list_checkpoints` ignores, so ``resume_from=latest`` picks the previous complete checkpoint.
+
+Security: weights are safetensors; accelerate reads its ``.bin``/``.pkl`` files with ``weights_only=True``.
+DeepSpeed reads its own ``pytorch_model/`` files with full pickle: resume only from checkpoints you wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import DistributedType, gather_object
+from safetensors.torch import load_file, save_file
+
+from scale.config import Config, ConfigError, to_dict
+
+logger = get_logger(__name__)
+
+STATE_FILE = "trainer_state.json"
+ADAPTER_FILE = "adapter_model.safetensors"
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+# Config keys whose change does not alter the training maths (everything else does, and is an error).
+HARMLESS = ("output_dir", "log.", "train.log_every", "train.eval_every", "train.eval_micro_batch_size",
+            "train.save_every", "train.save_total_limit", "train.save_on_each_node",
+            "train.check_invariants", "train.save_adapter", "train.collective_timeout_s", "data.num_workers",
+            "train.max_steps", "train.on_nonfinite")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, unreadable on some rank, or does not match the run."""
+
+
+@dataclass
+class TrainerState:
+    """Our own counters, saved next to accelerate's state.
+
+    ``windows_in_epoch`` accumulation windows of epoch ``epoch`` are done; each rank skips
+    ``windows_in_epoch * gradient_accumulation_steps`` micro-batches of its shard to continue mid-epoch.
+    """
+
+    step: int
+    epoch: int
+    windows_in_epoch: int
+    world_size: int
+    skipped_steps: int = 0
+    reason: str = "interval"  # interval | end | preempted
+    config: dict[str, Any] = field(default_factory=dict)
+    saved_at: float = 0.0
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under ``<output_dir>/checkpoints``, oldest first (by step)."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(resume_from: str | None, output_dir: str | Path) -> Path | None:
+    """The checkpoint directory ``train.resume_from`` names, or ``None`` for a fresh start.
+
+    ``latest`` with no checkpoint yet is a fresh start (a requeued job's first attempt).
+
+    Raises:
+        CheckpointError: a path that is not a complete checkpoint.
+    """
+    if resume_from is None:
+        return None
+    if resume_from == "latest":
+        found = list_checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(resume_from)
+    if not (path / STATE_FILE).is_file():
+        raise CheckpointError(f"train.resume_from={resume_from!r} is not a complete checkpoint (no {STATE_FILE}); "
+                              f"complete ones: {[str(p) for p in list_checkpoints(output_dir)] or 'none'}")
+    return path
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def compare_configs(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """``(errors, warnings)``: keys whose values differ between the checkpoint's config and this run's.
+
+    Differences in :data:`HARMLESS` keys are warnings; any other difference changes the maths (model,
+    LoRA, data, loss, optimizer, batch sizes, seed, precision) and is an error.
+    """
+    a, b = _flat(saved), _flat(current)
+    errors, warnings = [], []
+    for key in sorted(set(a) | set(b)):
+        if key != "train.resume_from" and a.get(key) != b.get(key):
+            line = f"{key}: checkpoint {a.get(key)!r} -> now {b.get(key)!r}"
+            (warnings if key.startswith(HARMLESS) else errors).append(line)
+    return errors, warnings
+
+
+def _trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def register_hooks(acc: Accelerator) -> None:
+    """Make ``save_state``/``load_state`` handle only the trainable tensors (safetensors) for non-DeepSpeed
+    modes: the frozen (possibly 4-bit) base is rebuilt from the config, not written every checkpoint.
+    The pattern follows accelerate's ``register_save_state_pre_hook`` docs (as diffusers uses it)."""
+
+    def save_hook(models: list[torch.nn.Module], weights: list[dict], output_dir: str) -> None:
+        weights.clear()  # accelerate would write the full state dict, 4-bit base included
+        if acc.is_main_process or acc.project_configuration.save_on_each_node and acc.is_local_main_process:
+            for model in models:
+                save_file(_trainable_state(acc.unwrap_model(model)), os.path.join(output_dir, ADAPTER_FILE))
+
+    def load_hook(models: list[torch.nn.Module], input_dir: str) -> None:
+        for model in models:
+            unwrapped = acc.unwrap_model(model)
+            state = load_file(os.path.join(input_dir, ADAPTER_FILE))  # on CPU; load_state_dict copies
+            expected = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
+            if set(state) != expected:
+                raise CheckpointError(f"{input_dir}/{ADAPTER_FILE} holds other tensors than this model trains: "
+                                      f"missing {sorted(expected - set(state))[:3]}, "
+                                      f"unexpected {sorted(set(state) - expected)[:3]}")
+            unwrapped.load_state_dict(state, strict=False)
+        models.clear()  # loaded above; accelerate must not load a full state dict
+
+    acc.register_save_state_pre_hook(save_hook)
+    acc.register_load_state_pre_hook(load_hook)
+
+
+def save_checkpoint(acc: Accelerator, cfg: Config, state: TrainerState) -> Path:
+    """Write a complete checkpoint for ``state.step`` atomically and prune old ones. Collective.
+
+    Returns:
+        The checkpoint directory.
+    """
+    root = checkpoint_root(cfg.output_dir)
+    final = root / f"step_{state.step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    writer = acc.is_main_process or (cfg.train.save_on_each_node and acc.is_local_main_process)
+    if writer:
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of an interrupted save
+        tmp.mkdir(parents=True)
+    acc.wait_for_everyone()  # collective: the directory exists before anyone writes into it
+    kwargs = {"exclude_frozen_parameters": True} if acc.distributed_type == DistributedType.DEEPSPEED else {}
+    acc.save_state(str(tmp), **kwargs)  # collective under DeepSpeed (ZeRO shards)
+    acc.wait_for_everyone()  # collective: every rank's files are in tmp
+    if writer:
+        state.config, state.saved_at = to_dict(cfg), time.time()
+        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1), encoding="utf-8")
+        if final.exists():  # the same step saved again (e.g. pre-empted right after an interval save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        limit = cfg.train.save_total_limit
+        for old in (list_checkpoints(cfg.output_dir)[:-limit] if limit else []):
+            shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()  # collective: nobody runs ahead of the rename
+    logger.info("checkpoint %s written (%s)", final, state.reason, main_process_only=True)
+    return final
+
+
+def _needed_files(acc: Accelerator, path: Path) -> list[Path]:
+    files = [path / STATE_FILE, path / f"random_states_{acc.process_index}.pkl"]
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        files.append(path / "pytorch_model")
+    else:
+        files += [path / ADAPTER_FILE, path / "optimizer.bin"]
+    return files
+
+
+def load_checkpoint(acc: Accelerator, cfg: Config, path: Path) -> TrainerState:
+    """Restore model (trainable tensors), optimizer, scheduler and RNG states from ``path``. Collective.
+
+    Raises:
+        CheckpointError: some rank cannot read the checkpoint (no shared storage: set
+            ``train.save_on_each_node=true`` or copy it to every node), or it was written with another
+            world size.
+        ConfigError: the config differs from the checkpoint's in a key that changes the maths.
+    """
+    missing = [str(f) for f in _needed_files(acc, path) if not f.exists()]
+    report = gather_object([(acc.process_index, os.uname().nodename, missing)])  # collective: every rank
+    bad = [r for r in report if r[2]]
+    if bad:
+        rank, host, files = bad[0]
+        raise CheckpointError(f"rank {rank} on {host} cannot read checkpoint {path}: missing {files[:3]}. "
+                              f"Without shared storage set train.save_on_each_node=true (then each node "
+                              f"writes its own copy) or copy the checkpoint to every node before resuming.")
+    state = TrainerState(**json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
+    errors, warnings = compare_configs(state.config, to_dict(cfg))
+    if errors:
+        raise ConfigError(f"the config differs from checkpoint {path} in keys that change the maths: "
+                          + "; ".join(errors) + ". Resume with the checkpoint's config (" + str(path / STATE_FILE)
+                          + ") or start a new run in another output_dir.")
+    for line in warnings:
+        logger.warning("resume: %s (does not change the maths)", line, main_process_only=True)
+    if state.world_size != acc.num_processes:
+        raise CheckpointError(f"checkpoint {path} was written by {state.world_size} processes, this run has "
+                              f"{acc.num_processes}: the data shards and the global batch would change. "
+                              f"Launch with num_processes={state.world_size}.")
+    kwargs = {"load_module_strict": False} if acc.distributed_type == DistributedType.DEEPSPEED else {}
+    acc.load_state(str(path), **kwargs)  # collective under DeepSpeed
+    logger.info("resumed from %s at step %d (epoch %d, %d windows into it)", path, state.step, state.epoch,
+                state.windows_in_epoch, main_process_only=True)
+    return state
