@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from scale.config import ConfigError, DataConfig, LossConfig, load_config
-from scale.data import Collator, DataError, build_splits, label_token_ids, load_rows, split_rows, tokenize_rows
-from tests.conftest import SHARED_DATA, TINY_DATA, TINY_YAML
+from scale.config import DataConfig, LossConfig
+from scale.data import Collator, build_splits, load_rows, split_rows, tokenize_rows
+from tests.conftest import SHARED_DATA, TINY_DATA
 
 
 def _write(path, rows):
@@ -57,46 +57,4 @@ def test_headerless_tsv_from_shared_mr_data(tokenizer):
     ex = tokenize_rows(rows[:50], tokenizer, cfg, LossConfig())
     assert all(e.input_ids[-2] == e.target_token for e in ex)
 
-
-# ---- bad input: each error names the field and the fix ----
-
-def test_short_row_error(tmp_path, tokenizer):
-    rows = [{"text": "ok", "label": "positive"}]
-    with pytest.raises(DataError, match=r"row 0 has \d+ tokens; loss.threshold=40 needs at least 41"):
-        tokenize_rows(rows, tokenizer, DataConfig(max_length=64), LossConfig(threshold=40, target_position=-2))
-
-
-def test_multi_token_label_error(tokenizer):
-    with pytest.raises(DataError, match=r"data.labels: 'thumbs-up' renders as \d+ tokens .* must be a single token"):
-        label_token_ids(tokenizer, DataConfig(labels=["negative", "thumbs-up"]))
-
-
-def test_missing_column_error(tmp_path):
-    path = _write(tmp_path / "d.jsonl", [{"review": "good", "label": "positive"}])
-    with pytest.raises(DataError, match=r"data.text_column='text' is not a column of .*its columns are \['review', 'label'\]"):
-        load_rows(DataConfig(), path)
-
-
-def test_empty_file_error(tmp_path):
-    path = tmp_path / "empty.jsonl"
-    path.write_text("")
-    with pytest.raises(DataError, match=r"data.path=.*empty.jsonl' is empty; it needs at least one labelled row"):
-        load_rows(DataConfig(), str(path))
-
-
-def test_non_utf8_file_error(tmp_path):
-    path = tmp_path / "latin1.csv"
-    path.write_bytes("text,label\ncaf\xe9 film,positive\n".encode("latin-1"))
-    with pytest.raises(DataError, match=r"is not UTF-8 \(byte \d+\); re-encode it as UTF-8"):
-        load_rows(DataConfig(), str(path))
-
-
-def test_unknown_label_error(tmp_path):
-    path = _write(tmp_path / "d.jsonl", [{"text": "meh", "label": "neutral"}])
-    with pytest.raises(DataError, match=r"label 'neutral' is not in data.labels=\['negative', 'positive'\]"):
-        load_rows(DataConfig(), path)
-
-
-def test_unknown_config_key_error():
-    with pytest.raises(ConfigError, match=r"unknown config key train.max_stpes; known keys in train: "):
-        load_config(TINY_YAML, ["train.max_stpes=5"])
+# The bad-input catalogue (exact messages) is tests/test_bad_input.py.

@@ -115,9 +115,9 @@ def test_sigterm_checkpoints_and_resume_matches(reference, tmp_path):
 def test_sigterm_exit_code_without_launcher(tmp_path):
     """`scale-train` run directly (one process, as under srun): SIGTERM -> checkpoint, exit code 75."""
     out = tmp_path / "direct"
-    proc = subprocess.Popen([sys.executable, "-m", "scale.train", *JOB, f"output_dir={out}", "train.max_steps=100000",
-                             "train.eval_every=0"], env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    cmd = [sys.executable, "-m", "scale.train", *JOB, f"output_dir={out}", "train.max_steps=100000",
+           "train.eval_every=0"]
+    proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not (
             (out / "metrics.jsonl").exists() and any("train/loss" in r for r in read_jsonl(out / "metrics.jsonl"))):
