@@ -48,7 +48,7 @@ FIGURES: list[tuple[str, str, list[Panel]]] = [
      [Panel("tokens/s", [("train/tokens_per_s", "")], from_zero=True),
       Panel("tail tokens/s", [("train/tail_tokens_per_s", "")], from_zero=True),
       Panel("samples/s", [("train/samples_per_s", "")], from_zero=True)]),
-    ("memory.png", "Peak accelerator memory",
+    ("memory.png", "Peak memory",
      [Panel("peak memory (GiB)", [("train/peak_mem_gib", "")], from_zero=True)]),
     ("data_vs_compute.png", "Time per log interval: waiting on data vs computing",
      [Panel("time (s)", [("train/data_s", "data"), ("train/compute_s", "compute")], from_zero=True)]),
