@@ -1,0 +1,197 @@
+"""Run report: PNG plots and a markdown summary table from ``metrics.jsonl``, for people without W&B.
+
+    python -m scale.report runs/default                        # writes runs/default/report/
+    python -m scale.report runs/lr1e-3 runs/lr3e-4 --out cmp/  # one line per run, legend = run dir name
+
+Every plot is against optimizer steps (the ``step`` of each ``metrics.jsonl`` line). A figure whose keys no
+run logged (``train/peak_mem_gib`` on an old run, ``train/mfu`` on CPU) is skipped, not drawn empty.
+matplotlib is imported only when plotting, so this module imports without it (``pip install 'scale[report]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from scale.metrics import read_jsonl
+
+Rows = list[dict[str, Any]]
+
+
+class Panel(NamedTuple):
+    """One axes: a y label with its unit, the ``(key, line label)`` pairs drawn on it, and its y scale.
+
+    ``from_zero`` starts the y axis at 0 for rates and sizes, so that interval-to-interval noise is not
+    magnified into a trend; ``log`` suits keys that span decades (the learning rates of an LR sweep).
+    """
+
+    ylabel: str
+    keys: list[tuple[str, str]]
+    log: bool = False
+    from_zero: bool = False
+
+
+# (file name, title, panels). Keys sharing a panel share a unit; different units get their own panel.
+FIGURES: list[tuple[str, str, list[Panel]]] = [
+    ("loss.png", "Tail loss (weighted cross-entropy over the last loss.threshold tokens)",
+     [Panel("loss (nats/token)", [("train/loss", "train"), ("eval/loss", "eval")])]),
+    ("target_nll.png", "Eval target NLL (-log p of the label token)",
+     [Panel("NLL (nats/example)", [("eval/target_nll", "")])]),
+    ("accuracy.png", "Eval accuracy (argmax over the label tokens)",
+     [Panel("accuracy (fraction)", [("eval/accuracy", "")])]),
+    ("lr.png", "Learning rate", [Panel("learning rate (log scale)", [("train/lr", "")], log=True)]),
+    ("throughput.png", "Training throughput (mean over each log interval)",
+     [Panel("tokens/s", [("train/tokens_per_s", "")], from_zero=True),
+      Panel("tail tokens/s", [("train/tail_tokens_per_s", "")], from_zero=True),
+      Panel("samples/s", [("train/samples_per_s", "")], from_zero=True)]),
+    ("memory.png", "Peak memory",
+     [Panel("peak memory (GiB)", [("train/peak_mem_gib", "")], from_zero=True)]),
+    ("data_vs_compute.png", "Time per log interval: waiting on data vs computing",
+     [Panel("time (s)", [("train/data_s", "data"), ("train/compute_s", "compute")], from_zero=True)]),
+    ("mfu.png", "Model FLOPs utilisation",
+     [Panel("MFU (fraction of peak FLOP/s)", [("train/mfu", "")], from_zero=True)]),
+    ("loss_scale.png", "Mixed-precision loss scale", [Panel("loss scale", [("train/loss_scale", "")], log=True)]),
+]
+
+
+def load_run(run_dir: str | Path) -> Rows:
+    """Read ``<run_dir>/metrics.jsonl``.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` or its ``metrics.jsonl`` does not exist (the message names the path).
+        ValueError: ``metrics.jsonl`` is empty or has a line that is not JSON.
+    """
+    run, path = Path(run_dir), Path(run_dir) / "metrics.jsonl"
+    if not run.is_dir():
+        raise FileNotFoundError(f"run directory not found: {run}")
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics file at {path}: is {run} a scale run directory (output_dir)?")
+    try:
+        rows = read_jsonl(path)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} has a line that is not JSON ({exc})") from exc
+    if not rows:
+        raise ValueError(f"{path} is empty: the run has not logged anything yet")
+    return rows
+
+
+def series(rows: Rows, key: str) -> tuple[list[int], list[float]]:
+    """``(steps, values)`` of every line that logged ``key``, in file order."""
+    points = [(int(r["step"]), float(r[key])) for r in rows if r.get(key) is not None]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def summarize(runs: dict[str, Rows]) -> str:
+    """A markdown table, one row per run: last step, final train loss, eval first → last, throughput, memory."""
+    with_mem = any(series(rows, "train/peak_mem_gib")[1] for rows in runs.values())
+
+    def span(rows: Rows, key: str) -> str:
+        values = series(rows, key)[1]
+        return f"{values[0]:.4f} → {values[-1]:.4f}" if values else "n/a"
+
+    def last(values: list[float], fmt: str) -> str:
+        return format(values[-1], fmt) if values else "n/a"
+
+    head = ["run", "steps", "final train/loss", "eval/loss", "eval/accuracy", "eval/target_nll (nats)",
+            "median tokens/s"] + (["peak memory (GiB)"] if with_mem else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, rows in runs.items():
+        tokens = series(rows, "train/tokens_per_s")[1]
+        cells = [name, str(max(int(r["step"]) for r in rows)), last(series(rows, "train/loss")[1], ".4f"),
+                 span(rows, "eval/loss"), span(rows, "eval/accuracy"), span(rows, "eval/target_nll"),
+                 f"{statistics.median(tokens):.0f}" if tokens else "n/a"]
+        if with_mem:
+            mem = series(rows, "train/peak_mem_gib")[1]
+            cells.append(f"{max(mem):.2f}" if mem else "n/a")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: dict[str, Rows], out: Path) -> list[Path]:
+    """Write one PNG per figure in :data:`FIGURES` that has data; return their paths.
+
+    Colour identifies the run; within a panel, line style identifies the key. Eval keys get round markers
+    (a run evaluates only a few times); train keys get dots when they have few points.
+
+    Raises:
+        ImportError: matplotlib is not installed (the message gives the pip command).
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: files only, no display needed
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as exc:
+        raise ImportError("scale.report draws its plots with matplotlib: pip install 'scale[report]'") from exc
+    written = []
+    for filename, title, panels in FIGURES:
+        panels = [p for p in panels if any(series(rows, k)[0] for rows in runs.values() for k, _ in p.keys)]
+        if not panels:
+            continue
+        fig = Figure(figsize=(max(7.0, 4.5 * len(panels)), 4.2), dpi=110, layout="constrained")
+        FigureCanvasAgg(fig)
+        for ax, panel in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+            for i, (name, rows) in enumerate(runs.items()):
+                for j, (key, label) in enumerate(panel.keys):
+                    steps, values = series(rows, key)
+                    if not steps:
+                        continue
+                    marker = "o" if key.startswith("eval/") else ("." if len(steps) <= 50 else None)
+                    ax.plot(steps, values, color=f"C{i % 10}", linestyle=("-", "--", ":")[j % 3], marker=marker,
+                            label=f"{name} {label}".strip())
+            ax.set(xlabel="optimizer step", ylabel=panel.ylabel, yscale="log" if panel.log else "linear")
+            if panel.from_zero:
+                ax.set_ylim(bottom=0)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="small")
+        fig.suptitle(title)
+        fig.savefig(out / filename)
+        written.append(out / filename)
+    return written
+
+
+def run_names(run_dirs: list[Path]) -> list[str]:
+    """Legend labels: each run directory's name, or its full path where two names collide."""
+    names = [d.resolve().name for d in run_dirs]
+    return [n if names.count(n) == 1 else str(d) for n, d in zip(names, run_dirs)]
+
+
+def report(run_dirs: list[str | Path], out: str | Path | None = None) -> tuple[list[Path], str]:
+    """Write the PNGs and ``summary.md`` for ``run_dirs`` into ``out`` (default ``<first run>/report``).
+
+    Returns:
+        The PNG paths written and the summary table (markdown).
+    """
+    dirs = [Path(d) for d in run_dirs]
+    runs = {name: load_run(d) for name, d in zip(run_names(dirs), dirs)}
+    out = Path(out) if out is not None else dirs[0] / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    pngs = plot(runs, out)
+    summary = summarize(runs)
+    (out / "summary.md").write_text(summary, encoding="utf-8")
+    return pngs, summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m scale.report RUN_DIR [RUN_DIR ...] [--out DIR]``; print the summary; return the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m scale.report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories (output_dir) to report on")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default: <first run>/report)")
+    args = parser.parse_args(argv)
+    out = args.out if args.out is not None else args.run_dirs[0] / "report"
+    try:
+        pngs, summary = report(args.run_dirs, out)
+    except (OSError, ValueError, ImportError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    sys.stdout.write(summary)
+    sys.stdout.write(f"\nwrote {len(pngs)} plots and summary.md to {out}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""``scale.report``: PNGs and summary table from hand-written metrics.jsonl files with known values."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from scale import report as R
+
+# run_a logs every key the loop will log on a GPU (memory, data vs compute); run_b is an older run
+# without them, evaluated twice, with a check/* line at the end as the loop writes it.
+RUN_A = [
+    {"step": 0, "eval/loss": 7.1, "eval/target_nll": 6.98, "eval/accuracy": 0.72, "eval/examples": 400},
+    {"step": 2, "train/loss": 2.5, "train/lr": 1e-4, "train/grad_norm": 1.0, "train/tokens_per_s": 1000.0,
+     "train/tail_tokens_per_s": 100.0, "train/samples_per_s": 50.0, "train/steps_per_s": 2.5,
+     "train/peak_mem_gib": 3.0, "train/data_s": 0.1, "train/compute_s": 0.9},
+    {"step": 4, "train/loss": 1.2, "train/lr": 2e-4, "train/grad_norm": 0.8, "train/tokens_per_s": 2000.0,
+     "train/tail_tokens_per_s": 200.0, "train/samples_per_s": 100.0, "train/steps_per_s": 5.0,
+     "train/peak_mem_gib": 3.25, "train/data_s": 0.2, "train/compute_s": 0.8},
+    {"step": 6, "train/loss": 0.41, "train/lr": 1e-4, "train/grad_norm": 0.5, "train/tokens_per_s": 1500.0,
+     "train/tail_tokens_per_s": 150.0, "train/samples_per_s": 75.0, "train/steps_per_s": 3.75,
+     "train/peak_mem_gib": 3.1, "train/data_s": 0.15, "train/compute_s": 0.85},
+    {"step": 6, "eval/loss": 0.4, "eval/target_nll": 0.376, "eval/accuracy": 0.8425, "eval/examples": 400},
+]
+RUN_B = [
+    {"step": 0, "eval/loss": 7.1, "eval/target_nll": 6.98, "eval/accuracy": 0.72, "eval/examples": 400},
+    {"step": 2, "train/loss": 3.0, "train/lr": 1e-3, "train/grad_norm": 2.0, "train/tokens_per_s": 3000.0,
+     "train/tail_tokens_per_s": 300.0, "train/samples_per_s": 150.0, "train/steps_per_s": 7.5},
+    {"step": 2, "eval/loss": 2.0, "eval/target_nll": 1.5, "eval/accuracy": 0.75, "eval/examples": 400},
+    {"step": 4, "train/loss": 0.9, "train/lr": 5e-4, "train/grad_norm": 1.0, "train/tokens_per_s": 5000.0,
+     "train/tail_tokens_per_s": 500.0, "train/samples_per_s": 250.0, "train/steps_per_s": 12.5},
+    {"step": 4, "eval/loss": 0.95, "eval/target_nll": 0.9, "eval/accuracy": 0.79, "eval/examples": 400},
+    {"step": 4, "check/base_unchanged": True, "check/lora_b_moved": True},
+]
+ROW_A = "| run_a | 6 | 0.4100 | 7.1000 → 0.4000 | 0.7200 → 0.8425 | 6.9800 → 0.3760 | 1500 | 3.25 |"
+ROW_B = "| run_b | 4 | 0.9000 | 7.1000 → 0.9500 | 0.7200 → 0.7900 | 6.9800 → 0.9000 | 4000 | n/a |"
+CORE_PNGS = {"loss.png", "target_nll.png", "accuracy.png", "lr.png", "throughput.png"}
+
+
+def write_run(path: Path, rows: list[dict]) -> Path:
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def runs(tmp_path):
+    return write_run(tmp_path / "run_a", RUN_A), write_run(tmp_path / "run_b", RUN_B)
+
+
+def run_pixels(image, run_index: int) -> int:
+    """Pixels in the colour of the ``run_index``-th run (matplotlib's C0, C1, ...)."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+
+    return int((np.abs(image[..., :3] - np.array(to_rgb(f"C{run_index}"))).max(axis=-1) < 0.1).sum())
+
+
+def test_two_runs_write_valid_pngs_and_exact_summary(runs, tmp_path):
+    from matplotlib.image import imread
+
+    out = tmp_path / "cmp"
+    pngs, summary = R.report(list(runs), out)
+    assert {p.name for p in pngs} == CORE_PNGS | {"memory.png", "data_vs_compute.png"}  # no mfu, no loss_scale
+    assert sorted(p.name for p in out.glob("*.png")) == sorted(p.name for p in pngs)
+    for png in pngs:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+        image = imread(png)
+        assert image.ndim == 3 and image.shape[0] >= 400 and image.shape[1] >= 700, (png, image.shape)
+        assert image[..., :3].std() > 0, png
+        # Not just axes: an empty axes with ticks already has pixel std 0.09, so count each run's line
+        # colour (about 1,000 pixels per run measured; a legend entry alone is well under 300).
+        assert run_pixels(image, 0) > 300, png
+        if png.name in CORE_PNGS:  # run_b has no memory or data/compute keys
+            assert run_pixels(image, 1) > 300, png
+        else:
+            assert run_pixels(image, 1) == 0, png
+    lines = (out / "summary.md").read_text(encoding="utf-8").splitlines()
+    assert lines[0] == ("| run | steps | final train/loss | eval/loss | eval/accuracy | eval/target_nll (nats) "
+                        "| median tokens/s | peak memory (GiB) |")
+    assert lines[2:] == [ROW_A, ROW_B]
+    assert summary == (out / "summary.md").read_text(encoding="utf-8")
+
+
+def test_run_without_optional_keys_skips_their_plots_and_column(runs, tmp_path):
+    pngs, summary = R.report([runs[1]], tmp_path / "b")
+    assert {p.name for p in pngs} == CORE_PNGS
+    assert "peak memory" not in summary
+    assert summary.splitlines()[2] == ROW_B.removesuffix(" n/a |")
+
+
+def test_cli_default_out_dir_and_stdout(runs, capsys):
+    assert R.main([str(runs[0]), str(runs[1])]) == 0
+    out = runs[0] / "report"
+    assert (out / "summary.md").is_file() and (out / "loss.png").is_file()
+    printed = capsys.readouterr().out
+    assert ROW_A in printed and ROW_B in printed and str(out) in printed
+
+
+def test_same_dir_names_get_full_paths_as_labels(tmp_path):
+    a, b = write_run(tmp_path / "x" / "run", RUN_A), write_run(tmp_path / "y" / "run", RUN_B)
+    assert R.run_names([a, b]) == [str(a), str(b)]
+    assert R.run_names([a]) == ["run"]
+
+
+def test_missing_run_dir_names_the_path(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=f"run directory not found: {missing}"):
+        R.report([missing])
+    with pytest.raises(SystemExit) as exc:
+        R.main([str(missing)])
+    assert exc.value.code == 2
+    assert f"error: run directory not found: {missing}" in capsys.readouterr().err
+
+
+def test_dir_without_metrics_names_the_file(tmp_path):
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(FileNotFoundError, match=f"no metrics file at {tmp_path / 'empty_dir' / 'metrics.jsonl'}"):
+        R.report([tmp_path / "empty_dir"])
+
+
+def test_empty_or_broken_metrics_names_the_file(tmp_path):
+    empty = write_run(tmp_path / "empty", [])
+    with pytest.raises(ValueError, match=f"{empty / 'metrics.jsonl'} is empty"):
+        R.report([empty])
+    broken = write_run(tmp_path / "broken", RUN_A)
+    with open(broken / "metrics.jsonl", "a", encoding="utf-8") as fh:
+        fh.write('{"step": 8, "train/lo')  # a run killed mid-write
+    with pytest.raises(ValueError, match=f"{broken / 'metrics.jsonl'} has a line that is not JSON"):
+        R.report([broken])
+
+
+def test_imports_without_matplotlib_and_plotting_names_the_extra(runs, tmp_path, monkeypatch):
+    for name in ("matplotlib", "matplotlib.backends.backend_agg", "matplotlib.figure", "matplotlib.ticker"):
+        monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules makes the import fail
+    monkeypatch.delitem(sys.modules, "scale.report")
+    fresh = importlib.import_module("scale.report")
+    with pytest.raises(ImportError, match=r"pip install 'scale\[report\]'"):
+        fresh.report([runs[0]], tmp_path / "out")
