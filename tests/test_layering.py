@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-PLAIN = ["config", "data", "loss", "modeling", "schedule", "assets", "export"]
+PLAIN = ["config", "data", "loss", "modeling", "schedule", "assets", "export", "flops"]
 
 
 @pytest.mark.parametrize("name", PLAIN)
