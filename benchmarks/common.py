@@ -260,7 +260,8 @@ class Harness:
     seed's weights (loss comparisons).
     """
 
-    def __init__(self, job: Job, device: str | None = None, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, job: Job, device: str | None = None, model: torch.nn.Module | None = None,
+                 acc: Any = None) -> None:
         from torch.utils.data import DataLoader
 
         from scale.train import LossSpec, build_accelerator
@@ -268,8 +269,11 @@ class Harness:
         self.job = job
         self.tmp = tempfile.TemporaryDirectory()
         self.cfg = job.config(self.tmp.name)
-        reset_accelerate()
-        self.acc = build_accelerator(self.cfg)
+        self.own_acc = acc is None  # several harnesses of the same precision may share one Accelerator
+        if self.own_acc:
+            reset_accelerate()
+            acc = build_accelerator(self.cfg)
+        self.acc = acc
         self.device = device or self.acc.device
         self.model = model if model is not None else build_lora_model(job.shape, self.cfg.model, self.cfg.lora,
                                                                       job.seed, self.device, job.seq)
@@ -300,7 +304,8 @@ class Harness:
         return RunResult(seconds, tokens, sink.train_losses(), {"rows": sink.rows, "stamps": scheduler.stamps})
 
     def close(self) -> None:
-        self.acc.free_memory()
+        if self.own_acc:
+            self.acc.free_memory()
         self.tmp.cleanup()
 
 
