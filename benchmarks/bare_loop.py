@@ -120,14 +120,11 @@ def table(job: Job, res: dict, repeats: int, keep: str = "tensor") -> str:
     tps, ms = res["tokens_per_s"], res["step_ms"]
     rows = ["| contestant | tokens/s, median (min-max) | ms per optimizer step |", "|---|---|---|",
             f"| harness (`scale.train.fit`) | {fmt_spread(tps['harness'])} | {fmt_spread(ms['harness'])} |",
-            f"| bare PyTorch loop (logits_to_keep as a {keep}) | {fmt_spread(tps['bare'])} | {fmt_spread(ms['bare'])} |",
+            f"| bare PyTorch loop (logits_to_keep as a {keep}) | {fmt_spread(tps['bare'])} | "
+            f"{fmt_spread(ms['bare'])} |",
             f"| **ratio harness/bare** (per pair) | **{fmt_spread(res['ratio'])}** | |"]
-    ga, mb = job.gradient_accumulation_steps, job.micro_batch_size
     return "\n".join([
-        f"{job.shape} shape, LoRA r={job.lora_r} all-linear, {job.dtype} weights, mixed_precision={job.mixed_precision}, "
-        f"checkpointing={'on' if job.checkpointing else 'off'}, micro-batch {mb} x GA {ga}, T<={job.seq} (left-padded), "
-        f"threshold {job.threshold}, {job.steps} steps per run ({job.warmup} warm-up not timed), {repeats} repeats, "
-        f"alternating; log_every={job.log_every}",
+        f"{job.describe()}, {repeats} repeats, alternating; log_every={job.log_every}",
         *rows,
         "",
         f"loss trajectories, max relative difference harness vs bare over all runs: {res['loss_max_rel_diff']:.2e}",

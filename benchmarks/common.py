@@ -206,6 +206,14 @@ class Job:
                                         save_adapter=False),
                       log=LogConfig(trackers=[]))
 
+    def describe(self) -> str:
+        """One line naming the model, recipe and sizes (printed above every table)."""
+        return (f"{self.shape} shape, LoRA r={self.lora_r} all-linear, {self.dtype} weights, "
+                f"mixed_precision={self.mixed_precision}, checkpointing={'on' if self.checkpointing else 'off'}, "
+                f"micro-batch {self.micro_batch_size} x GA {self.gradient_accumulation_steps}, T<={self.seq} "
+                f"(left-padded), threshold {self.threshold}, {self.steps} optimizer steps per run "
+                f"({self.warmup} warm-up not timed)")
+
     def examples(self) -> list[Example]:
         """One epoch of exactly ``steps`` full windows."""
         vocab = SHAPES[self.shape]["vocab_size"]

@@ -1,9 +1,9 @@
 """GPU throughput of the harness: bf16 LoRA vs QLoRA, tokens/s, MFU and peak memory. Needs CUDA.
 
-    python benchmarks/gpu.py                                   # SmolLM2-135M and ~1B Llama shapes, < 5 min on an H200
+    python benchmarks/gpu.py                      # SmolLM2-135M and ~1B Llama shapes (estimated < 5 min, H200)
     python benchmarks/gpu.py --shapes llama-1b --seq 2048 --batch 4 --checkpointing
-    python benchmarks/gpu.py --peak-tflops 989                 # a GPU missing from scale.flops.PEAK_BF16_FLOPS
-    python benchmarks/gpu.py --dry-run                         # CPU, tiny shape: the same code path, no numbers that matter
+    python benchmarks/gpu.py --peak-tflops 989    # a GPU missing from scale.flops.PEAK_BF16_FLOPS
+    python benchmarks/gpu.py --dry-run            # CPU, tiny shape: the same code path, numbers meaningless
 
 For each model shape (random weights built from a ``LlamaConfig``, no download: ``smollm2-135m`` is SmolLM2-135M's
 shape, ``llama-1b`` Llama-3.2-1B's: hidden 2048, 16 layers, 32 heads, 8 KV heads, MLP 8192, vocab 128,256, tied

@@ -181,13 +181,9 @@ def table(job: Job, res: dict, repeats: int) -> str:
         ratio = "**" + fmt_spread(res["ratio"][c]) + "**" if c in res["ratio"] else "1"
         loss = res["run_loss"][c][0]
         rows.append(f"| {names[c]} | {fmt_spread(tps)} | {ratio} | {loss:.6f} |")
-    ga, mb = job.gradient_accumulation_steps, job.micro_batch_size
     diffs = ", ".join(f"{c} {d:.1e}" for c, d in res.get("loss_rel_diff", {}).items() if c != "ours")
     return "\n".join([
-        f"{job.shape} shape, LoRA r={job.lora_r} all-linear, {job.dtype} weights, mixed_precision={job.mixed_precision}, "
-        f"checkpointing={'on' if job.checkpointing else 'off'}, micro-batch {mb} x GA {ga}, T<={job.seq} (left-padded), "
-        f"threshold {job.threshold}, {job.steps} optimizer steps per run ({job.warmup} warm-up not timed), "
-        f"{repeats} repeats, alternating",
+        f"{job.describe()}, {repeats} repeats, alternating",
         *rows,
         "",
         f"train loss over the run (first repeat), relative difference from ours: {diffs}",
