@@ -14,14 +14,16 @@ warmup+cosine schedule, and gradient clipping at 1.0.
   per-window gather, the window denominator's ``acc.reduce``, ``accumulate()``, ``acc.backward``,
   ``acc.clip_grad_norm_``, ``StepMeter``, metrics every ``--log-every`` steps, the tqdm bar); evaluation at
   step 0 and at the end runs on one batch, outside the timed steps;
-- bare: plain torch, no accelerate: ``model(..., logits_to_keep=torch.arange(T-N-1, T-1))`` (the same kept
-  positions, passed the same way as the harness), ``F.cross_entropy(sum) / window_tokens``, ``backward``,
-  ``clip_grad_norm_``, ``step``, ``zero_grad``, ``scheduler.step``; it records the same per-step loss.
+- bare: plain torch, no accelerate: a ``DataLoader`` (same collator, windows of GA batches by ``islice``),
+  ``model(..., logits_to_keep=torch.arange(T-N-1, T-1))`` (the same kept positions, passed the same way as
+  the harness), ``F.cross_entropy(sum) / window_tokens``, ``backward``, ``clip_grad_norm_``, ``step``,
+  ``zero_grad``, ``scheduler.step``; it records the same per-step loss.
 
-A trap measured while writing this (torch 2.13 CPU): ``logits_to_keep`` as an int or a slice makes the LM
-head see a non-contiguous ``[B, N, H]`` view, which ``F.linear`` runs as a batched ``bmm`` over a broadcast
-weight instead of one ``mm``: on the tiny shape that made the whole forward/backward about 1.6x slower than
-with a position tensor (whose gather yields a contiguous copy). ``--bare-keep slice`` shows the effect.
+A trap measured while writing this (torch 2.13 CPU): ``logits_to_keep`` as a slice (an int becomes one too,
+in transformers' ``slice_logits_to_keep``) hands the LM head a non-contiguous ``[B, N, H]`` view, which
+``F.linear`` runs as ``bmm`` (forward and backward) instead of one ``mm``: on the tiny shape a micro-batch's
+forward+backward took 20-22 ms instead of 12-17 ms with a position tensor (whose gather is a contiguous
+copy). ``--bare-keep slice`` puts that variant in the bare loop.
 
 Contestants alternate (harness, bare, harness, bare, ...); each run rebuilds the model from the seed and
 trains ``--steps`` optimizer steps, of which the first ``--warmup`` are not timed. Reported: real (unpadded)
@@ -34,23 +36,28 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
 if __package__ in (None, ""):  # `python benchmarks/bare_loop.py`: make `benchmarks.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (SHAPES, Harness, Job, RunResult, TimedLambdaLR, build_lora_model, fmt_spread,
-                               machine_line, max_rel_diff, step_tokens, timed_span, window_batches)
+from benchmarks.common import (SHAPES, Harness, Job, RunResult, TimedLambdaLR, build_lora_model, collator,
+                               fmt_spread, machine_line, max_rel_diff, step_tokens, timed_span, window_batches)
+from scale.data import Example
 
 
-def bare_run(job: Job, model: torch.nn.Module, windows: list[list[dict[str, torch.Tensor]]],
-             device: torch.device, keep: str = "tensor") -> RunResult:
+def bare_run(job: Job, model: torch.nn.Module, examples: list[Example], device: torch.device,
+             keep: str = "tensor") -> RunResult:
     """Train ``job.steps`` optimizer steps with a hand-written loop; time the steps after ``job.warmup``.
 
+    Batches come from a plain ``DataLoader`` (same collator, no shuffling) in windows of ``ga`` micro-batches;
+    an epoch's last window may be shorter and is normalised by its own token count, as in the harness.
     ``keep``: ``"tensor"`` passes the kept positions as a tensor (as the harness does), ``"slice"`` as a slice.
     """
     from scale.schedule import lr_factor
@@ -60,30 +67,36 @@ def bare_run(job: Job, model: torch.nn.Module, windows: list[list[dict[str, torc
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     scheduler = TimedLambdaLR(optimizer, lambda s: lr_factor(s, o, job.steps))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.mixed_precision == "bf16")
-    N = job.threshold
+    loader = DataLoader(examples, batch_size=job.micro_batch_size, shuffle=False, collate_fn=collator())
+    N, ga = job.threshold, job.gradient_accumulation_steps
     model.train()
-    losses = []
-    for window in windows:
-        window = [{k: v.to(device) for k, v in b.items()} for b in window]
-        n_tail = sum(b["input_ids"].shape[0] * N for b in window)  # every tail token has weight 1
-        step_loss = torch.zeros((), device=device)
-        for b in window:
-            ids, mask = b["input_ids"], b["attention_mask"]
-            T = ids.shape[1]
-            position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: count real tokens only
-            kept = torch.arange(T - N - 1, T - 1, device=device) if keep == "tensor" else slice(T - N - 1, T - 1)
-            with autocast:
-                logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
-                               logits_to_keep=kept, use_cache=False).logits                       # [B, N, V]
-            loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, T - N:].reshape(-1),
-                                       reduction="sum")
-            (loss_sum / n_tail).backward()
-            step_loss += loss_sum.detach()
-        torch.nn.utils.clip_grad_norm_(params, job.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        losses.append(step_loss / n_tail)
+    losses: list[torch.Tensor] = []
+    while len(losses) < job.steps:                                      # epochs
+        batches = iter(loader)
+        while len(losses) < job.steps:                                  # optimizer steps
+            window = [{k: v.to(device) for k, v in b.items()} for b in itertools.islice(batches, ga)]
+            if not window:
+                break
+            n_tail = sum(b["input_ids"].shape[0] * N for b in window)   # every tail token has weight 1
+            step_loss = torch.zeros((), device=device)
+            for b in window:
+                ids, mask = b["input_ids"], b["attention_mask"]
+                T = ids.shape[1]
+                position_ids = (mask.cumsum(-1) - 1).clamp(min=0)       # left padding: count real tokens only
+                kept = torch.arange(T - N - 1, T - 1, device=device) if keep == "tensor" else slice(T - N - 1, T - 1)
+                with autocast:
+                    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids,
+                                   logits_to_keep=kept, use_cache=False).logits                   # [B, N, V]
+                loss_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, T - N:].reshape(-1),
+                                           reduction="sum")
+                (loss_sum / n_tail).backward()
+                step_loss += loss_sum.detach()
+            torch.nn.utils.clip_grad_norm_(params, job.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            losses.append(step_loss / n_tail)
+    windows = window_batches(examples, job.micro_batch_size, ga, job.steps)
     seconds, tokens = timed_span(scheduler.stamps, step_tokens(windows), job.warmup)
     return RunResult(seconds, tokens, [float(x) for x in losses])
 
@@ -91,7 +104,7 @@ def bare_run(job: Job, model: torch.nn.Module, windows: list[list[dict[str, torc
 def compare(job: Job, repeats: int, device: str | None = None, keep: str = "tensor") -> dict:
     """Alternate harness and bare runs ``repeats`` times; return tokens/s, pair ratios and loss agreement."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    windows = window_batches(job.examples(), job.micro_batch_size, job.gradient_accumulation_steps, job.steps)
+    examples = job.examples()
     runs: dict[str, list[RunResult]] = {"harness": [], "bare": []}
     for _ in range(repeats):
         harness = Harness(job, device=str(dev))
@@ -100,7 +113,7 @@ def compare(job: Job, repeats: int, device: str | None = None, keep: str = "tens
         del harness
         gc.collect()
         model = build_lora_model(job.shape, job.model_cfg(), job.lora_cfg(), job.seed, dev, job.seq)
-        runs["bare"].append(bare_run(job, model, windows, dev, keep))
+        runs["bare"].append(bare_run(job, model, examples, dev, keep))
         del model
         gc.collect()
     # The harness logs the loss every log_every steps as a ratio of sums over the interval; rebuild the same
