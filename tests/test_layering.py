@@ -1,4 +1,4 @@
-"""Plain-tensor modules never import accelerate or torch.distributed (only train/metrics may)."""
+"""Plain-tensor modules never import accelerate or torch.distributed (only train, checkpoint, metrics may)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-PLAIN = ["config", "data", "loss", "modeling", "schedule", "assets", "export", "report"]
+PLAIN = ["config", "data", "loss", "modeling", "schedule", "assets", "export", "report", "flops"]
 
 
 @pytest.mark.parametrize("name", PLAIN)

@@ -1,0 +1,75 @@
+"""The speed benchmarks' cores at micro size (CPU, seconds): each contestant does the same work as the others.
+
+Timings are not asserted (they are the benchmarks' job); what is asserted is what makes a comparison honest.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.common import Job, timed_span, window_batches
+
+MICRO = dict(shape="tiny", seq=16, micro_batch_size=2, gradient_accumulation_steps=2, steps=3, warmup=1)
+
+
+def test_window_batches_and_timed_span():
+    job = Job(**MICRO)
+    windows = window_batches(job.examples()[:6], 2, 2, 5)       # 6 rows = 3 batches: windows of 2, 1, then again
+    assert [len(w) for w in windows] == [2, 1, 2, 1, 2]
+    assert timed_span([1.0, 3.0, 6.0], [10, 20, 30], warmup=1) == (5.0, 50)
+    with pytest.raises(ValueError):
+        timed_span([1.0, 2.0], [1, 1], warmup=0)
+
+
+def test_bare_loop_and_harness_agree():
+    from benchmarks.bare_loop import compare
+
+    res = compare(Job(**MICRO), repeats=1)
+    assert res["loss_max_rel_diff"] < 1e-5
+    assert len(res["losses"]["harness"]) == len(res["losses"]["bare"]) == 3
+    assert all(t > 0 for ts in res["tokens_per_s"].values() for t in ts) and math.isfinite(res["ratio"][0])
+
+
+def test_trainer_and_ours_same_first_steps():
+    from benchmarks.vs_trainer import compare
+
+    res = compare(Job(**MICRO, log_every=1), repeats=1)
+    ours = res["losses"]["ours"]
+    for name in ("trainer", "trainer+keep"):
+        theirs = res["losses"][name]
+        assert len(theirs) == len(ours) == 3
+        assert abs(theirs[0] - ours[0]) / ours[0] < 1e-4      # same model, batch and loss maths before any update
+        assert max(abs(a - b) / a for a, b in zip(ours, theirs)) < 1e-4  # and the same updates after it
+        assert res["ratio"][name][0] > 0
+
+
+def test_checkpointing_worker_same_losses_less_saved():
+    from benchmarks.checkpointing_speed import peak_rss, reset_peak_rss, worker
+
+    job = dict(MICRO, gradient_accumulation_steps=1, min_len=16)
+    off = worker(Job(**job, checkpointing=False), measure_saved=True)
+    on = worker(Job(**job, checkpointing=True), measure_saved=True)
+    assert off["losses"] == on["losses"]                         # recomputation does not change the maths
+    assert on["saved_bytes"] < off["saved_bytes"]
+    assert off["rss_peak"] >= off["rss_before"] > 0 and off["step_s"] > 0
+    before = reset_peak_rss()
+    x = torch.ones(64 * 2**20 // 4)                              # 64 MiB, touched
+    assert peak_rss() - before >= 60 * 2**20
+    del x
+
+
+def test_gpu_script_dry_run_and_no_cuda_message(capsys):
+    from benchmarks import gpu
+
+    assert gpu.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "| tiny | LoRA bf16 |" in out and "| tiny | QLoRA nf4/bf16 |" in out
+    assert "LoRA bf16: parameter elements by dtype {'bfloat16/frozen'" in out
+    qlora = out.split("QLoRA nf4/bf16: parameter elements by dtype")[1]
+    assert "'uint8/frozen'" in qlora and " 0 Linear4bit" not in qlora
+    if not torch.cuda.is_available():
+        assert gpu.main([]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
