@@ -159,6 +159,8 @@ class LogConfig:
     trackers: list[str] = _f(["wandb"], "Trackers: [wandb], [] or [none]. W&B runs offline without an API key.")
     project: str = _f("scale", "Tracker project name.")
     run_name: str | None = _f(None, "Tracker run name; null lets the tracker choose.")
+    peak_flops: float | None = _f(None, "Peak FLOP/s of one device for train/mfu (e.g. 989e12 for an H100 SXM in "
+                                        "bf16); null: looked up from the GPU's name, no MFU on CPU.")
 
 
 @dataclass

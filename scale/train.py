@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from scale.assets import resolve_data
 from scale.checkpoint import TrainerState, load_checkpoint, register_hooks, resolve_resume, save_checkpoint
 from scale.config import Config, dump_config, load_config, to_dict
 from scale.data import Collator, DataError, build_splits
+from scale.flops import flops_per_token, peak_flops
 from scale.metrics import JsonlSink, StepMeter
 from scale.modeling import build_model, full_numel, load_tokenizer, parameter_counts, restore_inference_config
 from scale.schedule import lr_factor
@@ -434,8 +436,8 @@ def save_adapter(acc: Accelerator, model: torch.nn.Module, out: Path) -> None:
 
 def fit(cfg: Config, acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler, train_dl: DataLoader, eval_dl: DataLoader,
-        spec: LossSpec, sink: JsonlSink, state: TrainerState, preemption: Preemption | None = None
-        ) -> tuple[dict[str, float], bool]:
+        spec: LossSpec, sink: JsonlSink, state: TrainerState, preemption: Preemption | None = None,
+        flops_fn: Any = None, peak_flops: float | None = None) -> tuple[dict[str, float], bool]:
     """Run optimizer steps from ``state.step`` to ``train.max_steps``; evaluate at step 0, every
     ``eval_every`` and at the end; checkpoint every ``save_every``, at the end, and when pre-empted.
 
@@ -469,7 +471,7 @@ def fit(cfg: Config, acc: Accelerator, model: torch.nn.Module, optimizer: torch.
     if state.step == 0:
         last_eval = evaluate(acc, model, eval_dl, spec)
         log(last_eval)
-    meter = StepMeter(acc.device)  # after the step-0 eval, so throughput counts training time only
+    meter = StepMeter(acc.device, flops_fn, peak_flops)  # after the step-0 eval: throughput counts training
     pbar = tqdm(total=t.max_steps, initial=state.step, disable=not acc.is_local_main_process,
                 desc="optimizer steps")
     model.train()
@@ -479,7 +481,9 @@ def fit(cfg: Config, acc: Accelerator, model: torch.nn.Module, optimizer: torch.
         if state.windows_in_epoch:  # resumed mid-epoch; the copy must be told the epoch too (accelerate#2016)
             dl = acc.skip_first_batches(train_dl, state.windows_in_epoch * ga)
             dl.set_epoch(state.epoch)
+        ready = time.perf_counter()
         for window, stop in windows(acc, dl, ga, preemption):
+            meter.data_s += time.perf_counter() - ready  # host time waiting for batches (and the gather)
             if stop:
                 checkpoint("preempted")
                 pbar.close()
@@ -525,6 +529,7 @@ def fit(cfg: Config, acc: Accelerator, model: torch.nn.Module, optimizer: torch.
                     metrics["train/skipped_steps"] = state.skipped_steps
                 log(metrics)
                 pbar.set_postfix(loss=f"{metrics.get('train/loss', math.nan):.4f}")
+            paused = time.perf_counter()
             if state.step == t.max_steps or (t.eval_every and state.step % t.eval_every == 0):
                 last_eval = evaluate(acc, model, eval_dl, spec)
                 log(last_eval)
@@ -532,6 +537,8 @@ def fit(cfg: Config, acc: Accelerator, model: torch.nn.Module, optimizer: torch.
                 checkpoint("end" if state.step == t.max_steps else "interval")
             if state.step >= t.max_steps:
                 break
+            ready = time.perf_counter()
+            meter.paused_s += ready - paused
         else:  # the epoch ran out
             state.epoch += 1
             state.windows_in_epoch = 0
@@ -570,6 +577,24 @@ def _nonfinite(cfg: Config, state: TrainerState, weighted: list, nums: list[torc
         return
     raise NonFiniteError(f"non-finite loss at {where}. Nothing was saved after the last good step; fix the data "
                          f"or lower optim.lr, or set train.on_nonfinite=skip to drop such steps.")
+
+
+def model_flops(cfg: Config, acc: Accelerator, model: torch.nn.Module, trainable: int
+                ) -> tuple[Any, float | None]:
+    """``(flops_fn, peak)`` for ``train/mfu``: model FLOPs of a ``[B, T]`` micro-batch (:mod:`scale.flops`: LoRA
+    count, only the tail's logits) and the device's peak FLOP/s (``log.peak_flops``, else the GPU's name looked
+    up in a table; ``None`` on CPU or an unknown GPU, then no MFU is reported)."""
+    config = acc.unwrap_model(model).config
+    threshold = cfg.loss.threshold
+
+    def flops_fn(rows: int, seq_len: int) -> float:
+        per_position = flops_per_token(config, seq_len, lora_params=trainable, logits_fraction=threshold / seq_len)
+        return rows * seq_len * per_position
+
+    peak = cfg.log.peak_flops
+    if peak is None and acc.device.type == "cuda":
+        peak = peak_flops(torch.cuda.get_device_name(acc.device))
+    return flops_fn, peak
 
 
 def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
@@ -640,7 +665,9 @@ def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
     setup_trackers(cfg, acc)
     # A resumed run keeps the history up to its checkpoint and drops what was logged after it.
     sink = JsonlSink(out / "metrics.jsonl", acc.is_main_process, keep_until=state.step if resume else None)
-    final, preempted = fit(cfg, acc, model, optimizer, scheduler, train_dl, eval_dl, spec, sink, state, preemption)
+    flops_fn, peak = model_flops(cfg, acc, model, trainable)
+    final, preempted = fit(cfg, acc, model, optimizer, scheduler, train_dl, eval_dl, spec, sink, state, preemption,
+                           flops_fn, peak)
     if preempted:
         acc.end_training()
         raise Preempted(f"pre-empted at step {state.step}: checkpoint written; rerun with "

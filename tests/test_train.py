@@ -31,7 +31,9 @@ def test_outputs_and_metrics(tiny_run):
     assert [r["step"] for r in train] == [2, 4, 6, 8, 10, 12]
     assert [r["step"] for r in evals] == [0, 6, 12]
     for r in train:
-        assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s"} <= r.keys()
+        assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/peak_mem_gib",
+                "train/data_s", "train/compute_s"} <= r.keys() and "train/mfu" not in r   # no MFU on CPU
+        assert r["train/peak_mem_gib"] > 0.1 and 0 <= r["train/data_s"] < r["train/compute_s"]
         assert r["train/tokens_per_s"] > 0 and r["train/grad_norm"] > 0
     for r in evals:
         assert {"eval/loss", "eval/target_nll", "eval/accuracy"} <= r.keys() and r["eval/examples"] == 32
