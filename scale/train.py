@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.logging import get_logger
-from accelerate.utils import (DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, gather_object,
-                               set_seed)
+from accelerate.utils import (DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs,
+                               ProjectConfiguration, gather_object, set_seed)
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -262,7 +262,8 @@ def build_accelerator(cfg: Config) -> Accelerator:
         dataloader_config=DataLoaderConfiguration(even_batches=False, use_seedable_sampler=True),
         deepspeed_plugin=plugin,
         log_with=[t for t in cfg.log.trackers if t != "none"] or None,
-        project_dir=cfg.output_dir,
+        project_config=ProjectConfiguration(project_dir=cfg.output_dir,
+                                            save_on_each_node=cfg.train.save_on_each_node),
         kwargs_handlers=handlers,
     )
     _cpu_threads(dict(os.environ))
@@ -691,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=50")
     # The `deepspeed` launcher appends --local_rank=N; the rank is read from LOCAL_RANK in the environment.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before and after --config
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

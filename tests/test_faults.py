@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,6 +82,19 @@ def test_two_process_resume_mid_epoch_is_bit_exact(reference, tmp_path):
     # Each rank wrote its own RNG state into the checkpoint.
     names = {p.name for p in (reference / "checkpoints" / f"step_{K:06d}").iterdir()}
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= names
+
+
+def test_rank_that_cannot_see_the_checkpoint_stops_every_rank(reference, tmp_path):
+    """Multi-node without shared storage, simulated: rank 1's files are missing -> a clear error at start."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference / "checkpoints" / f"step_{K:06d}", ckpt)
+    (ckpt / "random_states_1.pkl").unlink()
+    out = tmp_path / "out"
+    proc = _launch(out, f"train.resume_from={ckpt}")
+    log = _log(out)
+    assert proc.returncode != 0
+    assert log.count(f"CheckpointError: rank 1 on {os.uname().nodename} cannot read checkpoint {ckpt}: missing "
+                     f"['{ckpt}/random_states_1.pkl']. Without shared storage set train.save_on_each_node=true") == 2
 
 
 def test_sigterm_checkpoints_and_resume_matches(reference, tmp_path):
