@@ -168,7 +168,8 @@ def parse_job(argv: list[str] | None = None) -> tuple[Job, argparse.Namespace]:
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on (both sides)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast on both sides (harness: mixed_precision=bf16)")
-    p.add_argument("--log-every", type=int, default=1, help="harness metrics interval; the losses are compared at the logged steps")
+    p.add_argument("--log-every", type=int, default=1,
+                   help="harness metrics interval; the losses are compared at the logged steps")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--bare-keep", default="tensor", choices=["tensor", "slice"],
                    help="how the bare loop passes logits_to_keep (the harness passes a tensor)")
