@@ -1,6 +1,6 @@
 """Loop overhead: the harness's optimizer step (``scale.train.fit``) vs a bare hand-written PyTorch loop.
 
-    OMP_NUM_THREADS=2 python benchmarks/bare_loop.py                      # small Llama, ~3 min on 2 cores
+    OMP_NUM_THREADS=2 python benchmarks/bare_loop.py                # small Llama; 1.5 min here with 1 thread
     python benchmarks/bare_loop.py --shape smollm2-135m --seq 128 --steps 8 --repeats 3
     python benchmarks/bare_loop.py --checkpointing --repeats 5            # any size/recipe knob below
 
