@@ -1,8 +1,8 @@
 """Gradient checkpointing on vs off: step time, peak RSS and saved activation bytes, for the same LoRA job.
 
-    OMP_NUM_THREADS=2 python benchmarks/checkpointing_speed.py              # SmolLM2-135M shape, ~4 min on 2 cores
+    OMP_NUM_THREADS=2 python benchmarks/checkpointing_speed.py      # SmolLM2-135M shape; 5 min here with 1 thread
     python benchmarks/checkpointing_speed.py --seq 256 --repeats 5 --steps 4
-    python benchmarks/checkpointing_speed.py --shape small --seq 64         # seconds
+    python benchmarks/checkpointing_speed.py --shape small --seq 64         # ~45 s here
 
 Each run is a fresh Python process (``--worker``), so one setting's memory peak cannot leak into the other's;
 runs alternate off, on, off, on, ... ``--repeats`` times. A worker builds the model (a random-weight Llama of

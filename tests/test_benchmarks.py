@@ -25,7 +25,9 @@ def test_window_batches_and_timed_span():
 
 
 def test_bare_loop_and_harness_agree():
-    from benchmarks.bare_loop import compare
+    from benchmarks.bare_loop import compare, logged_losses
+
+    assert logged_losses([[1.0, 1.0], [3.0, 1.0], [5.0, 2.0]], log_every=2) == [2.0, 2.5]  # ratios of sums
 
     res = compare(Job(**MICRO), repeats=1)
     assert res["loss_max_rel_diff"] < 1e-5
