@@ -297,6 +297,7 @@ class Harness:
                                                  job.gradient_accumulation_steps, job.steps))
 
     def run(self) -> RunResult:
+        from scale.checkpoint import TrainerState
         from scale.schedule import lr_factor
         from scale.train import fit
 
@@ -306,7 +307,8 @@ class Harness:
         scheduler = TimedLambdaLR(optimizer, lambda s: lr_factor(s, o, steps))
         optimizer = self.acc.prepare(optimizer)
         sink = MemorySink()
-        fit(self.cfg, self.acc, self.model, optimizer, scheduler, self.train_dl, self.eval_dl, self.spec, sink)
+        state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=self.acc.num_processes)
+        fit(self.cfg, self.acc, self.model, optimizer, scheduler, self.train_dl, self.eval_dl, self.spec, sink, state)
         self.acc._optimizers.remove(optimizer)  # do not keep every run's optimizer state alive
         seconds, tokens = timed_span(scheduler.stamps, self.tokens, self.job.warmup)
         return RunResult(seconds, tokens, sink.train_losses(), {"rows": sink.rows, "stamps": scheduler.stamps})

@@ -157,6 +157,7 @@ def test_sigkill_of_one_rank_fails_the_job_fast(tmp_path):
     ranks[1].send_signal(signal.SIGKILL)
     code = proc.wait(timeout=120)
     elapsed = time.monotonic() - t0
+    print(f"launcher exited {code} {elapsed:.1f} s after SIGKILL of rank 1")
     assert code != 0 and elapsed < 60, (code, elapsed)
     assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE
 
@@ -170,28 +171,32 @@ def _poisoned_data(tmp_path, poison_row):
     return path
 
 
-# Train split: 144 rows, micro-batch 4, GA 2 -> 18 windows per epoch; 20 steps cover the whole first epoch.
+# Train split: 40 rows, micro-batch 4, GA 2 -> 5 windows per epoch; 6 steps cover the whole first epoch.
 NONFINITE = ["data.type_column=kind", "loss.criterion=tests.criteria:poison", "loss.criterion_mode=input",
-             "data.eval_size=16", "train.micro_batch_size=4", "train.max_steps=20", "train.save_every=1",
+             "data.eval_size=16", "data.max_train_examples=40", "train.micro_batch_size=4", "train.max_steps=6",
+             "train.save_every=1",
              "train.log_every=1", "train.save_total_limit=null", "train.eval_every=0"]
 
 
-def _train_row(tmp_path, tokenizer):
-    """A data-file row that lands in the train split (the split depends only on the seed)."""
+def _train_row(tmp_path, tokenizer, position=20):
+    """``(data-file row, optimizer step)``: the row the first epoch trains on at ``position`` of its order and
+    the step that sees it. The order is accelerate's seedable sampler: ``randperm`` seeded with seed + epoch."""
     from scale.data import build_splits
 
     cfg = tiny_cfg(tmp_path, *NONFINITE, f"data.path={_poisoned_data(tmp_path, None)}")
-    return build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed).train[5].row
+    train = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed).train
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.train.seed)).tolist()
+    per_window = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
+    return train[order[position]].row, position // per_window + 1
 
 
 @pytest.mark.parametrize("criterion, norm", [("poison", "nan"), ("poison_value", "")])
 def test_nonfinite_loss_stops_naming_step_and_row(tmp_path, tokenizer, criterion, norm):
-    poison_row = _train_row(tmp_path, tokenizer)
+    poison_row, step = _train_row(tmp_path, tokenizer)
     data = _poisoned_data(tmp_path, poison_row)
     with pytest.raises(NonFiniteError) as e:
         run(tiny_cfg(tmp_path, *NONFINITE, f"data.path={data}", f"loss.criterion=tests.criteria:{criterion}"))
     msg = str(e.value)
-    step = int(msg.split("optimizer step ")[1].split(" ")[0])
     norm = norm or msg.split("gradient norm ")[1].split(";")[0]  # finite: whatever it was
     assert norm == "nan" or float(norm) > 0
     rows = json.loads(msg.split("hold data-file rows ")[1].split("]")[0] + "]")
@@ -202,17 +207,17 @@ def test_nonfinite_loss_stops_naming_step_and_row(tmp_path, tokenizer, criterion
                    f"train.on_nonfinite=skip to drop such steps.")
     # Every checkpoint is from before the bad step and holds finite weights.
     saved = list_checkpoints(tmp_path)
-    assert len(saved) == step - 1 and saved[-1].name == f"step_{step - 1:06d}"
+    assert [p.name for p in saved] == [f"step_{s:06d}" for s in range(1, step)]
     assert all(torch.isfinite(t).all() for p in saved for t in load_file(p / "adapter_model.safetensors").values())
 
 
 def test_nonfinite_skip_drops_the_step(tmp_path, tokenizer, caplog):
-    data = _poisoned_data(tmp_path, _train_row(tmp_path, tokenizer))
+    data = _poisoned_data(tmp_path, _train_row(tmp_path, tokenizer)[0])
     caplog.set_level(logging.WARNING)
     run(tiny_cfg(tmp_path, *NONFINITE, f"data.path={data}", "train.on_nonfinite=skip", "train.save_every=0"))
     logged = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/lr" in r]
     skipped = [r.getMessage() for r in caplog.records if "skipping optimizer step" in r.getMessage()]
-    # The row is seen once per pass over the train split (steps 1-18 are epoch 0, 19-20 start epoch 1).
+    # The row is seen once per pass over the train split (steps 1-5 are epoch 0, step 6 starts epoch 1).
     assert 1 <= logged[-1]["train/skipped_steps"] == len(skipped) <= 2
     bad_steps = [int(m.split("skipping optimizer step ")[1].split(" ")[0]) for m in skipped]
     # log_every=1: a skipped step's line has no train/loss (no token was counted); every other one is finite.
