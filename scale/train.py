@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from dataclasses import dataclass
 from pathlib import Path
@@ -438,7 +438,8 @@ def save_adapter(acc: Accelerator, model: torch.nn.Module, out: Path) -> None:
 def fit(cfg: Config, acc: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler, train_dl: DataLoader, eval_dl: DataLoader,
         spec: LossSpec, sink: JsonlSink, state: TrainerState, preemption: Preemption | None = None,
-        flops_fn: Any = None, peak_flops: float | None = None) -> tuple[dict[str, float], bool]:
+        flops_fn: Callable[[int, int], float] | None = None, peak_flops: float | None = None
+        ) -> tuple[dict[str, float], bool]:
     """Run optimizer steps from ``state.step`` to ``train.max_steps``; evaluate at step 0, every
     ``eval_every`` and at the end; checkpoint every ``save_every``, at the end, and when pre-empted.
 
@@ -581,7 +582,7 @@ def _nonfinite(cfg: Config, state: TrainerState, weighted: list, nums: list[torc
 
 
 def model_flops(cfg: Config, acc: Accelerator, model: torch.nn.Module, trainable: int
-                ) -> tuple[Any, float | None]:
+                ) -> tuple[Callable[[int, int], float], float | None]:
     """``(flops_fn, peak)`` for ``train/mfu``: model FLOPs of a ``[B, T]`` micro-batch (:mod:`scale.flops`: LoRA
     count, only the tail's logits) and the device's peak FLOP/s (``log.peak_flops``, else the GPU's name looked
     up in a table; ``None`` on CPU or an unknown GPU, then no MFU is reported)."""
