@@ -20,6 +20,7 @@ DeepSpeed reads its own ``pytorch_model/`` files with full pickle: resume only f
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -47,7 +48,7 @@ _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 HARMLESS = ("output_dir", "log.", "train.log_every", "train.eval_every", "train.eval_micro_batch_size",
             "train.save_every", "train.save_total_limit", "train.save_on_each_node",
             "train.check_invariants", "train.save_adapter", "train.collective_timeout_s", "data.num_workers",
-            "train.max_steps", "train.on_nonfinite")
+            "train.on_nonfinite")
 
 
 class CheckpointError(RuntimeError):
@@ -68,6 +69,7 @@ class TrainerState:
     world_size: int
     skipped_steps: int = 0
     reason: str = "interval"  # interval | end | preempted
+    data_sha256: str = ""     # of the data file: an edited file would silently change the split
     config: dict[str, Any] = field(default_factory=dict)
     saved_at: float = 0.0
 
@@ -120,14 +122,21 @@ def compare_configs(saved: dict[str, Any], current: dict[str, Any]) -> tuple[lis
     """``(errors, warnings)``: keys whose values differ between the checkpoint's config and this run's.
 
     Differences in :data:`HARMLESS` keys are warnings; any other difference changes the maths (model,
-    LoRA, data, loss, optimizer, batch sizes, seed, precision) and is an error.
+    LoRA, data, loss, optimizer, batch sizes, seed, precision) and is an error. ``train.max_steps`` is an
+    error unless ``optim.schedule`` is constant (the schedule's curve depends on it).
     """
     a, b = _flat(saved), _flat(current)
     errors, warnings = [], []
     for key in sorted(set(a) | set(b)):
         if key != "train.resume_from" and a.get(key) != b.get(key):
             line = f"{key}: checkpoint {a.get(key)!r} -> now {b.get(key)!r}"
-            (warnings if key.startswith(HARMLESS) else errors).append(line)
+            harmless = key.startswith(HARMLESS)
+            if key == "train.max_steps":
+                harmless = b.get("optim.schedule") == "constant"
+                if not harmless:
+                    line += (f" (the {b.get('optim.schedule')} LR schedule is a function of max_steps: the "
+                             f"remaining steps would follow another curve)")
+            (warnings if harmless else errors).append(line)
     return errors, warnings
 
 
@@ -202,17 +211,44 @@ def _needed_files(acc: Accelerator, path: Path) -> list[Path]:
     return files
 
 
-def load_checkpoint(acc: Accelerator, cfg: Config, path: Path) -> TrainerState:
-    """Restore model (trainable tensors), optimizer, scheduler and RNG states from ``path``. Collective.
+def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes (the data file, recorded in every checkpoint)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_resume(acc: Accelerator, cfg: Config, path: Path | None) -> TrainerState | None:
+    """Before anything is built or written: every rank resumes from the same complete checkpoint, can read
+    the files it needs, and the config agrees with the checkpoint's. Collective.
+
+    Returns:
+        The checkpoint's :class:`TrainerState`, or ``None`` for a fresh start.
 
     Raises:
-        CheckpointError: some rank cannot read the checkpoint (no shared storage: set
-            ``train.save_on_each_node=true`` or copy it to every node), or it was written with another
-            world size.
+        CheckpointError: ranks resolved different checkpoints (``latest`` without shared storage); some rank
+            cannot read the checkpoint (set ``train.save_on_each_node=true`` or copy it to every node); it was
+            written with another world size; or a fresh run would reuse an ``output_dir`` that holds another
+            run's checkpoints.
         ConfigError: the config differs from the checkpoint's in a key that changes the maths.
     """
+    here = os.uname().nodename
+    seen = gather_object([(acc.process_index, here, str(path) if path else None)])  # collective: every rank
+    if len({p for _, _, p in seen}) > 1:
+        listing = "; ".join(f"rank {r} on {h}: {p or 'no checkpoint'}" for r, h, p in seen)
+        raise CheckpointError(f"the ranks do not agree on the checkpoint to resume from ({listing}). Put "
+                              f"output_dir on shared storage or set train.save_on_each_node=true.")
+    if path is None:
+        existing = list_checkpoints(cfg.output_dir)
+        if existing:
+            raise CheckpointError(f"output_dir={cfg.output_dir} already holds checkpoints of a run (newest "
+                                  f"{existing[-1].name}); a fresh run there would mix its checkpoints and metrics "
+                                  f"with them. Resume it with train.resume_from=latest, or use another output_dir.")
+        return None
     missing = [str(f) for f in _needed_files(acc, path) if not f.exists()]
-    report = gather_object([(acc.process_index, os.uname().nodename, missing)])  # collective: every rank
+    report = gather_object([(acc.process_index, here, missing)])  # collective: every rank
     bad = [r for r in report if r[2]]
     if bad:
         rank, host, files = bad[0]
@@ -231,6 +267,20 @@ def load_checkpoint(acc: Accelerator, cfg: Config, path: Path) -> TrainerState:
         raise CheckpointError(f"checkpoint {path} was written by {state.world_size} processes, this run has "
                               f"{acc.num_processes}: the data shards and the global batch would change. "
                               f"Launch with num_processes={state.world_size}.")
+    return state
+
+
+def load_checkpoint(acc: Accelerator, path: Path, state: TrainerState, data_sha256: str) -> TrainerState:
+    """Restore model (trainable tensors), optimizer, scheduler and RNG states from ``path`` (already checked
+    by :func:`check_resume`). Collective.
+
+    Raises:
+        ConfigError: the data file's bytes differ from the checkpoint's (same path, edited file).
+    """
+    if state.data_sha256 and state.data_sha256 != data_sha256:
+        raise ConfigError(f"the data file changed since checkpoint {path} was written (sha256 "
+                          f"{state.data_sha256[:12]}... -> {data_sha256[:12]}...): the split and the sample order "
+                          f"would differ. Restore the file, or start a new run in another output_dir.")
     kwargs = {"load_module_strict": False} if acc.distributed_type == DistributedType.DEEPSPEED else {}
     acc.load_state(str(path), **kwargs)  # collective under DeepSpeed
     logger.info("resumed from %s at step %d (epoch %d, %d windows into it)", path, state.step, state.epoch,

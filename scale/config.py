@@ -329,8 +329,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        _set_dotted(tree, key.strip(), _parse_value(raw))
     return _build(Config, tree, "")
+
+
+def _parse_value(raw: str) -> Any:
+    """An override's value as YAML (``5``, ``1e-3``, ``[a,b]``, ``null``), except that text YAML would read
+    as a mapping or cannot parse (``Text: {text}``) stays the string it is."""
+    if not raw.strip():
+        return None
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, dict) and not raw.lstrip().startswith("{"):
+        return raw
+    return value
 
 
 _SECRET_PATTERNS = (

@@ -47,7 +47,9 @@ def load_rows(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
 
     file = Path(path)
     if not file.is_file():
-        raise DataError(f"data.path={path!r} does not exist; point it at a .jsonl/.csv/.tsv file")
+        what = "is a directory" if file.is_dir() else "does not exist"
+        raise DataError(f"data.path={path!r} {what}; point it at a .jsonl/.csv/.tsv file (a relative path is "
+                        f"read from the current directory)")
     builder = _BUILDERS.get(file.suffix.lower())
     if builder is None:
         raise DataError(f"data.path={path!r}: unknown extension {file.suffix!r}; use one of {sorted(_BUILDERS)}")

@@ -42,8 +42,9 @@ from tqdm.auto import tqdm
 
 from scale import loss as L
 from scale.assets import resolve_data
-from scale.checkpoint import TrainerState, load_checkpoint, register_hooks, resolve_resume, save_checkpoint
-from scale.config import Config, dump_config, load_config, to_dict
+from scale.checkpoint import (CheckpointError, TrainerState, check_resume, file_sha256, load_checkpoint,
+                              register_hooks, resolve_resume, save_checkpoint)
+from scale.config import Config, ConfigError, dump_config, load_config, to_dict
 from scale.data import Collator, DataError, build_splits
 from scale.flops import flops_per_token, peak_flops
 from scale.metrics import JsonlSink, StepMeter
@@ -155,6 +156,7 @@ def windows(acc: Accelerator, dl: DataLoader, ga: int, preemption: Preemption | 
 
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): checkpoint written after SIGTERM/SIGINT; rerun to resume
+EXIT_BAD_INPUT = 2   # config, data, launch or checkpoint rejected before training; the message names the fix
 
 
 class Preemption:
@@ -609,6 +611,7 @@ def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
     acc = build_accelerator(cfg)
     out = Path(cfg.output_dir)
     resume = resolve_resume(cfg.train.resume_from, out)
+    saved_state = check_resume(acc, cfg, resume)  # collective; before anything is written
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, out / "config.yaml")
@@ -624,6 +627,10 @@ def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
         raise DataError(f"train.micro_batch_size={mb} x num_processes={world} is larger than the train split "
                         f"({len(splits.train)} rows): a rank's shard would hold less than one micro-batch. "
                         f"Lower train.micro_batch_size to at most {max(1, len(splits.train) // world)} or add data.")
+    if mb * ga * world > len(splits.train):
+        logger.warning("global_batch_size=%d (micro_batch_size x gradient_accumulation_steps x num_processes) is "
+                       "larger than the train split (%d rows): every optimizer step sees at most one epoch",
+                       mb * ga * world, len(splits.train), main_process_only=True)
     spec = LossSpec.from_config(cfg, splits.label_token_ids)
     collate = Collator(tokenizer.pad_token_id, cfg.data.padding_side)
     train_dl = DataLoader(splits.train, batch_size=mb, shuffle=True, collate_fn=collate,
@@ -658,9 +665,9 @@ def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
     logger.info("mode plan: %s %s; parameter dtypes: %s", plan.mode, "; ".join(plan.notes), dtype_census(model),
                 main_process_only=True)
     before = fingerprints(acc, model) if cfg.train.check_invariants else None  # the base, before any resume
-    state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=world)
+    state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=world, data_sha256=file_sha256(data_path))
     if resume is not None:
-        state = load_checkpoint(acc, cfg, resume)  # collective
+        state = load_checkpoint(acc, resume, saved_state, state.data_sha256)  # collective
     elif cfg.train.resume_from == "latest":
         logger.info("resume_from=latest: no checkpoint in %s yet, starting fresh", out / "checkpoints",
                     main_process_only=True)
@@ -686,7 +693,12 @@ def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``scale-train [--config PATH] [section.key=value ...]``: parse, train; return the exit code."""
+    """``scale-train [--config PATH] [section.key=value ...]``: parse, train; return the exit code.
+
+    Exit codes: 0 trained; 2 (:data:`EXIT_BAD_INPUT`) the config, data, launch or checkpoint was rejected
+    before training, with the message on stderr; 75 (:data:`EXIT_PREEMPTED`) a signal arrived and a
+    checkpoint was written; 1 any other failure (a non-finite loss, a crash).
+    """
     parser = argparse.ArgumentParser(prog="scale-train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="training YAML (default: configs/train/default.yaml)")
@@ -697,7 +709,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     for noisy in ("httpx", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    cfg = load_config(args.config, args.overrides)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        sys.stderr.write(f"scale-train: error: {type(e).__name__}: {e}\n")
+        return EXIT_BAD_INPUT
     preemption = Preemption()
     preemption.install()
     try:
@@ -705,6 +721,12 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         logger.warning("%s; exit code %d", e, EXIT_PREEMPTED)
         return EXIT_PREEMPTED
+    except (ConfigError, DataError, LaunchError, CheckpointError) as e:  # bad input: the message is the help
+        sys.stderr.write(f"scale-train: error: {type(e).__name__}: {e}\n")
+        return EXIT_BAD_INPUT
+    except NonFiniteError as e:
+        sys.stderr.write(f"scale-train: error: {type(e).__name__}: {e}\n")
+        return 1
     finally:
         preemption.uninstall()
     return 0

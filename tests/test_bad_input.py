@@ -196,3 +196,30 @@ def test_resume_refuses_pickled_code(checkpoint, tmp_path):
     with pytest.raises(Exception, match="Weights only load failed"):
         run(tiny_cfg(tmp_path, "train.max_steps=2", f"train.resume_from={ckpt}"))
     assert not marker.exists()
+
+
+def test_data_path_that_is_a_directory(tmp_path):
+    assert _message(DataError, load_rows, DataConfig(), str(tmp_path)) == (
+        f"data.path={str(tmp_path)!r} is a directory; point it at a .jsonl/.csv/.tsv file (a relative path is read "
+        f"from the current directory)")
+
+
+def test_override_text_with_a_colon_stays_text():
+    """`data.template='Text: {text}...'` is a string, not the YAML mapping {'Text': '{text}...'}."""
+    cfg = load_config(TINY_YAML, ["data.template=Text: {text}\nVerdict: {label}", "lora.target_modules=[q_proj]"])
+    assert cfg.data.template == "Text: {text}\nVerdict: {label}" and cfg.lora.target_modules == ["q_proj"]
+    assert _message(ConfigError, load_config, TINY_YAML, ["train.max_steps=a: b"]) == (
+        "train.max_steps='a: b' has the wrong type: expected int")
+
+
+def test_cli_prints_the_message_and_exits_2(tmp_path, capsys):
+    from scale.train import EXIT_BAD_INPUT, main
+
+    assert main(["--config", str(TINY_YAML), "train.max_stpes=5"]) == EXIT_BAD_INPUT == 2
+    err = capsys.readouterr().err
+    assert err.startswith("scale-train: error: ConfigError: unknown config key train.max_stpes; known keys in train")
+    assert "Traceback" not in err
+    assert main(["--config", str(TINY_YAML), f"output_dir={tmp_path}", "data.path=nowhere.jsonl"]) == 2
+    assert capsys.readouterr().err == ("scale-train: error: DataError: data.path='nowhere.jsonl' does not exist; "
+                                       "point it at a .jsonl/.csv/.tsv file (a relative path is read from the "
+                                       "current directory)\n")

@@ -141,10 +141,45 @@ def test_config_change_that_alters_the_maths_is_an_error(reference, tmp_path):
 
 def test_harmless_config_changes_are_warnings():
     saved = {"output_dir": "a", "train": {"log_every": 1, "max_steps": 10, "micro_batch_size": 2},
-             "log": {"trackers": ["wandb"]}, "optim": {"lr": 1e-3}}
+             "log": {"trackers": ["wandb"]}, "optim": {"lr": 1e-3, "schedule": "constant"}}
     now = {"output_dir": "b", "train": {"log_every": 5, "max_steps": 20, "micro_batch_size": 4},
-           "log": {"trackers": []}, "optim": {"lr": 1e-3}}
+           "log": {"trackers": []}, "optim": {"lr": 1e-3, "schedule": "constant"}}
     errors, warnings = compare_configs(saved, now)
     assert errors == ["train.micro_batch_size: checkpoint 2 -> now 4"]
     assert warnings == ["log.trackers: checkpoint ['wandb'] -> now []", "output_dir: checkpoint 'a' -> now 'b'",
                         "train.log_every: checkpoint 1 -> now 5", "train.max_steps: checkpoint 10 -> now 20"]
+
+
+def test_longer_max_steps_under_a_decaying_schedule_is_an_error(reference, tmp_path):
+    """The cosine curve depends on max_steps: resuming with another one would change the remaining LRs."""
+    ckpt = reference / "checkpoints" / f"step_{K:06d}"
+    with pytest.raises(ConfigError) as e:
+        run(tiny_cfg(tmp_path, *JOB, "train.max_steps=20", f"train.resume_from={ckpt}"))
+    assert "train.max_steps: checkpoint 14 -> now 20 (the cosine LR schedule is a function of max_steps" in str(e.value)
+    assert not (tmp_path / "config.yaml").exists()  # rejected before anything was written
+
+
+def test_fresh_run_into_a_directory_with_checkpoints_is_refused(reference):
+    before = sorted(p.name for p in (reference / "checkpoints").iterdir())
+    with pytest.raises(CheckpointError) as e:
+        run(tiny_cfg(reference, *JOB))
+    assert str(e.value) == (f"output_dir={reference} already holds checkpoints of a run (newest step_000014); a "
+                            f"fresh run there would mix its checkpoints and metrics with them. Resume it with "
+                            f"train.resume_from=latest, or use another output_dir.")
+    assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == before
+    assert len(_losses(reference)) == 2 * K  # its metrics.jsonl untouched
+
+
+def test_edited_data_file_is_detected_on_resume(reference, tmp_path):
+    from tests.conftest import TINY_DATA
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(TINY_DATA.read_text() + '{"text": "One more row.", "label": "positive"}\n')
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference / "checkpoints" / f"step_{K:06d}", ckpt)
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    state["config"]["data"]["path"] = str(data)  # same path in both configs, different bytes than when saved
+    (ckpt / STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(ConfigError, match=r"the data file changed since checkpoint .* \(sha256 [0-9a-f]{12}\.\.\. "
+                                          r"-> [0-9a-f]{12}\.\.\.\): the split and the sample order would differ"):
+        run(tiny_cfg(tmp_path / "out", *JOB, f"data.path={data}", f"train.resume_from={ckpt}"))
