@@ -60,10 +60,9 @@ def build_lora_model(shape: str | dict[str, Any], model_cfg: ModelConfig, lora_c
     time by a round trip through a temporary directory (as ``scale.modeling.load_base`` does), onto
     ``device``. Same ``seed`` -> same base and LoRA weights.
     """
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    from scale.modeling import _DTYPES, add_lora, bnb_config, disable_cpu_inference_packing
+    from scale.modeling import _DTYPES, add_lora, bnb_config, disable_cpu_inference_packing, reload_from_directory
 
     dtype = _DTYPES[model_cfg.dtype]
     with torch.random.fork_rng(devices=[]):
@@ -72,12 +71,8 @@ def build_lora_model(shape: str | dict[str, Any], model_cfg: ModelConfig, lora_c
             base = LlamaForCausalLM(llama_config(shape, max_len)).to(dtype)
     if model_cfg.quantize_4bit:
         device_map = {"": torch.device(device).index or 0} if torch.device(device).type == "cuda" else "cpu"
-        with tempfile.TemporaryDirectory() as tmp:
-            base.config.save_pretrained(tmp)
-            save_model(base, f"{tmp}/model.safetensors")
-            del base
-            base = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype, quantization_config=bnb_config(model_cfg),
-                                                        device_map=device_map)
+        base = reload_from_directory(base, dtype=dtype, quantization_config=bnb_config(model_cfg),
+                                     device_map=device_map)
         base.config.use_cache = False
         disable_cpu_inference_packing(base)
     with torch.random.fork_rng(devices=[]):

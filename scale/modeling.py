@@ -99,20 +99,27 @@ def load_base(cfg: ModelConfig, vocab_size: int, seed: int, device_map: Any = No
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = LlamaForCausalLM(tiny_llama_config(cfg, vocab_size)).to(_DTYPES[cfg.dtype])
-        if cfg.quantize_4bit:  # quantization happens at load time: round-trip through a directory
-            from safetensors.torch import save_model
-
-            with tempfile.TemporaryDirectory() as tmp:
-                # Written by hand: save_pretrained writes on global rank 0 only, and every rank needs it.
-                model.config.save_pretrained(tmp)
-                save_model(model, f"{tmp}/model.safetensors")
-                model = AutoModelForCausalLM.from_pretrained(tmp, **kwargs)
+        if cfg.quantize_4bit:
+            model = reload_from_directory(model, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.name_or_path), **kwargs)
     model.config.use_cache = False
     if cfg.quantize_4bit:
         disable_cpu_inference_packing(model)
     return model
+
+
+def reload_from_directory(model: torch.nn.Module, **from_pretrained_kwargs: Any) -> torch.nn.Module:
+    """Reload an in-memory model through a temporary directory, e.g. to quantize it (bitsandbytes quantizes
+    at load time). Written by hand, not with ``save_pretrained``, which writes on global rank 0 only while
+    every rank needs the files. The returned model replaces ``model``."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.config.save_pretrained(tmp)
+        save_model(model, f"{tmp}/model.safetensors")
+        return AutoModelForCausalLM.from_pretrained(tmp, **from_pretrained_kwargs)
 
 
 def disable_cpu_inference_packing(model: torch.nn.Module) -> int:
