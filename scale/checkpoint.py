@@ -140,6 +140,11 @@ def compare_configs(saved: dict[str, Any], current: dict[str, Any]) -> tuple[lis
     return errors, warnings
 
 
+def _is_writer(acc: Accelerator) -> bool:
+    """The process that writes shared files: the main one, or each node's with ``save_on_each_node``."""
+    return acc.is_main_process or (acc.project_configuration.save_on_each_node and acc.is_local_main_process)
+
+
 def _trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -151,7 +156,7 @@ def register_hooks(acc: Accelerator) -> None:
 
     def save_hook(models: list[torch.nn.Module], weights: list[dict], output_dir: str) -> None:
         weights.clear()  # accelerate would write the full state dict, 4-bit base included
-        if acc.is_main_process or acc.project_configuration.save_on_each_node and acc.is_local_main_process:
+        if _is_writer(acc):
             for model in models:
                 save_file(_trainable_state(acc.unwrap_model(model)), os.path.join(output_dir, ADAPTER_FILE))
 
@@ -180,7 +185,7 @@ def save_checkpoint(acc: Accelerator, cfg: Config, state: TrainerState) -> Path:
     root = checkpoint_root(cfg.output_dir)
     final = root / f"step_{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
-    writer = acc.is_main_process or (cfg.train.save_on_each_node and acc.is_local_main_process)
+    writer = _is_writer(acc)
     if writer:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of an interrupted save
         tmp.mkdir(parents=True)
@@ -234,10 +239,11 @@ def check_resume(acc: Accelerator, cfg: Config, path: Path | None) -> TrainerSta
             run's checkpoints.
         ConfigError: the config differs from the checkpoint's in a key that changes the maths.
     """
-    here = os.uname().nodename
-    seen = gather_object([(acc.process_index, here, str(path) if path else None)])  # collective: every rank
-    if len({p for _, _, p in seen}) > 1:
-        listing = "; ".join(f"rank {r} on {h}: {p or 'no checkpoint'}" for r, h, p in seen)
+    missing = [str(f) for f in _needed_files(acc, path) if not f.exists()] if path is not None else []
+    # One collective for both checks: which checkpoint each rank resolved, and which files it lacks.
+    report = gather_object([(acc.process_index, os.uname().nodename, str(path) if path else None, missing)])
+    if len({p for _, _, p, _ in report}) > 1:
+        listing = "; ".join(f"rank {r} on {h}: {p or 'no checkpoint'}" for r, h, p, _ in report)
         raise CheckpointError(f"the ranks do not agree on the checkpoint to resume from ({listing}). Put "
                               f"output_dir on shared storage or set train.save_on_each_node=true.")
     if path is None:
@@ -247,11 +253,9 @@ def check_resume(acc: Accelerator, cfg: Config, path: Path | None) -> TrainerSta
                                   f"{existing[-1].name}); a fresh run there would mix its checkpoints and metrics "
                                   f"with them. Resume it with train.resume_from=latest, or use another output_dir.")
         return None
-    missing = [str(f) for f in _needed_files(acc, path) if not f.exists()]
-    report = gather_object([(acc.process_index, here, missing)])  # collective: every rank
-    bad = [r for r in report if r[2]]
+    bad = [r for r in report if r[3]]
     if bad:
-        rank, host, files = bad[0]
+        rank, host, _, files = bad[0]
         raise CheckpointError(f"rank {rank} on {host} cannot read checkpoint {path}: missing {files[:3]}. "
                               f"Without shared storage set train.save_on_each_node=true (then each node "
                               f"writes its own copy) or copy the checkpoint to every node before resuming.")
