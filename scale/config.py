@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from scale.fileio import write_text_atomic
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "train" / "default.yaml"
 
 
@@ -387,7 +389,7 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 def dump_config(cfg: Config, path: str | Path) -> None:
     """Write the resolved config to ``path`` (YAML); ``load_config(path)`` reads it back equal."""
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def help_table() -> str:

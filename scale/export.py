@@ -11,14 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 from scale.config import load_config
+from scale.fileio import replace_dir, temp_dir_for
 from scale.modeling import load_base, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,12 +63,10 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     base = dequantized_base(cfg.model, len(tokenizer), cfg.train.seed)
     merged = PeftModel.from_pretrained(base, run_dir / "adapter").merge_and_unload()
     merged.config.use_cache = True
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temp_dir_for(out)
     merged.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    replace_dir(tmp, out)
     return out
 
 

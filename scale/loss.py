@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from scale.config import Config
+
 
 def tail_positions(attention_mask: Tensor, threshold: int) -> Tensor:
     """Positions of the last ``threshold`` real tokens of each row.
@@ -253,3 +255,56 @@ def forward_tail(model: torch.nn.Module, batch: dict[str, Tensor], threshold: in
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=keep,
                 use_cache=False)
     return (out.logits if tb is None else select_tail_logits(out.logits, tb)), targets
+
+
+@dataclass
+class LossSpec:
+    """Everything :func:`loss_step` and evaluation need besides the model and the batch (from the config).
+
+    Attributes:
+        threshold: ``N`` tail tokens.
+        padding_side: ``"left"`` or ``"right"`` (how batches are padded; see :func:`forward_tail`).
+        type_weights: weight per ``type_indicator`` id, or ``None`` (every tail token weighs 1).
+        criterion: a user criterion (:func:`load_criterion`), or ``None`` for cross-entropy.
+        criterion_mode: ``"plain"`` or ``"input"``.
+        target_position: which tail token is the label, counted from the end (``-1`` = last).
+        label_token_ids: ``[L]`` token id of each label word.
+    """
+
+    threshold: int
+    padding_side: str
+    type_weights: list[float] | None
+    criterion: Criterion | None
+    criterion_mode: str
+    target_position: int
+    label_token_ids: Tensor
+
+    @classmethod
+    def from_config(cls, cfg: Config, label_token_ids: list[int]) -> LossSpec:
+        """Build from the ``loss`` and ``data`` sections. Raises ValueError for a criterion that cannot be imported."""
+        return cls(
+            threshold=cfg.loss.threshold,
+            padding_side=cfg.data.padding_side,
+            type_weights=cfg.loss.type_weights,
+            criterion=load_criterion(cfg.loss.criterion) if cfg.loss.criterion else None,
+            criterion_mode=cfg.loss.criterion_mode,
+            target_position=cfg.loss.target_position,
+            label_token_ids=torch.tensor(label_token_ids, dtype=torch.long),
+        )
+
+    def weights(self, batch: dict[str, Tensor]) -> Tensor:
+        """``[B, N]`` tail-token weights of a batch (a user criterion counts every token once)."""
+        if self.criterion is not None:
+            return torch.ones(batch["input_ids"].shape[0], self.threshold, device=batch["input_ids"].device)
+        return token_weights(batch["type_indicator"], self.threshold, self.type_weights)
+
+
+def loss_step(model: torch.nn.Module, batch: dict[str, Tensor], spec: LossSpec, weights: Tensor) -> Tensor:
+    """Forward one micro-batch; return the tail-loss numerator ``[]`` under ``weights`` ``[B, N]``.
+
+    Pure: no collectives; the caller divides by the window's denominator. The tail logits ``[B, N, V]`` are
+    freed before returning.
+    """
+    tail_logits, targets = forward_tail(model, batch, spec.threshold, spec.padding_side)   # [B, N, V], [B, N]
+    num, _ = tail_loss(tail_logits, targets, weights, batch["type_indicator"], spec.criterion, spec.criterion_mode)
+    return num

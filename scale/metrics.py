@@ -1,12 +1,15 @@
-"""Device-side metric sums, reduced across ranks only at log time, and the local ``metrics.jsonl`` sink.
+"""Device-side metric sums, reduced across ranks only at log time; one logging path to trackers and a file.
 
 Cross-rank numbers are ratios of sums: every rank adds numerators and denominators on its device; at
 ``train.log_every`` the sums are reduced once (a collective every rank must reach) and divided once.
+Every logged figure goes through :class:`MetricsLog`: ``<output_dir>/metrics.jsonl`` always, plus the
+trackers (W&B) on the main process, which may fail without stopping training.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import time
@@ -16,8 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:  # a type only: scale.report imports read_jsonl without accelerate
+from scale.fileio import write_text_atomic
+
+if TYPE_CHECKING:  # types only: scale.report imports read_jsonl without accelerate
     from accelerate import Accelerator
+
+    from scale.config import Config
+
+logger = logging.getLogger(__name__)
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -125,9 +134,7 @@ class JsonlSink:
             kept = []
             if keep_until is not None and path.exists():
                 kept = [json.dumps(r) + "\n" for r in read_jsonl(path) if r.get("step", 0) <= keep_until]
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(kept), encoding="utf-8")
-            os.replace(tmp, path)  # atomic: a crash here leaves the old history, never half of it
+            write_text_atomic(path, "".join(kept))  # a crash here leaves the old history, never half of it
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Write ``{"step": step, **metrics}`` as one line and flush."""
@@ -135,6 +142,91 @@ class JsonlSink:
             return
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+def model_flops(cfg: Config, model_config: Any, device: torch.device, trainable: int
+                ) -> tuple[Callable[[int, int], float], float | None]:
+    """``(flops_fn, peak)`` for ``train/mfu``.
+
+    Args:
+        cfg: the run's config (``loss.threshold``, ``log.peak_flops``).
+        model_config: the base model's transformers config.
+        device: the run's device.
+        trainable: trainable (LoRA) parameter count.
+
+    Returns:
+        ``flops_fn(B, T)``: model FLOPs of a ``[B, T]`` micro-batch (:mod:`scale.flops`: LoRA count, only the
+        tail's logits); and the device's peak FLOP/s (``log.peak_flops``, else the GPU's name looked up in a
+        table; ``None`` on CPU or an unknown GPU, then no MFU is reported).
+    """
+    from scale.flops import flops_per_token, peak_flops
+
+    threshold = cfg.loss.threshold
+
+    def flops_fn(rows: int, seq_len: int) -> float:
+        per_position = flops_per_token(model_config, seq_len, lora_params=trainable,
+                                       logits_fraction=threshold / seq_len)
+        return rows * seq_len * per_position
+
+    peak = cfg.log.peak_flops
+    if peak is None and device.type == "cuda":
+        peak = peak_flops(torch.cuda.get_device_name(device))
+    return flops_fn, peak
+
+
+def start_trackers(cfg: Config, acc: Accelerator) -> None:
+    """Start the trackers on the main process. W&B without an API key runs offline (one-line notice).
+
+    A tracker that cannot start (W&B unreachable, a bad key, the package missing) costs one warning:
+    training goes on and ``metrics.jsonl`` still gets every figure.
+    """
+    from scale.config import to_dict
+
+    trackers = [t for t in cfg.log.trackers if t != "none"]
+    if not trackers:
+        return
+    init_kwargs: dict[str, Any] = {}
+    if "wandb" in trackers:
+        if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+            os.environ["WANDB_MODE"] = "offline"
+            if acc.is_main_process:
+                logger.info("W&B: no API key configured, logging offline to %s/wandb (upload later with "
+                            "`wandb sync`)", cfg.output_dir)
+        init_kwargs["wandb"] = {"dir": cfg.output_dir, "name": cfg.log.run_name}
+    try:
+        acc.init_trackers(cfg.log.project, config=to_dict(cfg), init_kwargs=init_kwargs)  # main process only
+    except Exception as e:  # noqa: BLE001 - any tracker failure must not stop training
+        drop_trackers(acc, e, trackers)
+
+
+def drop_trackers(acc: Accelerator, error: BaseException, names: list[str] | None = None) -> None:
+    """Stop logging to the trackers after ``error``, with one warning; ``metrics.jsonl`` goes on."""
+    names = names or [getattr(t, "name", type(t).__name__) for t in acc.trackers]
+    logger.warning("trackers %s failed (%s: %s); training goes on, metrics stay in %s/metrics.jsonl",
+                   names, type(error).__name__,
+                   str(error).splitlines()[0][:200] if str(error) else "", acc.project_configuration.project_dir)
+    acc.trackers = []
+
+
+class MetricsLog:
+    """The one place figures are logged: ``metrics.jsonl`` (main process) and the trackers.
+
+    Args:
+        acc: the run's Accelerator (its trackers were started by :func:`start_trackers`).
+        sink: the ``metrics.jsonl`` writer.
+    """
+
+    def __init__(self, acc: Accelerator, sink: JsonlSink) -> None:
+        self.acc = acc
+        self.sink = sink
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        """Log ``metrics`` at optimizer step ``step``; a tracker that fails is dropped with one warning."""
+        self.sink.write(step, metrics)
+        try:
+            self.acc.log(metrics, step=step)  # main process only
+        except Exception as e:  # noqa: BLE001 - a tracker that fails mid-run must not stop training
+            drop_trackers(self.acc, e)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

@@ -14,7 +14,8 @@ from accelerate.utils import DistributedType
 from scale.checkpoint import CheckpointError, list_checkpoints
 from scale.config import ConfigError, DataConfig, LossConfig, load_config
 from scale.data import DataError, label_token_ids, load_rows, tokenize_rows
-from scale.train import LaunchError, _reconcile_deepspeed, plan_for_mode, run
+from scale.launch import LaunchError, plan_for_mode, reconcile_deepspeed
+from scale.train import run
 from tests.conftest import TINY_YAML, tiny_cfg
 
 
@@ -119,7 +120,7 @@ def test_misspelled_config_key():
 
 def test_deepspeed_json_contradicts_training_config():
     cfg = load_config(TINY_YAML, ["train.gradient_accumulation_steps=2"])
-    assert _message(LaunchError, _reconcile_deepspeed, cfg, {"gradient_accumulation_steps": 4}) == (
+    assert _message(LaunchError, reconcile_deepspeed, cfg, {"gradient_accumulation_steps": 4}) == (
         'the DeepSpeed config sets gradient_accumulation_steps=4 but the training config has 2 (train.*/optim.*); '
         'set it to "auto" in the JSON so the training config owns it')
 
@@ -213,7 +214,7 @@ def test_override_text_with_a_colon_stays_text():
 
 
 def test_cli_prints_the_message_and_exits_2(tmp_path, capsys):
-    from scale.train import EXIT_BAD_INPUT, main
+    from scale.cli import EXIT_BAD_INPUT, main
 
     assert main(["--config", str(TINY_YAML), "train.max_stpes=5"]) == EXIT_BAD_INPUT == 2
     err = capsys.readouterr().err

@@ -16,7 +16,7 @@ import torch
 from benchmarks.parity import ROOT, TINY, modes, rel_dev, run_mode, weight_dev
 from scale.config import load_config
 from scale.schedule import lr_factor
-from scale.train import LaunchError, _cpu_threads, _reconcile_deepspeed, check_launch_environment
+from scale.launch import LaunchError, check_launch_environment, cpu_threads_per_rank, reconcile_deepspeed
 
 TOL = 1e-5
 
@@ -73,7 +73,7 @@ def test_guard_real_launch_cpu_num_processes_2_exits_with_message(tmp_path):
 
 
 def test_guard_world_size_without_process_group(monkeypatch, tmp_path):
-    import scale.train as train
+    import scale.launch as launch
     from accelerate.utils import DistributedType
 
     class FakeAccelerator:
@@ -82,15 +82,15 @@ def test_guard_world_size_without_process_group(monkeypatch, tmp_path):
         def __init__(self, **kwargs):
             pass
 
-    monkeypatch.setattr(train, "Accelerator", FakeAccelerator)
+    monkeypatch.setattr(launch, "Accelerator", FakeAccelerator)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(LaunchError, match=r"WORLD_SIZE=2 but accelerate runs DistributedType.NO: .*unsynced replicas"):
-        train.build_accelerator(load_config(TINY, [f"output_dir={tmp_path}"]))
+        launch.build_accelerator(load_config(TINY, [f"output_dir={tmp_path}"]))
 
 
 def test_guard_deepspeed_dropped(monkeypatch, tmp_path):
-    import scale.train as train
+    import scale.launch as launch
     from accelerate.utils import DistributedType
 
     class FakeAccelerator:
@@ -100,22 +100,22 @@ def test_guard_deepspeed_dropped(monkeypatch, tmp_path):
             assert kwargs["cpu"] is False   # we never pass cpu=True with DeepSpeed
             assert any(type(h).__name__ == "InitProcessGroupKwargs" for h in kwargs["kwargs_handlers"])
 
-    monkeypatch.setattr(train, "Accelerator", FakeAccelerator)
+    monkeypatch.setattr(launch, "Accelerator", FakeAccelerator)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(LaunchError, match=r"a DeepSpeed launch ended up as .*MULTI_CPU.*DeepSpeed was dropped"):
-        train.build_accelerator(load_config(TINY, [f"output_dir={tmp_path}"]))
+        launch.build_accelerator(load_config(TINY, [f"output_dir={tmp_path}"]))
 
 
 def test_guard_deepspeed_json_contradicting_training_config():
     cfg = load_config(TINY, ["train.gradient_accumulation_steps=2", "optim.max_grad_norm=0.5"])
     ds = {"gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto"}
-    _reconcile_deepspeed(cfg, ds)
+    reconcile_deepspeed(cfg, ds)
     assert ds == {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": 8}
     with pytest.raises(LaunchError, match=r"sets gradient_accumulation_steps=4 but the training config has 2"):
-        _reconcile_deepspeed(cfg, {"gradient_accumulation_steps": 4})
+        reconcile_deepspeed(cfg, {"gradient_accumulation_steps": 4})
     with pytest.raises(LaunchError, match=r"sets gradient_clipping=1.0 but the training config has 0.5"):
-        _reconcile_deepspeed(cfg, {"gradient_clipping": 1.0})
+        reconcile_deepspeed(cfg, {"gradient_clipping": 1.0})
 
 
 def test_guard_deepspeed_launcher_threads(monkeypatch):
@@ -123,10 +123,10 @@ def test_guard_deepspeed_launcher_threads(monkeypatch):
     try:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
         monkeypatch.setattr(os, "cpu_count", lambda: 2)
-        _cpu_threads({"LOCAL_SIZE": "2"})        # the deepspeed launcher's variables, no OMP_NUM_THREADS
+        cpu_threads_per_rank({"LOCAL_SIZE": "2"})        # the deepspeed launcher's variables, no OMP_NUM_THREADS
         assert torch.get_num_threads() == 1
         torch.set_num_threads(2)
-        _cpu_threads({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "2"})   # an explicit choice is left alone
+        cpu_threads_per_rank({"LOCAL_SIZE": "2", "OMP_NUM_THREADS": "2"})   # an explicit choice is left alone
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 from benchmarks.parity import ROOT, TINY, _accelerate
 from scale.checkpoint import list_checkpoints
 from scale.metrics import read_jsonl
-from scale.train import EXIT_PREEMPTED, NonFiniteError, run
+from scale.signals import EXIT_PREEMPTED
+from scale.train import NonFiniteError, run
 from tests.conftest import TINY_DATA, tiny_cfg
 from tests.criteria import POISON_TYPE
 

@@ -71,7 +71,8 @@ def test_zero3_adapter_is_complete_and_reproduces_eval(tmp_path, tokenizer):
     from scale.config import load_config
     from scale.data import Collator, build_splits
     from scale.modeling import load_base
-    from scale.train import LossSpec, evaluate
+    from scale.loss import LossSpec
+    from scale.evaluate import evaluate
 
     cmds, overrides = modes()["zero3 2x(2,2)"]
     run_mode(cmds, overrides + ["train.max_steps=3"], tmp_path)

@@ -52,7 +52,8 @@ def test_adapter_reloads_and_reproduces_final_eval(tiny_run, tokenizer):
     from scale.config import load_config
     from scale.data import Collator, build_splits
     from scale.modeling import load_base
-    from scale.train import LossSpec, evaluate
+    from scale.loss import LossSpec
+    from scale.evaluate import evaluate
 
     out, final = tiny_run
     cfg = load_config(out / "config.yaml")
@@ -82,16 +83,19 @@ def test_no_full_logits_in_a_training_step(tmp_path, monkeypatch):
         return original(model, *args, **kwargs)
 
     monkeypatch.setattr(modeling, "add_lora", hooked)
+    import scale.evaluate
+    import scale.loss
     import scale.train as train
 
     T_seen = []
-    real_forward_tail = train.L.forward_tail
+    real_forward_tail = scale.loss.forward_tail
 
     def spy(model, batch, *a, **k):
         T_seen.append(batch["input_ids"].shape[1])
         return real_forward_tail(model, batch, *a, **k)
 
-    monkeypatch.setattr(train.L, "forward_tail", spy)
+    monkeypatch.setattr(scale.loss, "forward_tail", spy)   # training (loss_step)
+    monkeypatch.setattr(scale.evaluate, "forward_tail", spy)   # evaluation
     monkeypatch.setattr(train, "build_model", lambda *a, **k: modeling.build_model(*a, **k))
     run(tiny_cfg(tmp_path, "train.max_steps=2", "train.save_adapter=false"))
     assert len(seen) == len(T_seen) > 0
