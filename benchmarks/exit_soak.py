@@ -14,7 +14,12 @@ import sys
 import tempfile
 import time
 
-from parity import ROOT, TINY, _accelerate
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python benchmarks/exit_soak.py`: make `tests.launching` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.launching import ROOT, TINY, accelerate_cmd  # noqa: E402
 
 
 def main() -> int:
@@ -26,7 +31,7 @@ def main() -> int:
     t0 = time.perf_counter()
     for i in range(args.runs):
         with tempfile.TemporaryDirectory() as out:
-            proc = subprocess.run(_accelerate(args.config) + ["--config", str(TINY), f"output_dir={out}",
+            proc = subprocess.run(accelerate_cmd(args.config) + ["--config", str(TINY), f"output_dir={out}",
                                   "train.max_steps=2", "train.eval_every=0", "log.trackers=[]"],
                                   cwd=ROOT, capture_output=True, text=True)
         codes.append(proc.returncode)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # `python benchmarks/resume_parity.py`: make `benchmarks.parity` importable
+if __package__ in (None, ""):  # `python benchmarks/resume_parity.py`: make `tests.launching` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.parity import ROOT, modes, run_mode  # noqa: E402
+from tests.launching import ROOT, modes, run_mode  # noqa: E402
 
 RESUME_JOB = ["train.max_steps=8", "train.save_every=4", "lora.dropout=0.1", "optim.name=adamw", "optim.lr=1e-3"]
 MODES = ["single 1x(2,4)", "ddp 2x(2,2)", "zero1 2x(2,2)", "zero2 2x(2,2)", "zero3 2x(2,2)"]

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks.parity import ROOT, TINY, modes, rel_dev, run_mode, weight_dev
+from tests.launching import ROOT, TINY, modes, rel_dev, run_mode, weight_dev
 from scale.config import load_config
 from scale.schedule import lr_factor
 from scale.launch import LaunchError, check_launch_environment, cpu_threads_per_rank, reconcile_deepspeed
@@ -32,6 +32,7 @@ def _expected_lrs(n_steps):
     return [cfg.optim.lr * lr_factor(s, cfg.optim, n_steps) for s in range(n_steps)]
 
 
+@pytest.mark.launch
 def test_single_process_lr_follows_schedule(reference):
     assert reference["steps"] == [1, 2, 3, 4, 5, 6]
     assert rel_dev(_expected_lrs(6), reference["lr"]) < 1e-12
@@ -42,6 +43,7 @@ if __import__("importlib").util.find_spec("deepspeed") is not None:
     MODES += ["zero2 2x(2,2)", "zero3 2x(2,2)"]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("mode", MODES)
 def test_mode_matches_single_device(mode, reference, tmp_path):
     cmds, overrides = modes()[mode]
@@ -63,6 +65,7 @@ def test_guard_multi_cpu_launch_that_starts_one_process():
     check_launch_environment({"ACCELERATE_MIXED_PRECISION": "no"})   # a single-process accelerate launch passes
 
 
+@pytest.mark.launch
 def test_guard_real_launch_cpu_num_processes_2_exits_with_message(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "-m", "scale.train",

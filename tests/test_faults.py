@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.parity import ROOT, TINY, _accelerate
+from tests.launching import ROOT, TINY, accelerate_cmd
 from scale.checkpoint import list_checkpoints
 from scale.metrics import read_jsonl
 from scale.signals import EXIT_PREEMPTED
@@ -42,7 +42,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")
 def _launch(out, *extra, wait=True):
     out.mkdir(parents=True, exist_ok=True)
     log = open(out.with_name(out.name + ".log"), "a")
-    proc = subprocess.Popen(_accelerate("cpu_ddp.yaml") + JOB + [f"output_dir={out}", *extra], env=ENV, cwd=ROOT,
+    proc = subprocess.Popen(accelerate_cmd("cpu_ddp.yaml") + JOB + [f"output_dir={out}", *extra], env=ENV, cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT)
     if wait:
         proc.wait(timeout=300)
@@ -73,6 +73,7 @@ def reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.launch
 def test_two_process_resume_mid_epoch_is_bit_exact(reference, tmp_path):
     out = tmp_path / "resumed"
     proc = _launch(out, f"train.resume_from={reference}/checkpoints/step_{K:06d}")
@@ -85,6 +86,7 @@ def test_two_process_resume_mid_epoch_is_bit_exact(reference, tmp_path):
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= names
 
 
+@pytest.mark.launch
 def test_rank_that_cannot_see_the_checkpoint_stops_every_rank(reference, tmp_path):
     """Multi-node without shared storage, simulated: rank 1's files are missing -> a clear error at start."""
     ckpt = tmp_path / "ckpt"
@@ -98,6 +100,7 @@ def test_rank_that_cannot_see_the_checkpoint_stops_every_rank(reference, tmp_pat
                      f"['{ckpt}/random_states_1.pkl']. Without shared storage set train.save_on_each_node=true") == 2
 
 
+@pytest.mark.launch
 def test_sigterm_checkpoints_and_resume_matches(reference, tmp_path):
     out = tmp_path / "preempted"
     at = random.Random().randint(1, 2 * K - 2)  # signal once this step has been logged
@@ -127,6 +130,7 @@ def test_sigterm_checkpoints_and_resume_matches(reference, tmp_path):
     assert sorted(got) == list(range(1, 2 * K + 1)) and all(got[s] == ref[s] for s in got)
 
 
+@pytest.mark.launch
 def test_sigterm_exit_code_without_launcher(tmp_path):
     """`scale-train` run directly (one process, as under srun): SIGTERM -> checkpoint, exit code 75."""
     out = tmp_path / "direct"
@@ -144,6 +148,7 @@ def test_sigterm_exit_code_without_launcher(tmp_path):
     assert json.loads((ckpt / "trainer_state.json").read_text())["reason"] == "preempted"
 
 
+@pytest.mark.launch
 def test_sigkill_of_one_rank_fails_the_job_fast(tmp_path):
     out = tmp_path / "killed"
     proc = _launch(out, "train.max_steps=100000", "train.eval_every=0", wait=False)

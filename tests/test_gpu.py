@@ -49,13 +49,13 @@ def test_bf16_qlora_trains_and_beats_fp32_lora_per_step(tmp_path):
 def test_fsdp2_qlora_matches_single_gpu(tmp_path):
     import sys
 
-    from benchmarks.parity import _accelerate, run_mode
+    from tests.launching import accelerate_cmd, run_mode
 
     qlora = ["model.quantize_4bit=true", "model.bnb_4bit_compute_dtype=bfloat16", "model.dtype=bfloat16",
              "model.bnb_4bit_quant_storage=bfloat16", "train.mixed_precision=bf16"]
     single = run_mode([[sys.executable, "-m", "scale.train"]],
                       ["train.micro_batch_size=4", "train.gradient_accumulation_steps=1", *qlora], tmp_path / "one")
-    fsdp = run_mode([_accelerate("fsdp2.yaml", ["--num_processes", "2"])],
+    fsdp = run_mode([accelerate_cmd("fsdp2.yaml", ["--num_processes", "2"])],
                     ["train.micro_batch_size=2", "train.gradient_accumulation_steps=1", *qlora], tmp_path / "fsdp")
     assert len(single["loss"]) == len(fsdp["loss"])
     for a, b in zip(single["loss"], fsdp["loss"]):

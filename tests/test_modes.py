@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 
-from benchmarks.parity import modes, run_mode
+from tests.launching import modes, run_mode
 from scale.metrics import read_jsonl
 from tests.conftest import tiny_cfg
 
@@ -20,6 +20,7 @@ MODES = ["single 1x(8,1)", "ddp 2x(2,2)"] + (["zero1 2x(2,2)", "zero2 2x(2,2)", 
 QLORA = ["model.quantize_4bit=true", "model.bnb_4bit_compute_dtype=float32", "model.bnb_4bit_quant_storage=float32"]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("kind", ["lora", "qlora"])
 @pytest.mark.parametrize("mode", MODES)
 def test_checkpointed_lora_and_qlora_in_every_mode(mode, kind, tmp_path):

@@ -1,0 +1,94 @@
+"""Launch helpers shared by the multi-process tests and the parity benchmarks: every launch mode of the tiny job.
+
+Each mode starts real processes (``accelerate launch``, the ``deepspeed`` launcher, two "nodes" on one machine)
+on 2 CPU processes (gloo) and returns the numbers the run logged, so tests and benchmarks compare modes on what
+the job really wrote (``metrics.jsonl`` and the adapter), never on exit codes alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "train" / "tiny_cpu.yaml"
+JOB = ["data.max_train_examples=20", "train.max_steps=6", "train.log_every=1", "train.eval_every=0",
+       "lora.dropout=0.0", "optim.warmup_steps=2", f"data.path={ROOT / 'data' / 'tiny_reviews.jsonl'}",
+       "log.trackers=[]", "optim.name=sgd", "optim.lr=0.5"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_cmd(config: str, extra: list[str] | None = None) -> list[str]:
+    yaml_path = str(ROOT / "configs" / "accelerate" / config)
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", yaml_path,
+            "--main_process_port", str(free_port()), *(extra or []), "-m", "scale.train"]
+
+
+def modes() -> dict[str, tuple[list[list[str]], list[str]]]:
+    """name -> (commands to start together, overrides). Micro-batch x GA x processes = 8 in every mode."""
+    py = [sys.executable, "-m", "scale.train"]
+    zero2 = str(ROOT / "configs" / "deepspeed" / "zero2.json")
+    port = free_port()
+    nodes = [[sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--num_machines", "2", "--num_processes", "2",
+              "--machine_rank", str(r), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+              "-m", "scale.train"] for r in (0, 1)]
+    mb2 = ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]
+    return {
+        "single 1x(8,1)": ([py], ["train.micro_batch_size=8", "train.gradient_accumulation_steps=1"]),
+        "single 1x(2,4)": ([py], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=4"]),
+        "ddp 2x(2,2)": ([accelerate_cmd("cpu_ddp.yaml")], mb2),
+        "zero1 2x(2,2)": ([accelerate_cmd("cpu_zero1.yaml")], mb2),
+        "zero2 2x(2,2)": ([accelerate_cmd("cpu_zero2.yaml")], mb2),
+        "zero3 2x(2,2)": ([accelerate_cmd("cpu_zero3.yaml")], mb2),
+        "2 nodes x 1 proc (2,2)": (nodes, mb2),
+        "deepspeed launcher 2x(2,2)": (
+            [["deepspeed", "--num_accelerators", "2", "--master_port", str(free_port()), "--module", "scale.train"]],
+            ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2", f"train.deepspeed_config={zero2}"]),
+    }
+
+
+def run_mode(cmds: list[list[str]], overrides: list[str], out: Path, timeout: float = 600) -> dict:
+    """Start ``cmds`` together with the tiny job + ``overrides`` writing to ``out``; return its numbers.
+
+    Raises:
+        RuntimeError: a process exits non-zero (its output tail is in the message).
+    """
+    from safetensors.torch import load_file
+
+    args = ["--config", str(TINY), f"output_dir={out}", *JOB, *overrides]
+    env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+    procs = [subprocess.Popen(c + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for c in cmds]
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for p, text in zip(procs, outputs):
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(p.args[:6])} ... exited {p.returncode}:\n{text[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/loss" in r]
+    return {"loss": [r["train/loss"] for r in train], "grad_norm": [r["train/grad_norm"] for r in train],
+            "lr": [r["train/lr"] for r in train], "steps": [r["step"] for r in train],
+            "weights": load_file(out / "adapter" / "adapter_model.safetensors")}
+
+
+def rel_dev(a: list[float], b: list[float]) -> float:
+    """max_i |a_i - b_i| / |a_i| (lists of equal length; a length mismatch is infinite deviation)."""
+    if len(a) != len(b):
+        return float("inf")
+    return max(abs(x - y) / max(abs(x), 1e-30) for x, y in zip(a, b))
+
+
+def weight_dev(a: dict, b: dict) -> float:
+    """max over tensors of max |a - b| / max |a| (trainable LoRA weights after the run)."""
+    if a.keys() != b.keys():
+        return float("inf")
+    return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-30)).item() for k in a)
