@@ -43,7 +43,7 @@ from scale.fileio import sha256_file
 from scale.launch import ModePlan, build_accelerator, plan_for_mode
 from scale.evaluate import evaluate
 from scale.loss import LossSpec, loss_step
-from scale.metrics import JsonlSink, MetricsLog, StepMeter, model_flops, start_trackers
+from scale.metrics import JsonlSink, MetricsLog, StepMeter, bar_text, model_flops, start_trackers
 from scale.modeling import build_model, load_tokenizer, parameter_counts
 from scale.schedule import lr_factor
 from scale.signals import Preempted, Preemption
@@ -148,7 +148,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
                 if t.on_nonfinite == "skip":
                     metrics["train/skipped_steps"] = state.skipped_steps
                 job.log.write(state.step, metrics)
-                pbar.set_postfix(loss=f"{metrics.get('train/loss', math.nan):.4f}")
+                pbar.set_postfix_str(bar_text(metrics), refresh=False)
             paused = time.perf_counter()
             if done or (t.eval_every and state.step % t.eval_every == 0):
                 last_eval = evaluate_and_log(job)

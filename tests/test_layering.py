@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
               "modeling", "schedule", "signals",
               "cli"},  # cli only in `if __name__ == "__main__"`: `python -m scale.train` runs the CLI
     "cli": {"checkpoint", "config", "data", "launch", "signals", "train"},
-    "report": {"metrics"},
+    "report": {"config", "metrics", "schedule"},
 }
 DISTRIBUTED = {"launch", "metrics", "checks", "checkpoint", "evaluate", "train", "cli"}
 
