@@ -426,7 +426,7 @@ def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
     return final
 
 
-if __name__ == "__main__":  # python -m scale.train: the same as scale-train
-    from scale.cli import cli
+if __name__ == "__main__":  # `python -m scale.train` (what launchers run) is `scale-train`: hand over to the CLI
+    import runpy
 
-    cli()
+    runpy.run_module("scale.cli", run_name="__main__", alter_sys=True)

@@ -31,8 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"config", "fileio", "launch", "modeling"},
     "evaluate": {"loss"},
     "train": {"assets", "checkpoint", "checks", "config", "data", "evaluate", "fileio", "launch", "loss", "metrics",
-              "modeling", "schedule", "signals",
-              "cli"},  # cli only in `if __name__ == "__main__"`: `python -m scale.train` runs the CLI
+              "modeling", "schedule", "signals"},
     "cli": {"checkpoint", "config", "data", "launch", "signals", "train"},
     "report": {"config", "metrics", "schedule"},
 }
