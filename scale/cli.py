@@ -79,15 +79,20 @@ def configure_logging(env: dict[str, str], uses_deepspeed: bool = False) -> None
         warnings.filterwarnings("ignore")  # python warnings come from libraries; rank 0 shows them
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``scale-train [--config PATH] [section.key=value ...]``: parse, train; return the exit code."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``--config PATH`` and the dotted overrides, which may come before and after it."""
     parser = argparse.ArgumentParser(prog="scale-train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="training YAML (default: configs/train/default.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=50")
     # The `deepspeed` launcher appends --local_rank=N; the rank is read from LOCAL_RANK in the environment.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_intermixed_args(argv)  # overrides may come before and after --config
+    return parser.parse_intermixed_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``scale-train [--config PATH] [section.key=value ...]``: parse, train; return the exit code."""
+    args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
