@@ -12,14 +12,16 @@ the LoRA matrices. Workarounds carry their reason and link:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from scale.assets import resolve_model
-from scale.config import LoraConfig, ModelConfig
+from scale.config import ConfigError, LoraConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +34,25 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
     source = cfg.tokenizer or ("smollm2-135m" if cfg.name_or_path == TINY else cfg.name_or_path)
-    tok = AutoTokenizer.from_pretrained(resolve_model(source), trust_remote_code=cfg.trust_remote_code)
+    key = "model.tokenizer" if cfg.tokenizer else "model.name_or_path"
+    with loading(key, source):
+        tok = AutoTokenizer.from_pretrained(resolve_model(source), trust_remote_code=cfg.trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+@contextlib.contextmanager
+def loading(key: str, value: str) -> Iterator[None]:
+    """Turn transformers' ``OSError`` for a model it cannot find (no such directory, a hub id without network
+    or access, missing weight files) into one :class:`ConfigError` line naming the config key and the fix."""
+    try:
+        yield
+    except OSError as e:
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ConfigError(f"{key}={value!r} could not be loaded: {first[:300]} (no network or no access to the "
+                          f"Hugging Face Hub? download it with `hf download {value} --local-dir DIR` and set "
+                          f"{key}=DIR)") from None
 
 
 def tiny_llama_config(cfg: ModelConfig, vocab_size: int) -> Any:
@@ -102,7 +119,8 @@ def load_base(cfg: ModelConfig, vocab_size: int, seed: int, device_map: Any = No
         if cfg.quantize_4bit:
             model = reload_from_directory(model, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.name_or_path), **kwargs)
+        with loading("model.name_or_path", cfg.name_or_path):
+            model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.name_or_path), **kwargs)
     model.config.use_cache = False
     if cfg.quantize_4bit:
         disable_cpu_inference_packing(model)
