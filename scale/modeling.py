@@ -177,6 +177,7 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
         # pass gradient to LoRA (peft#137).
         kwargs = {"use_reentrant": model_cfg.use_reentrant}
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    check_lora_targets(model, lora_cfg.target_modules)
     peft_cfg = PeftLoraConfig(
         r=lora_cfg.r,
         lora_alpha=lora_cfg.alpha,
@@ -185,6 +186,33 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, peft_cfg)
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """Full names of the model's matmul layers that LoRA can adapt (``nn.Linear``, 4-bit linear, GPT-2's
+    ``Conv1D``), the LM head excepted: ``model.layers.0.self_attn.q_proj``, ``transformer.h.0.attn.c_attn``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [name for name, m in model.named_modules()
+            if m is not head and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")]
+
+
+def check_lora_targets(model: torch.nn.Module, targets: list[str] | str) -> None:
+    """Every name in a ``lora.target_modules`` list must name a matmul layer of this model family.
+
+    peft raises only when no name matches, and silently skips the others: ``[q_proj, v_proj]`` on GPT-2
+    (``c_attn``) or Phi-3 (fused ``qkv_proj``) would train fewer adapters than asked, or fail deep in peft.
+
+    Raises:
+        ConfigError: a listed name matches no matmul layer; the message lists the model's names.
+    """
+    if isinstance(targets, str):  # 'all-linear' or a regular expression: peft's own rules
+        return
+    names = linear_names(model)
+    unknown = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]  # peft's suffix rule
+    if unknown:
+        short = sorted({n.rsplit(".", 1)[-1] for n in names})
+        raise ConfigError(f"lora.target_modules: {unknown} match no linear layer of this {type(model).__name__}; "
+                          f"its linear layers are {short} (or use all-linear)")
 
 
 def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, vocab_size: int, seed: int,

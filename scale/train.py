@@ -40,6 +40,7 @@ from scale.checks import check_invariants, dtype_census, fingerprints
 from scale.config import Config, dump_config
 from scale.data import Collator, DataError, Splits, build_splits
 from scale.fileio import sha256_file
+from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, plan_for_mode
 from scale.evaluate import evaluate
 from scale.loss import LossSpec, loss_step
@@ -412,7 +413,13 @@ def setup(cfg: Config) -> Job:
     start_trackers(cfg, acc)
     # A resumed run keeps the history up to its checkpoint and drops what was logged after it.
     sink = JsonlSink(out / "metrics.jsonl", acc.is_main_process, keep_until=state.step if resume else None)
-    flops_fn, peak = model_flops(cfg, acc.unwrap_model(model).config, acc.device, trainable)
+    try:  # an optional metric must never stop training: count once here, on a full-length micro-batch
+        flops_fn, peak = model_flops(cfg, model_shape(acc.unwrap_model(model)), acc.device, trainable)
+        flops_fn(1, cfg.data.max_length)
+    except Exception as e:  # noqa: BLE001 - any family the count does not understand
+        logger.warning("no FLOPs count (train/mfu) for this model: %s: %s", type(e).__name__, e,
+                       main_process_only=True)
+        flops_fn, peak = None, None
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl,
                LossSpec.from_config(cfg, splits.label_token_ids), MetricsLog(acc, sink), state, flops_fn, peak)
 
