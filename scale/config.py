@@ -24,7 +24,41 @@ import yaml
 
 from scale.fileio import write_text_atomic
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "train" / "default.yaml"
+
+
+def configs_dir() -> Path:
+    """The shipped configs: ``scale/configs/`` in an installed wheel (``pyproject.toml`` maps the repository's
+    top-level ``configs/`` there), the repository's ``configs/`` in a checkout or an editable install."""
+    here = Path(__file__).resolve().parent
+    return next((d for d in (here / "configs", here.parent / "configs") if (d / "train").is_dir()),
+                here.parent / "configs")
+
+
+DEFAULT_CONFIG = configs_dir() / "train" / "default.yaml"
+# Keys naming input files: a relative path in a config file is read relative to that file (when it exists there).
+FILE_KEYS = ("data.path", "model.name_or_path", "model.tokenizer", "train.deepspeed_config")
+
+
+def named_config(name_or_path: str | Path, kind: str = "train", suffix: str = ".yaml") -> Path:
+    """A config file path, or the name of a shipped one: ``tiny_cpu`` -> ``<configs>/train/tiny_cpu.yaml``.
+
+    Args:
+        name_or_path: an existing file, or a name under ``configs_dir() / kind``.
+        kind: ``train``, ``accelerate`` or ``deepspeed``.
+        suffix: ``.yaml`` or ``.json``.
+
+    Raises:
+        ConfigError: neither a file nor a shipped name (the message lists the names).
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    shipped = configs_dir() / kind / f"{path.name.removesuffix(suffix)}{suffix}"
+    if len(path.parts) == 1 and shipped.is_file():
+        return shipped
+    names = sorted(p.stem for p in (configs_dir() / kind).glob(f"*{suffix}"))
+    raise ConfigError(f"{name_or_path} is neither a file (a relative path is read from the current directory, "
+                      f"{os.getcwd()}) nor a shipped {kind} config: {names}")
 
 
 class ConfigError(ValueError):
@@ -390,27 +424,40 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a YAML config and apply dotted overrides.
 
+    A relative input path in the file (:data:`FILE_KEYS`: data, model, DeepSpeed JSON) is read relative to the
+    file when it exists there, so shipped and copied configs run from any directory; on the command line it is
+    read from the current directory. ``train.deepspeed_config`` may name a shipped JSON (``zero2``).
+
     Args:
-        path: YAML file; None loads ``configs/train/default.yaml``.
+        path: YAML file or a shipped config's name (``tiny_cpu``); None loads ``configs/train/default.yaml``.
         overrides: ``["train.max_steps=50", "lora.target_modules=[q_proj,v_proj]"]``; values parse as YAML.
 
     Returns:
         The validated :class:`Config`.
 
     Raises:
-        ConfigError: unknown key, wrong type, a value outside its choices, or an override without ``=``.
-        FileNotFoundError: ``path`` does not exist.
+        ConfigError: unknown key, wrong type, a value outside its choices, an override without ``=``, or a
+            ``path`` that is neither a file nor a shipped name.
     """
-    path = Path(path) if path is not None else DEFAULT_CONFIG
+    path = named_config(path) if path is not None else DEFAULT_CONFIG
     with open(path, encoding="utf-8") as fh:
         tree = yaml_load(fh) or {}
     if not isinstance(tree, dict):
         raise ConfigError(f"{path} must hold a mapping of config sections")
+    for key in FILE_KEYS:
+        section, _, name = key.partition(".")
+        value = tree.get(section, {}).get(name) if isinstance(tree.get(section), dict) else None
+        if isinstance(value, str) and not Path(value).expanduser().is_absolute() \
+                and (path.parent / value).exists():
+            tree[section][name] = str((path.parent / value).resolve())
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
         _set_dotted(tree, key.strip(), _parse_value(raw))
+    ds = tree.get("train", {}).get("deepspeed_config") if isinstance(tree.get("train"), dict) else None
+    if isinstance(ds, str) and not Path(ds).exists() and (configs_dir() / "deepspeed" / f"{ds}.json").is_file():
+        tree["train"]["deepspeed_config"] = str(configs_dir() / "deepspeed" / f"{ds}.json")  # a shipped name
     return _build(Config, tree, "")
 
 

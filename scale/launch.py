@@ -12,16 +12,21 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
+from accelerate.utils import (DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration,
+                               broadcast_object_list)
 
-from scale.config import Config, ConfigError, get_key
+from scale.config import Config, ConfigError, configs_dir, get_key
+
+
+T = TypeVar("T")
 
 
 class LaunchError(RuntimeError):
@@ -115,6 +120,31 @@ def check_output_dir(output_dir: str) -> None:
                           f"you can write to") from None
 
 
+def resolve_deepspeed_file(env: Any = None) -> None:
+    """Make the DeepSpeed JSON that an accelerate config names readable from any directory.
+
+    ``accelerate launch`` hands the YAML's ``deepspeed_config_file`` to the ranks as written
+    (``ACCELERATE_DEEPSPEED_CONFIG_FILE``), and the ranks read it relative to the current directory. The
+    shipped YAMLs name it relative to themselves (``../deepspeed/zero2.json``): a relative path that is not
+    found from the current directory is read relative to the shipped accelerate configs (and the repository
+    root, for older YAMLs), and the environment is updated before the Accelerator reads it.
+
+    Raises:
+        ConfigError: the file is found nowhere.
+    """
+    env = os.environ if env is None else env
+    value = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not value or value == "none" or Path(value).is_absolute() or Path(value).is_file():
+        return
+    for base in (configs_dir() / "accelerate", configs_dir().parent):
+        if (base / value).is_file():
+            env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str((base / value).resolve())
+            return
+    raise ConfigError(f"the accelerate config's deepspeed_config_file={value!r} exists neither in the current "
+                      f"directory ({os.getcwd()}) nor next to the shipped accelerate configs; write an absolute "
+                      f"path, or launch with `scale-train --accelerate-config <yaml>` (read relative to the YAML)")
+
+
 def cpu_threads_per_rank(env: dict[str, str]) -> None:
     """The ``deepspeed`` launcher leaves ``OMP_NUM_THREADS`` unset: 2 ranks on 2 cores ran 37x slower."""
     local = int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", "1")))
@@ -123,6 +153,40 @@ def cpu_threads_per_rank(env: dict[str, str]) -> None:
         torch.set_num_threads(threads)
         logging.getLogger(__name__).warning("OMP_NUM_THREADS unset with %d local ranks: using %d threads per rank",
                                             local, threads)
+
+
+def main_process_first(acc: Accelerator, fn: Callable[[], T]) -> T:
+    """``fn()`` on the main process first (it prepares the cached assets), then on the others. Collective.
+
+    Unlike ``Accelerator.main_process_first``, an exception on the main process is raised on every rank
+    (the others skip ``fn``): the ranks then fail together with the main process's message instead of
+    waiting in a barrier until the launcher kills them. An exception on another rank alone (a file missing
+    on one node) is marked ``rank_local`` so that the CLI prints it although that rank is not rank 0.
+    """
+    error: BaseException | None = None
+    result: Any = None
+    if acc.is_main_process:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised everywhere
+            error = e
+    if acc.num_processes > 1:
+        box = [error]
+        try:
+            broadcast_object_list(box, from_process=0)  # collective
+        except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its text
+            box = [RuntimeError(f"{type(error).__name__}: {error}") if error is not None else None]
+            broadcast_object_list(box, from_process=0)
+        error = box[0]
+    if error is not None:
+        raise error
+    if not acc.is_main_process:
+        try:
+            result = fn()
+        except Exception as e:
+            e.rank_local = True  # type: ignore[attr-defined]
+            raise
+    return result
 
 
 def build_accelerator(cfg: Config) -> Accelerator:
@@ -136,6 +200,7 @@ def build_accelerator(cfg: Config) -> Accelerator:
     """
     check_launch_environment()
     check_inputs(cfg)
+    resolve_deepspeed_file()
     use_deepspeed = (os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
                      or cfg.train.deepspeed_config is not None)
     on_cpu = not torch.cuda.is_available()

@@ -41,7 +41,7 @@ from scale.config import Config, dump_config
 from scale.data import Collator, DataError, Splits, build_splits
 from scale.fileio import sha256_file
 from scale.flops import model_shape
-from scale.launch import ModePlan, build_accelerator, plan_for_mode
+from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.evaluate import evaluate
 from scale.loss import LossSpec, loss_step
 from scale.metrics import JsonlSink, MetricsLog, StepMeter, model_flops, start_trackers
@@ -363,11 +363,15 @@ def setup(cfg: Config) -> Job:
     resume = resolve_resume(cfg.train.resume_from, out)
     saved_state = check_resume(acc, cfg, plan, resume)  # collective; before anything is written
     set_seed(cfg.train.seed)
-    with acc.main_process_first():  # one process prepares the cached assets, the others then read them
+    def prepare() -> tuple[Any, str, Splits, torch.nn.Module]:
         tokenizer = load_tokenizer(cfg.model)
         data_path = resolve_data(cfg.data.path)
         splits = build_splits(cfg.data, cfg.loss, tokenizer, data_path, cfg.train.seed)
         model = build_model(cfg.model, cfg.lora, len(tokenizer), cfg.train.seed, device_map=plan.device_map)
+        return tokenizer, data_path, splits, model
+
+    # One process prepares the cached assets, the others then read them; an error there stops every rank.
+    tokenizer, data_path, splits, model = main_process_first(acc, prepare)  # collective
     mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, acc.num_processes
     if mb * world > len(splits.train):
         raise DataError(f"train.micro_batch_size={mb} x num_processes={world} is larger than the train split "
