@@ -66,12 +66,17 @@ def _error(e: BaseException, code: int = EXIT_BAD_INPUT, echo: bool = True) -> N
         with contextlib.suppress(OSError):
             Path(outcome, f"rank_{rank}.json").write_text(json.dumps({"code": code, "line": line, "rank": rank}))
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun and accelerate launch
-    if error_file and mine:  # shown as this rank's "traceback" in the summary the launcher prints last
-        data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    if error_file:  # shown as each rank's "traceback" in the summary the launcher prints last
+        # torch elastic names the failure with the earliest timestamp the root cause: rank 0's message, once.
+        text = line if mine else f"scale-train: error: the same as rank 0's (rank {rank})"
+        data = {"message": {"message": text, "extraInfo": {"py_callstack": text,
+                                                           "timestamp": str(int(time.time()) + (not mine))}}}
         with contextlib.suppress(OSError):
             Path(error_file).write_text(json.dumps(data))
     if echo and mine and not outcome and not error_file:
         sys.stderr.write(line + "\n")
+    if not mine and (error_file or outcome):
+        time.sleep(1.0)  # let rank 0 exit first with its code: the launcher then stops the others
 
 
 def main(argv: list[str] | None = None) -> int:

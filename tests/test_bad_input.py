@@ -570,3 +570,99 @@ def test_first_run_equals_later_runs_whatever_the_asset_cache_holds(tmp_path, mo
 
     monkeypatch.setattr(scale.modeling, "resolve_model", leaky_resolve)
     assert losses("leaky") != warm
+
+
+# ---- item 15 and item 3 under real launchers (2 CPU processes) ----
+
+def _launch(cmd, tmp_path, *overrides, env=None):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    full = [*cmd, "--config", "tiny_cpu", f"output_dir={tmp_path / 'out'}", *overrides]
+    proc = subprocess.run(full, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", **(env or {})})
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    return proc.returncode, lines, sys.executable
+
+
+def _launchers():
+    import sys
+
+    from tests.launching import accelerate_cmd, free_port
+
+    return {
+        "scale-train --accelerate-config": ([sys.executable, "-m", "scale.cli", "--accelerate-config", "cpu_ddp"], []),
+        "accelerate launch": (accelerate_cmd("cpu_ddp.yaml"), []),
+        "torchrun": ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                      str(free_port()), "-m", "scale.train"], []),
+        "deepspeed": (["deepspeed", "--num_accelerators", "2", "--master_port", str(free_port()), "--module",
+                       "scale.train"], ["train.deepspeed_config=zero2"]),
+    }
+
+
+BAD_TRACKER = ("scale-train: error: ConfigError: log.trackers: unknown tracker 'wandbb'; known: ['aim', 'clearml', "
+               "'comet_ml', 'dvclive', 'mlflow', 'swanlab', 'tensorboard', 'trackio', 'wandb'], or [] for none")
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("launcher", ["scale-train --accelerate-config", "accelerate launch", "torchrun", "deepspeed"])
+def test_bad_input_under_every_launcher(launcher, tmp_path):
+    """Item 15: the message appears once (rank 0), at the end; the exit code says bad input (2) where the
+    launcher passes it through. torchrun and accelerate launch turn every failure into 1 (torch elastic's
+    ChildFailedError): there the message is their summary's root-cause line, followed only by its border."""
+    cmd, extra = _launchers()[launcher]
+    code, lines, _ = _launch(cmd, tmp_path, *extra, "log.trackers=[wandbb]")
+    mentions = [line for line in lines if BAD_TRACKER in line]
+    assert not (tmp_path / "out").exists()
+    if launcher == "scale-train --accelerate-config":
+        assert code == 2 and lines[-1] == BAD_TRACKER
+        assert len(mentions) == 2  # the launcher's summary, then ours as the last line
+    elif launcher == "deepspeed":
+        assert code == 2 and mentions == [BAD_TRACKER]  # deepspeed's own "Killing subprocess" lines follow
+    else:
+        assert code == 1 and mentions == [f"  traceback : {BAD_TRACKER}"]
+        assert lines[-2] == mentions[0] and set(lines[-1]) == {"="}
+
+
+@pytest.mark.launch
+def test_error_on_the_main_process_stops_every_rank_at_once(tmp_path):
+    """An error while rank 0 prepares the model (others waiting their turn) reaches every rank: all exit 2
+    with the same message instead of waiting in a barrier until the launcher kills them."""
+    from tests.launching import accelerate_cmd
+
+    code, lines, _ = _launch(accelerate_cmd("cpu_ddp.yaml"), tmp_path, "model.name_or_path=some-org/no-such-model",
+                             "model.tokenizer=smollm2-135m", env={"HF_HUB_OFFLINE": "1"})
+    text = "\n".join(lines)
+    assert code == 1 and "SIGKILL" not in text  # no rank was left waiting until the launcher killed it
+    root_cause = text[text.index("Root Cause"):].splitlines()
+    assert "  rank      : 0 (local_rank: 0)" in root_cause and "  exitcode  : 2" in " ".join(root_cause)
+    assert lines[-2].startswith("  traceback : scale-train: error: ConfigError: model.name_or_path='some-org/no-such-"
+                                "model' could not be loaded")
+    assert text.count("could not be loaded") == 1
+
+
+@pytest.mark.launch
+def test_zero_weight_window_under_ddp_equals_one_process(tmp_path):
+    """Item 3 in DDP: 2 ranks x 1 row see the rows of 1 process x 2 rows; the all-`negative` window has weight
+    0 on both ranks: skipped on both, the same weights as one process, the same counter."""
+    import sys
+
+    from tests.launching import accelerate_cmd, weight_dev
+
+    single = ["train.micro_batch_size=2", "train.save_every=0", "optim.name=sgd", "optim.lr=0.5"]
+    code, lines, _ = _launch([sys.executable, "-m", "scale.train"], tmp_path / "one", *ZERO_WINDOW, *single)
+    assert code == 0, lines[-20:]
+    ddp = [o.replace("micro_batch_size=2", "micro_batch_size=1") for o in single]
+    code, lines, _ = _launch(accelerate_cmd("cpu_ddp.yaml"), tmp_path / "two", *ZERO_WINDOW, *ddp)
+    assert code == 0, lines[-20:]
+    rows = {n: [r for r in read_jsonl(tmp_path / n / "out" / "metrics.jsonl") if "train/lr" in r] for n in ("one", "two")}
+    assert [r["train/zero_weight_steps"] for r in rows["two"]] == [r["train/zero_weight_steps"] for r in rows["one"]]
+    assert rows["two"][-1]["train/zero_weight_steps"] == 1 and "train/loss" not in rows["two"][-1]
+    for a, b in zip(rows["one"][:-1], rows["two"][:-1]):
+        assert abs(a["train/loss"] - b["train/loss"]) <= 1e-5 * abs(a["train/loss"])
+    one, two = (_weights(tmp_path / n / "out" / "adapter" / "adapter_model.safetensors") for n in ("one", "two"))
+    assert weight_dev(one, two) <= 1e-5
