@@ -253,10 +253,10 @@ def _last_logged_step(path: Path) -> int:
 def check_fresh_start(cfg: Config) -> None:
     """Refuse a fresh start into an ``output_dir`` that holds another run, unless ``train.overwrite_output_dir``.
 
-    A fresh run (``resume_from`` null) refuses any of ``checkpoints/`` (complete ones), ``adapter/``,
-    ``metrics.jsonl`` and ``config.yaml``. ``resume_from=latest`` without a checkpoint refuses a *finished* run
-    (``adapter/``, or ``metrics.jsonl`` logged up to ``train.max_steps``) and restarts an attempt that died
-    before its first checkpoint (a requeued job), with a warning.
+    A fresh run (``resume_from`` null) refuses complete ``checkpoints/``, ``adapter/`` or ``metrics.jsonl``
+    (every run writes it at start-up; a lone ``config.yaml`` is not a run). ``resume_from=latest`` without a
+    checkpoint refuses a *finished* run (``adapter/``, or ``metrics.jsonl`` logged up to ``train.max_steps``)
+    and restarts an attempt that died before its first checkpoint (a requeued job), with a warning.
 
     Raises:
         CheckpointError: the directory holds a run that a fresh start would replace.
@@ -270,8 +270,8 @@ def check_fresh_start(cfg: Config) -> None:
                               f"{existing[-1].name}); a fresh run there would mix its checkpoints and metrics "
                               f"with them. Resume it with train.resume_from=latest, {_REPLACE}.")
     found = [name + ("/" if (out / name).is_dir() else "") for name in RUN_ARTEFACTS if (out / name).exists()]
-    if not found:
-        return
+    if not (out / "adapter").exists() and not (out / "metrics.jsonl").exists():
+        return  # every run writes metrics.jsonl at start-up: a lone config.yaml is not a run
     if cfg.train.resume_from != "latest":
         raise CheckpointError(f"output_dir={cfg.output_dir} already holds another run ({', '.join(found)}); a "
                               f"fresh run would replace it: {_REPLACE}.")

@@ -59,7 +59,8 @@ def _error(e: BaseException, code: int = EXIT_BAD_INPUT, echo: bool = True) -> N
     leaves it for the launcher (torch elastic's error file) and for ``--accelerate-config`` (the exit code).
     ``echo=False``: already logged (pre-emption), only left for the launcher."""
     rank = int(os.environ.get("RANK", "0"))
-    line = f"scale-train: error: {type(e).__name__}: {e}" + (f" (rank {rank})" if rank else "")
+    kind = "pre-empted" if code == EXIT_PREEMPTED else "error"
+    line = f"scale-train: {kind}: {type(e).__name__}: {e}" + (f" (rank {rank})" if rank else "")
     mine = rank == 0 or getattr(e, "rank_local", False)  # the other ranks raised the same error as rank 0
     outcome = os.environ.get(OUTCOME_DIR)
     if outcome:

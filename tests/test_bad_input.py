@@ -666,3 +666,13 @@ def test_zero_weight_window_under_ddp_equals_one_process(tmp_path):
         assert abs(a["train/loss"] - b["train/loss"]) <= 1e-5 * abs(a["train/loss"])
     one, two = (_weights(tmp_path / n / "out" / "adapter" / "adapter_model.safetensors") for n in ("one", "two"))
     assert weight_dev(one, two) <= 1e-5
+
+
+def test_lone_config_yaml_is_not_a_run(tmp_path):
+    from scale.checkpoint import check_fresh_start
+
+    (tmp_path / "config.yaml").write_text("output_dir: .\n")  # e.g. the user's own config kept in output_dir
+    check_fresh_start(tiny_cfg(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(CheckpointError, match="already holds another run"):
+        check_fresh_start(tiny_cfg(tmp_path))
