@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -80,6 +81,49 @@ def _error(e: BaseException, code: int = EXIT_BAD_INPUT, echo: bool = True) -> N
         time.sleep(1.0)  # let rank 0 exit first with its code: the launcher then stops the others
 
 
+THIRD_PARTY = ("transformers", "peft", "accelerate", "datasets", "bitsandbytes", "torch", "DeepSpeed", "wandb")
+
+
+class _ErrorsOnly(logging.Filter):
+    """Drop records below ERROR from the named loggers and their children (a logger's own filters do not see
+    records propagated from its children, so this sits on the handlers too)."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.names = names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        quiet = any(record.name == n or record.name.startswith(n + ".") for n in self.names)
+        return not quiet or record.levelno >= logging.ERROR
+
+
+def configure_logging(env: dict[str, str], uses_deepspeed: bool = False) -> None:
+    """Our log lines on stderr; third-party warnings once per run, on the main rank.
+
+    - Every rank of a launch imports the same libraries and prints the same warnings (a bitsandbytes kernel
+      notice, a transformers deprecation): ranks other than 0 keep only third-party errors.
+    - DeepSpeed's logger talks in runs that do not use DeepSpeed (transformers and peft import it to probe
+      for ZeRO-3, and it announces "Setting accelerator to CPU"): it keeps only errors unless the run uses
+      DeepSpeed. A filter, not a level: DeepSpeed resets its logger's level when it is imported.
+    - peft calls transformers' deprecated ``is_gradient_checkpointing`` on every model it wraps (transformers 5.x
+      FutureWarning, not ours to fix): ignored.
+    """
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+    uses_deepspeed = uses_deepspeed or env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    main_rank = env.get("RANK", "0") == "0"
+    quiet = tuple(n for n in THIRD_PARTY if not main_rank or (n == "DeepSpeed" and not uses_deepspeed))
+    if quiet:
+        errors_only = _ErrorsOnly(quiet)
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(errors_only)
+        logging.getLogger("DeepSpeed").addFilter(errors_only)  # it does not propagate: it has its own handler
+    if not main_rank:
+        warnings.filterwarnings("ignore")  # python warnings come from libraries; rank 0 shows them
+
+
 def main(argv: list[str] | None = None) -> int:
     """``scale-train [--config PATH] [section.key=value ...]``: parse, train; return the exit code."""
     parser = argparse.ArgumentParser(prog="scale-train", description=__doc__,
@@ -95,9 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_intermixed_args(argv)  # overrides may come before and after --config
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.accelerate_config is not None:
         try:
             return launch_with_accelerate(args.accelerate_config, _without_accelerate_config(argv))
@@ -109,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         _error(e)
         return EXIT_BAD_INPUT
+    configure_logging(dict(os.environ), uses_deepspeed=cfg.train.deepspeed_config is not None)
     preemption = Preemption()
     preemption.install()
     try:

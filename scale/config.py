@@ -556,3 +556,22 @@ def help_table() -> str:
 
     walk(Config, "")
     return "\n".join(rows)
+
+
+CONFIG_DOC_HEADER = """# Config reference
+
+Every key, its schema default and its unit. The shipped YAMLs (`configs/train/default.yaml`, which plain
+`scale-train` runs, and `tiny_cpu.yaml`) set some of them differently. Override any key on the command line as
+`section.key=value` (values parse as YAML: `lora.target_modules=[q_proj,v_proj]`, `loss.type_weights=null`;
+text that YAML would read as a mapping, such as `Text: {text}`, stays text). Unknown keys and wrong types are
+errors that name the key.
+
+This table is generated from the schema (`scale/config.py`); `tests/test_config.py` fails when it is stale.
+Regenerate it with `python -m scale.config > docs/config.md`.
+"""
+
+
+if __name__ == "__main__":  # python -m scale.config > docs/config.md
+    import sys
+
+    sys.stdout.write(CONFIG_DOC_HEADER + "\n" + help_table() + "\n")

@@ -44,7 +44,7 @@ from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.evaluate import evaluate
 from scale.loss import LossSpec, loss_step
-from scale.metrics import JsonlSink, MetricsLog, StepMeter, model_flops, start_trackers
+from scale.metrics import JsonlSink, MetricsLog, StepMeter, bar_text, model_flops, start_trackers
 from scale.modeling import build_model, load_tokenizer, parameter_counts
 from scale.schedule import lr_factor
 from scale.signals import Preempted, Preemption
@@ -156,7 +156,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
                 if 0.0 in (job.spec.type_weights or ()):
                     metrics["train/zero_weight_steps"] = state.zero_weight_steps
                 job.log.write(state.step, metrics)
-                pbar.set_postfix(loss=f"{metrics.get('train/loss', math.nan):.4f}")
+                pbar.set_postfix_str(bar_text(metrics), refresh=False)
             paused = time.perf_counter()
             if done or (t.eval_every and state.step % t.eval_every == 0):
                 last_eval = evaluate_and_log(job)
@@ -456,7 +456,7 @@ def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
     return final
 
 
-if __name__ == "__main__":  # python -m scale.train: the same as scale-train
-    from scale.cli import cli
+if __name__ == "__main__":  # `python -m scale.train` (what launchers run) is `scale-train`: hand over to the CLI
+    import runpy
 
-    cli()
+    runpy.run_module("scale.cli", run_name="__main__", alter_sys=True)

@@ -31,10 +31,9 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"config", "fileio", "launch", "modeling"},
     "evaluate": {"loss"},
     "train": {"assets", "checkpoint", "checks", "config", "data", "evaluate", "fileio", "flops", "launch", "loss",
-              "metrics", "modeling", "schedule", "signals",
-              "cli"},  # cli only in `if __name__ == "__main__"`: `python -m scale.train` runs the CLI
+              "metrics", "modeling", "schedule", "signals"},
     "cli": {"checkpoint", "config", "data", "launch", "signals", "train"},
-    "report": {"metrics"},
+    "report": {"config", "metrics", "schedule"},
 }
 DISTRIBUTED = {"launch", "metrics", "checks", "checkpoint", "evaluate", "train", "cli"}
 
