@@ -30,8 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     "checks": {"modeling"},
     "checkpoint": {"config", "fileio", "launch", "modeling"},
     "evaluate": {"loss"},
-    "train": {"assets", "checkpoint", "checks", "config", "data", "evaluate", "fileio", "launch", "loss", "metrics",
-              "modeling", "schedule", "signals"},
+    "train": {"assets", "checkpoint", "checks", "config", "data", "evaluate", "fileio", "flops", "launch", "loss",
+              "metrics", "modeling", "schedule", "signals"},
     "cli": {"checkpoint", "config", "data", "launch", "signals", "train"},
     "report": {"config", "metrics", "schedule"},
 }
