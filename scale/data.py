@@ -398,6 +398,10 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
     """
     rows = load_rows(data_cfg, path)
     fmt = row_format(rows[0])
+    if fmt != "text" and (loss_cfg.threshold, loss_cfg.target_position) != (2, -2):
+        logger.warning("loss.threshold=%d and loss.target_position=%d apply to the text format only; the %s format "
+                       "trains each row's own tail (see scale/data.py)", loss_cfg.threshold, loss_cfg.target_position,
+                       fmt)
     removed = 0
     if data_cfg.deduplicate:
         rows, removed = deduplicate(rows)

@@ -48,9 +48,12 @@ def columns_needed(cfg: DataConfig) -> dict[str, list[str]]:
 def detect_format(cfg: DataConfig, columns: list[str], path: str) -> str:
     """``data.format``, or the first format whose columns are all in ``columns``.
 
+    ``text`` is the fallback, so it is detected only when no column is left over (besides ``type`` and
+    ``target``): a ``text, label`` file with a misspelled ``data.label_column`` is an error, not a text file.
+
     Raises:
-        DataError: no format fits (the message lists every format and the columns it needs), or the
-            configured format's columns are missing.
+        DataError: no format fits (the message lists every format, the columns it needs and what is
+            missing), or the configured format's columns are missing.
     """
     needed = columns_needed(cfg)
     if cfg.format != "auto":
@@ -60,12 +63,19 @@ def detect_format(cfg: DataConfig, columns: list[str], path: str) -> str:
                             f"{columns}; rename the columns or set data.*_column (data.column_names for a "
                             f"header-less file)")
         return cfg.format
+    optional = {cfg.text_column, cfg.type_column or "type", cfg.target_column}
     for name, cols in needed.items():
-        if all(c in columns for c in cols):
+        if all(c in columns for c in cols) and (name != "text" or set(columns) <= optional):
             return name
-    options = "; ".join(f"{name}: {', '.join(cols)}" for name, cols in needed.items())
-    raise DataError(f"{path} has the columns {columns}, which fit no data format ({options}); rename the "
-                    f"columns, set data.*_column, or set data.format")
+    reasons = []
+    for name, cols in needed.items():
+        missing = [c for c in cols if c not in columns]
+        extra = [c for c in columns if c not in optional] if name == "text" and not missing else []
+        why = f"no {', '.join(map(repr, missing))}" if missing else f"other columns {extra}: set data.format=text"
+        reasons.append(f"{name} needs {', '.join(cols)}" + (" (+ type, target)" if name == "text" else "") +
+                       f" ({why})")
+    raise DataError(f"{path} has the columns {columns}, which fit no data format: {'; '.join(reasons)}. Rename "
+                    f"the columns, set data.*_column, or set data.format")
 
 
 def read_table(cfg: DataConfig, path: str) -> tuple[list[dict[str, Any]], list[str]]:
