@@ -157,8 +157,10 @@ def _read_delimited(text: str, path: str, tsv: bool, names: list[str] | None) ->
             if cells:  # blank lines are not rows
                 records.append((start, cells))
     except csv.Error as e:
-        raise DataError(f"line {reader.line_num} of {path} cannot be parsed as CSV ({e}); a quote opened "
-                        f"there is never closed: double a literal quote (\"\") or write the data as .jsonl") from e
+        what = "the header" if names is None and not records else f"row {len(records) - (names is None)}"
+        raise DataError(f"{what} of {path} (line {line + 1}) cannot be parsed as CSV ({e}): a quote opened in it "
+                        f"does not close where its cell ends. Double a literal quote inside a quoted cell (\"\"), "
+                        f"or write the data as .jsonl") from e
     if names is None:
         if not records:
             raise DataError(f"data.path={path!r} has no rows")
