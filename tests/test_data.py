@@ -236,3 +236,23 @@ def test_tiny_completions_file(tokenizer):
     assert batch["tail_mask"].sum(1).tolist() == [e.tail_len for e in splits.train[:8]]
 
 # The bad-input catalogue (exact messages) is tests/test_bad_input.py.
+
+
+def test_embedded_dialog_data_of_the_sft_job(tokenizer):
+    """The SFT job's data: the chatterbot-corpus wheel's English corpus as messages rows (fetched once)."""
+    from scale.assets import resolve_data
+    from scale.config import load_config
+
+    path = resolve_data("chatterbot-english")
+    rows = load_rows(DataConfig(), path)
+    assert len(rows) == 2025 and all(r["messages"][-1]["role"] == "assistant" for r in rows)
+    assert rows[0]["messages"] == [{"role": "user", "content": "What is AI?"}, {
+        "role": "assistant", "content": "Artificial Intelligence is the branch of engineering and science devoted to "
+                                        "constructing machines that think."}]
+    cfg = load_config(ROOT / "configs" / "train" / "sft.yaml", [f"data.chat_template={ROOT}/configs/chat/chatml.jinja"])
+    splits = build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed)
+    assert splits.format == "messages" and splits.stats == {
+        "data/train_rows": 785, "data/eval_rows": 98, "data/duplicates_removed": 1127, "data/eval_rows_in_train": 0,
+        "data/dropped_long_rows": 15}
+    ex = splits.eval[0]
+    assert tokenizer.decode(ex.input_ids[-ex.tail_len:]) == "Classical<|im_end|>"
