@@ -137,3 +137,16 @@ def test_prompt_completion_job_with_epochs(tmp_path):
     assert set(evals[0]) == {"step", "eval/loss", "eval/exact_match", "eval/examples"}
     assert evals[-1]["eval/loss"] < evals[0]["eval/loss"] and final == {k: v for k, v in evals[-1].items()
                                                                         if k != "step"}
+
+
+@pytest.mark.parametrize("n, mb, ga, world", [(20, 2, 2, 2), (20, 8, 1, 1), (21, 3, 2, 2), (7, 4, 3, 2),
+                                              (100, 5, 4, 3), (16, 2, 4, 2), (1, 1, 1, 1)])
+def test_steps_for_epochs_counts_the_windows_every_rank_runs(n, mb, ga, world):
+    """accelerate deals micro-batches round-robin to the ranks; an epoch ends when no rank has a batch left,
+    in windows of ga micro-batches: the loop's count equals ceil(n / global_batch_size) in every mode."""
+    from scale.schedule import steps_for_epochs
+
+    batches = -(-n // mb)
+    per_rank = [len(range(r, batches, world)) for r in range(world)]
+    windows = -(-max(per_rank) // ga)
+    assert steps_for_epochs(n, mb * ga * world, 3) == 3 * windows
