@@ -207,8 +207,9 @@ def _tokenize(rows: list[dict[str, Any]], b: _Builder, loss_cfg: LossConfig) -> 
                 raise DataError(f"row {i}: the label {r['label']!r} tokenizes as {got} at the end of this row, not "
                                 f"as {[tok.decode([t]) for t in seq]}; put a space or newline before '{{label}}' "
                                 f"in data.template")
-            ids = b.assemble(b.prefix, full[:-len(seq)], b.with_eos(seq), i)
-            tail_len = len(seq) + 1
+            tail = b.with_eos(seq)
+            ids = b.assemble(b.prefix, full[:-len(seq)], tail, i)
+            tail_len = len(tail)
             target = seq[0] if len(seq) == 1 else 0
         elif fmt == "prompt_completion":
             completion = b.with_eos(_encode(tok, r["completion"]))
