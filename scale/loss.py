@@ -97,8 +97,7 @@ def tail_positions(attention_mask: Tensor, tail_mask: Tensor | int) -> Tensor:
     mask = attention_mask.long()
     tails = _tail_mask(mask, tail_mask)
     check_rows({"attention_mask": mask}, tails)
-    B, T = mask.shape
-    N = tails.shape[1]
+    T, N = mask.shape[1], tails.shape[1]
     last = (T - 1) - mask.flip(dims=[1]).argmax(dim=1)            # [B] last real position
     span = last[:, None] - torch.arange(N - 1, -1, -1, device=mask.device)[None, :]
     first = last - tails.sum(1) + 1                               # [B] first tail position

@@ -109,11 +109,11 @@ def test_micro_batch_larger_than_a_rank_shard(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("train.max_steps=ten", "train.max_steps='ten' has the wrong type: expected int | None"),
-    ("train.num_epochs=2", "train.max_steps=12 and train.num_epochs=2 are both set; set exactly one "
-                           "(train.max_steps=null to train by epochs)"),
+    ("train.num_epochs=2", ("train.max_steps=12 and train.num_epochs=2 are both set; set exactly one "
+                            "(train.max_steps=null to train by epochs)")),
     ("train.max_steps=null", "set train.max_steps or train.num_epochs (exactly one): how long to train"),
-    ("data.format=chat", "data.format='chat' is not one of ['auto', 'text', 'classification', "
-                         "'prompt_completion', 'messages']"),
+    ("data.format=chat", ("data.format='chat' is not one of ['auto', 'text', 'classification', "
+                          "'prompt_completion', 'messages']")),
     ("model.quantize_4bit=maybe", "model.quantize_4bit='maybe' has the wrong type: expected bool"),
     ("loss.target_position=-3", "loss.target_position=-3 is outside the tail: it must be between -2 and -1 "
                                 "(loss.threshold=2); raise loss.threshold or move it"),
@@ -259,26 +259,26 @@ def _hi(answer="Hello."):
 
 @pytest.mark.parametrize("rows, overrides, message", [
     ([{"instruction": "Add", "input": "2+2", "output": "4"}], [],
-     "{path} has the columns ['instruction', 'input', 'output'], which fit no data format: messages needs messages "
-     "(no 'messages'); prompt_completion needs prompt, completion (no 'prompt', 'completion'); classification needs "
-     "text, label (no 'text', 'label'); text needs text (+ type, target) (no 'text'). Rename the columns, set "
-     "data.*_column, or set data.format"),
+     ("{path} has the columns ['instruction', 'input', 'output'], which fit no data format: messages needs "
+      "messages (no 'messages'); prompt_completion needs prompt, completion (no 'prompt', 'completion'); "
+      "classification needs text, label (no 'text', 'label'); text needs text (+ type, target) (no 'text'). "
+      "Rename the columns, set data.*_column, or set data.format")),
     ([{"prompt": "Q", "completion": "A"}, {"prompt": "Q2", "completion": "  "}], [],
      "row 1 of {path}: empty 'completion'"),
     ([{"messages": _hi()}, {"messages": [{"role": "system", "content": "Be brief."},
                                          {"role": "user", "content": "Hi"}]}], [],
-     "row 1 of {path}: no assistant message; the messages format trains the last assistant turn, so every "
-     "conversation needs one"),
+     ("row 1 of {path}: no assistant message; the messages format trains the last assistant turn, so every "
+      "conversation needs one")),
     ([{"messages": _hi() + [{"role": "user", "content": "And?"}]}], [],
-     "row 0 of {path}: the last message is from 'user', not 'assistant'; the messages format trains the last "
-     "assistant turn, so end every conversation with it"),
+     ("row 0 of {path}: the last message is from 'user', not 'assistant'; the messages format trains the last "
+      "assistant turn, so end every conversation with it")),
     ([{"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Yo"}]}], [],
-     "row 0 of {path}: message 1 must be {{'role': one of ['system', 'user', 'assistant', 'tool'], 'content': "
-     "text}}, got {{'role': 'bot', 'content': 'Yo'}}"),
+     ("row 0 of {path}: message 1 must be {{'role': one of ['system', 'user', 'assistant', 'tool'], 'content': "
+      "text}}, got {{'role': 'bot', 'content': 'Yo'}}")),
     ([{"prompt": "Q", "completion": " A"}] * 40 + [{"prompt": "Q", "completion": " one two three four five six"}],
      ["data.max_length=6", "data.eval_size=4"],
-     "row 40: the trained tail is 7 tokens; with 1 token(s) before it the row needs 8 > data.max_length=6. Raise "
-     "data.max_length, or set data.drop_long_completions=true to drop such rows (counted in the log)."),
+     ("row 40: the trained tail is 7 tokens; with 1 token(s) before it the row needs 8 > data.max_length=6. "
+      "Raise data.max_length, or set data.drop_long_completions=true to drop such rows (counted in the log).")),
     ([{"messages": _hi()}] * 40, ["data.chat_template=/nonexistent/chat.jinja"],
      "data.chat_template='/nonexistent/chat.jinja' is not a file; point it at a Jinja chat-template file"),
 ])

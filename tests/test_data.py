@@ -8,8 +8,16 @@ import json
 import pytest
 
 from scale.config import DataConfig, LossConfig
-from scale.data import (Collator, build_splits, label_sequences, load_rows, render_template, special_affixes,
-                        split_rows, tokenize_rows)
+from scale.data import (
+    Collator,
+    build_splits,
+    label_sequences,
+    load_rows,
+    render_template,
+    special_affixes,
+    split_rows,
+    tokenize_rows,
+)
 from tests.conftest import ROOT, SHARED_DATA, TINY_DATA
 
 TINY_COMPLETIONS = ROOT / "data" / "tiny_completions.jsonl"

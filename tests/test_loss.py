@@ -52,8 +52,8 @@ def row_reference(model, ids, tail_len):
 def per_row(model, batch, side):
     tail_logits, targets = L.forward_tail(model, batch, padding_side=side)
     w = L.token_weights(batch["type_indicator"], batch["tail_mask"], None)
-    return [(lambda nd: (nd[0] / nd[1]).item())(L.tail_loss(tail_logits[b:b + 1], targets[b:b + 1], w[b:b + 1]))
-            for b in range(len(targets))]
+    losses = [L.tail_loss(tail_logits[b:b + 1], targets[b:b + 1], w[b:b + 1]) for b in range(len(targets))]
+    return [(num / den).item() for num, den in losses]
 
 
 def _close(a, b, rel=1e-6):
