@@ -124,7 +124,9 @@ def _read_json(text: str, path: str) -> list[dict[str, Any]]:
         numbered = list(enumerate(rows))
     else:
         numbered, i = [], 0
-        for line_no, line in enumerate(text.splitlines(), start=1):
+        # Only "\n" ends a JSON line: str.splitlines() would also split at U+2028, U+0085, ... that JSON text
+        # may hold raw (json.dumps(ensure_ascii=False) writes them as they are).
+        for line_no, line in enumerate(text.split("\n"), start=1):
             if not line.strip():
                 continue
             try:

@@ -214,6 +214,15 @@ def test_csv_cells_are_text_never_missing_values(tmp_path, tokenizer):
                                                        ('a, quoted "cell"', "None")]
 
 
+def test_jsonl_text_with_unicode_line_separators(tmp_path):
+    """U+2028, U+0085 and form feeds inside a JSON string do not end the line (real review data holds them)."""
+    path = tmp_path / "d.jsonl"
+    texts = ["one\u2028two", "three\x85four\x0cfive"]
+    path.write_text("".join(json.dumps({"text": t, "label": "positive"}, ensure_ascii=False) + "\r\n" for t in texts),
+                    encoding="utf-8")
+    assert [r["text"] for r in load_rows(DataConfig(), str(path))] == texts
+
+
 def test_tsv_quotes_are_characters(tmp_path):
     path = tmp_path / "d.tsv"
     path.write_text('label\ttext\npositive\t" extreme ops " exceeds expectations\nnegative\tso "bad\n'
