@@ -375,3 +375,25 @@ def test_forward_tail_checks_row_lengths_and_gaps(side):
     assert _message(ValueError, forward_tail, None, gap, None, side) == (
         "attention_mask row 1 of the batch (data-file row 9) is not one contiguous run of 1s (left or right "
         "padding)")
+
+
+def test_training_windows_check_rows_inside_their_all_gather():
+    """The loop checks every micro-batch's rows in the per-step all-gather (no extra host sync, every rank stops)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from scale.loss import LossSpec
+    from scale.train import windows
+
+    spec = LossSpec(threshold=2, padding_side="left", type_weights=None, criterion=None, criterion_mode="plain",
+                    target_position=-2, label_token_ids=None)
+    good = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4, dtype=torch.long),
+            "tail_mask": torch.ones(2, 2, dtype=torch.long), "type_indicator": torch.zeros(2, dtype=torch.long),
+            "row": torch.tensor([3, 4])}
+    bad = {**good, "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]), "row": torch.tensor([5, 6])}
+    acc = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t)
+    assert [len(w.micro) for w in windows(acc, [good, good], 2, spec)] == [2]
+    assert _message(ValueError, lambda: list(windows(acc, [good, bad], 2, spec))) == (
+        "row 1 of the batch (data-file row 6) has 2 real tokens; its tail of 2 tokens needs at least 3 (each tail "
+        "token is predicted from the token before it). Lower loss.threshold or drop short rows.")
