@@ -69,7 +69,8 @@ def worker(job: Job, measure_saved: bool) -> dict:
     from scale.data import Collator
 
     model = build_lora_model(job.shape, job.model_cfg(), job.lora_cfg(), job.seed, "cpu", job.seq)
-    rows = synthetic_examples(job.micro_batch_size, job.seq, SHAPES[job.shape]["vocab_size"], job.seed, min_len=job.seq)
+    rows = synthetic_examples(job.micro_batch_size, job.seq, SHAPES[job.shape]["vocab_size"], job.seed, min_len=job.seq,
+                              tail_len=job.threshold)
     batch = Collator(0, "left")(rows)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=job.lr)

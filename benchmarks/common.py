@@ -82,10 +82,11 @@ def build_lora_model(shape: str | dict[str, Any], model_cfg: ModelConfig, lora_c
     return model
 
 
-def synthetic_examples(n: int, seq: int, vocab: int, seed: int = 0, min_len: int | None = None) -> list[Example]:
+def synthetic_examples(n: int, seq: int, vocab: int, seed: int = 0, min_len: int | None = None,
+                       tail_len: int = 2) -> list[Example]:
     """``n`` rows of ``min_len..seq`` random tokens ending in a label word and EOS (left padding by the collator).
 
-    ``min_len=seq`` gives rows without padding.
+    ``min_len=seq`` gives rows without padding. Each row's last ``tail_len`` tokens are its trained tail.
     """
     g = torch.Generator().manual_seed(seed)
     lo = max(4, seq // 2 if min_len is None else min_len)
@@ -95,7 +96,7 @@ def synthetic_examples(n: int, seq: int, vocab: int, seed: int = 0, min_len: int
         ids = torch.randint(3, vocab, (length,), generator=g).tolist()
         label = i % 2
         ids[-2], ids[-1] = LABELS[label], EOS
-        rows.append(Example(ids, label, LABELS[label]))
+        rows.append(Example(ids, tail_len, label, LABELS[label], label))
     return rows
 
 
@@ -213,11 +214,11 @@ class Job:
         """One epoch of exactly ``steps`` full windows."""
         vocab = SHAPES[self.shape]["vocab_size"]
         n = self.steps * self.micro_batch_size * self.gradient_accumulation_steps
-        return synthetic_examples(n, self.seq, vocab, self.seed, self.min_len)
+        return synthetic_examples(n, self.seq, vocab, self.seed, self.min_len, self.threshold)
 
     def eval_examples(self) -> list[Example]:
         return synthetic_examples(self.micro_batch_size, self.seq, SHAPES[self.shape]["vocab_size"], self.seed + 1,
-                                  self.min_len)
+                                  self.min_len, self.threshold)
 
 
 class MemorySink:

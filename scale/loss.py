@@ -1,21 +1,26 @@
-"""Tail loss: cross-entropy over the last ``threshold`` real tokens of each row. Plain tensors only.
+"""Tail loss: cross-entropy over each row's tail (its last ``tail_len`` real tokens). Plain tensors only.
 
-Shapes: ``B`` rows, ``T`` padded length, ``N = threshold`` tail tokens, ``V`` vocabulary, ``M = B * N``.
+Shapes: ``B`` rows, ``T`` padded length, ``N`` the longest tail of the batch, ``V`` vocabulary.
 
-The tail is found from ``attention_mask`` (never from tensor positions), so the same example gives the
-same loss under left or right padding. Token ``t`` is predicted by the logits at position ``t - 1``, so a
-row needs at least ``N + 1`` real tokens. The model is asked only for the logits it needs
-(``logits_to_keep``), never for ``[B, T, V]``.
+A batch carries ``tail_mask [B, N]`` (:class:`scale.data.Collator`): 1 on each row's tail, right-aligned, so
+column ``N - 1`` is every row's last real token. The ``text`` format's tail is the last ``loss.threshold``
+tokens (every row the same); prompt/completion and chat tails differ per row. The tail is found from
+``attention_mask`` (never from tensor positions), so the same example gives the same loss under left or
+right padding. Token ``t`` is predicted by the logits at position ``t - 1``, so a row needs at least
+``tail_len + 1`` real tokens. The model is asked only for the logits it needs (``logits_to_keep``): under
+left padding the ``N`` positions before the end, under right padding the union of the rows' positions;
+never ``[B, T, V]`` unless a tail really spans a row.
 
 Every loss here returns a *numerator* (sum of weighted token losses) and a *denominator* (sum of
 weights); the training loop adds both over the whole accumulation window and all ranks and divides once.
+Weights are ``tail_mask * type weight``.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,35 +29,79 @@ from torch import Tensor
 from scale.config import Config
 
 
-def tail_positions(attention_mask: Tensor, threshold: int) -> Tensor:
-    """Positions of the last ``threshold`` real tokens of each row.
+def _tail_mask(attention_mask: Tensor, tail: Tensor | int) -> Tensor:
+    """``tail`` as a ``[B, N]`` mask: an int means every row's tail is that long."""
+    if isinstance(tail, int):
+        return torch.ones(attention_mask.shape[0], tail, dtype=torch.long, device=attention_mask.device)
+    return tail.long()
+
+
+def bad_rows(attention_mask: Tensor, tail_mask: Tensor | int) -> Tensor:
+    """Which rows the tail loss cannot score, on the device (no host sync).
+
+    Args:
+        attention_mask: ``[B, T]``.
+        tail_mask: ``[B, N]`` (or ``N``, every row's tail length).
+
+    Returns:
+        ``[B]`` bool: the row's mask is not one contiguous run of 1s, or it has fewer than ``tail_len + 1``
+        real tokens (its first tail token would have no prediction).
+    """
+    mask = attention_mask.long()
+    T = mask.shape[1]
+    lengths = mask.sum(1)
+    first = mask.argmax(1)
+    last = (T - 1) - mask.flip(1).argmax(1)
+    gap = (last - first + 1) != lengths
+    return gap | (lengths < _tail_mask(mask, tail_mask).sum(1) + 1)
+
+
+def describe_bad_row(attention_mask: Tensor, tail_mask: Tensor | int, rows: Tensor | None = None) -> str:
+    """The message for the first row :func:`bad_rows` flags (host sync: for the error path only)."""
+    tails = _tail_mask(attention_mask, tail_mask).sum(1)
+    b = int(bad_rows(attention_mask, tail_mask).nonzero()[0, 0])
+    where = f"row {b} of the batch" + (f" (data-file row {int(rows[b])})" if rows is not None else "")
+    mask = attention_mask[b].long()
+    n, tail = int(mask.sum()), int(tails[b])
+    if n and int(mask.nonzero()[-1, 0] - mask.nonzero()[0, 0] + 1) != n:
+        return f"attention_mask {where} is not one contiguous run of 1s (left or right padding)"
+    return (f"{where} has {n} real tokens; its tail of {tail} tokens needs at least {tail + 1} (each tail token "
+            f"is predicted from the token before it). Lower loss.threshold or drop short rows.")
+
+
+def check_rows(batch: dict[str, Tensor], tail_mask: Tensor | int) -> None:
+    """Raise for a row the tail loss cannot score (one host sync).
+
+    Raises:
+        ValueError: a row's mask has a gap, or the row holds fewer than ``tail_len + 1`` real tokens.
+    """
+    mask = batch["attention_mask"]
+    if bool(bad_rows(mask, tail_mask).any()):  # host sync: data validation
+        raise ValueError(describe_bad_row(mask, tail_mask, batch.get("row")))
+
+
+def tail_positions(attention_mask: Tensor, tail_mask: Tensor | int) -> Tensor:
+    """Positions of each row's tail tokens.
 
     Args:
         attention_mask: ``[B, T]``, 1 for real tokens (one contiguous run per row: left or right padded).
-        threshold: ``N``, tail length in tokens.
+        tail_mask: ``[B, N]`` right-aligned tail mask, or ``N`` (every row's tail is ``N`` tokens).
 
     Returns:
         ``[B, N]`` int64 positions in ascending order; the last column is each row's last real token.
+        Columns outside a row's tail repeat its first tail position (they carry weight 0).
 
     Raises:
-        ValueError: a row has fewer than ``N + 1`` real tokens (its first tail token would have no
-            prediction), or the mask is not one contiguous run.
+        ValueError: see :func:`check_rows`.
     """
     mask = attention_mask.long()
-    B, T = mask.shape
-    lengths = mask.sum(dim=1)
-    short = (lengths < threshold + 1).nonzero()
-    if short.numel():
-        row = int(short[0, 0])  # host sync: data validation, once per batch
-        raise ValueError(f"row {row} has {int(lengths[row])} real tokens; the tail loss needs at least "
-                         f"loss.threshold + 1 = {threshold + 1}. Lower loss.threshold or drop short rows.")
-    # Last real position: T - 1 - (index of the first 1 in the flipped mask).
-    last = (T - 1) - mask.flip(dims=[1]).argmax(dim=1)
-    offsets = torch.arange(threshold, -1, -1, device=mask.device)
-    span = last[:, None] - offsets[None, :]                       # [B, N + 1]: predictor + tail positions
-    if bool((span < 0).any()) or not bool(mask.gather(1, span.clamp(min=0)).all()):
-        raise ValueError("attention_mask rows must be one contiguous run of 1s (left or right padding)")
-    return span[:, 1:]
+    tails = _tail_mask(mask, tail_mask)
+    check_rows({"attention_mask": mask}, tails)
+    T, N = mask.shape[1], tails.shape[1]
+    last = (T - 1) - mask.flip(dims=[1]).argmax(dim=1)            # [B] last real position
+    span = last[:, None] - torch.arange(N - 1, -1, -1, device=mask.device)[None, :]
+    first = last - tails.sum(1) + 1                               # [B] first tail position
+    return torch.maximum(span, first[:, None])
 
 
 @dataclass
@@ -60,8 +109,7 @@ class TailBatch:
     """Indices the model needs for one batch.
 
     Attributes:
-        keep: ``[K]`` sorted sequence positions whose logits the model must return (``logits_to_keep``);
-            ``K = N`` under left padding.
+        keep: ``[K]`` sorted sequence positions whose logits the model must return (``logits_to_keep``).
         gather: ``[B, N]`` index into the ``K`` kept positions, one per tail prediction.
         targets: ``[B, N]`` token ids the tail predictions are scored against.
     """
@@ -71,21 +119,21 @@ class TailBatch:
     targets: Tensor
 
 
-def tail_batch(input_ids: Tensor, attention_mask: Tensor, threshold: int) -> TailBatch:
-    """Work out which logits a batch needs: the predictions of its last ``threshold`` real tokens.
+def tail_batch(input_ids: Tensor, attention_mask: Tensor, tail_mask: Tensor | int) -> TailBatch:
+    """Work out which logits a batch needs: the predictions of each row's tail tokens.
 
     Args:
         input_ids: ``[B, T]`` token ids.
         attention_mask: ``[B, T]`` 1 for real tokens.
-        threshold: ``N`` tail tokens.
+        tail_mask: ``[B, N]`` (or ``N``).
 
     Returns:
         A :class:`TailBatch`; pass ``keep`` as ``logits_to_keep`` to a transformers causal LM.
 
     Raises:
-        ValueError: see :func:`tail_positions`.
+        ValueError: see :func:`check_rows`.
     """
-    tail = tail_positions(attention_mask, threshold)            # [B, N] positions of tail tokens
+    tail = tail_positions(attention_mask, tail_mask)            # [B, N] positions of tail tokens
     pred = tail - 1                                              # [B, N] positions that predict them
     keep, inverse = torch.unique(pred, sorted=True, return_inverse=True)
     return TailBatch(keep=keep, gather=inverse, targets=input_ids.gather(1, tail))
@@ -105,28 +153,28 @@ def select_tail_logits(kept_logits: Tensor, tb: TailBatch) -> Tensor:
     return kept_logits.gather(1, tb.gather[:, :, None].expand(-1, -1, V))
 
 
-def token_weights(type_indicator: Tensor, threshold: int, type_weights: list[float] | None) -> Tensor:
-    """Weight of each tail token from its row's type.
+def token_weights(type_indicator: Tensor, tail_mask: Tensor | int, type_weights: list[float] | None) -> Tensor:
+    """Weight of each tail token: the tail mask times its row's type weight.
 
     Args:
         type_indicator: ``[B]`` int type per example.
-        threshold: ``N``.
+        tail_mask: ``[B, N]`` (or ``N``: every row's tail is ``N`` tokens).
         type_weights: weight per type id, or None for weight 1 everywhere.
 
     Returns:
-        ``[B, N]`` float32 weights.
+        ``[B, N]`` float32 weights, 0 outside each row's tail.
 
     Raises:
         ValueError: a type id has no entry in ``type_weights``.
     """
-    B = type_indicator.shape[0]
+    mask = _tail_mask(type_indicator[:, None], tail_mask).float()
     if type_weights is None:
-        return torch.ones(B, threshold, device=type_indicator.device)
+        return mask
     table = torch.tensor(type_weights, dtype=torch.float32, device=type_indicator.device)
     if bool((type_indicator >= len(type_weights)).any() | (type_indicator < 0).any()):
         raise ValueError(f"type_indicator holds ids outside loss.type_weights (length {len(type_weights)}); "
                          f"give one weight per type id")
-    return table[type_indicator][:, None].expand(B, threshold)
+    return table[type_indicator][:, None] * mask
 
 
 Criterion = Callable[..., Tensor]
@@ -164,10 +212,12 @@ def tail_loss(
     Args:
         tail_logits: ``[B, N, V]`` predictions of the tail tokens (any float dtype; computed in float32).
         targets: ``[B, N]`` token ids.
-        weights: ``[B, N]`` per-token weights (:func:`token_weights`); a user criterion gets weight 1.
+        weights: ``[B, N]`` per-token weights (:func:`token_weights`), 0 outside each row's tail; with a user
+            criterion, the tail mask (its tokens are those with weight > 0).
         type_indicator: ``[B]`` type per example; needed when ``criterion_mode == "input"``.
-        criterion: optional user function ``(logits [M, V], labels [M]) -> [M] or scalar mean`` (with
-            ``criterion_mode="input"`` also ``type_indicator [M]``, the row's type repeated per token).
+        criterion: optional user function ``(logits [M, V], labels [M]) -> [M] or scalar mean`` over the ``M``
+            tail tokens (with ``criterion_mode="input"`` also ``type_indicator [M]``, the row's type per
+            token). Selecting the ``M`` tokens is a host sync when the tails differ in length.
         criterion_mode: ``"plain"`` or ``"input"``.
 
     Returns:
@@ -176,15 +226,17 @@ def tail_loss(
     B, N, V = tail_logits.shape
     flat_logits = tail_logits.reshape(B * N, V).float()
     flat_targets = targets.reshape(B * N)
+    w = weights.reshape(B * N).float()
     if criterion is None:
-        token_loss = F.cross_entropy(flat_logits, flat_targets, reduction="none")   # [M]
-        w = weights.reshape(B * N).float()
-        return (token_loss * w).sum(), w.sum()
-    args = (flat_logits, flat_targets)
+        token_loss = F.cross_entropy(flat_logits, flat_targets, reduction="none")   # [B * N]
+        # Outside the tail the logits may belong to padding: mask, never multiply a possible inf/NaN by 0.
+        return (token_loss.masked_fill(w == 0, 0.0) * w).sum(), w.sum()
+    keep = w > 0
+    args = (flat_logits[keep], flat_targets[keep])
     if criterion_mode == "input":
-        args += (type_indicator[:, None].expand(B, N).reshape(B * N),)
+        args += (type_indicator[:, None].expand(B, N).reshape(B * N)[keep],)
     out = criterion(*args)
-    count = torch.tensor(float(B * N), device=flat_logits.device)
+    count = keep.sum().float()
     # A user criterion returns per-token losses [M] (summed) or their mean (times M tokens).
     numerator = out.float().sum() if out.dim() == 1 else out.float() * count
     return numerator, count
@@ -204,14 +256,15 @@ class TargetStats:
 
 
 @torch.no_grad()
-def target_stats(tail_logits: Tensor, target_token: Tensor, label_token_ids: Tensor, position: int) -> TargetStats:
-    """Log-probability of each row's target token and label-set accuracy.
+def target_stats(tail_logits: Tensor, target_token: Tensor, label_token_ids: Tensor | None,
+                 position: int) -> TargetStats:
+    """Log-probability of each row's target token and label-set accuracy (single-token labels).
 
     Args:
         tail_logits: ``[B, N, V]`` predictions of the tail tokens.
         target_token: ``[B]`` token id of each row's label word.
-        label_token_ids: ``[L]`` token ids of the label set.
-        position: which tail token is the label, counted from the end (``-1`` = last real token); its
+        label_token_ids: ``[L]`` token ids of the label set; ``None``: no accuracy (``correct`` is 0).
+        position: which tail token is the target, counted from the end (``-1`` = last real token); its
             prediction is ``tail_logits[:, N + position]``.
 
     Returns:
@@ -219,38 +272,71 @@ def target_stats(tail_logits: Tensor, target_token: Tensor, label_token_ids: Ten
     """
     logits = tail_logits[:, tail_logits.shape[1] + position].float()        # [B, V]
     logprob = logits.log_softmax(-1).gather(1, target_token[:, None]).squeeze(1)
+    if label_token_ids is None:
+        return TargetStats(logprob=logprob, correct=torch.zeros_like(logprob))
     pred = label_token_ids[logits[:, label_token_ids].argmax(-1)]
     return TargetStats(logprob=logprob, correct=(pred == target_token).float())
 
 
-def forward_tail(model: torch.nn.Module, batch: dict[str, Tensor], threshold: int,
-                 padding_side: str = "left") -> tuple[Tensor, Tensor]:
+@torch.no_grad()
+def sequence_logprob(tail_logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """``[B]`` sum of the log-probabilities (nats) of the tokens where ``mask [B, N]`` is 1."""
+    token = tail_logits.float().log_softmax(-1).gather(2, targets[:, :, None]).squeeze(2)   # [B, N]
+    return token.masked_fill(mask == 0, 0.0).sum(1)
+
+
+@torch.no_grad()
+def exact_match(tail_logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """``[B]`` 1.0 where every tail token (``mask [B, N]``) is the argmax of its prediction (teacher forced)."""
+    hit = (tail_logits.argmax(-1) == targets) | (mask == 0)
+    return hit.all(1).float()
+
+
+def forward_tail(model: torch.nn.Module, batch: dict[str, Tensor], threshold: int | None = None,
+                 padding_side: str = "left", check: bool = True) -> tuple[Tensor, Tensor]:
     """Run a causal LM and return only the tail predictions.
 
     Calls ``model(input_ids, attention_mask, position_ids, logits_to_keep=keep, use_cache=False)``: the LM
-    head sees ``[B, K, H]`` hidden states (``K = N`` under left padding), never ``[B, T, H]``.
+    head sees ``[B, K, H]`` hidden states (``K = N`` under left padding, the union of the rows' predictor
+    positions under right padding), never ``[B, T, H]`` unless a tail spans a whole row.
 
     Args:
         model: a transformers causal LM (plain, PEFT-wrapped or accelerate-prepared).
-        batch: ``input_ids [B, T]`` and ``attention_mask [B, T]``.
-        threshold: ``N``.
+        batch: ``input_ids [B, T]``, ``attention_mask [B, T]`` and ``tail_mask [B, N]`` (without it, every
+            row's tail is ``threshold`` tokens).
+        threshold: ``N`` for a batch without ``tail_mask``; must equal its width otherwise.
         padding_side: ``"left"`` means every row ends at ``T - 1``, so the kept positions are known without
-            a device-to-host sync; rows must hold at least ``N + 1`` real tokens (the data pipeline checks).
-            ``"right"`` (or any padding) finds each row's tail from the mask.
+            a device-to-host sync. ``"right"`` (or any padding) finds each row's tail from the mask.
+        check: validate the rows first (:func:`check_rows`; one host sync). The training loop checks every
+            window's rows inside its one per-step all-gather instead and passes ``False``.
 
     Returns:
-        ``(tail_logits [B, N, V], targets [B, N])``.
+        ``(tail_logits [B, N, V], targets [B, N])``; positions outside a row's tail (``tail_mask == 0``) hold
+        arbitrary predictions.
+
+    Raises:
+        ValueError: ``check`` and a row cannot be scored (see :func:`check_rows`); a ``threshold`` that
+            disagrees with ``tail_mask``.
     """
     input_ids, mask = batch["input_ids"], batch["attention_mask"]
+    tails = batch.get("tail_mask")
+    if tails is None:
+        if threshold is None:
+            raise ValueError("the batch has no tail_mask: pass threshold (every row's tail length)")
+        tails = threshold
+    elif threshold is not None and threshold != tails.shape[1]:
+        raise ValueError(f"threshold={threshold} but the batch's tail_mask is {tails.shape[1]} wide")
+    if check:
+        check_rows(batch, tails)
     # Positions count real tokens only, so a left-padded row sees the same positions as a right-padded one.
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
     if padding_side == "left":
-        T = input_ids.shape[1]
-        keep = torch.arange(T - threshold - 1, T - 1, device=input_ids.device)
+        T, N = input_ids.shape[1], tails if isinstance(tails, int) else tails.shape[1]
+        keep = torch.arange(T - N - 1, T - 1, device=input_ids.device)
         tb = None
-        targets = input_ids[:, T - threshold:]
+        targets = input_ids[:, T - N:]
     else:
-        tb = tail_batch(input_ids, mask, threshold)
+        tb = tail_batch(input_ids, mask, tails)
         keep, targets = tb.keep, tb.targets
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=keep,
                 use_cache=False)
@@ -262,13 +348,17 @@ class LossSpec:
     """Everything :func:`loss_step` and evaluation need besides the model and the batch (from the config).
 
     Attributes:
-        threshold: ``N`` tail tokens.
+        threshold: the ``text`` format's tail length (tokens).
         padding_side: ``"left"`` or ``"right"`` (how batches are padded; see :func:`forward_tail`).
         type_weights: weight per ``type_indicator`` id, or ``None`` (every tail token weighs 1).
         criterion: a user criterion (:func:`load_criterion`), or ``None`` for cross-entropy.
         criterion_mode: ``"plain"`` or ``"input"``.
-        target_position: which tail token is the label, counted from the end (``-1`` = last).
-        label_token_ids: ``[L]`` token id of each label word.
+        target_position: the ``text`` format's target token, counted from the end (``-1`` = last).
+        label_token_ids: ``[L]`` token id of each label when every label is one token, else ``None``.
+        format: the data format: ``text``, ``classification``, ``prompt_completion`` or ``messages``.
+        label_seqs: the tokens of each label (classification).
+        has_target: the ``text`` rows carry a target token.
+        pad_token_id: pads the label candidates of multi-token label ranking.
     """
 
     threshold: int
@@ -277,11 +367,23 @@ class LossSpec:
     criterion: Criterion | None
     criterion_mode: str
     target_position: int
-    label_token_ids: Tensor
+    label_token_ids: Tensor | None
+    format: str = "classification"
+    label_seqs: list[list[int]] = field(default_factory=list)
+    has_target: bool = False
+    pad_token_id: int = 0
 
     @classmethod
-    def from_config(cls, cfg: Config, label_token_ids: list[int]) -> LossSpec:
-        """Build from the ``loss`` and ``data`` sections. Raises ValueError for a criterion that cannot be imported."""
+    def from_config(cls, cfg: Config, label_token_ids: list[int] | None, *, format: str = "classification",
+                    label_seqs: list[list[int]] | None = None, has_target: bool = False,
+                    pad_token_id: int = 0) -> LossSpec:
+        """Build from the ``loss`` and ``data`` sections and what the data pipeline found.
+
+        Raises:
+            ValueError: a criterion that cannot be imported.
+        """
+        if label_seqs is None and label_token_ids is not None:
+            label_seqs = [[t] for t in label_token_ids]
         return cls(
             threshold=cfg.loss.threshold,
             padding_side=cfg.data.padding_side,
@@ -289,22 +391,27 @@ class LossSpec:
             criterion=load_criterion(cfg.loss.criterion) if cfg.loss.criterion else None,
             criterion_mode=cfg.loss.criterion_mode,
             target_position=cfg.loss.target_position,
-            label_token_ids=torch.tensor(label_token_ids, dtype=torch.long),
+            label_token_ids=torch.tensor(label_token_ids, dtype=torch.long) if label_token_ids is not None else None,
+            format=format,
+            label_seqs=label_seqs or [],
+            has_target=has_target,
+            pad_token_id=pad_token_id,
         )
 
     def weights(self, batch: dict[str, Tensor]) -> Tensor:
-        """``[B, N]`` tail-token weights of a batch (a user criterion counts every token once)."""
+        """``[B, N]`` tail-token weights of a batch (a user criterion counts every tail token once)."""
         if self.criterion is not None:
-            return torch.ones(batch["input_ids"].shape[0], self.threshold, device=batch["input_ids"].device)
-        return token_weights(batch["type_indicator"], self.threshold, self.type_weights)
+            return batch["tail_mask"].float()
+        return token_weights(batch["type_indicator"], batch["tail_mask"], self.type_weights)
 
 
 def loss_step(model: torch.nn.Module, batch: dict[str, Tensor], spec: LossSpec, weights: Tensor) -> Tensor:
     """Forward one micro-batch; return the tail-loss numerator ``[]`` under ``weights`` ``[B, N]``.
 
-    Pure: no collectives; the caller divides by the window's denominator. The tail logits ``[B, N, V]`` are
+    Pure: no collectives; the caller divides by the window's denominator. The rows were checked by
+    ``scale.train.windows`` (inside its all-gather), so no check here. The tail logits ``[B, N, V]`` are
     freed before returning.
     """
-    tail_logits, targets = forward_tail(model, batch, spec.threshold, spec.padding_side)   # [B, N, V], [B, N]
+    tail_logits, targets = forward_tail(model, batch, padding_side=spec.padding_side, check=False)
     num, _ = tail_loss(tail_logits, targets, weights, batch["type_indicator"], spec.criterion, spec.criterion_mode)
     return num

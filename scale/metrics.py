@@ -65,15 +65,21 @@ class StepMeter:
         self.paused_s = 0.0  # evaluation and checkpoints inside the interval: not training time
 
     def add_micro(self, loss_num: torch.Tensor, loss_den: torch.Tensor, batch: dict[str, torch.Tensor],
-                  threshold: int) -> None:
-        """Add one micro-batch: its loss numerator/denominator and its token/sample/FLOP counts."""
+                  threshold: int | None = None) -> None:
+        """Add one micro-batch: its loss numerator/denominator and its token/sample/FLOP counts.
+
+        Tail tokens are counted from ``batch["tail_mask"]`` (tails differ per row); ``threshold`` only for a
+        batch without one.
+        """
         n_rows, seq_len = batch["input_ids"].shape
         flops = self.flops_fn(n_rows, seq_len) if self.flops_fn is not None else 0.0
+        tail_tokens = (batch["tail_mask"].sum().double() if "tail_mask" in batch else
+                       torch.tensor(float(n_rows * (threshold or 0)), dtype=torch.float64, device=self.device))
         self.sums += torch.stack([
             loss_num.detach().double(),
             loss_den.detach().double(),
             batch["attention_mask"].sum().double(),
-            torch.tensor(float(n_rows * threshold), dtype=torch.float64, device=self.device),
+            tail_tokens.to(self.device),
             torch.tensor(float(n_rows), dtype=torch.float64, device=self.device),
             torch.tensor(flops, dtype=torch.float64, device=self.device),
         ])

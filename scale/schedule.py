@@ -23,3 +23,13 @@ def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
     progress = min((step - warmup) / span, 1.0)
     shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1.0 - progress
     return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * shape
+
+
+def steps_for_epochs(train_rows: int, global_batch_size: int, num_epochs: int) -> int:
+    """Optimizer steps in ``num_epochs`` passes over ``train_rows`` rows (``train.num_epochs``).
+
+    An epoch is ``ceil(train_rows / global_batch_size)`` windows, the last one partial when the rows do not
+    divide: the number the loop runs in every launch mode, since ``ceil(ceil(ceil(n / mb) / world) / ga)`` equals
+    ``ceil(n / (mb * world * ga))`` for the micro-batches a rank's shard holds and the windows they fill.
+    """
+    return num_epochs * math.ceil(train_rows / global_batch_size)

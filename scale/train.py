@@ -4,7 +4,7 @@
     scale-train --config configs/train/tiny_cpu.yaml train.max_steps=20
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml -m scale.train --config configs/train/tiny_cpu.yaml
 
-Shapes: ``B`` micro-batch rows, ``T`` padded length, ``N`` tail tokens (``loss.threshold``), ``V`` vocabulary.
+Shapes: ``B`` micro-batch rows, ``T`` padded length, ``N`` the longest tail in a micro-batch, ``V`` vocabulary.
 ``step`` always counts optimizer steps; a forward/backward on one micro-batch is a micro-step.
 
 The maths of one optimizer step: the window of ``gradient_accumulation_steps`` micro-batches on every rank
@@ -37,16 +37,16 @@ from scale.assets import resolve_data
 from scale.checkpoint import (SaveTimer, TrainerState, check_resume, clear_previous_run, load_checkpoint,
                               register_hooks, resolve_resume, save_adapter, save_checkpoint)
 from scale.checks import check_invariants, dtype_census, fingerprints
-from scale.config import Config, dump_config
+from scale.config import Config, ConfigError, dump_config
 from scale.data import Collator, DataError, Splits, build_splits
 from scale.fileio import sha256_file
 from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.evaluate import evaluate
-from scale.loss import LossSpec, loss_step
+from scale.loss import LossSpec, bad_rows, describe_bad_row, loss_step
 from scale.metrics import JsonlSink, MetricsLog, StepMeter, bar_text, model_flops, start_trackers
 from scale.modeling import build_model, load_tokenizer, parameter_counts
-from scale.schedule import lr_factor
+from scale.schedule import lr_factor, steps_for_epochs
 from scale.signals import Preempted, Preemption
 
 logger = get_logger(__name__)
@@ -108,10 +108,15 @@ class Job:
     state: TrainerState
     flops_fn: Callable[[int, int], float] | None = None
     peak_flops: float | None = None
+    max_steps: int | None = None  # optimizer steps of the run; None: train.max_steps (see setup for num_epochs)
+
+    def __post_init__(self) -> None:
+        if self.max_steps is None:
+            self.max_steps = self.cfg.train.max_steps
 
 
 def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
-    """Run optimizer steps from ``job.state.step`` to ``train.max_steps``; evaluate at step 0, every
+    """Run optimizer steps from ``job.state.step`` to ``job.max_steps``; evaluate at step 0, every
     ``eval_every`` and at the end; checkpoint every ``save_every`` steps or ``save_every_minutes``, at the end
     (when either is set), and when pre-empted.
 
@@ -129,10 +134,10 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     cfg, acc, state, t = job.cfg, job.acc, job.state, job.cfg.train
     last_eval = evaluate_and_log(job) if state.step == 0 else {}
     meter = StepMeter(acc.device, job.flops_fn, job.peak_flops)  # after the step-0 eval: throughput counts training
-    pbar = tqdm(total=t.max_steps, initial=state.step, disable=not acc.is_local_main_process, desc="optimizer steps")
+    pbar = tqdm(total=job.max_steps, initial=state.step, disable=not acc.is_local_main_process, desc="optimizer steps")
     timer = SaveTimer(t.save_every_minutes)
     job.model.train()
-    while state.step < t.max_steps:
+    while state.step < job.max_steps:
         ready = time.perf_counter()
         for window in windows(acc, epoch_loader(job), t.gradient_accumulation_steps, job.spec, preemption, timer):
             meter.data_s += time.perf_counter() - ready  # host time waiting for batches (and the gather)
@@ -148,7 +153,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
             state.windows_in_epoch += 1
             meter.steps += 1
             pbar.update(1)
-            done = state.step >= t.max_steps
+            done = state.step >= job.max_steps
             if state.step % t.log_every == 0 or done:
                 metrics = meter.flush(acc, lr)  # collective + host sync: the log interval's only one
                 if t.on_nonfinite == "skip":
@@ -212,7 +217,7 @@ def train_window(job: Job, window: Window, meter: StepMeter) -> None:
         return
     for mb, num in zip(window.micro, nums):
         if mb.real:
-            meter.add_micro(num, mb.weights.sum(), mb.batch, job.spec.threshold)
+            meter.add_micro(num, mb.weights.sum(), mb.batch)
 
 
 def sync_on_last_micro_batch(acc: Accelerator, n_micro: int) -> None:
@@ -235,9 +240,14 @@ def windows(acc: Accelerator, dl: DataLoader, ga: int, spec: LossSpec,
     With ``even_batches=False`` a rank can run out of batches before the others at the end of an epoch; it
     then repeats its last batch as a stand-in (``real=False``). The epoch ends when no rank has a batch left.
 
-    Collective: one tiny all-gather per window (``[B_count, stop, weight_sum, save_due]`` of every rank), which
-    also carries the stop flag (pre-emption costs no extra collective), the loss denominator and the checkpoint
-    timer (ranks agree on a time-based save), and is the loop's one host sync per optimizer step.
+    Collective: one tiny all-gather per window (``[B_count, stop, weight_sum, save_due, bad_rows]`` of every
+    rank), which also carries the stop flag (pre-emption costs no extra collective), the loss denominator, the
+    checkpoint timer (ranks agree on a time-based save) and the count of rows the tail loss cannot score (so
+    every rank stops together on such a batch), and is the loop's one host sync per optimizer step.
+
+    Raises:
+        ValueError: a micro-batch on some rank holds a row with a gap in its mask or fewer than its tail + 1
+            tokens (:func:`scale.loss.check_rows`).
     """
     it, last = iter(dl), None
     while True:
@@ -246,11 +256,17 @@ def windows(acc: Accelerator, dl: DataLoader, ga: int, spec: LossSpec,
         micro = [MicroBatch(b, spec.weights(b)) for b in batches]
         flag = preemption is not None and preemption.requested
         due = timer is not None and timer.due
-        mine = torch.tensor([[len(micro), flag, 0.0, due]], dtype=torch.float64, device=acc.device)
+        mine = torch.tensor([[len(micro), flag, 0.0, due, 0.0]], dtype=torch.float64, device=acc.device)
         if micro:
             mine[0, 2] = torch.stack([mb.weights.sum() for mb in micro]).double().sum()
-        table = acc.gather(mine).cpu()  # collective + host sync, once per window: [world, 4]
+            mine[0, 4] = torch.stack([bad_rows(b["attention_mask"], b["tail_mask"]).sum() for b in batches]).sum()
+        table = acc.gather(mine).cpu()  # collective + host sync, once per window: [world, 5]
         n_max, stop, den = int(table[:, 0].max()), bool(table[:, 1].max()), float(table[:, 2].sum())
+        if table[:, 4].any():
+            bad = next((b for b in batches if bad_rows(b["attention_mask"], b["tail_mask"]).any()), None)
+            raise ValueError(describe_bad_row(bad["attention_mask"], bad["tail_mask"], bad.get("row")) if bad
+                             else "a micro-batch on another rank holds a row the tail loss cannot score (its "
+                                  "message names it)")
         if stop:
             yield Window([], stop=True)
             return
@@ -335,8 +351,10 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int) -> tuple[DataLo
     return train_dl, eval_dl
 
 
-def make_optimizer(cfg: Config, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW (or SGD) over the trainable parameters, and the LR schedule of :mod:`scale.schedule`.
+def make_optimizer(cfg: Config, model: torch.nn.Module, max_steps: int | None = None
+                   ) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW (or SGD) over the trainable parameters, and the LR schedule of :mod:`scale.schedule` over
+    ``max_steps`` optimizer steps (default ``train.max_steps``).
 
     The scheduler is NOT prepared: a prepared one steps ``num_processes`` times per optimizer step.
     """
@@ -346,7 +364,8 @@ def make_optimizer(cfg: Config, model: torch.nn.Module) -> tuple[torch.optim.Opt
         optimizer = torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
     else:
         optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, o, cfg.train.max_steps))
+    steps = max_steps or cfg.train.max_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, o, steps))
     return optimizer, scheduler
 
 
@@ -377,23 +396,18 @@ def setup(cfg: Config) -> Job:
         raise DataError(f"train.micro_batch_size={mb} x num_processes={world} is larger than the train split "
                         f"({len(splits.train)} rows): a rank's shard would hold less than one micro-batch. "
                         f"Lower train.micro_batch_size to at most {max(1, len(splits.train) // world)} or add data.")
-    weights = cfg.loss.type_weights
-    unweighted = next((e for e in splits.train + splits.eval if weights and not 0 <= e.type_indicator < len(weights)),
-                      None)
-    if unweighted is not None:
-        raise DataError(f"row {unweighted.row} has type id {unweighted.type_indicator} (data.type_column="
-                        f"{cfg.data.type_column!r}) but loss.type_weights={weights} has weights for ids 0.."
-                        f"{len(weights) - 1} only; give one weight per type id")
+    check_type_weights(cfg, splits)
     if mb * ga * world > len(splits.train) and acc.is_main_process:
         logger.warning("global_batch_size=%d (micro_batch_size x gradient_accumulation_steps x num_processes) is "
                        "larger than the train split (%d rows): every optimizer step sees at most one epoch",
                        mb * ga * world, len(splits.train))
     clear_previous_run(acc, cfg, resume)  # train.overwrite_output_dir=true: the old run's artefacts go
+    max_steps = cfg.train.max_steps or steps_for_epochs(len(splits.train), mb * ga * world, cfg.train.num_epochs)
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, out / "config.yaml")
     train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id)
-    optimizer, scheduler = make_optimizer(cfg, model)
+    optimizer, scheduler = make_optimizer(cfg, model, max_steps)
     model, optimizer, train_dl = acc.prepare(model, optimizer, train_dl)
     acc.even_batches = True  # eval: gather_for_metrics drops the repeated samples
     eval_dl = acc.prepare(eval_dl)
@@ -402,12 +416,14 @@ def setup(cfg: Config) -> Job:
 
     trainable, total = parameter_counts(model)
     mean_len = sum(len(e.input_ids) for e in splits.train) / len(splits.train)
+    mean_tail = sum(e.tail_len for e in splits.train) / len(splits.train)
     if acc.is_main_process:
         logger.info("start: mode=%s world_size=%d micro_batch_size=%d gradient_accumulation_steps=%d "
-                    "global_batch_size=%d tokens_per_step~%d (mean %.1f tokens/row) tail_tokens_per_step=%d "
-                    "trainable=%d total=%d (%.3f%%) train=%d eval=%d", plan.mode, world, mb, ga, mb * ga * world,
-                    mb * ga * world * mean_len, mean_len, mb * ga * world * cfg.loss.threshold, trainable, total,
-                    100 * trainable / total, len(splits.train), len(splits.eval))
+                    "global_batch_size=%d tokens_per_step~%d (mean %.1f tokens/row) tail_tokens_per_step~%d "
+                    "trainable=%d total=%d (%.3f%%) train=%d eval=%d format=%s max_steps=%d", plan.mode, world, mb,
+                    ga, mb * ga * world, mb * ga * world * mean_len, mean_len, mb * ga * world * mean_tail, trainable,
+                    total, 100 * trainable / total, len(splits.train), len(splits.eval), splits.format, max_steps)
+        log_data_stats(splits.stats)
         logger.info("mode plan: %s; parameter dtypes: %s", "; ".join(plan.notes) or "defaults", dtype_census(model))
     state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=world, data_sha256=sha256_file(data_path))
     if resume is not None:
@@ -417,6 +433,9 @@ def setup(cfg: Config) -> Job:
     start_trackers(cfg, acc)
     # A resumed run keeps the history up to its checkpoint and drops what was logged after it.
     sink = JsonlSink(out / "metrics.jsonl", acc.is_main_process, keep_until=state.step if resume else None)
+    log = MetricsLog(acc, sink)
+    if resume is None:
+        log.write(0, splits.stats)  # the data counts (data/*), once per run
     try:  # an optional metric must never stop training: count once here, on a full-length micro-batch
         flops_fn, peak = model_flops(cfg, model_shape(acc.unwrap_model(model)), acc.device, trainable)
         flops_fn(1, cfg.data.max_length)
@@ -424,8 +443,42 @@ def setup(cfg: Config) -> Job:
         logger.warning("no FLOPs count (train/mfu) for this model: %s: %s", type(e).__name__, e,
                        main_process_only=True)
         flops_fn, peak = None, None
-    return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl,
-               LossSpec.from_config(cfg, splits.label_token_ids), MetricsLog(acc, sink), state, flops_fn, peak)
+    spec = LossSpec.from_config(cfg, splits.label_token_ids, format=splits.format, label_seqs=splits.label_seqs,
+                                has_target=splits.has_target, pad_token_id=tokenizer.pad_token_id)
+    return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
+               flops_fn, peak, max_steps)
+
+
+def check_type_weights(cfg: Config, splits: Splits) -> None:
+    """Every row's type id has a weight in ``loss.type_weights``, before anything is written.
+
+    Raises:
+        ConfigError: classification without ``data.type_column`` (the label index is the type id) and fewer
+            weights than labels.
+        DataError: a row whose type id has no weight (names the row).
+    """
+    weights = cfg.loss.type_weights
+    if weights is None:
+        return
+    labels = cfg.data.labels
+    if splits.format == "classification" and cfg.data.type_column is None and len(weights) < len(labels):
+        raise ConfigError(f"loss.type_weights={weights} has {len(weights)} weight(s) but data.labels has "
+                          f"{len(labels)} labels, whose indices are the type ids (data.type_column is null); give "
+                          f"one weight per label")
+    unweighted = next((e for e in splits.train + splits.eval if not 0 <= e.type_indicator < len(weights)), None)
+    if unweighted is not None:
+        raise DataError(f"row {unweighted.row} has type id {unweighted.type_indicator} (data.type_column="
+                        f"{cfg.data.type_column!r}) but loss.type_weights={weights} has weights for ids 0.."
+                        f"{len(weights) - 1} only; give one weight per type id")
+
+
+def log_data_stats(stats: dict[str, int]) -> None:
+    """One line with the data counts; a warning when eval rows are exact copies of training rows."""
+    logger.info("data: %s", " ".join(f"{k.removeprefix('data/')}={v}" for k, v in stats.items()))
+    if stats.get("data/eval_rows_in_train"):
+        logger.warning("%d of %d eval rows are exact copies of training rows: eval figures are not fully held "
+                       "out. Set data.deduplicate=true to drop duplicates before the split.",
+                       stats["data/eval_rows_in_train"], stats["data/eval_rows"])
 
 
 def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
@@ -445,7 +498,7 @@ def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
         raise
     if cfg.train.check_invariants:  # on every rank: under ZeRO-3 only rank 0 gets a `before`
         checks = check_invariants(acc, job.model, before)
-        job.log.sink.write(cfg.train.max_steps, checks)
+        job.log.sink.write(job.max_steps, checks)
         if acc.is_main_process:
             logger.info("invariants: %s", checks)
     if cfg.train.save_adapter:

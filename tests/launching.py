@@ -19,6 +19,9 @@ TINY = ROOT / "configs" / "train" / "tiny_cpu.yaml"
 JOB = ["data.max_train_examples=20", "train.max_steps=6", "train.log_every=1", "train.eval_every=0",
        "lora.dropout=0.0", "optim.warmup_steps=2", f"data.path={ROOT / 'configs' / 'data' / 'tiny_reviews.jsonl'}",
        "log.trackers=[]", "optim.name=sgd", "optim.lr=0.5"]
+# The same job on prompt/completion rows: tails of 2 to 12 tokens (a completion of 1-6 words + EOS), so the
+# micro-batches of a window hold tails of different lengths; 20 rows make windows of 8, 8 and 4 per epoch.
+COMPLETIONS = [f"data.path={ROOT / 'configs' / 'data' / 'tiny_completions.jsonl'}"]
 
 
 def free_port() -> int:

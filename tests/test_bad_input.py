@@ -36,18 +36,18 @@ def _message(exc_type, fn, *args):
 # ---- data ----
 
 def test_row_shorter_than_threshold_plus_one(tokenizer):
-    rows = [{"text": "ok", "label": "positive", "row": 17}]
-    n = len(tokenizer("Review: ok\nSentiment: positive")["input_ids"]) + 1  # + EOS
+    rows = [{"text": "ok fine", "row": 17}]  # the text format
     msg = _message(DataError, tokenize_rows, rows, tokenizer, DataConfig(max_length=64),
                    LossConfig(threshold=40, target_position=-2))
-    assert msg == (f"row 17 has {n} tokens; loss.threshold=40 needs at least 41. Lower loss.threshold, "
-                   f"raise data.max_length or drop the row.")
+    assert msg == ("row 17 has 3 tokens; loss.threshold=40 needs at least 41. Lower loss.threshold, "
+                   "raise data.max_length or drop the row.")
 
 
-def test_label_word_of_several_tokens(tokenizer):
-    msg = _message(DataError, label_token_ids, tokenizer, DataConfig(labels=["negative", "thumbs-up"]))
-    assert msg == ("data.labels: 'thumbs-up' renders as 3 tokens [' thumbs', '-', 'up'] in data.template; "
-                   "every label word must be a single token: choose another word")
+def test_label_that_merges_with_the_template(tokenizer):
+    msg = _message(DataError, label_token_ids, tokenizer, DataConfig(template="Review: {text}{label}",
+                                                                      labels=["s", "ing"]))
+    assert msg == ("data.labels: 's' does not tokenize apart from the template text before it in "
+                   "data.template='Review: {text}{label}'; put a space or a newline before '{label}'")
 
 
 def test_label_not_in_label_set(tmp_path):
@@ -60,15 +60,23 @@ def test_label_not_in_label_set(tmp_path):
 def test_missing_column(tmp_path):
     path = _write(tmp_path / "d.jsonl", [{"review": "good", "label": "positive"}])
     assert _message(DataError, load_rows, DataConfig(), path) == (
-        f"data.text_column='text' is not a column of {path}; its columns are ['review', 'label']. Set "
-        f"data.text_column (or data.column_names for a header-less file).")
+        f"{path} has the columns ['review', 'label'], which fit no data format: messages needs messages (no "
+        f"'messages'); prompt_completion needs prompt, completion (no 'prompt', 'completion'); classification needs "
+        f"text, label (no 'text'); text needs text (+ type, target) (no 'text'). Rename the columns, set "
+        f"data.*_column, or set data.format")
 
 
 def test_misspelled_column(tmp_path):
+    """A text,label file with a misspelled data.label_column is an error, not silently the text format."""
     path = _write(tmp_path / "d.jsonl", [{"text": "good", "label": "positive"}])
     assert _message(DataError, load_rows, DataConfig(label_column="lable"), path) == (
-        f"data.label_column='lable' is not a column of {path}; its columns are ['text', 'label']. Set "
-        f"data.label_column (or data.column_names for a header-less file).")
+        f"{path} has the columns ['text', 'label'], which fit no data format: messages needs messages (no "
+        f"'messages'); prompt_completion needs prompt, completion (no 'prompt', 'completion'); classification needs "
+        f"text, lable (no 'lable'); text needs text (+ type, target) (other columns ['label']: set data.format=text)."
+        f" Rename the columns, set data.*_column, or set data.format")
+    assert _message(DataError, load_rows, DataConfig(format="prompt_completion"), path) == (
+        f"data.format=prompt_completion needs the columns ['prompt', 'completion'] but {path} has ['text', "
+        f"'label']; rename the columns or set data.*_column (data.column_names for a header-less file)")
 
 
 def test_empty_file(tmp_path):
@@ -85,12 +93,12 @@ def test_non_utf8_file(tmp_path):
         f"data.path={str(path)!r} is not UTF-8 (byte 14); re-encode it as UTF-8")
 
 
-def test_label_not_at_target_position(tokenizer):
-    rows = [{"text": "good film", "label": "positive", "row": 3}]
-    msg = _message(DataError, tokenize_rows, rows, tokenizer, DataConfig(), LossConfig(threshold=3,
-                                                                                         target_position=-3))
-    assert msg == ("row 3: the token at loss.target_position=-3 is ':', not the label 'positive'; set "
-                   "loss.target_position to where the label sits")
+def test_label_that_tokenizes_differently_in_a_row(tokenizer):
+    cfg = DataConfig(template="Review: {text}{label}", labels=["ok", "no"])
+    rows = [{"text": "no", "label": "ok", "row": 3}]
+    assert _message(DataError, tokenize_rows, rows, tokenizer, cfg, LossConfig()) == (
+        "row 3: the label 'ok' tokenizes as ['ook'] at the end of this row, not as ['ok']; put a space or newline "
+        "before '{label}' in data.template")
 
 
 def test_micro_batch_larger_than_a_rank_shard(tmp_path):
@@ -103,7 +111,12 @@ def test_micro_batch_larger_than_a_rank_shard(tmp_path):
 # ---- config ----
 
 @pytest.mark.parametrize("override, message", [
-    ("train.max_steps=ten", "train.max_steps='ten' has the wrong type: expected int"),
+    ("train.max_steps=ten", "train.max_steps='ten' has the wrong type: expected int | None"),
+    ("train.num_epochs=2", ("train.max_steps=12 and train.num_epochs=2 are both set; set exactly one "
+                            "(train.max_steps=null to train by epochs)")),
+    ("train.max_steps=null", "set train.max_steps or train.num_epochs (exactly one): how long to train"),
+    ("data.format=chat", ("data.format='chat' is not one of ['auto', 'text', 'classification', "
+                          "'prompt_completion', 'messages']")),
     ("model.quantize_4bit=maybe", "model.quantize_4bit='maybe' has the wrong type: expected bool"),
     ("loss.target_position=-3", "loss.target_position=-3 is outside the tail: it must be between -2 and -1 "
                                 "(loss.threshold=2); raise loss.threshold or move it"),
@@ -213,7 +226,7 @@ def test_override_text_with_a_colon_stays_text():
     cfg = load_config(TINY_YAML, ["data.template=Text: {text}\nVerdict: {label}", "lora.target_modules=[q_proj]"])
     assert cfg.data.template == "Text: {text}\nVerdict: {label}" and cfg.lora.target_modules == ["q_proj"]
     assert _message(ConfigError, load_config, TINY_YAML, ["train.max_steps=a: b"]) == (
-        "train.max_steps='a: b' has the wrong type: expected int")
+        "train.max_steps='a: b' has the wrong type: expected int | None")
 
 
 def test_cli_prints_the_message_and_exits_2(tmp_path, capsys):
@@ -250,8 +263,6 @@ def _refused(tmp_path, exc_type, *overrides):
     (["data.eval_size=-3"], "data.eval_size=-3 must be >= 1: the run reports held-out figures (eval/loss, "
                             "eval/accuracy) at step 0 and at the end; use a small value such as 32 to keep most rows "
                             "for training"),
-    (["loss.type_weights=[1.0]"], "loss.type_weights=[1.0] has 1 weight(s) but data.labels has 2 labels, whose "
-                                  "indices are the type ids (data.type_column is null); give one weight per label"),
     (["loss.type_weights=[1.0,2.0]", "loss.criterion=torch.nn.functional:cross_entropy"],
      "loss.criterion and loss.type_weights cannot be combined: a user criterion gets weight 1 for every tail token, "
      "so the weights would be ignored. Drop loss.type_weights, or weigh inside the criterion "
@@ -264,6 +275,13 @@ def _refused(tmp_path, exc_type, *overrides):
 ])
 def test_config_errors_of_issue_11(overrides, message):
     assert _message(ConfigError, load_config, TINY_YAML, overrides) == message
+
+
+def test_fewer_type_weights_than_labels_is_refused_before_writing(tmp_path):
+    """Classification without data.type_column: the label index is the type id (checked once the format is known)."""
+    assert _refused(tmp_path, ConfigError, "loss.type_weights=[1.0]") == (
+        "loss.type_weights=[1.0] has 1 weight(s) but data.labels has 2 labels, whose indices are the type ids "
+        "(data.type_column is null); give one weight per label")
 
 
 def test_type_id_without_a_weight_is_refused_before_writing(tmp_path):
@@ -676,3 +694,163 @@ def test_lone_config_yaml_is_not_a_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(CheckpointError, match="already holds another run"):
         check_fresh_start(tiny_cfg(tmp_path))
+
+
+# ---- data formats (issue 10): one line, exit 2, nothing written ----
+
+def _cli(tmp_path, capsys, *overrides):
+    """Run scale-train on the tiny job; return (exit code, stderr) and check nothing was written."""
+    from scale.cli import main
+
+    out = tmp_path / "out"
+    code = main(["--config", str(TINY_YAML), f"output_dir={out}", *overrides])
+    err = capsys.readouterr().err
+    assert not out.exists(), "a rejected run must write nothing"
+    assert err.count("\n") == 1 and "Traceback" not in err
+    return code, err.removeprefix("scale-train: error: DataError: ").rstrip("\n")
+
+
+def _hi(answer="Hello."):
+    return [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}]
+
+
+@pytest.mark.parametrize("rows, overrides, message", [
+    ([{"instruction": "Add", "input": "2+2", "output": "4"}], [],
+     ("{path} has the columns ['instruction', 'input', 'output'], which fit no data format: messages needs "
+      "messages (no 'messages'); prompt_completion needs prompt, completion (no 'prompt', 'completion'); "
+      "classification needs text, label (no 'text', 'label'); text needs text (+ type, target) (no 'text'). "
+      "Rename the columns, set data.*_column, or set data.format")),
+    ([{"prompt": "Q", "completion": "A"}, {"prompt": "Q2", "completion": "  "}], [],
+     "row 1 of {path}: empty 'completion'"),
+    ([{"messages": _hi()}, {"messages": [{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "Hi"}]}], [],
+     ("row 1 of {path}: no assistant message; the messages format trains the last assistant turn, so every "
+      "conversation needs one")),
+    ([{"messages": _hi() + [{"role": "user", "content": "And?"}]}], [],
+     ("row 0 of {path}: the last message is from 'user', not 'assistant'; the messages format trains the last "
+      "assistant turn, so end every conversation with it")),
+    ([{"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Yo"}]}], [],
+     ("row 0 of {path}: message 1 must be {{'role': one of ['system', 'user', 'assistant', 'tool'], 'content': "
+      "text}}, got {{'role': 'bot', 'content': 'Yo'}}")),
+    ([{"prompt": "Q", "completion": " A"}] * 40 + [{"prompt": "Q", "completion": " one two three four five six"}],
+     ["data.max_length=6", "data.eval_size=4"],
+     ("row 40: the trained tail is 7 tokens; with 1 token(s) before it the row needs 8 > data.max_length=6. "
+      "Raise data.max_length, or set data.drop_long_completions=true to drop such rows (counted in the log).")),
+    ([{"messages": _hi()}] * 40, ["data.chat_template=/nonexistent/chat.jinja"],
+     "data.chat_template='/nonexistent/chat.jinja' is not a file; point it at a Jinja chat-template file"),
+])
+def test_format_errors_exit_2_before_anything_is_written(tmp_path, capsys, rows, overrides, message):
+    path = _write(tmp_path / "d.jsonl", rows)
+    code, err = _cli(tmp_path, capsys, f"data.path={path}", *overrides)
+    assert code == 2 and err == message.format(path=path)
+
+
+def test_no_chat_template(tmp_path, capsys, tokenizer):
+    tok_dir = tmp_path / "tok"
+    tokenizer.save_pretrained(tok_dir)
+    for f in tok_dir.glob("chat_template*"):
+        f.unlink()
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    path = _write(tmp_path / "d.jsonl", [{"messages": _hi()}] * 40)
+    code, err = _cli(tmp_path, capsys, f"data.path={path}", f"model.tokenizer={tok_dir}")
+    assert code == 2 and err == (
+        "the messages format needs a chat template and this tokenizer has none; set data.chat_template to a Jinja "
+        "file (e.g. the chat_template of a tokenizer_config.json of the same model family), or write the data as "
+        "prompt/completion columns")
+
+
+def test_long_completions_dropped_and_counted(tmp_path, tokenizer):
+    from scale.data import build_splits
+
+    rows = [{"prompt": f"Q{i}", "completion": " A"} for i in range(20)] + [{"prompt": "Q", "completion": " " + "x " * 9}]
+    path = _write(tmp_path / "d.jsonl", rows)
+    cfg = DataConfig(max_length=6, eval_size=4, drop_long_completions=True)
+    splits = build_splits(cfg, LossConfig(), tokenizer, path, seed=0)
+    assert splits.stats["data/dropped_long_rows"] == 1 and len(splits.train) + len(splits.eval) == 20
+
+
+# ---- files read as they are (issue 11 item 4) ----
+
+def test_csv_quote_that_swallows_lines(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text('text,label\ngood film,positive\n"bad film\nok film\nfine",positive\nmeh,negative\n',
+                    encoding="utf-8")
+    assert _message(DataError, load_rows, DataConfig(), str(path)) == (
+        f"row 1 of {path} (line 3) runs on to line 5: a quoted cell holds 2 line break(s), so the lines after it "
+        f"became part of one row. Double a literal quote inside a quoted cell (\"\"), or write the data as .jsonl")
+
+
+@pytest.mark.parametrize("text, message", [
+    ('text,label\ngood film,positive\n"bad film,negative\nok film,positive\n', "unexpected end of data"),
+    ('text,label\ngood film,positive\n"bad" film,negative\n', "',' expected after '\"'"),
+])
+def test_csv_quote_that_does_not_close(tmp_path, text, message):
+    path = tmp_path / "d.csv"
+    path.write_text(text, encoding="utf-8")
+    assert _message(DataError, load_rows, DataConfig(), str(path)) == (
+        f"row 1 of {path} (line 3) cannot be parsed as CSV ({message}): a quote opened in it does not close where "
+        f"its cell ends. Double a literal quote inside a quoted cell (\"\"), or write the data as .jsonl")
+
+
+def test_csv_row_with_another_number_of_cells(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text("text,label\ngood, film,positive\n", encoding="utf-8")
+    assert _message(DataError, load_rows, DataConfig(), str(path)) == (
+        f"row 0 of {path} (line 2) has 3 cells but the header has 2 (['text', 'label']); fix the row or its "
+        f"delimiters")
+
+
+def test_jsonl_line_that_is_not_json(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "a", "label": "positive"}\n{"text": "b", label: "negative"}\n', encoding="utf-8")
+    assert _message(DataError, load_rows, DataConfig(), str(path)) == (
+        f"line 2 of {path} is not JSON (Expecting property name enclosed in double quotes); write one JSON object "
+        f"per line")
+
+
+# ---- forward_tail checks its rows under either padding (issue 11) ----
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_forward_tail_checks_row_lengths_and_gaps(side):
+    import torch
+
+    from scale.loss import forward_tail
+
+    def batch(mask, tails):
+        mask = torch.tensor(mask)
+        return {"input_ids": torch.ones_like(mask), "attention_mask": mask, "tail_mask": torch.tensor(tails),
+                "row": torch.tensor([7, 9])}
+
+    short = batch([[0, 0, 0, 1, 1], [1, 1, 1, 1, 1]] if side == "left" else [[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]],
+                  [[1, 1], [1, 1]])
+    assert _message(ValueError, forward_tail, None, short, None, side) == (
+        "row 0 of the batch (data-file row 7) has 2 real tokens; its tail of 2 tokens needs at least 3 (each tail "
+        "token is predicted from the token before it). Lower loss.threshold or drop short rows.")
+    gap = batch([[1, 1, 1, 1, 1], [1, 0, 1, 1, 1]], [[0, 1], [0, 1]])
+    assert _message(ValueError, forward_tail, None, gap, None, side) == (
+        "attention_mask row 1 of the batch (data-file row 9) is not one contiguous run of 1s (left or right "
+        "padding)")
+
+
+def test_training_windows_check_rows_inside_their_all_gather():
+    """The loop checks every micro-batch's rows in the per-step all-gather (no extra host sync, every rank stops)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from scale.loss import LossSpec
+    from scale.train import windows
+
+    spec = LossSpec(threshold=2, padding_side="left", type_weights=None, criterion=None, criterion_mode="plain",
+                    target_position=-2, label_token_ids=None)
+    good = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4, dtype=torch.long),
+            "tail_mask": torch.ones(2, 2, dtype=torch.long), "type_indicator": torch.zeros(2, dtype=torch.long),
+            "row": torch.tensor([3, 4])}
+    bad = {**good, "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]), "row": torch.tensor([5, 6])}
+    acc = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t)
+    assert [len(w.micro) for w in windows(acc, [good, good], 2, spec)] == [2]
+    assert _message(ValueError, lambda: list(windows(acc, [good, bad], 2, spec))) == (
+        "row 1 of the batch (data-file row 6) has 2 real tokens; its tail of 2 tokens needs at least 3 (each tail "
+        "token is predicted from the token before it). Lower loss.threshold or drop short rows.")

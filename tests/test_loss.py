@@ -1,4 +1,5 @@
-"""Tail loss against an independent reference of the seed's formula; padding invariance; no [B, T, V]."""
+"""Tail loss against independent full-logits references: the seed's fixed-N formula, per-row tails of different
+lengths, left and right padding, type weights, a user criterion; the LM head never sees [B, T, V]."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ def model():
     return m.eval()
 
 
-def _examples(seed=0, lengths=(5, 9, 4, 12)):
+def _examples(seed=0, lengths=(5, 9, 4, 12), tails=None):
     g = torch.Generator().manual_seed(seed)
-    return [Example(torch.randint(3, 300, (n,), generator=g).tolist(), i % 2, 7) for i, n in enumerate(lengths)]
+    tails = tails or [N] * len(lengths)
+    return [Example(torch.randint(3, 300, (n,), generator=g).tolist(), t, i % 2, 7, row=100 + i)
+            for i, (n, t) in enumerate(zip(lengths, tails))]
 
 
 def seed_reference(model, input_ids, attention_mask, threshold, weights=None):
@@ -39,44 +42,116 @@ def seed_reference(model, input_ids, attention_mask, threshold, weights=None):
     return (ce * w).sum() / w.sum()
 
 
+def row_reference(model, ids, tail_len):
+    """One row alone, no padding, full logits: mean CE of its last `tail_len` tokens (nats per token)."""
+    x = torch.tensor([ids])
+    logits = model(input_ids=x).logits[0]                                                    # [T, V]
+    return F.cross_entropy(logits[-tail_len - 1:-1], x[0, -tail_len:]).item()
+
+
+def per_row(model, batch, side):
+    tail_logits, targets = L.forward_tail(model, batch, padding_side=side)
+    w = L.token_weights(batch["type_indicator"], batch["tail_mask"], None)
+    losses = [L.tail_loss(tail_logits[b:b + 1], targets[b:b + 1], w[b:b + 1]) for b in range(len(targets))]
+    return [(num / den).item() for num, den in losses]
+
+
+def _close(a, b, rel=1e-6):
+    return abs(a - b) <= rel * max(1.0, abs(b))
+
+
 @torch.no_grad()
 def test_tail_loss_equals_seed_formula_left_padded(model):
     batch = Collator(0, "left")(_examples())
     ref = seed_reference(model, batch["input_ids"], batch["attention_mask"], N)
     tail_logits, targets = L.forward_tail(model, batch, N, "left")
-    num, den = L.tail_loss(tail_logits, targets, torch.ones(4, N))
+    num, den = L.tail_loss(tail_logits, targets, L.token_weights(batch["type_indicator"], batch["tail_mask"], None))
     assert den.item() == 4 * N
-    assert abs((num / den).item() - ref.item()) <= 1e-6 * max(1.0, abs(ref.item()))
+    assert _close((num / den).item(), ref.item())
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@torch.no_grad()
+def test_text_format_threshold_10_equals_the_original_formula_per_row(model, side):
+    """The `text` format (every tail the last 10 tokens) == last 10 positions, full logits, plain CE, per row."""
+    examples = _examples(3, lengths=(11, 25, 14, 40, 19), tails=[10] * 5)
+    got = per_row(model, Collator(0, side)(examples), side)
+    for g, ex in zip(got, examples):
+        assert _close(g, row_reference(model, ex.input_ids, 10)), (g, side)
+    if side == "left":  # and the seed's batch formula over the whole left-padded batch
+        batch = Collator(0, "left")(examples)
+        ref = seed_reference(model, batch["input_ids"], batch["attention_mask"], 10).item()
+        assert _close(sum(got) / len(got), ref)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@torch.no_grad()
+def test_tails_of_lengths_1_3_7_equal_a_per_row_full_logits_reference(model, side):
+    examples = _examples(4, lengths=(6, 13, 9), tails=[1, 3, 7])
+    batch = Collator(0, side)(examples)
+    assert batch["tail_mask"].tolist() == [[0] * 6 + [1], [0] * 4 + [1] * 3, [1] * 7]
+    got = per_row(model, batch, side)
+    for g, ex in zip(got, examples):
+        assert _close(g, row_reference(model, ex.input_ids, ex.tail_len)), (g, side)
+    # The batch's numerator / denominator is the token-weighted mean over all 11 tail tokens.
+    tail_logits, targets = L.forward_tail(model, batch, padding_side=side)
+    num, den = L.tail_loss(tail_logits, targets, batch["tail_mask"].float())
+    assert den.item() == 11
+    assert _close((num / den).item(), sum(g * ex.tail_len for g, ex in zip(got, examples)) / 11)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@torch.no_grad()
+def test_lm_head_never_sees_all_positions(model, side):
+    """Hook the LM head: with tails of 1, 3 and 7 it gets the tail's positions, never all T of them."""
+    seen = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
+    try:
+        batch = Collator(0, side)(_examples(4, lengths=(6, 13, 9), tails=[1, 3, 7]))
+        L.forward_tail(model, batch, padding_side=side)
+    finally:
+        handle.remove()
+    T = batch["input_ids"].shape[1]
+    # left: the 7 positions before the end; right: the union of the rows' predictor positions,
+    # {4} | {9, 10, 11} | {1, ..., 7} (rows of 6, 13 and 9 tokens) = 10 positions.
+    assert T == 13 and seen == [(3, 7 if side == "left" else 10, 64)]
 
 
 @torch.no_grad()
 def test_weighted_by_type_equals_reference(model):
     batch = Collator(0, "left")(_examples(1))
-    w = L.token_weights(batch["type_indicator"], N, [0.25, 2.0])
+    w = L.token_weights(batch["type_indicator"], batch["tail_mask"], [0.25, 2.0])
     assert w.shape == (4, N) and w[0, 0].item() == 0.25 and w[1, 2].item() == 2.0
     ref = seed_reference(model, batch["input_ids"], batch["attention_mask"], N, weights=w)
-    num, den = L.tail_loss(*L.forward_tail(model, batch, N, "left"), w)
+    num, den = L.tail_loss(*L.forward_tail(model, batch, padding_side="left"), w)
     assert den.item() == pytest.approx(3 * (0.25 * 2 + 2.0 * 2))
-    assert abs((num / den).item() - ref.item()) <= 1e-6 * max(1.0, abs(ref.item()))
+    assert _close((num / den).item(), ref.item())
+
+
+@torch.no_grad()
+def test_type_weights_times_tail_mask():
+    mask = torch.tensor([[0, 0, 1], [1, 1, 1]])
+    w = L.token_weights(torch.tensor([1, 0]), mask, [0.5, 3.0])
+    assert w.tolist() == [[0.0, 0.0, 3.0], [0.5, 0.5, 0.5]]
 
 
 @torch.no_grad()
 def test_same_example_same_loss_under_left_and_right_padding(model):
-    examples = _examples(2)
+    examples = _examples(2, tails=[1, 3, 2, 3])
     left, right = Collator(0, "left")(examples), Collator(0, "right")(examples)
     assert not torch.equal(left["input_ids"], right["input_ids"])
-    ll, lt = L.forward_tail(model, left, N, "left")
-    rl, rt = L.forward_tail(model, right, N, "right")
-    assert torch.equal(lt, rt)
-    torch.testing.assert_close(ll, rl, rtol=0, atol=1e-5)
-    ln, ld = L.tail_loss(ll, lt, torch.ones(4, N))
-    rn, rd = L.tail_loss(rl, rt, torch.ones(4, N))
-    assert abs(ln.item() - rn.item()) <= 1e-6 * abs(ln.item()) and ld.item() == rd.item()
+    ll, lt = L.forward_tail(model, left, padding_side="left")
+    rl, rt = L.forward_tail(model, right, padding_side="right")
+    m = left["tail_mask"].bool()
+    assert torch.equal(lt[m], rt[m])
+    torch.testing.assert_close(ll[m], rl[m], rtol=0, atol=1e-5)
+    ln, ld = L.tail_loss(ll, lt, left["tail_mask"].float())
+    rn, rd = L.tail_loss(rl, rt, right["tail_mask"].float())
+    assert abs(ln.item() - rn.item()) <= 1e-6 * abs(ln.item()) and ld.item() == rd.item() == 9
     # Each row alone (no padding at all) gives the same tail predictions too.
     for b, ex in enumerate(examples):
-        single = Collator(0, "left")([ex])
-        sl, _ = L.forward_tail(model, single, N, "left")
-        torch.testing.assert_close(sl[0], ll[b], rtol=0, atol=1e-5)
+        sl, _ = L.forward_tail(model, Collator(0, "left")([ex]), padding_side="left")
+        torch.testing.assert_close(sl[0, -ex.tail_len:], ll[b, -ex.tail_len:], rtol=0, atol=1e-5)
 
 
 def test_tail_positions_left_and_right():
@@ -84,12 +159,15 @@ def test_tail_positions_left_and_right():
     mask_right = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
     assert L.tail_positions(mask_left, 2).tolist() == [[4, 5], [4, 5]]
     assert L.tail_positions(mask_right, 2).tolist() == [[2, 3], [4, 5]]
+    # Per-row tails: columns outside a row's tail repeat its first tail position.
+    tails = torch.tensor([[0, 1], [1, 1]])
+    assert L.tail_positions(mask_right, tails).tolist() == [[3, 3], [4, 5]]
 
 
-def test_tail_positions_rejects_short_rows():
-    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-    with pytest.raises(ValueError, match=r"row 0 has 3 real tokens; the tail loss needs at least loss.threshold \+ 1 = 4"):
-        L.tail_positions(mask, 3)
+def test_bad_rows_flags_short_rows_and_gaps():
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1]])
+    tails = torch.tensor([[1, 1, 1], [1, 1, 1], [0, 0, 1], [0, 0, 1]])
+    assert L.bad_rows(mask, tails).tolist() == [True, False, True, False]
 
 
 def test_target_stats_logprob_and_accuracy():
@@ -101,6 +179,15 @@ def test_target_stats_logprob_and_accuracy():
     expected0 = torch.log_softmax(logits[0, 0], -1)[4]
     assert stats.logprob[0].item() == pytest.approx(expected0.item(), abs=1e-6)
     assert stats.correct.tolist() == [1.0, 0.0]
+
+
+def test_sequence_logprob_and_exact_match():
+    logits = torch.log(torch.tensor([[[0.1, 0.9], [0.7, 0.3], [0.2, 0.8]]]))    # [1, 3, 2]
+    targets = torch.tensor([[0, 0, 1]])
+    mask = torch.tensor([[0, 1, 1]])
+    assert L.sequence_logprob(logits, targets, mask).item() == pytest.approx(float(torch.log(torch.tensor(0.7 * 0.8))))
+    assert L.exact_match(logits, targets, mask).tolist() == [1.0]                 # column 0 is outside the tail
+    assert L.exact_match(logits, targets, torch.ones(1, 3)).tolist() == [0.0]
 
 
 def my_criterion(logits, labels):
@@ -125,3 +212,14 @@ def test_user_criterion_by_import_path():
     assert num.item() == pytest.approx((ce * torch.tensor([1, 1, 2, 2, 1, 1.0])).sum().item(), rel=1e-6)
     with pytest.raises(ValueError, match="loss.criterion='tests.test_loss:nope' cannot be imported"):
         L.load_criterion("tests.test_loss:nope")
+
+
+def test_user_criterion_sees_only_tail_tokens():
+    """Tails of 1 and 2 in a 2-wide batch: the criterion's mean runs over the 3 real tail tokens only."""
+    torch.manual_seed(1)
+    logits, targets = torch.randn(2, 2, 11), torch.randint(0, 11, (2, 2))
+    mask = torch.tensor([[0.0, 1.0], [1.0, 1.0]])
+    num, den = L.tail_loss(logits, targets, mask, criterion=my_criterion)
+    keep = mask.reshape(-1).bool()
+    ref = F.cross_entropy(logits.reshape(4, 11)[keep], targets.reshape(4)[keep])
+    assert den.item() == 3 and (num / den).item() == pytest.approx(ref.item(), rel=1e-6)
