@@ -511,8 +511,7 @@ _SECRET_PATTERNS = (
 _SECRET_ENV = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 # Fields that hold a path (or hub id): only a value that IS a secret, or a URL's password, is redacted there.
 PATH_KEYS = ("output_dir", "model.name_or_path", "model.tokenizer", "data.path", "data.chat_template",
-             "train.deepspeed_config",
-             "train.resume_from")
+             "train.deepspeed_config", "train.resume_from")
 
 
 def _secret_values(env: dict[str, str] | None) -> list[str]:
