@@ -43,8 +43,9 @@ from scale.fileio import sha256_file
 from scale.launch import ModePlan, build_accelerator, plan_for_mode
 from scale.evaluate import evaluate
 from scale.loss import LossSpec, loss_step
-from scale.metrics import JsonlSink, MetricsLog, StepMeter, model_flops, start_trackers
+from scale.metrics import JsonlSink, MetricsLog, StepMeter, model_flops, resolve_peak_flops, start_trackers
 from scale.modeling import build_model, load_tokenizer, parameter_counts
+from scale.sampling import LengthGroupedSampler
 from scale.schedule import lr_factor
 from scale.signals import Preempted, Preemption
 
@@ -307,18 +308,29 @@ def evaluate_and_log(job: Job) -> dict[str, float]:
     return metrics
 
 
-def make_loaders(cfg: Config, splits: Splits, pad_token_id: int) -> tuple[DataLoader, DataLoader]:
+def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, num_processes: int = 1
+                 ) -> tuple[DataLoader, DataLoader]:
     """The train loader (shuffled by ``train.seed``, re-shuffled each epoch) and the eval loader (unprepared).
 
     accelerate shards the train loader by whole micro-batches (rank ``r`` gets batches ``r, r + W, ...``), so
-    every launch mode with the same global batch sees the same rows in every optimizer step.
+    every launch mode with the same global batch sees the same rows in every optimizer step. With
+    ``data.group_by_length`` the order comes from :class:`scale.sampling.LengthGroupedSampler`, built from the
+    global batch (``num_processes`` ranks) before sharding, so that still holds.
     """
     collate = Collator(pad_token_id, cfg.data.padding_side)
-    train_dl = DataLoader(splits.train, batch_size=cfg.train.micro_batch_size, shuffle=True, collate_fn=collate,
-                          generator=torch.Generator().manual_seed(cfg.train.seed), num_workers=cfg.data.num_workers)
+    t = cfg.train
+    if cfg.data.group_by_length:
+        sampler = LengthGroupedSampler([len(e.input_ids) for e in splits.train],
+                                       t.micro_batch_size * t.gradient_accumulation_steps * num_processes,
+                                       cfg.data.mega_batch_steps, t.seed)
+        train_dl = DataLoader(splits.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate,
+                              num_workers=cfg.data.num_workers)
+    else:
+        train_dl = DataLoader(splits.train, batch_size=t.micro_batch_size, shuffle=True, collate_fn=collate,
+                              generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
     # Evaluation order does not change its sums; longest first keeps padding (and peak memory) low.
     eval_dl = DataLoader(sorted(splits.eval, key=lambda e: -len(e.input_ids)),
-                         batch_size=cfg.train.eval_micro_batch_size, shuffle=False, collate_fn=collate,
+                         batch_size=t.eval_micro_batch_size, shuffle=False, collate_fn=collate,
                          num_workers=cfg.data.num_workers)
     return train_dl, eval_dl
 
@@ -368,8 +380,9 @@ def setup(cfg: Config) -> Job:
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, out / "config.yaml")
-    train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id)
+    train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id, world)
     optimizer, scheduler = make_optimizer(cfg, model)
+    model_config = model.config  # before prepare: acc.unwrap_model imports deepspeed whenever it is installed
     model, optimizer, train_dl = acc.prepare(model, optimizer, train_dl)
     acc.even_batches = True  # eval: gather_for_metrics drops the repeated samples
     eval_dl = acc.prepare(eval_dl)
@@ -393,9 +406,12 @@ def setup(cfg: Config) -> Job:
     start_trackers(cfg, acc)
     # A resumed run keeps the history up to its checkpoint and drops what was logged after it.
     sink = JsonlSink(out / "metrics.jsonl", acc.is_main_process, keep_until=state.step if resume else None)
-    flops_fn, peak = model_flops(cfg, acc.unwrap_model(model).config, acc.device, trainable)
+    peak = resolve_peak_flops(cfg, acc)  # collective when measured on several ranks
+    if acc.is_main_process:
+        logger.info("MFU peak: %s", peak.source)
+    flops_fn = model_flops(cfg, model_config, trainable)
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl,
-               LossSpec.from_config(cfg, splits.label_token_ids), MetricsLog(acc, sink), state, flops_fn, peak)
+               LossSpec.from_config(cfg, splits.label_token_ids), MetricsLog(acc, sink), state, flops_fn, peak.flops)
 
 
 def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:

@@ -23,6 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"config"},
     "loss": {"config"},
     "modeling": {"config", "assets"},
+    "sampling": set(),
     "export": {"config", "fileio", "modeling"},
     # the loop side: may import accelerate / torch.distributed
     "launch": {"config"},
@@ -31,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"config", "fileio", "launch", "modeling"},
     "evaluate": {"loss"},
     "train": {"assets", "checkpoint", "checks", "config", "data", "evaluate", "fileio", "launch", "loss", "metrics",
-              "modeling", "schedule", "signals",
+              "modeling", "sampling", "schedule", "signals",
               "cli"},  # cli only in `if __name__ == "__main__"`: `python -m scale.train` runs the CLI
     "cli": {"checkpoint", "config", "data", "launch", "signals", "train"},
     "report": {"metrics"},

@@ -1,0 +1,111 @@
+"""Length-grouped sampling: a deterministic permutation per epoch, the same rows per optimizer step in every
+launch mode (it depends on the global batch only), less padding, and resume/epochs through accelerate."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from scale.sampling import LengthGroupedSampler, length_grouped_order, pad_fraction
+
+
+def _lengths(n, seed=0):
+    rng = random.Random(seed)
+    return [rng.randint(10, 86) for _ in range(n)]
+
+
+def test_order_is_a_deterministic_permutation_per_epoch():
+    lengths = _lengths(203)
+    a = length_grouped_order(lengths, 8, 4, seed=1234, epoch=0)
+    assert sorted(a) == list(range(203))
+    assert a == length_grouped_order(lengths, 8, 4, seed=1234, epoch=0)
+    assert a != length_grouped_order(lengths, 8, 4, seed=1234, epoch=1)
+    assert a != length_grouped_order(lengths, 8, 4, seed=1235, epoch=0)
+
+
+def test_global_batches_are_grouped_and_the_partial_one_is_last():
+    lengths = _lengths(203)                      # 25 full global batches of 8, then 3 rows
+    G, k = 8, 4
+    order = length_grouped_order(lengths, G, k, seed=0)
+    batches = [order[i:i + G] for i in range(0, len(order), G)]
+    assert [len(b) for b in batches] == [8] * 25 + [3]
+    for b in batches:                            # longest first inside every global batch
+        assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)
+    perm = torch.randperm(203, generator=torch.Generator().manual_seed(0)).tolist()
+    for m in range(0, 203, G * k):               # a mega-batch keeps its rows (grouping happens inside it)
+        assert set(order[m:m + G * k]) == set(perm[m:m + G * k])
+    # The partial batch holds the shortest rows of the last mega-batch.
+    last_mega = order[(203 // (G * k)) * G * k:]
+    assert max(lengths[i] for i in batches[-1]) <= min(lengths[i] for i in last_mega[:-3])
+
+
+def test_less_padding_than_random_batches():
+    lengths = _lengths(800)
+    random_order = torch.randperm(800, generator=torch.Generator().manual_seed(0)).tolist()
+    grouped = length_grouped_order(lengths, 8, 16, seed=0)
+    assert pad_fraction(lengths, random_order, 8) > 0.3
+    assert pad_fraction(lengths, grouped, 8) < 0.06
+    assert pad_fraction([3, 3, 1, 1], [0, 1, 2, 3], 2) == 0.0 and pad_fraction([3, 1], [0, 1], 2) == 1 - 4 / 6
+
+
+def test_bad_sizes():
+    with pytest.raises(ValueError, match="must be >= 1"):
+        LengthGroupedSampler([1, 2], global_batch_size=0, mega_batch_steps=2, seed=0)
+
+
+def _rows_per_step(acc, lengths, mb, ga, world, epoch, skip=0):
+    """Rows of each optimizer step when ``world`` ranks shard the loader as accelerate does."""
+    G = mb * ga * world
+    steps = {}
+    for rank in range(world):
+        sampler = LengthGroupedSampler(lengths, G, 4, seed=7)
+        dl = DataLoader(list(range(len(lengths))), batch_size=mb, sampler=sampler, collate_fn=torch.tensor)
+        from accelerate.data_loader import prepare_data_loader, skip_first_batches
+
+        dl = prepare_data_loader(dl, num_processes=world, process_index=rank, even_batches=False,
+                                 use_seedable_sampler=True, put_on_device=False)
+        dl.set_epoch(epoch)
+        if skip:
+            dl = skip_first_batches(dl, skip * ga)
+            dl.set_epoch(epoch)
+        for i, batch in enumerate(dl):
+            steps.setdefault(skip + i // ga, set()).update(batch.tolist())
+    return steps
+
+
+def test_same_rows_per_step_in_every_mode_and_after_resume():
+    Accelerator(cpu=True)                         # accelerate's sharding needs its state
+    lengths = _lengths(100)
+    ref = _rows_per_step(None, lengths, mb=8, ga=1, world=1, epoch=1)
+    assert len(ref) == 13 and sum(len(r) for r in ref.values()) == 100
+    for mb, ga, world in [(2, 4, 1), (2, 2, 2), (4, 1, 2), (1, 2, 4)]:
+        assert _rows_per_step(None, lengths, mb, ga, world, epoch=1) == ref, (mb, ga, world)
+    resumed = _rows_per_step(None, lengths, mb=2, ga=2, world=2, epoch=1, skip=5)
+    assert resumed == {s: rows for s, rows in ref.items() if s >= 5}
+
+
+def test_accelerate_keeps_the_sampler_and_passes_the_epoch(tmp_path, tokenizer):
+    from scale.data import build_splits
+    from scale.train import make_loaders
+    from tests.conftest import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, "data.group_by_length=true", "data.mega_batch_steps=2")
+    splits = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed)
+    acc = Accelerator(cpu=True)
+    train_dl, _ = make_loaders(cfg, splits, tokenizer.pad_token_id, acc.num_processes)
+    prepared = acc.prepare(train_dl)
+    from accelerate.data_loader import get_sampler
+
+    sampler = get_sampler(prepared)
+    assert isinstance(sampler, LengthGroupedSampler) and sampler.global_batch_size == 16
+    lengths = [len(e.input_ids) for e in splits.train]
+    for epoch in (0, 3):
+        prepared.set_epoch(epoch)
+        assert sampler.epoch == epoch
+        seen = [r for b in prepared for r in b["row"].tolist()]
+        expected = [splits.train[i].row for i in length_grouped_order(lengths, 16, 2, cfg.train.seed, epoch)]
+        assert seen == expected
