@@ -1,6 +1,6 @@
 """Parity: the same tiny fp32 tail-loss job under every launch mode gives the same numbers.
 
-    python benchmarks/parity.py [--modes single_8x1,ddp_2x2x2 ...] [--tolerance 1e-5]
+    python benchmarks/parity.py [--modes single_8x1,ddp_2x2x2 ...] [--tolerance 1e-5] [--set data.group_by_length=true]
 
 Job: configs/train/tiny_cpu.yaml on 20 examples (global batch 8, so every epoch ends with a partial
 window of 4), 6 optimizer steps (2 epochs), plain SGD (Adam would hide a gradient-scale error), no dropout, logged every step. For each mode it reads
@@ -25,6 +25,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default=None, help="comma-separated subset of the mode names (substring match)")
     parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra config override for every mode, e.g. --set data.group_by_length=true")
     parser.add_argument("--out", default=str(ROOT / "runs" / "parity"))
     args = parser.parse_args()
     table = modes()
@@ -36,7 +38,7 @@ def main() -> int:
     lines = [header, "|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|"]
     for i, (name, (cmds, overrides)) in enumerate(table.items()):
         t0 = time.perf_counter()
-        res = run_mode(cmds, overrides, Path(args.out) / f"mode{i}")
+        res = run_mode(cmds, [*overrides, *args.set], Path(args.out) / f"mode{i}")
         wall = time.perf_counter() - t0
         results[name] = res
         ref = next(iter(results.values()))

@@ -53,6 +53,22 @@ def cpu_threads_per_rank(env: dict[str, str]) -> None:
                                             local, threads)
 
 
+def skip_deepspeed_shm_op() -> None:
+    """Keep DeepSpeed on CPU from JIT-compiling its shared-memory collective op, which training never uses.
+
+    On CPU, DeepSpeed's ``TorchBackend`` builds ``deepspeed_shm_comm`` (C++ through ninja: ~27 s here, up to
+    ~100 s on a busy machine, on the first launch of a machine; cached in ``~/.cache/torch_extensions``)
+    whenever the op is marked compatible (deepspeed/comm/torch.py ``build_shm_op``, DeepSpeed 0.19). The op
+    serves only ``inference_all_reduce``; training collectives go through ``torch.distributed`` (gloo) either
+    way. DeepSpeed computes ``deepspeed.ops.__compatible_ops__`` once and keeps the dict ("edits to it
+    persist", deepspeed/ops/__init__.py), so marking the op incompatible before the process group starts
+    skips the build. Remove if a DeepSpeed training path starts using the op.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def build_accelerator(cfg: Config) -> Accelerator:
     """Create the Accelerator for the launch mode found in the environment, with start-up guards.
 
@@ -69,6 +85,8 @@ def build_accelerator(cfg: Config) -> Accelerator:
     # The timeout bounds how long a rank waits for a peer that died on another node.
     handlers = [InitProcessGroupKwargs(backend="gloo" if on_cpu and use_deepspeed else None,
                                        timeout=timedelta(seconds=cfg.train.collective_timeout_s))]
+    if use_deepspeed and on_cpu:
+        skip_deepspeed_shm_op()
     plugin = None
     if cfg.train.deepspeed_config is not None:  # e.g. under the `deepspeed` launcher or torchrun
         from accelerate.utils import DeepSpeedPlugin
