@@ -323,8 +323,10 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, num_processes: 
         sampler = LengthGroupedSampler([len(e.input_ids) for e in splits.train],
                                        t.micro_batch_size * t.gradient_accumulation_steps * num_processes,
                                        cfg.data.mega_batch_steps, t.seed)
+        # A generator of its own: each iter() of a DataLoader draws a base seed from it, else from the global
+        # RNG, and a resumed run (one iter() more) would then draw other dropout masks.
         train_dl = DataLoader(splits.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate,
-                              num_workers=cfg.data.num_workers)
+                              generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
     else:
         train_dl = DataLoader(splits.train, batch_size=t.micro_batch_size, shuffle=True, collate_fn=collate,
                               generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
