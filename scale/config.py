@@ -98,6 +98,9 @@ class DataConfig:
                                       "every launch mode and resume trains the same rows per optimizer step.")
     mega_batch_steps: int = _f(16, "With `group_by_length`: global batches (optimizer steps) whose rows are sorted "
                                    "by length together; larger: less padding.")
+    padding_free: bool = _f(False, "Pack each train micro-batch into one row with position ids restarting per "
+                                   "example (no padding, no attention across examples; transformers' packed-"
+                                   "sequence masks). Exact against padded batches; evaluation stays padded.")
 
 
 @dataclass

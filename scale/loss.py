@@ -241,6 +241,8 @@ def forward_tail(model: torch.nn.Module, batch: dict[str, Tensor], threshold: in
     Returns:
         ``(tail_logits [B, N, V], targets [B, N])``.
     """
+    if "seq_lens" in batch:  # a padding-free micro-batch (scale.sampling.PaddingFreeCollator)
+        return forward_tail_packed(model, batch, threshold)
     input_ids, mask = batch["input_ids"], batch["attention_mask"]
     # Positions count real tokens only, so a left-padded row sees the same positions as a right-padded one.
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -255,6 +257,30 @@ def forward_tail(model: torch.nn.Module, batch: dict[str, Tensor], threshold: in
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=keep,
                 use_cache=False)
     return (out.logits if tb is None else select_tail_logits(out.logits, tb)), targets
+
+
+def forward_tail_packed(model: torch.nn.Module, batch: dict[str, Tensor], threshold: int) -> tuple[Tensor, Tensor]:
+    """:func:`forward_tail` for a padding-free micro-batch: ``B`` rows packed into one row of ``L`` tokens.
+
+    Calls ``model(input_ids [1, L], position_ids [1, L], logits_to_keep=keep, use_cache=False)`` without an
+    attention mask: transformers then reads the packed rows from the restarting position ids and keeps the
+    attention inside each row. Row ``b``'s tail is the last ``N`` tokens of its segment.
+
+    Args:
+        model: a transformers causal LM.
+        batch: ``input_ids [1, L]``, ``position_ids [1, L]``, ``seq_lens [B]`` (every row > ``N`` tokens).
+        threshold: ``N``.
+
+    Returns:
+        ``(tail_logits [B, N, V], targets [B, N])``.
+    """
+    input_ids, seq_lens = batch["input_ids"], batch["seq_lens"]
+    ends = seq_lens.cumsum(0) - 1                                                      # [B] last token of each row
+    tail = ends[:, None] - torch.arange(threshold - 1, -1, -1, device=ends.device)     # [B, N] tail positions
+    out = model(input_ids=input_ids, position_ids=batch["position_ids"], logits_to_keep=(tail - 1).reshape(-1),
+                use_cache=False)
+    B = seq_lens.shape[0]
+    return out.logits.reshape(B, threshold, -1), input_ids[0, tail]
 
 
 @dataclass

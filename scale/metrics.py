@@ -51,15 +51,20 @@ class StepMeter:
         flops_fn: ``(rows B, padded length T) -> model FLOPs`` of one micro-batch (:mod:`scale.flops`).
         peak_flops: one device's peak FLOP/s (:func:`resolve_peak_flops`); with it, :meth:`flush` reports
             ``train/mfu``.
+        max_seq_len: the longest row (``data.max_length``); sizes the per-row FLOPs table that padding-free
+            micro-batches (``seq_lens`` in the batch) are counted with.
     """
 
     KEYS = ("loss_num", "loss_den", "tokens", "tail_tokens", "samples", "flops", "positions")
 
     def __init__(self, device: torch.device, flops_fn: Callable[[int, int], float] | None = None,
-                 peak_flops: float | None = None) -> None:
+                 peak_flops: float | None = None, max_seq_len: int = 0) -> None:
         self.device = device
         self.flops_fn = flops_fn
         self.peak_flops = peak_flops
+        # FLOPs of one row of n tokens, n = 0..max_seq_len, for padding-free micro-batches.
+        self.row_flops = None if flops_fn is None or max_seq_len < 1 else torch.tensor(
+            [0.0] + [flops_fn(1, n) for n in range(1, max_seq_len + 1)], dtype=torch.float64, device=device)
         self.sums = torch.zeros(len(self.KEYS), dtype=torch.float64, device=device)
         self.grad_norm = torch.zeros((), device=device)
         self.t0 = time.perf_counter()
@@ -70,16 +75,24 @@ class StepMeter:
     def add_micro(self, loss_num: torch.Tensor, loss_den: torch.Tensor, batch: dict[str, torch.Tensor],
                   threshold: int) -> None:
         """Add one micro-batch: its loss numerator/denominator and its token/sample/FLOP counts."""
-        n_rows, seq_len = batch["input_ids"].shape
-        flops = self.flops_fn(n_rows, seq_len) if self.flops_fn is not None else 0.0
+        if "seq_lens" in batch:  # padding-free: B rows packed into [1, L]; every position is a real token
+            n_rows, positions = batch["seq_lens"].shape[0], batch["input_ids"].shape[1]
+            tokens = batch["seq_lens"].sum().double()
+            # Per-row FLOPs from a table (no host sync): attention grows with each row's own length.
+            flops = self.row_flops[batch["seq_lens"]].sum() if self.row_flops is not None else tokens * 0
+        else:
+            n_rows, seq_len = batch["input_ids"].shape
+            positions, tokens = n_rows * seq_len, batch["attention_mask"].sum().double()
+            flops = torch.tensor(self.flops_fn(n_rows, seq_len) if self.flops_fn is not None else 0.0,
+                                 dtype=torch.float64, device=self.device)
         self.sums += torch.stack([
             loss_num.detach().double(),
             loss_den.detach().double(),
-            batch["attention_mask"].sum().double(),
+            tokens,
             torch.tensor(float(n_rows * threshold), dtype=torch.float64, device=self.device),
             torch.tensor(float(n_rows), dtype=torch.float64, device=self.device),
-            torch.tensor(flops, dtype=torch.float64, device=self.device),
-            torch.tensor(float(n_rows * seq_len), dtype=torch.float64, device=self.device),
+            flops,
+            torch.tensor(float(positions), dtype=torch.float64, device=self.device),
         ])
 
     def flush(self, acc: Accelerator, lr: float) -> dict[str, float]:

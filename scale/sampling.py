@@ -1,4 +1,5 @@
-"""Length-grouped sampling of the train split: less padding, and the same optimizer steps in every launch mode.
+"""How train rows are ordered and batched: length-grouped sampling (less padding, the same optimizer steps in
+every launch mode) and padding-free micro-batches.
 
     sampler = LengthGroupedSampler(lengths, global_batch_size=mb * ga * world, mega_batch_steps=16, seed=1234)
     DataLoader(train, batch_size=mb, sampler=sampler, ...)   # accelerate shards it by whole micro-batches
@@ -22,6 +23,9 @@ Inside a global batch the rows run longest to shortest, so every micro-batch (a 
 does not depend on ``micro_batch_size`` or the number of processes; how they are padded does, and the tail
 loss does not see padding.
 
+:class:`PaddingFreeCollator` goes further: a micro-batch becomes one packed row with position ids that restart
+at every example, which transformers' attention masks treat as separate sequences (no padding at all).
+
 No accelerate, no torch.distributed: a plain ``torch.utils.data.Sampler``. It has no ``generator``
 attribute, so ``accelerate.prepare`` leaves it as it is (it only swaps a ``RandomSampler``), and
 ``DataLoaderShard.set_epoch`` reaches it through the batch sampler; ``skip_first_batches`` (resume) wraps
@@ -31,8 +35,10 @@ the same batch sampler, so a resumed epoch continues the same order.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
+from torch import Tensor
 from torch.utils.data import Sampler
 
 
@@ -114,3 +120,32 @@ def pad_fraction(lengths: Sequence[int], order: Sequence[int], micro_batch_size:
         real += sum(chunk)
         total += len(chunk) * max(chunk)
     return 1.0 - real / total if total else 0.0
+
+
+class PaddingFreeCollator:
+    """Pack a list of examples into one row without padding: transformers' packed-sequence format.
+
+    The examples are concatenated in order; ``position_ids`` restart at 0 for each, and no ``attention_mask``
+    is passed to the model, so transformers builds a block-diagonal causal mask from the position ids
+    (``masking_utils.find_packed_sequence_indices``; sdpa and eager on CPU, flash-attention varlen on GPU):
+    no token attends across examples. This is the semantics of ``transformers.DataCollatorWithFlattening``,
+    plus the fields the tail loss needs. Measured exact against the padded batch on CPU (fp32 round-off,
+    ``tests/test_sampling.py``); the model must be called with ``use_cache=False`` (a cache turns the
+    packed-sequence detection off), as :func:`scale.loss.forward_tail` does.
+
+    Returns a dict with ``input_ids`` ``[1, L]`` (``L`` = total tokens), ``position_ids`` ``[1, L]``,
+    ``seq_lens`` ``[B]`` (tokens of each example), and per example ``type_indicator``, ``target_token``,
+    ``row`` ``[B]``, as :class:`scale.data.Collator` has them.
+    """
+
+    def __call__(self, examples: list[Any]) -> dict[str, Tensor]:
+        ids = [torch.tensor(e.input_ids, dtype=torch.long) for e in examples]
+        lens = torch.tensor([len(x) for x in ids], dtype=torch.long)
+        return {
+            "input_ids": torch.cat(ids)[None],
+            "position_ids": torch.cat([torch.arange(len(x)) for x in ids])[None],
+            "seq_lens": lens,
+            "type_indicator": torch.tensor([e.type_indicator for e in examples], dtype=torch.long),
+            "target_token": torch.tensor([e.target_token for e in examples], dtype=torch.long),
+            "row": torch.tensor([e.row for e in examples], dtype=torch.long),
+        }

@@ -45,7 +45,7 @@ from scale.evaluate import evaluate
 from scale.loss import LossSpec, loss_step
 from scale.metrics import JsonlSink, MetricsLog, StepMeter, model_flops, resolve_peak_flops, start_trackers
 from scale.modeling import build_model, load_tokenizer, parameter_counts
-from scale.sampling import LengthGroupedSampler
+from scale.sampling import LengthGroupedSampler, PaddingFreeCollator
 from scale.schedule import lr_factor
 from scale.signals import Preempted, Preemption
 
@@ -124,7 +124,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     """
     cfg, acc, state, t = job.cfg, job.acc, job.state, job.cfg.train
     last_eval = evaluate_and_log(job) if state.step == 0 else {}
-    meter = StepMeter(acc.device, job.flops_fn, job.peak_flops)  # after the step-0 eval: throughput counts training
+    meter = StepMeter(acc.device, job.flops_fn, job.peak_flops, cfg.data.max_length)  # after the step-0 eval
     pbar = tqdm(total=t.max_steps, initial=state.step, disable=not acc.is_local_main_process, desc="optimizer steps")
     job.model.train()
     while state.step < t.max_steps:
@@ -315,9 +315,11 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, num_processes: 
     accelerate shards the train loader by whole micro-batches (rank ``r`` gets batches ``r, r + W, ...``), so
     every launch mode with the same global batch sees the same rows in every optimizer step. With
     ``data.group_by_length`` the order comes from :class:`scale.sampling.LengthGroupedSampler`, built from the
-    global batch (``num_processes`` ranks) before sharding, so that still holds.
+    global batch (``num_processes`` ranks) before sharding, so that still holds. With ``data.padding_free``
+    train micro-batches are packed rows (:class:`scale.sampling.PaddingFreeCollator`).
     """
     collate = Collator(pad_token_id, cfg.data.padding_side)
+    train_collate = PaddingFreeCollator() if cfg.data.padding_free else collate
     t = cfg.train
     if cfg.data.group_by_length:
         sampler = LengthGroupedSampler([len(e.input_ids) for e in splits.train],
@@ -325,10 +327,10 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, num_processes: 
                                        cfg.data.mega_batch_steps, t.seed)
         # A generator of its own: each iter() of a DataLoader draws a base seed from it, else from the global
         # RNG, and a resumed run (one iter() more) would then draw other dropout masks.
-        train_dl = DataLoader(splits.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=collate,
+        train_dl = DataLoader(splits.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=train_collate,
                               generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
     else:
-        train_dl = DataLoader(splits.train, batch_size=t.micro_batch_size, shuffle=True, collate_fn=collate,
+        train_dl = DataLoader(splits.train, batch_size=t.micro_batch_size, shuffle=True, collate_fn=train_collate,
                               generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
     # Evaluation order does not change its sums; longest first keeps padding (and peak memory) low.
     eval_dl = DataLoader(sorted(splits.eval, key=lambda e: -len(e.input_ids)),
