@@ -69,6 +69,31 @@ def skip_deepspeed_shm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def deepspeed_op_notice(ds: dict[str, Any]) -> str | None:
+    """The one-line notice for a DeepSpeed config whose first launch on this machine JIT-compiles an op; else None.
+
+    Optimizer offload (``offload_optimizer.device`` cpu/nvme, with DeepSpeed's default
+    ``zero_force_ds_cpu_optimizer``) makes accelerate swap our AdamW for ``DeepSpeedCPUAdam``
+    (accelerate/utils/deepspeed.py ``map_pytorch_optim_to_deepspeed``), whose ``cpu_adam`` op is compiled on
+    first use (~46 s measured here; cached in ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``) unless
+    DeepSpeed was installed with it prebuilt (``DS_BUILD_CPU_ADAM=1``).
+    """
+    offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    if offload in (None, "none") or not ds.get("zero_force_ds_cpu_optimizer", True):
+        return None
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import _get_build_directory
+
+    if installed_ops.get("cpu_adam"):
+        return None
+    build = _get_build_directory("cpu_adam", verbose=False)
+    if any(name.endswith(".so") for name in (os.listdir(build) if os.path.isdir(build) else [])):
+        return None
+    return (f"optimizer offload ({offload}): DeepSpeed swaps AdamW for DeepSpeedCPUAdam and compiles its cpu_adam op "
+            f"on this first launch (about a minute, once per machine; cached in {build}; prebuild it with "
+            f"DS_BUILD_CPU_ADAM=1 pip install deepspeed)")
+
+
 def build_accelerator(cfg: Config) -> Accelerator:
     """Create the Accelerator for the launch mode found in the environment, with start-up guards.
 
@@ -114,6 +139,9 @@ def build_accelerator(cfg: Config) -> Accelerator:
         raise LaunchError(f"a DeepSpeed launch ended up as {acc.distributed_type}: DeepSpeed was dropped")
     if acc.distributed_type == DistributedType.DEEPSPEED:
         reconcile_deepspeed(cfg, acc.state.deepspeed_plugin.deepspeed_config)
+        notice = deepspeed_op_notice(acc.state.deepspeed_plugin.deepspeed_config)
+        if notice and acc.is_main_process:
+            logging.getLogger(__name__).warning(notice)
     return acc
 
 

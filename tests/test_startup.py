@@ -1,0 +1,49 @@
+"""Fast start: a run imports DeepSpeed, W&B and matplotlib only when it uses them, and no DeepSpeed op is
+compiled behind the user's back (the shared-memory op is skipped; an offload run that will compile says so)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import ROOT, TINY_DATA
+
+
+def test_tiny_job_imports_no_deepspeed_wandb_or_matplotlib(tmp_path):
+    probe = ("import json, sys\nfrom scale.cli import main\n"
+             f"rc = main(['--config', 'configs/train/tiny_cpu.yaml', 'output_dir={tmp_path}', 'data.path={TINY_DATA}', "
+             "'train.max_steps=2', 'log.trackers=[]'])\n"
+             "print(json.dumps([rc] + [m in sys.modules for m in ('deepspeed', 'wandb', 'matplotlib')]))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [0, False, False, False]
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()  # it saved (unwrap without DeepSpeed)
+
+
+def test_deepspeed_shm_op_is_not_built():
+    import importlib
+
+    from scale.launch import skip_deepspeed_shm_op
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # `import deepspeed.comm.torch as` finds torch
+
+    skip_deepspeed_shm_op()
+    assert ds_torch.build_shm_op() is None  # no compile: training collectives go through gloo
+
+
+def test_offload_notice_only_when_an_op_will_compile(tmp_path, monkeypatch):
+    from scale.launch import deepspeed_op_notice
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    assert deepspeed_op_notice({"zero_optimization": {"stage": 2}}) is None
+    assert deepspeed_op_notice({**offload, "zero_force_ds_cpu_optimizer": False}) is None
+    notice = deepspeed_op_notice(offload)
+    assert notice.startswith("optimizer offload (cpu): DeepSpeed swaps AdamW for DeepSpeedCPUAdam and compiles its "
+                             "cpu_adam op on this first launch") and str(tmp_path / "cpu_adam") in notice
+    (tmp_path / "cpu_adam").mkdir(exist_ok=True)
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
+    assert deepspeed_op_notice(offload) is None  # built once: no notice
