@@ -245,7 +245,8 @@ def resolve_peak_flops(cfg: Config, acc: Accelerator) -> PeakFlops:
     measured = [measure_peak_flops(device, dtype)] + ([measure_peak_flops(device, other)] if other else [])
     mine = torch.tensor([measured], dtype=torch.float64, device=device)
     flops = acc.gather(mine).mean(0).tolist() if acc.num_processes > 1 else mine[0].tolist()  # collective
-    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    n_threads = torch.get_num_threads()
+    threads = f", {n_threads} thread{'s' if n_threads != 1 else ''}" if device.type == "cpu" else ""
     n = 8192 if device.type == "cuda" else 2048
     source = (f"{_fmt_flops(flops[0])} per device (measured: {str(dtype).removeprefix('torch.')} GEMM {n}^3 on "
               f"{device.type}{threads})")
