@@ -12,7 +12,8 @@ double quantization, LoRA r=16 all-linear, micro-batch 8, the review data):
 - ``after``: ``configs/train/default.yaml`` as it is now;
 - ``after+bf16``: the new defaults with bf16 compute (``model.bnb_4bit_compute_dtype=bfloat16``,
   ``train.mixed_precision=bf16``), for CPUs whose bf16 GEMM is faster than fp32 (the start-up log of a run
-  names both figures).
+  names both figures);
+- ``after+padding_free``: the new defaults with padding-free micro-batches (``data.padding_free=true``).
 
 Each run is a fresh process (``--worker``) that builds the job with ``scale.train.setup`` and trains it with
 ``scale.train.fit`` for ``--steps`` optimizer steps (``train.log_every=1``; the evaluations at step 0 and at
@@ -55,6 +56,7 @@ CONTESTANTS: dict[str, list[str]] = {
                "lora.dropout=0.05"],
     "after": [],
     "after+bf16": ["model.bnb_4bit_compute_dtype=bfloat16", "train.mixed_precision=bf16"],
+    "after+padding_free": ["data.padding_free=true"],
 }
 
 
