@@ -28,7 +28,8 @@ are the rows the random order puts there (the same ``randperm`` by seed and epoc
 multiple of ``data.mega_batch_steps`` every contestant trains on the same set of rows; the script checks it.
 
 The last lines are ``speedup: <x>`` (median of the per-pair ratios after/before of tokens/s) and
-``mfu: <m>``. ``--profile K`` instead runs K steps of each contestant under ``torch.profiler`` (after one
+``mfu: <m>`` (median over the ``after`` runs), by wall time, or with ``--clock cpu`` by process CPU time (for
+a machine shared with other work: ``OMP_NUM_THREADS=1 python benchmarks/speedup.py --clock cpu``). ``--profile K`` instead runs K steps of each contestant under ``torch.profiler`` (after one
 warm-up step) and prints where a step's time goes: 4-bit dequantization, base matmuls, LoRA matmuls,
 attention, LM head and loss, optimizer, other ops, and host time between ops.
 """
@@ -85,6 +86,7 @@ def worker(name: str, steps: int, out: str, profile: int) -> dict:
         job.eval_dl.collate_fn.pad_token_id, cfg.data.padding_side)))
     if profile:
         return {"profile": profile_steps(job, profile), "peak": job.peak_flops}
+    peak = job.peak_flops
     stamps: list[tuple[float, float]] = []  # (wall, process CPU) after each optimizer step
     step = job.scheduler.step
 
@@ -98,7 +100,7 @@ def worker(name: str, steps: int, out: str, profile: int) -> dict:
     job.acc.end_training()
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return {"rows": [r for r in rows if "train/tokens_per_s" in r], "wall": time.perf_counter() - t0,
-            "threads": torch.get_num_threads(), "stamps": stamps}
+            "threads": torch.get_num_threads(), "stamps": stamps, "peak": peak}
 
 
 def profile_steps(job, steps: int) -> dict[str, float]:
@@ -177,25 +179,30 @@ def run_worker(name: str, steps: int, profile: int = 0) -> dict:
         return result
 
 
-def throughput(res: dict, warmup: int) -> tuple[float, float, float, float]:
-    """(tokens/s, mfu, pad_fraction, tokens per CPU-second) over the logged steps after ``warmup``.
+def throughput(res: dict, warmup: int) -> dict[str, float]:
+    """Figures of one run over the logged steps after ``warmup``.
 
     Wall seconds per step are the run's own ``train/data_s + train/compute_s``; CPU seconds (all threads of
-    the process) come from the stamps after each optimizer step: a figure that a busy machine distorts less
-    than wall time (useful with ``OMP_NUM_THREADS=1``), reported beside it.
+    the process) come from the stamps after each optimizer step: a busy machine distorts them less than wall
+    time (with ``OMP_NUM_THREADS=1`` a CPU-second is a second of one core that was really ours). Model FLOPs
+    are ``train/mfu x the run's start-up peak x seconds``, so MFU can be taken against any peak.
+
+    Returns:
+        ``tps`` (real tokens per wall second), ``tpc`` (real tokens per CPU-second), ``flops`` and ``secs`` and
+        ``cpu`` (totals), ``pad`` (mean pad fraction), ``peak`` (the run's start-up peak, FLOP/s).
     """
     rows = res["rows"]
     timed = [r for r in rows if r["step"] > warmup]
     secs = [r["train/data_s"] + r["train/compute_s"] for r in timed]
     tokens = [r["train/tokens_per_s"] * s for r, s in zip(timed, secs)]
-    total = sum(secs)
-    mfu = sum(r.get("train/mfu", float("nan")) * s for r, s in zip(timed, secs)) / total
-    pad = statistics.fmean(r["train/pad_fraction"] for r in timed)
-    cpu = [b[1] - a[1] for a, b in zip(res["stamps"], res["stamps"][1:])]  # step k+1's CPU seconds at index k
+    peak = res["peak"] or float("nan")
+    flops = [r.get("train/mfu", float("nan")) * peak * s for r, s in zip(timed, secs)]
+    cpu = [b[1] - a[1] for a, b in zip(res["stamps"], res["stamps"][1:])]  # step k+2's CPU seconds at index k
     cpu_timed = cpu[warmup - 1:] if warmup >= 1 else cpu
-    tokens_cpu = tokens[-len(cpu_timed):] if cpu_timed else []
-    per_cpu_s = sum(tokens_cpu) / sum(cpu_timed) if cpu_timed and sum(cpu_timed) > 0 else float("nan")
-    return sum(tokens) / total, mfu, pad, per_cpu_s
+    n = len(cpu_timed)
+    return {"tps": sum(tokens) / sum(secs), "tpc": sum(tokens[-n:]) / sum(cpu_timed) if n else float("nan"),
+            "flops": sum(flops), "flops_cpu": sum(flops[-n:]), "secs": sum(secs), "cpu": sum(cpu_timed),
+            "pad": statistics.fmean(r["train/pad_fraction"] for r in timed), "peak": peak}
 
 
 def same_rows(steps: int) -> str:
@@ -227,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="runs per contestant, alternating")
     p.add_argument("--contestants", default="before,after", help=f"comma-separated subset of {list(CONTESTANTS)}")
     p.add_argument("--profile", type=int, default=0, help="profile this many steps per contestant instead")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="what the speedup/mfu lines use: wall time (an idle machine) or process CPU time (a shared "
+                        "one; run with OMP_NUM_THREADS=1)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -251,32 +261,45 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write("\n".join(lines) + f"\n\n{a.profile} steps per contestant under torch.profiler (after one "
                          f"warm-up step); op self time by category, host = wall - ops\n{machine_line()}\n")
         return 0
-    runs: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in names}
+    runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     peaks: dict[str, list[str]] = {n: [] for n in names}
     for r in range(a.repeats):
         for n in names:
             res = run_worker(n, a.steps)
             runs[n].append(throughput(res, a.warmup))
             peaks[n] += res["log"]
-            sys.stderr.write(f"repeat {r + 1} {n}: {runs[n][-1][0]:.1f} tokens/s\n")
-    lines = ["| contestant | real tokens/s, median (min-max) | pad fraction | MFU (measured peak) | vs before, per "
-             "pair | real tokens per CPU-second | vs before (CPU time) |", "|---|---|---|---|---|---|---|"]
+            sys.stderr.write(f"repeat {r + 1} {n}: {runs[n][-1]['tps']:.1f} tokens/s, {runs[n][-1]['tpc']:.1f} "
+                             f"tokens per CPU-second\n")
+    import torch
+
+    threads = torch.get_num_threads()
+    # MFU against the best peak any run measured for its dtype: a start-up measurement that fell into a busy
+    # moment would otherwise flatter that run.
+    best = {n: max(x["peak"] for x in runs[n]) for n in names}
+    mfu = {n: [x["flops"] / x["secs"] / best[n] for x in runs[n]] for n in names}
+    mfu_cpu = {n: [x["flops_cpu"] / x["cpu"] / (best[n] / threads) for x in runs[n]] for n in names}
     base = names[0]
-    ratios = {n: [x[0] / b[0] for x, b in zip(runs[n], runs[base])] for n in names}
-    cpu_ratios = {n: [x[3] / b[3] for x, b in zip(runs[n], runs[base])] for n in names}
+    ratio = {n: [x["tps"] / b["tps"] for x, b in zip(runs[n], runs[base])] for n in names}
+    ratio_cpu = {n: [x["tpc"] / b["tpc"] for x, b in zip(runs[n], runs[base])] for n in names}
+    lines = ["| contestant | pad fraction | real tokens/s (wall) | vs before, per pair | MFU (wall) | real tokens per "
+             "CPU-second | vs before (CPU time) | MFU (CPU time) |", "|---|---|---|---|---|---|---|---|"]
     for n in names:
-        tps = [x[0] for x in runs[n]]
-        mfu = [x[1] for x in runs[n]]
-        lines.append(f"| {n} | {fmt_spread(tps)} | {statistics.fmean(x[2] for x in runs[n]):.3f} | "
-                     f"{fmt_spread(mfu)} | {fmt_spread(ratios[n])} | {fmt_spread([x[3] for x in runs[n]])} | "
-                     f"{fmt_spread(cpu_ratios[n])} |")
+        lines.append(f"| {n} | {statistics.fmean(x['pad'] for x in runs[n]):.3f} | "
+                     f"{fmt_spread([x['tps'] for x in runs[n]])} | {fmt_spread(ratio[n])} | {fmt_spread(mfu[n])} | "
+                     f"{fmt_spread([x['tpc'] for x in runs[n]])} | {fmt_spread(ratio_cpu[n])} | "
+                     f"{fmt_spread(mfu_cpu[n])} |")
     target = "after" if "after" in names else names[-1]
+    use_cpu = a.clock == "cpu"
     out = [f"default job (configs/train/default.yaml), {a.steps} optimizer steps per run ({a.warmup} warm-up not "
            f"timed), {a.repeats} repeats alternating {', '.join(names)}",
            *lines, "", same_rows(a.steps),
-           *sorted({line.split('MFU peak: ')[-1] for n in names for line in peaks[n]})[:4], machine_line(),
-           f"speedup: {statistics.median(ratios[target]):.3f}",
-           f"mfu: {statistics.median(x[1] for x in runs[target]):.3f}"]
+           "MFU: model FLOPs (scale/flops.py, as train/mfu counts them) over the best peak the runs measured at "
+           f"start-up for their dtype ({', '.join(f'{n} {best[n] / 1e9:.0f} GFLOP/s' for n in names)}); CPU time: "
+           f"per CPU-second against that peak / {threads} thread(s)",
+           *sorted({line.split('MFU peak: ')[-1] for n in names for line in peaks[n]}), machine_line(),
+           f"clock for the last two lines: {a.clock}",
+           f"speedup: {statistics.median((ratio_cpu if use_cpu else ratio)[target]):.3f}",
+           f"mfu: {statistics.median((mfu_cpu if use_cpu else mfu)[target]):.3f}"]
     sys.stdout.write("\n" + "\n".join(out) + "\n")
     return 0
 

@@ -87,10 +87,10 @@ def test_speedup_throughput_and_profile_categories():
                 "train/mfu": mfu, "train/pad_fraction": pad}
 
     res = {"rows": [row(1, 50.0, 0.0, 2.0, 0.1, 0.3), row(2, 100.0, 0.5, 0.5, 0.2, 0.1), row(3, 200.0, 0.0, 3.0, 0.4, 0.3)],
-           "stamps": [(2.0, 1.0), (3.0, 2.0), (6.0, 4.0)]}            # (wall, CPU seconds) after each step
-    tps, mfu, pad, per_cpu = throughput(res, warmup=1)                # steps 2 and 3: 100 + 600 tokens in 1 + 3 s
-    assert tps == pytest.approx(700 / 4) and mfu == pytest.approx((0.2 * 1 + 0.4 * 3) / 4)
-    assert pad == pytest.approx(0.2) and per_cpu == pytest.approx(700 / 3)  # CPU: 1 s + 2 s
+           "stamps": [(2.0, 1.0), (3.0, 2.0), (6.0, 4.0)], "peak": 1e9}  # (wall, CPU seconds) after each step
+    t = throughput(res, warmup=1)                                       # steps 2 and 3: 100 + 600 tokens in 1 + 3 s
+    assert t["tps"] == pytest.approx(700 / 4) and t["flops"] == pytest.approx((0.2 * 1 + 0.4 * 3) * 1e9)
+    assert t["pad"] == pytest.approx(0.2) and t["tpc"] == pytest.approx(700 / 3) and t["cpu"] == 3.0  # CPU: 1 + 2 s
 
     def ev(name, us, parent=None, shapes=()):
         return SimpleNamespace(name=name, self_cpu_time_total=us, cpu_parent=parent, input_shapes=list(shapes),
