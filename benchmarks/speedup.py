@@ -1,6 +1,6 @@
 """The default job, today's settings vs the new defaults: train tokens/s, alternating, on the same rows.
 
-    python benchmarks/speedup.py                          # 32 steps per run, 2 repeats (~8 min on 2 idle cores)
+    python benchmarks/speedup.py                          # 32 steps x 2 repeats (~5 min idle, estimated)
     python benchmarks/speedup.py --steps 16 --repeats 3 --contestants before,after,after+bf16
     python benchmarks/speedup.py --profile 3              # where a step's time goes, per contestant
 
@@ -29,7 +29,8 @@ multiple of ``data.mega_batch_steps`` every contestant trains on the same set of
 
 The last lines are ``speedup: <x>`` (median of the per-pair ratios after/before of tokens/s) and
 ``mfu: <m>`` (median over the ``after`` runs), by wall time, or with ``--clock cpu`` by process CPU time (for
-a machine shared with other work: ``OMP_NUM_THREADS=1 python benchmarks/speedup.py --clock cpu``). ``--profile K`` instead runs K steps of each contestant under ``torch.profiler`` (after one
+a machine shared with other work: ``OMP_NUM_THREADS=1 python benchmarks/speedup.py --clock cpu``).
+``--profile K`` instead runs K steps of each contestant under ``torch.profiler`` (after one
 warm-up step) and prints where a step's time goes: 4-bit dequantization, base matmuls, LoRA matmuls,
 attention, LM head and loss, optimizer, other ops, and host time between ops.
 """
@@ -105,7 +106,6 @@ def worker(name: str, steps: int, out: str, profile: int) -> dict:
 
 def profile_steps(job, steps: int) -> dict[str, float]:
     """Run one warm-up step, then ``steps`` steps under the profiler; return milliseconds per step by category."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from scale.metrics import StepMeter
@@ -146,9 +146,8 @@ def categorize(events, wall: float, steps: int, vocab: int, rank: int) -> dict[s
             cat = "dequantize (NF4 -> compute dtype, forward and backward)"
         elif "scaled_dot_product" in e.name or "attention" in e.name:
             cat = "attention (sdpa)"
-        elif e.name in matmuls and vocab in shapes:
-            cat = "LM head (tail logits) and loss"
-        elif any(k in e.name for k in ("log_softmax", "nll_loss", "cross_entropy")):
+        elif (e.name in matmuls and vocab in shapes) or any(k in e.name for k in ("log_softmax", "nll_loss",
+                                                                                   "cross_entropy")):
             cat = "LM head (tail logits) and loss"
         elif e.name in matmuls and rank in shapes:
             cat = "LoRA matmuls"
@@ -171,7 +170,7 @@ def run_worker(name: str, steps: int, profile: int = 0) -> dict:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--steps", str(steps),
                "--out", tmp, "--profile", str(profile)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{name} worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -207,13 +206,13 @@ def throughput(res: dict, warmup: int) -> dict[str, float]:
 
 def same_rows(steps: int) -> str:
     """Check that grouped and random orders put the same rows into the first ``steps`` global batches."""
+    import torch
+
     from scale.assets import resolve_data
     from scale.config import load_config
     from scale.data import build_splits
     from scale.modeling import load_tokenizer
     from scale.sampling import length_grouped_order
-
-    import torch
 
     cfg = load_config(DEFAULT)
     G = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
@@ -223,8 +222,9 @@ def same_rows(steps: int) -> str:
     grouped = length_grouped_order(lengths, G, cfg.data.mega_batch_steps, cfg.train.seed, 0)[: steps * G]
     random_order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.train.seed)).tolist()
     same = set(grouped) == set(random_order[: steps * G])
-    return (f"same rows: {'yes' if same else 'NO'} ({steps * G} rows; mega-batches of "
-            f"{cfg.data.mega_batch_steps} steps{'' if steps % cfg.data.mega_batch_steps == 0 else ', --steps is not a multiple'})")
+    aligned = "" if steps % cfg.data.mega_batch_steps == 0 else ", --steps is not a multiple"
+    return (f"same rows: {'yes' if same else 'NO'} ({steps * G} rows; mega-batches of {cfg.data.mega_batch_steps} "
+            f"steps{aligned})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,18 +28,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("deepspeed", "wandb", "bitsandbytes", "matplotlib", "datasets", "torch._inductor")
-PROBE = """
+PROBE = f"""
 import sys, json
 from scale.cli import main
 rc = main(["--config", "configs/train/tiny_cpu.yaml", "output_dir=" + sys.argv[1], "log.trackers=[]"])
-print(json.dumps({m: m in sys.modules for m in %r}))
-""" % (HEAVY,)
+print(json.dumps({{m: m in sys.modules for m in {HEAVY!r}}}))
+"""
 
 
 def timed(cmd: list[str], tree: Path) -> float:
     env = {**os.environ, "PYTHONPATH": str(tree), "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd} in {tree} failed:\n{proc.stderr[-3000:]}")
@@ -49,7 +49,8 @@ def timed(cmd: list[str], tree: Path) -> float:
 def heavy_imports(tree: Path) -> dict[str, bool]:
     env = {**os.environ, "PYTHONPATH": str(tree), "TOKENIZERS_PARALLELISM": "false"}
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run([sys.executable, "-c", PROBE, tmp], cwd=tree, env=env, capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-c", PROBE, tmp], cwd=tree, env=env, capture_output=True, text=True,
+                              check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"probe in {tree} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -81,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {name} ({tree}) | {fmt_spread(imp[name])} | {fmt_spread(job[name])} | {loaded} |")
     sys.stdout.write("\n".join([f"{a.repeats} repeats, alternating; median (min-max)", *lines, machine_line()]) + "\n")
     if "other" in trees:
-        sys.stdout.write(f"tiny job wall, other/this: {statistics.median(job['other']) / statistics.median(job['this']):.2f}\n")
+        ratio = statistics.median(job["other"]) / statistics.median(job["this"])
+        sys.stdout.write(f"tiny job wall, other/this: {ratio:.2f}\n")
     return 0
 
 

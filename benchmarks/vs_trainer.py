@@ -1,6 +1,6 @@
 """Throughput of our loop vs transformers' ``Trainer`` at its best, on the same tail-loss QLoRA job.
 
-    python benchmarks/vs_trainer.py               # best settings, the default job's shape (~6 min on 2 idle cores)
+    python benchmarks/vs_trainer.py               # best settings (~4 min idle, estimated)
     python benchmarks/vs_trainer.py --bf16        # bf16 autocast in both (Trainer: bf16=True), for a bf16-fast CPU/GPU
     python benchmarks/vs_trainer.py --contestants ours,trainer,trainer+keep --no-group-by-length --no-qlora \\
         --shape small --seq 128 --ga 2            # the earlier comparison: same rows in the same order

@@ -79,5 +79,5 @@ def test_bad_peak_flops_setting(tmp_path):
     from tests.conftest import tiny_cfg
 
     for bad in ("fast", "-1", "0", "true"):
-        with pytest.raises(ConfigError, match=f"log.peak_flops=.* must be a positive number"):
+        with pytest.raises(ConfigError, match="log.peak_flops=.* must be a positive number"):
             tiny_cfg(tmp_path, f"log.peak_flops={bad}")
