@@ -125,6 +125,11 @@ def step_tokens(windows: list[list[dict[str, torch.Tensor]]]) -> list[int]:
     return [int(sum(b["attention_mask"].sum() for b in w)) for w in windows]
 
 
+def pad_fraction(windows: list[list[dict[str, torch.Tensor]]]) -> float:
+    """Padded positions over all positions of ``windows``."""
+    return 1.0 - sum(step_tokens(windows)) / sum(step_positions(windows))
+
+
 def step_positions(windows: list[list[dict[str, torch.Tensor]]]) -> list[int]:
     """Padded positions per optimizer step (what the hardware computes)."""
     return [sum(b["input_ids"].numel() for b in w) for w in windows]
@@ -179,6 +184,9 @@ class Job:
     log_every: int = 1
     seed: int = 0
     min_len: int | None = None
+    group_by_length: bool = False  # ours: scale.sampling.LengthGroupedSampler over the rows (else their order)
+    mega_batch_steps: int = 16
+    rows: int | None = None        # rows in the data set; None: exactly `steps` global batches (one epoch)
 
     def model_cfg(self) -> ModelConfig:
         compute = "bfloat16" if self.mixed_precision == "bf16" else "float32"
@@ -204,17 +212,35 @@ class Job:
 
     def describe(self) -> str:
         """One line naming the model, recipe and sizes (printed above every table)."""
-        return (f"{self.shape} shape, LoRA r={self.lora_r} all-linear, {self.dtype} weights, "
+        base = "NF4 4-bit base (double quant), " if self.quantize_4bit else ""
+        return (f"{self.shape} shape, {base}LoRA r={self.lora_r} all-linear, {self.dtype} weights, "
                 f"mixed_precision={self.mixed_precision}, checkpointing={'on' if self.checkpointing else 'off'}, "
-                f"micro-batch {self.micro_batch_size} x GA {self.gradient_accumulation_steps}, T<={self.seq} "
+                f"micro-batch {self.micro_batch_size} x GA {self.gradient_accumulation_steps}, "
+                f"T={self.min_len or max(4, self.seq // 2)}..{self.seq} "
                 f"(left-padded), threshold {self.threshold}, {self.steps} optimizer steps per run "
                 f"({self.warmup} warm-up not timed)")
 
     def examples(self) -> list[Example]:
-        """One epoch of exactly ``steps`` full windows."""
+        """The data set: ``rows`` rows, by default one epoch of exactly ``steps`` full windows."""
         vocab = SHAPES[self.shape]["vocab_size"]
-        n = self.steps * self.micro_batch_size * self.gradient_accumulation_steps
+        n = self.rows or self.steps * self.micro_batch_size * self.gradient_accumulation_steps
         return synthetic_examples(n, self.seq, vocab, self.seed, self.min_len, self.threshold)
+
+    def sampler(self, examples: list[Example]) -> Any:
+        """Our length-grouped sampler over ``examples`` (``group_by_length``), else None (their order)."""
+        if not self.group_by_length:
+            return None
+        from scale.sampling import LengthGroupedSampler
+
+        return LengthGroupedSampler([len(e.input_ids) for e in examples],
+                                    self.micro_batch_size * self.gradient_accumulation_steps, self.mega_batch_steps,
+                                    self.seed)
+
+    def ordered_examples(self) -> list[Example]:
+        """The rows in the order our loop trains them (epoch 0)."""
+        examples = self.examples()
+        sampler = self.sampler(examples)
+        return examples if sampler is None else [examples[i] for i in sampler]
 
     def eval_examples(self) -> list[Example]:
         return synthetic_examples(self.micro_batch_size, self.seq, SHAPES[self.shape]["vocab_size"], self.seed + 1,
@@ -284,14 +310,16 @@ class Harness:
                                                                       job.seed, self.device, job.seq)
         self.spec = LossSpec.from_config(self.cfg, list(LABELS))
         collate = collator()
-        self.train_dl = self.acc.prepare(DataLoader(job.examples(), batch_size=job.micro_batch_size, shuffle=False,
-                                                    collate_fn=collate))
+        examples = job.examples()
+        self.train_dl = self.acc.prepare(DataLoader(examples, batch_size=job.micro_batch_size, shuffle=False,
+                                                    sampler=job.sampler(examples), collate_fn=collate))
         self.acc.even_batches = True
         self.eval_dl = self.acc.prepare(DataLoader(job.eval_examples(), batch_size=job.micro_batch_size,
                                                    shuffle=False, collate_fn=collate))
         self.model = self.acc.prepare(self.model)
-        self.tokens = step_tokens(window_batches(job.examples(), job.micro_batch_size,
-                                                 job.gradient_accumulation_steps, job.steps))
+        self.windows = window_batches(job.ordered_examples(), job.micro_batch_size,
+                                      job.gradient_accumulation_steps, job.steps)
+        self.tokens = step_tokens(self.windows)
 
     def run(self) -> RunResult:
         from scale.checkpoint import TrainerState

@@ -3,6 +3,7 @@
     python benchmarks/gpu.py                      # SmolLM2-135M and ~1B Llama shapes (estimated < 5 min, H200)
     python benchmarks/gpu.py --shapes llama-1b --seq 2048 --batch 4 --checkpointing
     python benchmarks/gpu.py --peak-tflops 989    # a GPU missing from scale.flops.PEAK_BF16_FLOPS
+    python benchmarks/gpu.py --measure-peak       # MFU against a bf16 GEMM timed on this GPU, not the datasheet
     python benchmarks/gpu.py --dry-run            # CPU, tiny shape: the same code path, numbers meaningless
 
 For each model shape (random weights built from a ``LlamaConfig``, no download: ``smollm2-135m`` is SmolLM2-135M's
@@ -19,11 +20,14 @@ Rows are full length (``--batch`` x ``--seq`` tokens, no padding, so tokens = po
 times, each run ``--steps`` optimizer steps of which the first ``--warmup`` are not timed.
 
 - tokens/s: timed tokens over timed seconds (stamps after each ``scheduler.step()``, with a CUDA sync);
-- MFU: ``tokens/s x scale.flops.flops_per_token(config, T, lora_params=trainable, logits_fraction=threshold/T)
-  / peak``: model FLOPs of LoRA training, ``4 (N + f N_head) + 6 N_lora + 12 L T d_attn`` per token (PaLM
-  appendix B's ``6N + 12LHQT`` without weight gradients for the frozen base; recomputation from
-  checkpointing not counted); peak = dense bf16 from ``scale.flops.PEAK_BF16_FLOPS`` by device name, or
-  ``--peak-tflops``;
+- MFU: ``tokens/s x FLOPs per token / peak`` (``scale.flops.mfu``), FLOPs per token from
+  ``scale.metrics.model_flops`` (``scale.flops.flops_per_token`` with ``lora_params=trainable`` and
+  ``logits_fraction=threshold/T``): model FLOPs of LoRA training, ``4 (N + f N_head) + 6 N_lora + 12 L T
+  d_attn`` per token (PaLM appendix B's ``6N + 12LHQT`` without weight gradients for the frozen base;
+  recomputation from checkpointing not counted); peak = dense bf16 from ``scale.flops.PEAK_BF16_FLOPS`` by device name,
+  ``--peak-tflops``, or a bf16 GEMM timed on the device (``--measure-peak``; the default on CPU and for a GPU
+  missing from the table), resolved by ``scale.metrics.resolve_peak_flops`` as ``log.peak_flops`` is in a run:
+  the same code that logs ``train/mfu``;
 - peak memory: ``torch.cuda.max_memory_allocated`` during the contestant's first run, minus what was allocated
   before its model was built: its weights, adapters, optimizer state, activations and workspace (GiB).
 
@@ -46,7 +50,8 @@ if __package__ in (None, ""):  # `python benchmarks/gpu.py`: make `benchmarks.co
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Harness, Job, RunResult, fmt_spread, llama_config, machine_line, reset_accelerate
-from scale.flops import flops_per_token, peak_flops
+from scale.flops import mfu
+from scale.metrics import PeakFlops, model_flops, resolve_peak_flops
 
 NO_CUDA = ("benchmarks/gpu.py needs a CUDA GPU: torch.cuda.is_available() is False (torch {v}). Run it on a GPU "
            "machine with a CUDA build of torch, or pass --dry-run to exercise the same code path on CPU.")
@@ -89,7 +94,8 @@ def bench_shape(shape: str, args: argparse.Namespace, acc, device: str) -> dict:
     out = {}
     for name, job in jobs.items():
         n_lora = trainable(harnesses[name].model)
-        fpt = flops_per_token(config, args.seq, lora_params=n_lora, logits_fraction=args.threshold / args.seq)
+        cfg = harnesses[name].cfg
+        fpt = model_flops(cfg, config, n_lora)(args.batch, args.seq) / (args.batch * args.seq)  # as train/mfu counts
         out[name] = {"tps": [r.tokens_per_s for r in runs[name]], "fpt": fpt, "peak_gib": peak[name],
                      "trainable": n_lora, "loss": runs[name][0].losses[-1],
                      "dtypes": dtype_census(harnesses[name].model),
@@ -106,23 +112,22 @@ def bench_shape(shape: str, args: argparse.Namespace, acc, device: str) -> dict:
     return out
 
 
-def table(results: dict[str, dict], args: argparse.Namespace, peak: float | None, device_name: str) -> str:
+def table(results: dict[str, dict], args: argparse.Namespace, peak: PeakFlops, device_name: str) -> str:
     rows = ["| shape | method | tokens/s, median (min-max) | GFLOP/token | MFU | peak memory (GiB) | trainable params |"
             " QLoRA/LoRA tokens/s |", "|---|---|---|---|---|---|---|---|"]
     for shape, res in results.items():
         for i, name in enumerate(n for n in res if n != "ratio"):
             r = res[name]
             tps = statistics.median(r["tps"])
-            mfu = f"{100 * tps * r['fpt'] / peak:.1f}%" if peak else "n/a"
+            util = f"{100 * mfu(tps, r['fpt'], peak.flops):.1f}%" if peak.flops else "n/a"
             ratio = fmt_spread(res["ratio"]) if i == 1 else ""
-            rows.append(f"| {shape} | {name} | {fmt_spread(r['tps'])} | {r['fpt'] / 1e9:.3g} | {mfu} | "
+            rows.append(f"| {shape} | {name} | {fmt_spread(r['tps'])} | {r['fpt'] / 1e9:.3g} | {util} | "
                         f"{r['peak_gib']:.2f} | {r['trainable']:,} | {ratio} |")
-    peak_txt = f"{peak / 1e12:.0f} TFLOP/s dense bf16" if peak else "unknown (pass --peak-tflops)"
     census = [f"{shape} {name}: parameter elements by dtype {res[name]['dtypes']}, {res[name]['linear4bit']} "
               f"Linear4bit layers, last logged train/loss {res[name]['loss']:.4f}"
               for shape, res in results.items() for name in res if name != "ratio"]
     return "\n".join([
-        f"{device_name}, peak {peak_txt}; micro-batch {args.batch} x GA {args.ga} x T={args.seq} (no padding), "
+        f"{device_name}, peak {peak.source}; micro-batch {args.batch} x GA {args.ga} x T={args.seq} (no padding), "
         f"tail threshold {args.threshold}, LoRA r={args.lora_r} all-linear, checkpointing "
         f"{'on' if args.checkpointing else 'off'}, {args.steps} steps per run ({args.warmup} warm-up not timed), "
         f"{args.repeats} repeats alternating LoRA/QLoRA, through scale.train.fit",
@@ -149,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on (harness default)")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of this GPU, TFLOP/s")
+    p.add_argument("--measure-peak", action="store_true", help="time a bf16 GEMM on the device for the MFU peak")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny shape, tiny sizes: runs the same code path without a GPU (numbers meaningless)")
     args = p.parse_args(argv)
@@ -165,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     reset_accelerate()
     tmp = tempfile.TemporaryDirectory()
-    acc = build_accelerator(contestants(args.shapes[0], args)["LoRA bf16"].config(tmp.name))
+    cfg = contestants(args.shapes[0], args)["LoRA bf16"].config(tmp.name)
+    acc = build_accelerator(cfg)
     device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run)"
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else (peak_flops(device_name) if device == "cuda" else None)
+    cfg.log.peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else ("measure" if args.measure_peak else None)
+    peak = resolve_peak_flops(cfg, acc)  # the contestants compute in bf16 (mixed_precision=bf16)
     results = {}
     for shape in args.shapes:
         results[shape] = bench_shape(shape, args, acc, device)

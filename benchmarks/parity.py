@@ -1,6 +1,7 @@
 """Parity: the same tiny fp32 tail-loss job under every launch mode gives the same numbers.
 
     python benchmarks/parity.py [--modes single_8x1,ddp_2x2x2 ...] [--jobs reviews,completions] [--tolerance 1e-5]
+                                [--set data.group_by_length=true]
 
 Jobs: configs/train/tiny_cpu.yaml on 20 examples (global batch 8, so every epoch ends with a partial
 window of 4), 6 optimizer steps (2 epochs), plain SGD (Adam would hide a gradient-scale error), no dropout,
@@ -31,6 +32,8 @@ def main() -> int:
     parser.add_argument("--modes", default=None, help="comma-separated subset of the mode names (substring match)")
     parser.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated subset of {list(JOBS)}")
     parser.add_argument("--tolerance", type=float, default=1e-5)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra config override for every mode, e.g. --set data.group_by_length=true")
     parser.add_argument("--out", default=str(ROOT / "runs" / "parity"))
     args = parser.parse_args()
     table = modes()
@@ -44,7 +47,7 @@ def main() -> int:
         lines = [header, "|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|"]
         for i, (name, (cmds, overrides)) in enumerate(table.items()):
             t0 = time.perf_counter()
-            res = run_mode(cmds, [*JOBS[job], *overrides], Path(args.out) / f"{job}{i}")
+            res = run_mode(cmds, [*JOBS[job], *overrides, *args.set], Path(args.out) / f"{job}{i}")
             wall = time.perf_counter() - t0
             results[name] = res
             ref = next(iter(results.values()))

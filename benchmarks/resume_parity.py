@@ -1,6 +1,6 @@
 """Resume parity: in every launch mode, 8 steps = 4 steps + checkpoint + resume + 4 steps, bit for bit.
 
-    python benchmarks/resume_parity.py [--modes ddp,zero3]
+    python benchmarks/resume_parity.py [--modes ddp,zero3] [--set data.group_by_length=true]
 
 Job: the parity job (configs/train/tiny_cpu.yaml on 20 examples, windows of 8, 8, 4 examples per epoch)
 with AdamW, LoRA dropout 0.1 (so the RNG state matters) and 8 optimizer steps, checkpointing every 4: the
@@ -31,6 +31,8 @@ MODES = ["single 1x(2,4)", "ddp 2x(2,2)", "zero1 2x(2,2)", "zero2 2x(2,2)", "zer
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default=None, help="comma-separated substrings of the mode names")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra config override for every mode, e.g. --set data.group_by_length=true")
     parser.add_argument("--out", default=str(ROOT / "runs" / "resume_parity"))
     args = parser.parse_args()
     names = [m for m in MODES if not args.modes or any(w in m for w in args.modes.split(","))]
@@ -42,9 +44,9 @@ def main() -> int:
         cmds, overrides = table[name]
         t0 = time.perf_counter()
         ref_dir, res_dir = Path(args.out) / f"ref{i}", Path(args.out) / f"resumed{i}"
-        ref = run_mode(cmds, [*overrides, *RESUME_JOB], ref_dir)
+        ref = run_mode(cmds, [*overrides, *RESUME_JOB, *args.set], ref_dir)
         ckpt = ref_dir / "checkpoints" / "step_000004"
-        got = run_mode(cmds, [*overrides, *RESUME_JOB, f"train.resume_from={ckpt}"], res_dir)
+        got = run_mode(cmds, [*overrides, *RESUME_JOB, *args.set, f"train.resume_from={ckpt}"], res_dir)
         same_loss = got["steps"] == [5, 6, 7, 8] and got["loss"] == ref["loss"][4:]
         a, b = ref["weights"], got["weights"]
         same_w = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import gather_object
+from accelerate.utils import DistributedType, gather_object
 from safetensors.torch import load_file, save_file
 
 from scale.config import Config, ConfigError, redact_field, to_dict
@@ -181,6 +181,21 @@ def _is_writer(acc: Accelerator) -> bool:
     return acc.is_main_process or (acc.project_configuration.save_on_each_node and acc.is_local_main_process)
 
 
+def unwrap(acc: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """``acc.unwrap_model(model)`` without importing DeepSpeed outside DeepSpeed runs.
+
+    accelerate's ``extract_model_from_parallel`` imports ``deepspeed`` (and through it ``wandb``) whenever it
+    is installed, ~2 s for a run that uses neither (accelerate 1.15, utils/other.py). One device and DDP
+    peel the DDP wrapper here, keeping the mixed-precision forward as ``unwrap_model`` does by default
+    (``keep_fp32_wrapper=True``); every other mode (DeepSpeed, FSDP) goes through accelerate.
+    """
+    if acc.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        return acc.unwrap_model(model)
+    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model
+
+
 def _trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -194,11 +209,11 @@ def register_hooks(acc: Accelerator) -> None:
         weights.clear()  # accelerate would write the full state dict, 4-bit base included
         if _is_writer(acc):
             for model in models:
-                save_file(_trainable_state(acc.unwrap_model(model)), os.path.join(output_dir, ADAPTER_FILE))
+                save_file(_trainable_state(unwrap(acc, model)), os.path.join(output_dir, ADAPTER_FILE))
 
     def load_hook(models: list[torch.nn.Module], input_dir: str) -> None:
         for model in models:
-            unwrapped = acc.unwrap_model(model)
+            unwrapped = unwrap(acc, model)
             state = load_file(os.path.join(input_dir, ADAPTER_FILE))  # on CPU; load_state_dict copies
             expected = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
             if set(state) != expected:
@@ -385,7 +400,7 @@ def save_adapter(acc: Accelerator, plan: ModePlan, model: torch.nn.Module, out: 
     # collective under ZeRO-3: gathers the shards; elsewhere the local (full) copy
     state_dict = acc.get_state_dict(model) if plan.partitioned else None
     if acc.is_main_process:
-        unwrapped = acc.unwrap_model(model)
+        unwrapped = unwrap(acc, model)
         restore_inference_config(unwrapped)
         tmp = temp_dir_for(out)
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)

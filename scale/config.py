@@ -145,6 +145,14 @@ class DataConfig:
     max_train_examples: int | None = _f(None, "Use at most this many training rows (null: all).")
     padding_side: str = _f("left", "Pad side of a batch: left | right. The loss is the same either way.")
     num_workers: int = _f(0, "DataLoader worker processes.")
+    group_by_length: bool = _f(False, "Train batches of rows of similar length (less padding): rows of "
+                                      "`mega_batch_steps` global batches are sorted together, before sharding, so "
+                                      "every launch mode and resume trains the same rows per optimizer step.")
+    mega_batch_steps: int = _f(16, "With `group_by_length`: global batches (optimizer steps) whose rows are sorted "
+                                   "by length together; larger: less padding.")
+    padding_free: bool = _f(False, "Pack each train micro-batch into one row with position ids restarting per "
+                                   "example (no padding, no attention across examples; transformers' packed-"
+                                   "sequence masks). Exact against padded batches; evaluation stays padded.")
 
 
 @dataclass
@@ -223,8 +231,11 @@ class LogConfig:
     trackers: list[str] = _f(["wandb"], "Trackers: [wandb], [] or [none]. W&B runs offline without an API key.")
     project: str = _f("scale", "Tracker project name.")
     run_name: str | None = _f(None, "Tracker run name; null lets the tracker choose.")
-    peak_flops: float | None = _f(None, "Peak FLOP/s of one device for train/mfu (e.g. 989e12 for an H100 SXM in "
-                                        "bf16); null: looked up from the GPU's name, no MFU on CPU.")
+    peak_flops: float | bool | str | None = _f(None, "Peak FLOP/s of one device for train/mfu: a number (e.g. 989e12 "
+                                                     "for an H100 SXM in bf16), 'measure' (time a dense GEMM at the "
+                                                     "run's compute dtype at start-up, ~1 s), false (no MFU), or "
+                                                     "null: the GPU table by device name (measured if missing), "
+                                                     "measured on CPU.")
 
 
 @dataclass
@@ -258,7 +269,8 @@ _CHOICES = {
     "train.on_nonfinite": ("error", "skip"),
 }
 _POSITIVE = ("train.micro_batch_size", "train.gradient_accumulation_steps",
-             "train.eval_micro_batch_size", "train.log_every", "loss.threshold", "data.max_length", "lora.r")
+             "train.eval_micro_batch_size", "train.log_every", "loss.threshold", "data.max_length", "lora.r",
+             "data.mega_batch_steps")
 
 
 def _validate(cfg: Config) -> None:
@@ -279,6 +291,10 @@ def _validate(cfg: Config) -> None:
                           f"interval")
     if cfg.train.save_total_limit is not None and cfg.train.save_total_limit < 1:
         raise ConfigError(f"train.save_total_limit={cfg.train.save_total_limit} must be >= 1, or null to keep all")
+    peak = cfg.log.peak_flops
+    if peak is True or isinstance(peak, str) and peak != "measure" or isinstance(peak, float) and not 0 < peak < math.inf:
+        raise ConfigError(f"log.peak_flops={peak!r} must be a positive number (FLOP/s), 'measure', false (no MFU) "
+                          f"or null")
     if cfg.train.collective_timeout_s <= 0:
         raise ConfigError(f"train.collective_timeout_s={cfg.train.collective_timeout_s} must be > 0 (seconds)")
     if not cfg.data.template.endswith("{label}") or "{text}" not in cfg.data.template:
@@ -322,8 +338,6 @@ def _validate(cfg: Config) -> None:
                           ("lora.alpha", 0 < cfg.lora.alpha < math.inf, "must be > 0 and finite")):
         if not ok:
             raise ConfigError(f"{key}={get_key(cfg, key)} {rule}")
-    if cfg.log.peak_flops is not None and not 0 < cfg.log.peak_flops < math.inf:
-        raise ConfigError(f"log.peak_flops={cfg.log.peak_flops} must be > 0 (FLOP/s), or null to look it up")
     if cfg.train.mixed_precision != "no" and cfg.model.quantize_4bit and cfg.model.bnb_4bit_compute_dtype == "float32":
         raise ConfigError("train.mixed_precision needs model.bnb_4bit_compute_dtype to match (bfloat16/float16)")
 

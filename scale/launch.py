@@ -189,6 +189,47 @@ def main_process_first(acc: Accelerator, fn: Callable[[], T]) -> T:
     return result
 
 
+def skip_deepspeed_shm_op() -> None:
+    """Keep DeepSpeed on CPU from JIT-compiling its shared-memory collective op, which training never uses.
+
+    On CPU, DeepSpeed's ``TorchBackend`` builds ``deepspeed_shm_comm`` (C++ through ninja: ~27 s here, up to
+    ~100 s on a busy machine, on the first launch of a machine; cached in ``~/.cache/torch_extensions``)
+    whenever the op is marked compatible (deepspeed/comm/torch.py ``build_shm_op``, DeepSpeed 0.19). The op
+    serves only ``inference_all_reduce``; training collectives go through ``torch.distributed`` (gloo) either
+    way. DeepSpeed computes ``deepspeed.ops.__compatible_ops__`` once and keeps the dict ("edits to it
+    persist", deepspeed/ops/__init__.py), so marking the op incompatible before the process group starts
+    skips the build. Remove if a DeepSpeed training path starts using the op.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def deepspeed_op_notice(ds: dict[str, Any]) -> str | None:
+    """The one-line notice for a DeepSpeed config whose first launch on this machine JIT-compiles an op; else None.
+
+    Optimizer offload (``offload_optimizer.device`` cpu/nvme, with DeepSpeed's default
+    ``zero_force_ds_cpu_optimizer``) makes accelerate swap our AdamW for ``DeepSpeedCPUAdam``
+    (accelerate/utils/deepspeed.py ``map_pytorch_optim_to_deepspeed``), whose ``cpu_adam`` op is compiled on
+    first use (~46 s measured here; cached in ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``) unless
+    DeepSpeed was installed with it prebuilt (``DS_BUILD_CPU_ADAM=1``).
+    """
+    offload = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    if offload in (None, "none") or not ds.get("zero_force_ds_cpu_optimizer", True):
+        return None
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import _get_build_directory
+
+    if installed_ops.get("cpu_adam"):
+        return None
+    build = _get_build_directory("cpu_adam", verbose=False)
+    if any(name.endswith(".so") for name in (os.listdir(build) if os.path.isdir(build) else [])):
+        return None
+    return (f"optimizer offload ({offload}): DeepSpeed swaps AdamW for DeepSpeedCPUAdam and compiles its cpu_adam op "
+            f"on this first launch (about a minute, once per machine; cached in {build}; prebuild it with "
+            f"DS_BUILD_CPU_ADAM=1 pip install deepspeed)")
+
+
 def build_accelerator(cfg: Config) -> Accelerator:
     """Create the Accelerator for the launch mode found in the environment, with start-up guards.
 
@@ -208,6 +249,8 @@ def build_accelerator(cfg: Config) -> Accelerator:
     # The timeout bounds how long a rank waits for a peer that died on another node.
     handlers = [InitProcessGroupKwargs(backend="gloo" if on_cpu and use_deepspeed else None,
                                        timeout=timedelta(seconds=cfg.train.collective_timeout_s))]
+    if use_deepspeed and on_cpu:
+        skip_deepspeed_shm_op()
     plugin = None
     if cfg.train.deepspeed_config is not None:  # e.g. under the `deepspeed` launcher or torchrun
         from accelerate.utils import DeepSpeedPlugin
@@ -235,6 +278,9 @@ def build_accelerator(cfg: Config) -> Accelerator:
         raise LaunchError(f"a DeepSpeed launch ended up as {acc.distributed_type}: DeepSpeed was dropped")
     if acc.distributed_type == DistributedType.DEEPSPEED:
         reconcile_deepspeed(cfg, acc.state.deepspeed_plugin.deepspeed_config)
+        notice = deepspeed_op_notice(acc.state.deepspeed_plugin.deepspeed_config)
+        if notice and acc.is_main_process:
+            logging.getLogger(__name__).warning(notice)
     return acc
 
 

@@ -69,6 +69,25 @@ def describe_bad_row(attention_mask: Tensor, tail_mask: Tensor | int, rows: Tens
             f"is predicted from the token before it). Lower loss.threshold or drop short rows.")
 
 
+def batch_bad_rows(batch: dict[str, Tensor]) -> Tensor:
+    """:func:`bad_rows` of a collated batch, padded or padding-free (``seq_lens``: each packed row needs more
+    tokens than its tail); ``[B]`` bool, on the device (no host sync)."""
+    if "seq_lens" in batch:
+        return batch["seq_lens"] < batch["tail_mask"].sum(1) + 1
+    return bad_rows(batch["attention_mask"], batch["tail_mask"])
+
+
+def describe_batch_row(batch: dict[str, Tensor]) -> str:
+    """The message for the first row :func:`batch_bad_rows` flags (host sync: for the error path only)."""
+    if "seq_lens" not in batch:
+        return describe_bad_row(batch["attention_mask"], batch["tail_mask"], batch.get("row"))
+    b = int(batch_bad_rows(batch).nonzero()[0, 0])
+    n, tail = int(batch["seq_lens"][b]), int(batch["tail_mask"][b].sum())
+    where = f"row {b} of the batch" + (f" (data-file row {int(batch['row'][b])})" if "row" in batch else "")
+    return (f"{where} has {n} real tokens; its tail of {tail} tokens needs at least {tail + 1} (each tail token "
+            f"is predicted from the token before it). Lower loss.threshold or drop short rows.")
+
+
 def check_rows(batch: dict[str, Tensor], tail_mask: Tensor | int) -> None:
     """Raise for a row the tail loss cannot score (one host sync).
 
@@ -318,6 +337,10 @@ def forward_tail(model: torch.nn.Module, batch: dict[str, Tensor], threshold: in
         ValueError: ``check`` and a row cannot be scored (see :func:`check_rows`); a ``threshold`` that
             disagrees with ``tail_mask``.
     """
+    if "seq_lens" in batch:  # a padding-free micro-batch (scale.sampling.PaddingFreeCollator)
+        if check and bool(batch_bad_rows(batch).any()):  # host sync: data validation
+            raise ValueError(describe_batch_row(batch))
+        return forward_tail_packed(model, batch)
     input_ids, mask = batch["input_ids"], batch["attention_mask"]
     tails = batch.get("tail_mask")
     if tails is None:
@@ -341,6 +364,33 @@ def forward_tail(model: torch.nn.Module, batch: dict[str, Tensor], threshold: in
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=keep,
                 use_cache=False)
     return (out.logits if tb is None else select_tail_logits(out.logits, tb)), targets
+
+
+def forward_tail_packed(model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """:func:`forward_tail` for a padding-free micro-batch: ``B`` rows packed into one row of ``L`` tokens.
+
+    Calls ``model(input_ids [1, L], position_ids [1, L], logits_to_keep=keep, use_cache=False)`` without an
+    attention mask: transformers then reads the packed rows from the restarting position ids and keeps the
+    attention inside each row. Row ``b``'s tail is the last ``tail_len_b`` tokens of its segment; the LM head
+    sees ``B x N`` positions, never ``L``.
+
+    Args:
+        model: a transformers causal LM.
+        batch: ``input_ids [1, L]``, ``position_ids [1, L]``, ``seq_lens [B]`` and the right-aligned
+            ``tail_mask [B, N]`` (every row holds more tokens than its tail).
+
+    Returns:
+        ``(tail_logits [B, N, V], targets [B, N])``; columns outside a row's tail repeat its first tail
+        position (they carry weight 0).
+    """
+    input_ids, seq_lens, tails = batch["input_ids"], batch["seq_lens"], batch["tail_mask"]
+    B, N = tails.shape
+    ends = seq_lens.cumsum(0) - 1                                                   # [B] last token of each row
+    pos = ends[:, None] - torch.arange(N - 1, -1, -1, device=ends.device)[None, :]  # [B, N] tail positions
+    pos = torch.maximum(pos, (ends - tails.sum(1) + 1)[:, None])                     # not before the row's tail
+    out = model(input_ids=input_ids, position_ids=batch["position_ids"], logits_to_keep=(pos - 1).reshape(-1),
+                use_cache=False)
+    return out.logits.reshape(B, N, -1), input_ids[0, pos]
 
 
 @dataclass

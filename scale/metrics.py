@@ -14,6 +14,7 @@ import os
 import resource
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,22 +42,30 @@ class StepMeter:
 
     Sums: ``loss_num`` (weighted tail CE, nats), ``loss_den`` (weights), ``tokens`` (real tokens seen),
     ``tail_tokens``, ``samples`` (sequences), ``flops`` (model FLOPs of the micro-batches, from
-    ``flops_fn``). Counts come from tensors, never from the length of the batch dict. ``data_s`` is host
-    time spent waiting for the next window (data loading plus the window-length all-gather).
+    ``flops_fn``), ``positions`` (positions computed, padding included). Counts come from tensors, never
+    from the length of the batch dict. ``data_s`` is host time spent waiting for the next window (data
+    loading plus the window-length all-gather).
 
     Args:
         device: where the sums live.
-        flops_fn: ``(rows B, padded length T) -> model FLOPs`` of one micro-batch (:mod:`scale.flops`).
-        peak_flops: the device's dense bf16 peak FLOP/s; with it, :meth:`flush` reports ``train/mfu``.
+        flops_fn: ``(rows B, padded length T, LM-head positions per row N) -> model FLOPs`` of one micro-batch
+            (:func:`model_flops`).
+        peak_flops: one device's peak FLOP/s (:func:`resolve_peak_flops`); with it, :meth:`flush` reports
+            ``train/mfu``.
+        max_seq_len: the longest row (``data.max_length``); sizes the per-row FLOPs table that padding-free
+            micro-batches (``seq_lens`` in the batch) are counted with.
     """
 
-    KEYS = ("loss_num", "loss_den", "tokens", "tail_tokens", "samples", "flops")
+    KEYS = ("loss_num", "loss_den", "tokens", "tail_tokens", "samples", "flops", "positions")
 
     def __init__(self, device: torch.device, flops_fn: Callable[[int, int], float] | None = None,
-                 peak_flops: float | None = None) -> None:
+                 peak_flops: float | None = None, max_seq_len: int = 0) -> None:
         self.device = device
         self.flops_fn = flops_fn
         self.peak_flops = peak_flops
+        # FLOPs of one row of n tokens, n = 0..max_seq_len, for padding-free micro-batches.
+        self.row_flops = None if flops_fn is None or max_seq_len < 1 else torch.tensor(
+            [0.0] + [flops_fn(1, n) for n in range(1, max_seq_len + 1)], dtype=torch.float64, device=device)
         self.sums = torch.zeros(len(self.KEYS), dtype=torch.float64, device=device)
         self.grad_norm = torch.zeros((), device=device)
         self.t0 = time.perf_counter()
@@ -71,30 +80,41 @@ class StepMeter:
         Tail tokens are counted from ``batch["tail_mask"]`` (tails differ per row); ``threshold`` only for a
         batch without one.
         """
-        n_rows, seq_len = batch["input_ids"].shape
-        flops = self.flops_fn(n_rows, seq_len) if self.flops_fn is not None else 0.0
+        if "seq_lens" in batch:  # padding-free: B rows packed into [1, L]; every position is a real token
+            n_rows, positions = batch["seq_lens"].shape[0], batch["input_ids"].shape[1]
+            tokens = batch["seq_lens"].sum().double()
+            # Per-row FLOPs from a table (no host sync): attention grows with each row's own length.
+            flops = self.row_flops[batch["seq_lens"]].sum() if self.row_flops is not None else tokens * 0
+        else:
+            n_rows, seq_len = batch["input_ids"].shape
+            positions, tokens = n_rows * seq_len, batch["attention_mask"].sum().double()
+            kept = batch["tail_mask"].shape[1] if "tail_mask" in batch else threshold  # LM-head positions per row
+            flops = torch.tensor(self.flops_fn(n_rows, seq_len, kept) if self.flops_fn is not None else 0.0,
+                                 dtype=torch.float64, device=self.device)
         tail_tokens = (batch["tail_mask"].sum().double() if "tail_mask" in batch else
                        torch.tensor(float(n_rows * (threshold or 0)), dtype=torch.float64, device=self.device))
         self.sums += torch.stack([
             loss_num.detach().double(),
             loss_den.detach().double(),
-            batch["attention_mask"].sum().double(),
+            tokens,
             tail_tokens.to(self.device),
             torch.tensor(float(n_rows), dtype=torch.float64, device=self.device),
-            torch.tensor(flops, dtype=torch.float64, device=self.device),
+            flops,
+            torch.tensor(float(positions), dtype=torch.float64, device=self.device),
         ])
 
     def flush(self, acc: Accelerator, lr: float) -> dict[str, float]:
         """Reduce the sums over ranks, return ``train/*`` metrics for the interval and reset.
 
         ``train/peak_mem_gib`` is the largest peak over ranks; ``train/data_s`` and ``train/compute_s`` split
-        rank 0's wall time of the interval (seconds); ``train/mfu`` (a fraction) needs ``peak_flops``.
+        rank 0's wall time of the interval (seconds); ``train/pad_fraction`` is padded / total positions of
+        the interval's micro-batches; ``train/mfu`` (a fraction) needs ``flops_fn`` and ``peak_flops``.
         Collective: every rank must call it at the same step.
         """
         totals = acc.reduce(self.sums.clone(), reduction="sum")  # collective: every rank must reach this
         peak = acc.gather(torch.tensor([peak_memory_gib(self.device)], device=self.device)).max()  # collective
         grad_norm = float(self.grad_norm)  # host sync (log interval only)
-        loss_num, loss_den, tokens, tail_tokens, samples, flops = totals.tolist()  # host sync (log interval only)
+        loss_num, loss_den, tokens, tail_tokens, samples, flops, positions = totals.tolist()  # host sync (log only)
         elapsed = max(time.perf_counter() - self.t0 - self.paused_s, 1e-9)
         out = {
             "train/loss": loss_num / loss_den if loss_den > 0 else None,  # None: every step was skipped
@@ -107,8 +127,9 @@ class StepMeter:
             "train/peak_mem_gib": float(peak),
             "train/data_s": self.data_s,
             "train/compute_s": elapsed - self.data_s,
+            "train/pad_fraction": 1.0 - tokens / positions if positions > 0 else 0.0,
         }
-        if self.peak_flops:
+        if self.peak_flops and self.flops_fn is not None:
             out["train/mfu"] = flops / elapsed / (self.peak_flops * acc.num_processes)
         if acc.scaler is not None:  # fp16 loss scaling
             out["train/loss_scale"] = float(acc.scaler.get_scale())
@@ -158,34 +179,125 @@ class JsonlSink:
             fh.write(json.dumps({"step": step, **metrics}) + "\n")
 
 
-def model_flops(cfg: Config, model_config: Any, device: torch.device, trainable: int
-                ) -> tuple[Callable[[int, int], float], float | None]:
-    """``(flops_fn, peak)`` for ``train/mfu``.
+@dataclass
+class PeakFlops:
+    """One device's peak FLOP/s for ``train/mfu`` and where it came from.
+
+    Attributes:
+        flops: FLOP/s of one device (one rank); ``None``: no MFU is reported.
+        source: the figure in words, for the start-up log (``"measured: float32 GEMM 2048^3 on cpu, 2 threads"``).
+    """
+
+    flops: float | None
+    source: str
+
+
+def compute_dtype(cfg: Config) -> torch.dtype:
+    """The dtype the run's matmuls compute in: the autocast dtype under ``train.mixed_precision``, else the
+    4-bit compute dtype for QLoRA, else ``model.dtype``."""
+    if cfg.train.mixed_precision != "no":
+        return torch.bfloat16 if cfg.train.mixed_precision == "bf16" else torch.float16
+    return getattr(torch, cfg.model.bnb_4bit_compute_dtype if cfg.model.quantize_4bit else cfg.model.dtype)
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.4, n: int | None = None
+                       ) -> float:
+    """Best FLOP/s of a dense ``[n, n] @ [n, n]`` matmul (``2 n^3`` FLOPs) on ``device`` in ``dtype``.
+
+    One warm-up product (kernel selection), then products for about ``seconds`` (at least 3): the best one
+    counts, so a noisy neighbour lowers the figure less than a mean would. ``n`` defaults to 2048 on CPU
+    (~50 ms per product at 300 GFLOP/s) and 8192 on a GPU.
+
+    Returns:
+        FLOP/s.
+    """
+    n = n or (8192 if device.type == "cuda" else 2048)
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.matmul(a, b, out=out)
+    sync()
+    best, reps, stop = 0.0, 0, time.perf_counter() + seconds
+    while reps < 3 or (time.perf_counter() < stop and reps < 100):
+        t0 = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        sync()
+        best = max(best, 2.0 * n**3 / (time.perf_counter() - t0))
+        reps += 1
+    return best
+
+
+def resolve_peak_flops(cfg: Config, acc: Accelerator) -> PeakFlops:
+    """One device's peak FLOP/s for ``train/mfu`` from ``log.peak_flops``.
+
+    - a number: used as given;
+    - ``false``: no MFU;
+    - ``null``: a GPU's dense bf16 figure from :data:`scale.flops.PEAK_BF16_FLOPS` by device name; on CPU, or
+      a GPU missing from the table, measured as with ``"measure"``;
+    - ``"measure"``: :func:`measure_peak_flops` at the run's :func:`compute_dtype` on every rank at once
+      (so that ranks sharing a machine measure what they share), averaged over ranks. On CPU the other of
+      float32/bfloat16 is measured too, and the source names it when it is faster (a hint for
+      ``train.mixed_precision`` / ``model.bnb_4bit_compute_dtype``).
+
+    Collective when measuring with several processes (a barrier and one gather): every rank calls it.
+    """
+    from scale.flops import peak_flops
+
+    setting, device = cfg.log.peak_flops, acc.device
+    if setting is False:
+        return PeakFlops(None, "none (log.peak_flops=false): no train/mfu")
+    if isinstance(setting, float):
+        return PeakFlops(setting, f"{_fmt_flops(setting)} per device (log.peak_flops)")
+    if setting is None and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        table = peak_flops(name)
+        if table is not None:
+            return PeakFlops(table, f"{_fmt_flops(table)} per device (dense bf16 of {name}, scale.flops table)")
+    dtype = compute_dtype(cfg)
+    other = {torch.float32: torch.bfloat16, torch.bfloat16: torch.float32}.get(dtype) if device.type == "cpu" else None
+    acc.wait_for_everyone()  # collective: ranks on one machine measure together, as they will train
+    measured = [measure_peak_flops(device, dtype)] + ([measure_peak_flops(device, other)] if other else [])
+    mine = torch.tensor([measured], dtype=torch.float64, device=device)
+    flops = acc.gather(mine).mean(0).tolist() if acc.num_processes > 1 else mine[0].tolist()  # collective
+    n_threads = torch.get_num_threads()
+    threads = f", {n_threads} thread{'s' if n_threads != 1 else ''}" if device.type == "cpu" else ""
+    n = 8192 if device.type == "cuda" else 2048
+    source = (f"{_fmt_flops(flops[0])} per device (measured: {str(dtype).removeprefix('torch.')} GEMM {n}^3 on "
+              f"{device.type}{threads})")
+    if other is not None:
+        other_name = str(other).removeprefix("torch.")
+        faster = "faster" if flops[1] > flops[0] else "slower"
+        source += f"; {other_name} measures {_fmt_flops(flops[1])} ({faster} on this CPU)"
+    return PeakFlops(flops[0], source)
+
+
+def _fmt_flops(flops: float) -> str:
+    return f"{flops / 1e12:.3g} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.3g} GFLOP/s"
+
+
+def model_flops(cfg: Config, model_config: Any, trainable: int) -> Callable[..., float]:
+    """``flops_fn(B, T, N)``: model FLOPs of a ``[B, T]`` micro-batch whose LM head computes ``N`` positions per
+    row (the tail width, ``tail_mask.shape[1]``; default ``loss.threshold``), for ``train/mfu``.
 
     Args:
-        cfg: the run's config (``loss.threshold``, ``log.peak_flops``).
-        model_config: the base model's transformers config.
-        device: the run's device.
+        cfg: the run's config (``loss.threshold``).
+        model_config: the base model's matmul shape (:func:`scale.flops.model_shape`) or transformers config.
         trainable: trainable (LoRA) parameter count.
 
     Returns:
-        ``flops_fn(B, T)``: model FLOPs of a ``[B, T]`` micro-batch (:mod:`scale.flops`: LoRA count, only the
-        tail's logits); and the device's peak FLOP/s (``log.peak_flops``, else the GPU's name looked up in a
-        table; ``None`` on CPU or an unknown GPU, then no MFU is reported).
+        ``flops_fn`` (:mod:`scale.flops`: LoRA count, only the tail's logits, padding positions counted).
     """
-    from scale.flops import flops_per_token, peak_flops
+    from scale.flops import flops_per_token
 
-    threshold = cfg.loss.threshold
-
-    def flops_fn(rows: int, seq_len: int) -> float:
+    def flops_fn(rows: int, seq_len: int, kept: int | None = None) -> float:
+        kept = cfg.loss.threshold if kept is None else kept
         per_position = flops_per_token(model_config, seq_len, lora_params=trainable,
-                                       logits_fraction=threshold / seq_len)
+                                       logits_fraction=min(1.0, kept / seq_len))
         return rows * seq_len * per_position
 
-    peak = cfg.log.peak_flops
-    if peak is None and device.type == "cuda":
-        peak = peak_flops(torch.cuda.get_device_name(device))
-    return flops_fn, peak
+    return flops_fn
 
 
 def start_trackers(cfg: Config, acc: Accelerator) -> None:

@@ -43,9 +43,10 @@ from scale.fileio import sha256_file
 from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.evaluate import evaluate
-from scale.loss import LossSpec, bad_rows, describe_bad_row, loss_step
-from scale.metrics import JsonlSink, MetricsLog, StepMeter, bar_text, model_flops, start_trackers
+from scale.loss import LossSpec, batch_bad_rows, describe_batch_row, loss_step
+from scale.metrics import JsonlSink, MetricsLog, StepMeter, bar_text, model_flops, resolve_peak_flops, start_trackers
 from scale.modeling import build_model, load_tokenizer, parameter_counts
+from scale.sampling import LengthGroupedSampler, PaddingFreeCollator
 from scale.schedule import lr_factor, steps_for_epochs
 from scale.signals import Preempted, Preemption
 
@@ -133,7 +134,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     """
     cfg, acc, state, t = job.cfg, job.acc, job.state, job.cfg.train
     last_eval = evaluate_and_log(job) if state.step == 0 else {}
-    meter = StepMeter(acc.device, job.flops_fn, job.peak_flops)  # after the step-0 eval: throughput counts training
+    meter = StepMeter(acc.device, job.flops_fn, job.peak_flops, cfg.data.max_length)  # after the step-0 eval
     pbar = tqdm(total=job.max_steps, initial=state.step, disable=not acc.is_local_main_process, desc="optimizer steps")
     timer = SaveTimer(t.save_every_minutes)
     job.model.train()
@@ -259,12 +260,12 @@ def windows(acc: Accelerator, dl: DataLoader, ga: int, spec: LossSpec,
         mine = torch.tensor([[len(micro), flag, 0.0, due, 0.0]], dtype=torch.float64, device=acc.device)
         if micro:
             mine[0, 2] = torch.stack([mb.weights.sum() for mb in micro]).double().sum()
-            mine[0, 4] = torch.stack([bad_rows(b["attention_mask"], b["tail_mask"]).sum() for b in batches]).sum()
+            mine[0, 4] = torch.stack([batch_bad_rows(b).sum() for b in batches]).sum()
         table = acc.gather(mine).cpu()  # collective + host sync, once per window: [world, 5]
         n_max, stop, den = int(table[:, 0].max()), bool(table[:, 1].max()), float(table[:, 2].sum())
         if table[:, 4].any():
-            bad = next((b for b in batches if bad_rows(b["attention_mask"], b["tail_mask"]).any()), None)
-            raise ValueError(describe_bad_row(bad["attention_mask"], bad["tail_mask"], bad.get("row")) if bad
+            bad = next((b for b in batches if batch_bad_rows(b).any()), None)
+            raise ValueError(describe_batch_row(bad) if bad
                              else "a micro-batch on another rank holds a row the tail loss cannot score (its "
                                   "message names it)")
         if stop:
@@ -335,18 +336,33 @@ def evaluate_and_log(job: Job) -> dict[str, float]:
     return metrics
 
 
-def make_loaders(cfg: Config, splits: Splits, pad_token_id: int) -> tuple[DataLoader, DataLoader]:
+def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, num_processes: int = 1
+                 ) -> tuple[DataLoader, DataLoader]:
     """The train loader (shuffled by ``train.seed``, re-shuffled each epoch) and the eval loader (unprepared).
 
     accelerate shards the train loader by whole micro-batches (rank ``r`` gets batches ``r, r + W, ...``), so
-    every launch mode with the same global batch sees the same rows in every optimizer step.
+    every launch mode with the same global batch sees the same rows in every optimizer step. With
+    ``data.group_by_length`` the order comes from :class:`scale.sampling.LengthGroupedSampler`, built from the
+    global batch (``num_processes`` ranks) before sharding, so that still holds. With ``data.padding_free``
+    train micro-batches are packed rows (:class:`scale.sampling.PaddingFreeCollator`).
     """
     collate = Collator(pad_token_id, cfg.data.padding_side)
-    train_dl = DataLoader(splits.train, batch_size=cfg.train.micro_batch_size, shuffle=True, collate_fn=collate,
-                          generator=torch.Generator().manual_seed(cfg.train.seed), num_workers=cfg.data.num_workers)
+    train_collate = PaddingFreeCollator() if cfg.data.padding_free else collate
+    t = cfg.train
+    if cfg.data.group_by_length:
+        sampler = LengthGroupedSampler([len(e.input_ids) for e in splits.train],
+                                       t.micro_batch_size * t.gradient_accumulation_steps * num_processes,
+                                       cfg.data.mega_batch_steps, t.seed)
+        # A generator of its own: each iter() of a DataLoader draws a base seed from it, else from the global
+        # RNG, and a resumed run (one iter() more) would then draw other dropout masks.
+        train_dl = DataLoader(splits.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=train_collate,
+                              generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
+    else:
+        train_dl = DataLoader(splits.train, batch_size=t.micro_batch_size, shuffle=True, collate_fn=train_collate,
+                              generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
     # Evaluation order does not change its sums; longest first keeps padding (and peak memory) low.
     eval_dl = DataLoader(sorted(splits.eval, key=lambda e: -len(e.input_ids)),
-                         batch_size=cfg.train.eval_micro_batch_size, shuffle=False, collate_fn=collate,
+                         batch_size=t.eval_micro_batch_size, shuffle=False, collate_fn=collate,
                          num_workers=cfg.data.num_workers)
     return train_dl, eval_dl
 
@@ -406,8 +422,9 @@ def setup(cfg: Config) -> Job:
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, out / "config.yaml")
-    train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id)
+    train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id, world)
     optimizer, scheduler = make_optimizer(cfg, model, max_steps)
+    shape = flops_shape(model)  # before prepare: acc.unwrap_model imports deepspeed whenever it is installed
     model, optimizer, train_dl = acc.prepare(model, optimizer, train_dl)
     acc.even_batches = True  # eval: gather_for_metrics drops the repeated samples
     eval_dl = acc.prepare(eval_dl)
@@ -436,17 +453,25 @@ def setup(cfg: Config) -> Job:
     log = MetricsLog(acc, sink)
     if resume is None:
         log.write(0, splits.stats)  # the data counts (data/*), once per run
-    try:  # an optional metric must never stop training: count once here, on a full-length micro-batch
-        flops_fn, peak = model_flops(cfg, model_shape(acc.unwrap_model(model)), acc.device, trainable)
-        flops_fn(1, cfg.data.max_length)
-    except Exception as e:  # noqa: BLE001 - any family the count does not understand
-        logger.warning("no FLOPs count (train/mfu) for this model: %s: %s", type(e).__name__, e,
-                       main_process_only=True)
-        flops_fn, peak = None, None
+    peak = resolve_peak_flops(cfg, acc)  # collective when measured on several ranks
+    if acc.is_main_process:
+        logger.info("MFU peak: %s", peak.source)
+    flops_fn = model_flops(cfg, shape, trainable) if shape is not None else None
     spec = LossSpec.from_config(cfg, splits.label_token_ids, format=splits.format, label_seqs=splits.label_seqs,
                                 has_target=splits.has_target, pad_token_id=tokenizer.pad_token_id)
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
-               flops_fn, peak, max_steps)
+               flops_fn, peak.flops, max_steps)
+
+
+def flops_shape(model: torch.nn.Module) -> Any:
+    """The model's matmul shape for the FLOPs count (:func:`scale.flops.model_shape`), or ``None`` with one
+    warning: an optional metric must never stop training."""
+    try:
+        return model_shape(model)
+    except Exception as e:  # noqa: BLE001 - any family the count does not understand
+        logger.warning("no FLOPs count (train/mfu) for this model: %s: %s", type(e).__name__, e,
+                       main_process_only=True)
+        return None
 
 
 def check_type_weights(cfg: Config, splits: Splits) -> None:

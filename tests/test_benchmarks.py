@@ -75,3 +75,38 @@ def test_gpu_script_dry_run_and_no_cuda_message(capsys):
     if not torch.cuda.is_available():
         assert gpu.main([]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_speedup_throughput_and_profile_categories():
+    from types import SimpleNamespace
+
+    from benchmarks.speedup import categorize, throughput
+
+    def row(step, tps, data_s, compute_s, mfu, pad):
+        return {"step": step, "train/tokens_per_s": tps, "train/data_s": data_s, "train/compute_s": compute_s,
+                "train/mfu": mfu, "train/pad_fraction": pad}
+
+    rows = [row(1, 50.0, 0.0, 2.0, 0.1, 0.3), row(2, 100.0, 0.5, 0.5, 0.2, 0.1), row(3, 200.0, 0.0, 3.0, 0.4, 0.3)]
+    res = {"rows": rows, "stamps": [(2.0, 1.0), (3.0, 2.0), (6.0, 4.0)], "peak": 1e9}  # (wall, CPU s) after each step
+    t = throughput(res, warmup=1)                                       # steps 2 and 3: 100 + 600 tokens in 1 + 3 s
+    assert t["tps"] == pytest.approx(700 / 4) and t["flops"] == pytest.approx((0.2 * 1 + 0.4 * 3) * 1e9)
+    assert t["pad"] == pytest.approx(0.2) and t["tpc"] == pytest.approx(700 / 3) and t["cpu"] == 3.0  # CPU: 1 + 2 s
+
+    def ev(name, us, parent=None, shapes=()):
+        return SimpleNamespace(name=name, self_cpu_time_total=us, cpu_parent=parent, input_shapes=list(shapes),
+                               device_type=SimpleNamespace(name="CPU"))
+
+    opt = ev("Optimizer.step#AdamW.step", 10)
+    events = [opt, ev("aten::mul", 3000, opt), ev("bitsandbytes::dequantize_4bit", 2000),
+              ev("aten::mm", 4000, shapes=[[16, 576], [576, 49152]]),
+              ev("aten::mm", 1000, shapes=[[264, 16], [16, 576]]),
+              ev("aten::mm", 5000, shapes=[[264, 576], [576, 576]]), ev("aten::_log_softmax", 500),
+              ev("aten::_scaled_dot_product_flash_attention_for_cpu", 700), ev("aten::add", 300)]
+    cats = categorize(events, wall=0.02, steps=1, vocab=49152, rank=16)
+    assert cats["optimizer (AdamW on the LoRA weights)"] == pytest.approx(3.01)  # ms: its ops and its own range
+    assert cats["dequantize (NF4 -> compute dtype, forward and backward)"] == pytest.approx(2.0)
+    assert cats["LM head (tail logits) and loss"] == pytest.approx(4.5)
+    assert cats["LoRA matmuls"] == pytest.approx(1.0)
+    assert cats["base matmuls (dequantized weights)"] == pytest.approx(5.0)
+    assert cats["attention (sdpa)"] == pytest.approx(0.7)
+    assert cats["host (Python, autograd engine, between ops)"] == pytest.approx(20 - 16.51)

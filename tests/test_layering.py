@@ -24,6 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"config", "formats"},
     "loss": {"config"},
     "modeling": {"config", "assets"},
+    "sampling": set(),
     "export": {"config", "fileio", "modeling"},
     # the loop side: may import accelerate / torch.distributed
     "launch": {"config"},
@@ -32,7 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"config", "fileio", "launch", "modeling"},
     "evaluate": {"data", "loss"},
     "train": {"assets", "checkpoint", "checks", "config", "data", "evaluate", "fileio", "flops", "launch", "loss",
-              "metrics", "modeling", "schedule", "signals"},
+              "metrics", "modeling", "sampling", "schedule", "signals"},
     "cli": {"checkpoint", "config", "data", "launch", "signals", "train"},
     "report": {"config", "metrics", "schedule"},
 }

@@ -8,7 +8,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from scale.metrics import StepMeter, peak_memory_gib
+from scale.metrics import StepMeter, compute_dtype, measure_peak_flops, peak_memory_gib, resolve_peak_flops
 
 
 def _batch(rows, seq_len, real):
@@ -19,7 +19,7 @@ def _batch(rows, seq_len, real):
 
 def test_flush_reports_ratios_of_sums_mfu_and_time_split():
     acc = Accelerator(cpu=True)
-    meter = StepMeter(acc.device, flops_fn=lambda rows, seq_len: 1000.0 * rows * seq_len, peak_flops=1e6)
+    meter = StepMeter(acc.device, flops_fn=lambda rows, seq_len, kept=None: 1000.0 * rows * seq_len, peak_flops=1e6)
     meter.add_micro(torch.tensor(6.0), torch.tensor(4.0), _batch(2, 10, 7), threshold=2)
     meter.add_micro(torch.tensor(3.0), torch.tensor(2.0), _batch(1, 12, 12), threshold=2)
     meter.steps = 1
@@ -32,6 +32,7 @@ def test_flush_reports_ratios_of_sums_mfu_and_time_split():
     assert out["train/tail_tokens_per_s"] * elapsed == pytest.approx(3 * 2)
     assert out["train/samples_per_s"] * elapsed == pytest.approx(3)
     assert out["train/mfu"] == pytest.approx(flops / elapsed / 1e6, rel=1e-9)
+    assert out["train/pad_fraction"] == pytest.approx(1 - tokens / (2 * 10 + 12))   # padded / total positions
     assert out["train/data_s"] == 0.01 and out["train/compute_s"] == pytest.approx(elapsed - 0.01, abs=1e-3)
     assert out["train/peak_mem_gib"] == pytest.approx(peak_memory_gib(acc.device), rel=0.05) and \
         out["train/peak_mem_gib"] > 0.05   # this Python process holds torch: > 50 MiB resident
@@ -46,3 +47,37 @@ def test_paused_time_is_not_training_time():
     meter.paused_s = 0.2   # e.g. an evaluation inside the interval
     out = meter.flush(acc, lr=0.1)
     assert 4 / out["train/tokens_per_s"] < 0.1 and "train/mfu" not in out
+
+
+def test_peak_flops_setting_number_off_and_measured(tmp_path):
+    from tests.conftest import tiny_cfg
+
+    acc = Accelerator(cpu=True)
+    fixed = resolve_peak_flops(tiny_cfg(tmp_path, "log.peak_flops=2.5e11"), acc)
+    assert fixed.flops == 2.5e11 and fixed.source == "250 GFLOP/s per device (log.peak_flops)"
+    off = resolve_peak_flops(tiny_cfg(tmp_path, "log.peak_flops=false"), acc)
+    assert off.flops is None and "no train/mfu" in off.source
+    measured = resolve_peak_flops(tiny_cfg(tmp_path), acc)   # null on CPU: measured
+    assert 1e9 < measured.flops < 1e14                        # any CPU of this decade, fp32
+    assert "per device (measured: float32 GEMM 2048^3 on cpu" in measured.source
+    assert "; bfloat16 measures " in measured.source           # the other dtype, as a hint
+    assert 1e9 < measure_peak_flops(acc.device, torch.float32, seconds=0.0, n=256) < 1e14
+
+
+def test_compute_dtype_follows_autocast_then_4bit_then_weights(tmp_path):
+    from tests.conftest import tiny_cfg
+
+    assert compute_dtype(tiny_cfg(tmp_path)) == torch.float32
+    assert compute_dtype(tiny_cfg(tmp_path, "model.dtype=bfloat16")) == torch.bfloat16
+    assert compute_dtype(tiny_cfg(tmp_path, "model.quantize_4bit=true", "model.bnb_4bit_compute_dtype=bfloat16")) \
+        == torch.bfloat16
+    assert compute_dtype(tiny_cfg(tmp_path, "train.mixed_precision=bf16", "model.dtype=float32")) == torch.bfloat16
+
+
+def test_bad_peak_flops_setting(tmp_path):
+    from scale.config import ConfigError
+    from tests.conftest import tiny_cfg
+
+    for bad in ("fast", "-1", "0", "true"):
+        with pytest.raises(ConfigError, match="log.peak_flops=.* must be a positive number"):
+            tiny_cfg(tmp_path, f"log.peak_flops={bad}")

@@ -1,0 +1,157 @@
+"""How train rows are ordered and batched: length-grouped sampling (less padding, the same optimizer steps in
+every launch mode) and padding-free micro-batches.
+
+    sampler = LengthGroupedSampler(lengths, global_batch_size=mb * ga * world, mega_batch_steps=16, seed=1234)
+    DataLoader(train, batch_size=mb, sampler=sampler, ...)   # accelerate shards it by whole micro-batches
+
+Why it keeps parity: accelerate shards a map-style train loader by whole micro-batches (rank ``r`` of ``W``
+gets micro-batches ``r, r + W, r + 2W, ...``), so optimizer step ``s`` trains on rows
+``[s * G, (s + 1) * G)`` of the sampler's index order, ``G = micro_batch_size x gradient_accumulation_steps x
+num_processes``, in every launch mode with the same ``G``. This sampler builds that order *before* sharding,
+from ``(seed, epoch, G)`` alone:
+
+1. a random permutation of the rows (``torch.randperm`` seeded with ``seed + epoch``, as accelerate's
+   seedable sampler does);
+2. cut into mega-batches of ``mega_batch_steps`` global batches; each mega-batch is sorted by length, longest
+   first (a stable sort: equal lengths keep their random order);
+3. each sorted mega-batch is cut into global batches of ``G`` rows, and the full ones are put in a random
+   order, so that a step's length does not follow its position in the mega-batch; a partial global batch
+   (the epoch's last, shortest rows) stays last.
+
+Inside a global batch the rows run longest to shortest, so every micro-batch (a contiguous slice of
+``micro_batch_size`` rows, whatever that is) holds rows of similar length. Which rows train in which step
+does not depend on ``micro_batch_size`` or the number of processes; how they are padded does, and the tail
+loss does not see padding.
+
+:class:`PaddingFreeCollator` goes further: a micro-batch becomes one packed row with position ids that restart
+at every example, which transformers' attention masks treat as separate sequences (no padding at all).
+
+No accelerate, no torch.distributed: a plain ``torch.utils.data.Sampler``. It has no ``generator``
+attribute, so ``accelerate.prepare`` leaves it as it is (it only swaps a ``RandomSampler``), and
+``DataLoaderShard.set_epoch`` reaches it through the batch sampler; ``skip_first_batches`` (resume) wraps
+the same batch sampler, so a resumed epoch continues the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import Sampler
+
+
+def length_grouped_order(lengths: Sequence[int], global_batch_size: int, mega_batch_steps: int, seed: int,
+                         epoch: int = 0) -> list[int]:
+    """The epoch's row order: shuffled, then grouped by length inside mega-batches (see the module docstring).
+
+    Args:
+        lengths: tokens of each row (``len(example.input_ids)``).
+        global_batch_size: ``G``, rows per optimizer step over all ranks.
+        mega_batch_steps: global batches sorted together (1: each global batch sorted on its own).
+        seed: ``train.seed``.
+        epoch: the epoch; each epoch gets its own permutation.
+
+    Returns:
+        A permutation of ``range(len(lengths))``.
+
+    Raises:
+        ValueError: ``global_batch_size`` or ``mega_batch_steps`` is below 1.
+    """
+    if global_batch_size < 1 or mega_batch_steps < 1:
+        raise ValueError(f"global_batch_size={global_batch_size} and mega_batch_steps={mega_batch_steps} must be >= 1")
+    g = torch.Generator().manual_seed(seed + epoch)
+    perm = torch.randperm(len(lengths), generator=g).tolist()
+    G, span = global_batch_size, global_batch_size * mega_batch_steps
+    order: list[int] = []
+    for start in range(0, len(perm), span):
+        mega = sorted(perm[start:start + span], key=lambda i: -lengths[i])
+        batches = [mega[j:j + G] for j in range(0, len(mega), G)]
+        tail = [batches.pop()] if len(batches[-1]) < G else []  # the epoch's partial global batch stays last
+        for b in torch.randperm(len(batches), generator=g).tolist():
+            order.extend(batches[b])
+        for b in tail:
+            order.extend(b)
+    return order
+
+
+class LengthGroupedSampler(Sampler[int]):
+    """Row indices of the train split, grouped by length into deterministic global batches.
+
+    Args:
+        lengths: tokens of each row.
+        global_batch_size: ``G = micro_batch_size x gradient_accumulation_steps x num_processes``.
+        mega_batch_steps: global batches (optimizer steps) whose rows are sorted by length together.
+        seed: ``train.seed``.
+
+    Raises:
+        ValueError: see :func:`length_grouped_order`.
+    """
+
+    def __init__(self, lengths: Sequence[int], global_batch_size: int, mega_batch_steps: int, seed: int) -> None:
+        if global_batch_size < 1 or mega_batch_steps < 1:
+            raise ValueError(f"global_batch_size={global_batch_size} and mega_batch_steps={mega_batch_steps} "
+                             f"must be >= 1")
+        self.lengths = list(lengths)
+        self.global_batch_size = global_batch_size
+        self.mega_batch_steps = mega_batch_steps
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s order from the next ``iter()`` on (called by ``DataLoaderShard.set_epoch``)."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        yield from length_grouped_order(self.lengths, self.global_batch_size, self.mega_batch_steps, self.seed,
+                                        self.epoch)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+def pad_fraction(lengths: Sequence[int], order: Sequence[int], micro_batch_size: int) -> float:
+    """Share of padded positions when ``order`` is cut into micro-batches of ``micro_batch_size`` rows
+    (each padded to its longest row): ``1 - real tokens / (rows x padded length)``, summed over micro-batches."""
+    real = total = 0
+    for i in range(0, len(order), micro_batch_size):
+        chunk = [lengths[j] for j in order[i:i + micro_batch_size]]
+        real += sum(chunk)
+        total += len(chunk) * max(chunk)
+    return 1.0 - real / total if total else 0.0
+
+
+class PaddingFreeCollator:
+    """Pack a list of examples into one row without padding: transformers' packed-sequence format.
+
+    The examples are concatenated in order; ``position_ids`` restart at 0 for each, and no ``attention_mask``
+    is passed to the model, so transformers builds a block-diagonal causal mask from the position ids
+    (``masking_utils.find_packed_sequence_indices``; sdpa and eager on CPU, flash-attention varlen on GPU):
+    no token attends across examples. This is the semantics of ``transformers.DataCollatorWithFlattening``,
+    plus the fields the tail loss needs. Measured exact against the padded batch on CPU (fp32 round-off,
+    ``tests/test_sampling.py``); the model must be called with ``use_cache=False`` (a cache turns the
+    packed-sequence detection off), as :func:`scale.loss.forward_tail` does.
+
+    Returns a dict with ``input_ids`` ``[1, L]`` (``L`` = total tokens), ``position_ids`` ``[1, L]``,
+    ``seq_lens`` ``[B]`` (tokens of each example), ``tail_mask`` ``[B, N]`` and per example
+    ``type_indicator``, ``target_token``, ``label``, ``row`` ``[B]``, as :class:`scale.data.Collator` has them.
+    """
+
+    def __call__(self, examples: list[Any]) -> dict[str, Tensor]:
+        ids = [torch.tensor(e.input_ids, dtype=torch.long) for e in examples]
+        lens = torch.tensor([len(x) for x in ids], dtype=torch.long)
+        N = max(e.tail_len for e in examples)
+        tail = torch.zeros((len(examples), N), dtype=torch.long)
+        for b, e in enumerate(examples):
+            tail[b, N - e.tail_len:] = 1  # right-aligned, as scale.data.Collator has it
+        return {
+            "input_ids": torch.cat(ids)[None],
+            "position_ids": torch.cat([torch.arange(len(x)) for x in ids])[None],
+            "seq_lens": lens,
+            "tail_mask": tail,
+            "label": torch.tensor([e.label for e in examples], dtype=torch.long),
+            "type_indicator": torch.tensor([e.type_indicator for e in examples], dtype=torch.long),
+            "target_token": torch.tensor([e.target_token for e in examples], dtype=torch.long),
+            "row": torch.tensor([e.row for e in examples], dtype=torch.long),
+        }

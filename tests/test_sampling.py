@@ -1,0 +1,206 @@
+"""Length-grouped sampling: a deterministic permutation per epoch, the same rows per optimizer step in every
+launch mode (it depends on the global batch only), less padding, and resume/epochs through accelerate."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from scale.sampling import LengthGroupedSampler, length_grouped_order, pad_fraction
+
+
+def _lengths(n, seed=0):
+    rng = random.Random(seed)
+    return [rng.randint(10, 86) for _ in range(n)]
+
+
+def test_order_is_a_deterministic_permutation_per_epoch():
+    lengths = _lengths(203)
+    a = length_grouped_order(lengths, 8, 4, seed=1234, epoch=0)
+    assert sorted(a) == list(range(203))
+    assert a == length_grouped_order(lengths, 8, 4, seed=1234, epoch=0)
+    assert a != length_grouped_order(lengths, 8, 4, seed=1234, epoch=1)
+    assert a != length_grouped_order(lengths, 8, 4, seed=1235, epoch=0)
+
+
+def test_global_batches_are_grouped_and_the_partial_one_is_last():
+    lengths = _lengths(203)                      # 25 full global batches of 8, then 3 rows
+    G, k = 8, 4
+    order = length_grouped_order(lengths, G, k, seed=0)
+    batches = [order[i:i + G] for i in range(0, len(order), G)]
+    assert [len(b) for b in batches] == [8] * 25 + [3]
+    for b in batches:                            # longest first inside every global batch
+        assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)
+    perm = torch.randperm(203, generator=torch.Generator().manual_seed(0)).tolist()
+    for m in range(0, 203, G * k):               # a mega-batch keeps its rows (grouping happens inside it)
+        assert set(order[m:m + G * k]) == set(perm[m:m + G * k])
+    # The partial batch holds the shortest rows of the last mega-batch.
+    last_mega = order[(203 // (G * k)) * G * k:]
+    assert max(lengths[i] for i in batches[-1]) <= min(lengths[i] for i in last_mega[:-3])
+
+
+def test_less_padding_than_random_batches():
+    lengths = _lengths(800)
+    random_order = torch.randperm(800, generator=torch.Generator().manual_seed(0)).tolist()
+    grouped = length_grouped_order(lengths, 8, 16, seed=0)
+    assert pad_fraction(lengths, random_order, 8) > 0.3
+    assert pad_fraction(lengths, grouped, 8) < 0.06
+    assert pad_fraction([3, 3, 1, 1], [0, 1, 2, 3], 2) == 0.0 and pad_fraction([3, 1], [0, 1], 2) == 1 - 4 / 6
+
+
+def test_bad_sizes():
+    with pytest.raises(ValueError, match="must be >= 1"):
+        LengthGroupedSampler([1, 2], global_batch_size=0, mega_batch_steps=2, seed=0)
+
+
+def _rows_per_step(acc, lengths, mb, ga, world, epoch, skip=0):
+    """Rows of each optimizer step when ``world`` ranks shard the loader as accelerate does."""
+    G = mb * ga * world
+    steps = {}
+    for rank in range(world):
+        sampler = LengthGroupedSampler(lengths, G, 4, seed=7)
+        dl = DataLoader(list(range(len(lengths))), batch_size=mb, sampler=sampler, collate_fn=torch.tensor)
+        from accelerate.data_loader import prepare_data_loader, skip_first_batches
+
+        dl = prepare_data_loader(dl, num_processes=world, process_index=rank, even_batches=False,
+                                 use_seedable_sampler=True, put_on_device=False)
+        dl.set_epoch(epoch)
+        if skip:
+            dl = skip_first_batches(dl, skip * ga)
+            dl.set_epoch(epoch)
+        for i, batch in enumerate(dl):
+            steps.setdefault(skip + i // ga, set()).update(batch.tolist())
+    return steps
+
+
+def test_same_rows_per_step_in_every_mode_and_after_resume():
+    Accelerator(cpu=True)                         # accelerate's sharding needs its state
+    lengths = _lengths(100)
+    ref = _rows_per_step(None, lengths, mb=8, ga=1, world=1, epoch=1)
+    assert len(ref) == 13 and sum(len(r) for r in ref.values()) == 100
+    for mb, ga, world in [(2, 4, 1), (2, 2, 2), (4, 1, 2), (1, 2, 4)]:
+        assert _rows_per_step(None, lengths, mb, ga, world, epoch=1) == ref, (mb, ga, world)
+    resumed = _rows_per_step(None, lengths, mb=2, ga=2, world=2, epoch=1, skip=5)
+    assert resumed == {s: rows for s, rows in ref.items() if s >= 5}
+
+
+def test_accelerate_keeps_the_sampler_and_passes_the_epoch(tmp_path, tokenizer):
+    from scale.data import build_splits
+    from scale.train import make_loaders
+    from tests.conftest import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, "data.group_by_length=true", "data.mega_batch_steps=2")
+    splits = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed)
+    acc = Accelerator(cpu=True)
+    train_dl, _ = make_loaders(cfg, splits, tokenizer.pad_token_id, acc.num_processes)
+    prepared = acc.prepare(train_dl)
+    from accelerate.data_loader import get_sampler
+
+    sampler = get_sampler(prepared)
+    assert isinstance(sampler, LengthGroupedSampler) and sampler.global_batch_size == 16
+    lengths = [len(e.input_ids) for e in splits.train]
+    for epoch in (0, 3):
+        prepared.set_epoch(epoch)
+        assert sampler.epoch == epoch
+        seen = [r for b in prepared for r in b["row"].tolist()]
+        expected = [splits.train[i].row for i in length_grouped_order(lengths, 16, 2, cfg.train.seed, epoch)]
+        assert seen == expected
+
+
+def test_grouped_resume_mid_epoch_is_bit_exact(tmp_path):
+    """Grouping + dropout: resuming mid-epoch continues bit for bit (the loader draws no global RNG)."""
+    from accelerate.state import AcceleratorState, GradientState
+    from safetensors.torch import load_file
+
+    from scale.metrics import read_jsonl
+    from scale.train import run
+    from tests.conftest import tiny_cfg
+
+    job = ["data.max_train_examples=20", "train.micro_batch_size=2", "train.gradient_accumulation_steps=2",
+           "train.max_steps=8", "train.log_every=1", "train.eval_every=0", "lora.dropout=0.1",
+           "data.group_by_length=true", "data.mega_batch_steps=2"]
+    run(tiny_cfg(tmp_path / "ref", *job, "train.save_every=4"))
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    run(tiny_cfg(tmp_path / "got", *job, f"train.resume_from={tmp_path}/ref/checkpoints/step_000004"))
+    losses = [{r["step"]: r["train/loss"] for r in read_jsonl(tmp_path / d / "metrics.jsonl") if "train/loss" in r}
+              for d in ("ref", "got")]
+    assert sorted(losses[1]) == [5, 6, 7, 8] and all(losses[1][s] == losses[0][s] for s in losses[1])
+    a, b = (load_file(tmp_path / d / "adapter" / "adapter_model.safetensors") for d in ("ref", "got"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_padding_free_matches_padded_loss_and_gradients(tokenizer):
+    """One packed row with restarting position ids = the padded batch: same tail loss and LoRA gradients."""
+    from scale.config import LoraConfig, ModelConfig
+    from scale.data import Collator, Example
+    from scale.loss import forward_tail, loss_step
+    from scale.modeling import build_model
+    from scale.sampling import PaddingFreeCollator
+
+    model = build_model(ModelConfig(name_or_path="tiny-llama", gradient_checkpointing=False),
+                        LoraConfig(r=4, dropout=0.0), len(tokenizer), seed=0)
+    for p in model.parameters():  # LoRA B starts at zero: give it values so every gradient path is exercised
+        if p.requires_grad:
+            p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
+    g = torch.Generator().manual_seed(3)
+    # Tails of 2, 1, 5 and 3 tokens: each row's own tail inside the packed row, right-aligned in tail_mask.
+    examples = [Example(torch.randint(3, 300, (n,), generator=g).tolist(), tail_len=t, type_indicator=i % 2,
+                        target_token=7, row=i) for i, (n, t) in enumerate([(9, 2), (4, 1), (15, 5), (6, 3)])]
+    padded, packed = Collator(tokenizer.pad_token_id, "left")(examples), PaddingFreeCollator()(examples)
+    assert packed["input_ids"].shape == (1, 34) and packed["seq_lens"].tolist() == [9, 4, 15, 6]
+    assert packed["position_ids"][0, 9:13].tolist() == [0, 1, 2, 3]
+    assert torch.equal(packed["tail_mask"], padded["tail_mask"]) and packed["tail_mask"].sum(1).tolist() == [2, 1, 5, 3]
+    (a_logits, a_t), (b_logits, b_t) = forward_tail(model, padded), forward_tail(model, packed)
+    mask = padded["tail_mask"].bool()
+    assert torch.equal(a_t[mask], b_t[mask]) and a_logits.shape == b_logits.shape == (4, 5, len(tokenizer))
+    assert torch.allclose(a_logits[mask], b_logits[mask], atol=1e-5, rtol=0)
+    grads = []
+    for batch in (padded, packed):
+        model.zero_grad()
+        weights = _spec().weights(batch)
+        num = loss_step(model, batch, _spec(), weights)
+        num.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    worst = max(float((grads[0][n] - grads[1][n]).abs().max() / grads[0][n].abs().max()) for n in grads[0])
+    assert worst < 1e-5, worst
+    # Without restarting position ids the rows would attend to each other: the check above can fail.
+    crossed = dict(packed, position_ids=torch.arange(34)[None])
+    assert not torch.allclose(forward_tail(model, crossed)[0][mask], a_logits[mask], atol=1e-3)
+
+
+def _spec():
+    from scale.loss import LossSpec
+
+    return LossSpec(threshold=2, padding_side="left", type_weights=None, criterion=None, criterion_mode="plain",
+                    target_position=-2, label_token_ids=torch.tensor([7, 8]))
+
+
+@pytest.mark.parametrize("data", ["tiny_reviews", "tiny_completions"])
+def test_padding_free_job_matches_padded_job(tmp_path, data):
+    """The tiny jobs (2-token tails; completion tails of 2 to 12 tokens), grouped, padded vs padding-free: the
+    same per-step losses; no padded position at all."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from scale.metrics import read_jsonl
+    from scale.train import run
+    from tests.conftest import ROOT, tiny_cfg
+
+    job = ["data.max_train_examples=40", "train.max_steps=4", "train.log_every=1", "train.eval_every=0",
+           "data.group_by_length=true", "optim.name=sgd", "optim.lr=0.5", "train.save_adapter=false",
+           f"data.path={ROOT / 'configs' / 'data' / f'{data}.jsonl'}"]
+    rows = {}
+    for free in ("false", "true"):
+        run(tiny_cfg(tmp_path / free, *job, f"data.padding_free={free}"))
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        rows[free] = [r for r in read_jsonl(tmp_path / free / "metrics.jsonl") if "train/loss" in r]
+    for a, b in zip(rows["false"], rows["true"]):
+        assert abs(a["train/loss"] - b["train/loss"]) <= 1e-5 * a["train/loss"]
+        assert a["train/tokens_per_s"] > 0 and b["train/pad_fraction"] == 0.0 < a["train/pad_fraction"]
+        assert 0 < b["train/mfu"] < 1
+    assert len(rows["true"]) == 4

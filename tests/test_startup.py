@@ -1,0 +1,86 @@
+"""Fast start: a run imports DeepSpeed, W&B and matplotlib only when it uses them, and no DeepSpeed op is
+compiled behind the user's back (the shared-memory op is skipped; an offload run that will compile says so)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import ROOT, TINY_DATA
+
+
+def test_tiny_job_imports_no_deepspeed_wandb_or_matplotlib(tmp_path):
+    probe = ("import json, sys\nfrom scale.cli import main\n"
+             f"rc = main(['--config', 'configs/train/tiny_cpu.yaml', 'output_dir={tmp_path}', 'data.path={TINY_DATA}', "
+             "'train.max_steps=2', 'log.trackers=[]'])\n"
+             "print(json.dumps([rc] + [m in sys.modules for m in ('deepspeed', 'wandb', 'matplotlib')]))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [0, False, False, False]
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()  # it saved (unwrap without DeepSpeed)
+
+
+def test_deepspeed_shm_op_is_not_built():
+    import importlib
+
+    from scale.launch import skip_deepspeed_shm_op
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # `import deepspeed.comm.torch as` finds torch
+
+    skip_deepspeed_shm_op()
+    assert ds_torch.build_shm_op() is None  # no compile: training collectives go through gloo
+
+
+def test_offload_notice_only_when_an_op_will_compile(tmp_path, monkeypatch):
+    from scale.launch import deepspeed_op_notice
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    assert deepspeed_op_notice({"zero_optimization": {"stage": 2}}) is None
+    assert deepspeed_op_notice({**offload, "zero_force_ds_cpu_optimizer": False}) is None
+    notice = deepspeed_op_notice(offload)
+    assert notice.startswith("optimizer offload (cpu): DeepSpeed swaps AdamW for DeepSpeedCPUAdam and compiles its "
+                             "cpu_adam op on this first launch") and str(tmp_path / "cpu_adam") in notice
+    (tmp_path / "cpu_adam").mkdir(exist_ok=True)
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
+    assert deepspeed_op_notice(offload) is None  # built once: no notice
+
+
+def test_bf16_qlora_on_cpu_keeps_lora_and_adam_fp32_and_tracks_fp32(tmp_path):
+    """bf16 compute (4-bit dequantized to bf16, autocast) on CPU: the matmuls run in bf16, the LoRA weights and
+    AdamW state stay fp32, and the losses follow the fp32 run within bf16 precision."""
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    from scale.checks import dtype_census
+    from scale.metrics import read_jsonl
+    from scale.train import fit, setup
+    from tests.conftest import tiny_cfg
+
+    job = ["model.quantize_4bit=true", "train.max_steps=4", "train.log_every=1", "train.eval_every=0",
+           "train.save_adapter=false", "model.gradient_checkpointing=false"]
+    losses = {}
+    for name, extra in {"fp32": [], "bf16": ["model.bnb_4bit_compute_dtype=bfloat16",
+                                             "train.mixed_precision=bf16"]}.items():
+        j = setup(tiny_cfg(tmp_path / name, *job, *extra))
+        seen = []
+        lora_a = next(m for n, m in j.model.named_modules() if n.endswith("q_proj.lora_A.default"))
+        handle = lora_a.register_forward_hook(lambda m, i, o, seen=seen: seen.append(o.dtype))
+        fit(j)
+        handle.remove()
+        census = dtype_census(j.model)
+        assert census["float32/trainable"] > 0 and not any(k.endswith("/trainable") and not k.startswith("float32")
+                                                           for k in census), census
+        states = [s for s in j.optimizer.state_dict()["state"].values()]
+        assert states and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.float32 for s in states)
+        assert set(seen) == {torch.bfloat16 if name == "bf16" else torch.float32}
+        losses[name] = [r["train/loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "train/loss" in r]
+        j.acc.end_training()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert len(losses["bf16"]) == 4
+    assert all(abs(a - b) <= 2e-2 * a for a, b in zip(losses["fp32"], losses["bf16"])), losses
