@@ -326,7 +326,8 @@ class Harness:
         from scale.launch import ModePlan
         from scale.metrics import MetricsLog
         from scale.schedule import lr_factor
-        from scale.train import Job, fit
+        from scale.job import Job
+        from scale.train import fit
 
         o, steps = self.cfg.optim, self.cfg.train.max_steps
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -15,7 +15,7 @@ double quantization, LoRA r=16 all-linear, micro-batch 8, the review data):
   names both figures);
 - ``after+padding_free``: the new defaults with padding-free micro-batches (``data.padding_free=true``).
 
-Each run is a fresh process (``--worker``) that builds the job with ``scale.train.setup`` and trains it with
+Each run is a fresh process (``--worker``) that builds the job with ``scale.job.setup`` and trains it with
 ``scale.train.fit`` for ``--steps`` optimizer steps (``train.log_every=1``; the evaluations at step 0 and at
 the end run on one batch: they are excluded from the rates anyway). Runs alternate (before, after, before,
 ...). Throughput is real (unpadded) tokens over the seconds of the steps after the first ``--warmup``, from
@@ -76,7 +76,8 @@ def worker(name: str, steps: int, out: str, profile: int) -> dict:
 
     from scale.config import load_config
     from scale.data import Collator
-    from scale.train import fit, setup
+    from scale.job import setup
+    from scale.train import fit
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_config(DEFAULT, job_overrides(name, steps + (1 if profile else 0), out))

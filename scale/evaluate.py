@@ -17,6 +17,7 @@ ranks) and reduced once, in float64, on the host.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
@@ -24,7 +25,58 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from scale.data import Collator, label_candidates
-from scale.loss import LossSpec, exact_match, forward_tail, sequence_logprob, tail_loss, target_stats
+from scale.loss import LossSpec, forward_tail, tail_loss
+
+
+
+@dataclass
+class TargetStats:
+    """Per-example classification figures at the target position.
+
+    Attributes:
+        logprob: ``[B]`` log-probability (nats) of ``target_token``.
+        correct: ``[B]`` 1.0 where the target is the argmax over the label tokens, else 0.0.
+    """
+
+    logprob: Tensor
+    correct: Tensor
+
+
+@torch.no_grad()
+def target_stats(tail_logits: Tensor, target_token: Tensor, label_token_ids: Tensor | None,
+                 position: int) -> TargetStats:
+    """Log-probability of each row's target token and label-set accuracy (single-token labels).
+
+    Args:
+        tail_logits: ``[B, N, V]`` predictions of the tail tokens.
+        target_token: ``[B]`` token id of each row's label word.
+        label_token_ids: ``[L]`` token ids of the label set; ``None``: no accuracy (``correct`` is 0).
+        position: which tail token is the target, counted from the end (``-1`` = last real token); its
+            prediction is ``tail_logits[:, N + position]``.
+
+    Returns:
+        :class:`TargetStats`.
+    """
+    logits = tail_logits[:, tail_logits.shape[1] + position].float()        # [B, V]
+    logprob = logits.log_softmax(-1).gather(1, target_token[:, None]).squeeze(1)
+    if label_token_ids is None:
+        return TargetStats(logprob=logprob, correct=torch.zeros_like(logprob))
+    pred = label_token_ids[logits[:, label_token_ids].argmax(-1)]
+    return TargetStats(logprob=logprob, correct=(pred == target_token).float())
+
+
+@torch.no_grad()
+def sequence_logprob(tail_logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """``[B]`` sum of the log-probabilities (nats) of the tokens where ``mask [B, N]`` is 1."""
+    token = tail_logits.float().log_softmax(-1).gather(2, targets[:, :, None]).squeeze(2)   # [B, N]
+    return token.masked_fill(mask == 0, 0.0).sum(1)
+
+
+@torch.no_grad()
+def exact_match(tail_logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """``[B]`` 1.0 where every tail token (``mask [B, N]``) is the argmax of its prediction (teacher forced)."""
+    hit = (tail_logits.argmax(-1) == targets) | (mask == 0)
+    return hit.all(1).float()
 
 
 def _per_row_loss(tail_logits: Tensor, targets: Tensor, weights: Tensor, batch: dict[str, Tensor],

@@ -261,56 +261,6 @@ def tail_loss(
     return numerator, count
 
 
-@dataclass
-class TargetStats:
-    """Per-example classification figures at the target position.
-
-    Attributes:
-        logprob: ``[B]`` log-probability (nats) of ``target_token``.
-        correct: ``[B]`` 1.0 where the target is the argmax over the label tokens, else 0.0.
-    """
-
-    logprob: Tensor
-    correct: Tensor
-
-
-@torch.no_grad()
-def target_stats(tail_logits: Tensor, target_token: Tensor, label_token_ids: Tensor | None,
-                 position: int) -> TargetStats:
-    """Log-probability of each row's target token and label-set accuracy (single-token labels).
-
-    Args:
-        tail_logits: ``[B, N, V]`` predictions of the tail tokens.
-        target_token: ``[B]`` token id of each row's label word.
-        label_token_ids: ``[L]`` token ids of the label set; ``None``: no accuracy (``correct`` is 0).
-        position: which tail token is the target, counted from the end (``-1`` = last real token); its
-            prediction is ``tail_logits[:, N + position]``.
-
-    Returns:
-        :class:`TargetStats`.
-    """
-    logits = tail_logits[:, tail_logits.shape[1] + position].float()        # [B, V]
-    logprob = logits.log_softmax(-1).gather(1, target_token[:, None]).squeeze(1)
-    if label_token_ids is None:
-        return TargetStats(logprob=logprob, correct=torch.zeros_like(logprob))
-    pred = label_token_ids[logits[:, label_token_ids].argmax(-1)]
-    return TargetStats(logprob=logprob, correct=(pred == target_token).float())
-
-
-@torch.no_grad()
-def sequence_logprob(tail_logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
-    """``[B]`` sum of the log-probabilities (nats) of the tokens where ``mask [B, N]`` is 1."""
-    token = tail_logits.float().log_softmax(-1).gather(2, targets[:, :, None]).squeeze(2)   # [B, N]
-    return token.masked_fill(mask == 0, 0.0).sum(1)
-
-
-@torch.no_grad()
-def exact_match(tail_logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
-    """``[B]`` 1.0 where every tail token (``mask [B, N]``) is the argmax of its prediction (teacher forced)."""
-    hit = (tail_logits.argmax(-1) == targets) | (mask == 0)
-    return hit.all(1).float()
-
-
 def forward_tail(model: torch.nn.Module, batch: dict[str, Tensor], threshold: int | None = None,
                  padding_side: str = "left", check: bool = True) -> tuple[Tensor, Tensor]:
     """Run a causal LM and return only the tail predictions.

@@ -17,7 +17,8 @@ ALLOWED: dict[str, set[str]] = {
     "fileio": set(),
     "flops": set(),
     "signals": set(),
-    "config": {"fileio"},
+    "schema": set(),
+    "config": {"fileio", "schema"},
     "assets": {"fileio"},
     "schedule": {"config"},
     "formats": {"config"},
@@ -32,12 +33,13 @@ ALLOWED: dict[str, set[str]] = {
     "checks": {"modeling"},
     "checkpoint": {"config", "fileio", "launch", "modeling"},
     "evaluate": {"data", "loss"},
-    "train": {"assets", "checkpoint", "checks", "config", "data", "evaluate", "fileio", "flops", "launch", "loss",
-              "metrics", "modeling", "sampling", "schedule", "signals"},
+    "job": {"assets", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss", "metrics",
+            "modeling", "sampling", "schedule"},
+    "train": {"checkpoint", "checks", "config", "evaluate", "job", "loss", "metrics", "signals"},
     "cli": {"checkpoint", "config", "data", "launch", "signals", "train"},
     "report": {"config", "metrics", "schedule"},
 }
-DISTRIBUTED = {"launch", "metrics", "checks", "checkpoint", "evaluate", "train", "cli"}
+DISTRIBUTED = {"launch", "metrics", "checks", "checkpoint", "evaluate", "job", "train", "cli"}
 
 
 def _imports(name: str) -> set[str]:

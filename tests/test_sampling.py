@@ -90,7 +90,7 @@ def test_same_rows_per_step_in_every_mode_and_after_resume():
 
 def test_accelerate_keeps_the_sampler_and_passes_the_epoch(tmp_path, tokenizer):
     from scale.data import build_splits
-    from scale.train import make_loaders
+    from scale.job import make_loaders
     from tests.conftest import tiny_cfg
 
     cfg = tiny_cfg(tmp_path, "data.group_by_length=true", "data.mega_batch_steps=2")

