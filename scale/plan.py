@@ -155,7 +155,7 @@ def load_model_config(cfg: ModelConfig, override: str | None = None) -> Any:
         if cfg.trust_remote_code and "auto_map" in raw:
             hf = AutoConfig.from_pretrained(str(path.parent), trust_remote_code=True)
         else:
-            raise PlanError(f"model config {str(path)!r}: unknown model type {model_type!r} (transformers knows "
+            raise PlanError(f"model config {str(path)!r} has an unknown model type {model_type!r} (transformers knows "
                             f"e.g. llama, mistral, qwen2, gemma2; remote-code models need their directory and "
                             f"model.trust_remote_code=true)") from e
     aliases = {v: k for k, v in getattr(hf, "attribute_map", {}).items()}  # hidden_size -> n_embd, ...
@@ -219,8 +219,8 @@ def quantized_linear_names(base: torch.nn.Module) -> set[str]:
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     skip = list(get_keys_to_not_convert(base)) + list(getattr(base, "_keep_in_fp32_modules", None) or [])
-    return {name for name, mod in base.named_modules()
-            if type(mod) is torch.nn.Linear and should_convert_module(name, skip)}
+    return {name for name, mod in base.named_modules()  # a LoRA-wrapped layer's weight is in its `base_layer`
+            if type(mod) is torch.nn.Linear and ".lora_" not in name and should_convert_module(name, skip)}
 
 
 def census(cfg: Config, model: torch.nn.Module) -> list[ParamInfo]:
@@ -233,10 +233,7 @@ def census(cfg: Config, model: torch.nn.Module) -> list[ParamInfo]:
     quantized: set[int] = set()
     if cfg.model.quantize_4bit:
         names = quantized_linear_names(base)
-        for name, mod in base.named_modules():
-            inner = getattr(mod, "base_layer", mod)  # peft wraps targeted linears: the weight is the base layer's
-            if name in names or name.removesuffix(".base_layer") in names:
-                quantized.add(id(inner.weight))
+        quantized = {id(mod.weight) for name, mod in base.named_modules() if name in names}
     out, seen = [], set()
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:
@@ -280,14 +277,17 @@ class Activations:
     Attributes:
         decoder: embedding and decoder layers (up to the LM head).
         head: from the LM head on: tail logits and the loss (``[B, N, V]`` fp32 log-softmax and friends).
-        per_layer: largest single decoder layer's share (what checkpointing recomputes at once in backward).
+        per_layer: largest single decoder layer's share.
         layers: decoder layers seen.
+        recompute: under checkpointing, what one layer saves when backward recomputes it (the largest
+            ``per_layer`` of a count without checkpointing); 0 without checkpointing.
     """
 
     decoder: int
     head: int
     per_layer: int
     layers: int
+    recompute: int = 0
 
     @property
     def total(self) -> int:
@@ -419,8 +419,9 @@ class Rank:
         weights: frozen base weights as stored (4-bit: packed weights and quant state).
         trainable: LoRA weights as the model holds them (ZeRO-1/2: the padded flat buffer).
         master: fp32 master copy of the trainable weights (DeepSpeed's optimizer partition).
-        gradients: gradients of the trainable weights held until the optimizer step (DDP: plus its buckets;
-            DeepSpeed: the gradient partition, plus ZeRO-3's persistent reduce bucket).
+        gradients: the most gradient bytes held at once (DDP: gradients plus its bucket copy; ZeRO-1: whole
+            gradients until the end of backward; ZeRO-2/3: the gradient partition, plus ZeRO-3's persistent
+            reduce bucket).
         optimizer: optimizer state (AdamW ``exp_avg`` and ``exp_avg_sq``; its ``step`` counters are host scalars).
         activations: saved for backward, one micro-batch (checkpointing as configured).
         logits: tail logits and loss, one micro-batch.
@@ -535,7 +536,7 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
 
     act = acts[cast is not None]
     r.activations, r.logits = act.decoder, act.head
-    transient = act.per_layer if m.gradient_checkpointing else 0  # the layer recomputed in backward
+    transient = act.recompute  # the layer recomputed in backward (checkpointing)
     if m.quantize_4bit:  # one 4-bit weight dequantized to the compute dtype for its matmul (forward and backward)
         transient += max((p.numel for p in params if p.quantized), default=0) * _nbytes(_DTYPES[m.bnb_4bit_compute_dtype])
 
@@ -555,7 +556,11 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
         part = aligned // w
         r.trainable = aligned * _nbytes(tdtype)
         r.master = part * 4
-        r.gradients = zero12_gradient_elems(trainable, aligned, part, rank) * _nbytes(tdtype)
+        if mode == "zero1":  # gradients are not partitioned: every parameter's gradient lives until the epilogue
+            r.gradients = n * _nbytes(tdtype)
+            r.notes.append("ZeRO-1: whole gradients until the end of backward, then the partition")
+        else:
+            r.gradients = zero12_gradient_elems(trainable, aligned, part, rank) * _nbytes(tdtype)
         r.optimizer = 2 * part * 4 if adam else 0
         if ds["contiguous_gradients"]:
             bucket = ds["reduce_bucket_size"] * _nbytes(tdtype) * (2 if ds["overlap_comm"] else 1)
@@ -687,6 +692,8 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     acts_by_gc = {gc: {False: count_activations(cfg, mdl, params)} for gc, mdl in models.items()}
     for gc, mdl in models.items():  # the DeepSpeed regime: every floating parameter cast
         acts_by_gc[gc][True] = count_activations(cfg, mdl, params, cast) if cast else acts_by_gc[gc][False]
+    for regime in (False, True):
+        acts_by_gc[True][regime].recompute = acts_by_gc[False][regime].per_layer
     acts = acts_by_gc[cfg.model.gradient_checkpointing]
     ranks = [predict_mode(cfg, params, acts, mode, gpus, hf_config, root) for mode in MODES]
     limit = gpu_mem_gib * GIB

@@ -16,7 +16,7 @@ right before that second optimizer step, the bytes of every storage this rank ho
   partitions and ZeRO-3's reduce bucket;
 - ``bucket_in_backward``: DeepSpeed ZeRO-1/2's reduce bucket, seen from inside backward (it is freed at its end).
 
-Any other live tensor found through the garbage collector is listed under ``other`` so that a buffer the
+Set ``PLAN_CENSUS_TIMES=1`` for timings on stderr. Any other live tensor found through the garbage collector is listed under ``other`` so that a buffer the
 accounting does not know about shows up. Rank ``r`` writes ``OUT.json`` with ``.r`` appended.
 """
 
@@ -49,6 +49,13 @@ def _build(cfg, device_map):
 
 
 def main() -> None:
+    import time
+    t0 = time.perf_counter()
+
+    def mark(what: str) -> None:
+        if os.environ.get("PLAN_CENSUS_TIMES"):
+            sys.stderr.write(f"census {what}: {time.perf_counter() - t0:.1f} s\n")
+
     out, args = sys.argv[1], sys.argv[2:]
     config = args[args.index("--config") + 1]
     overrides = [a for i, a in enumerate(args) if a != "--config" and (i == 0 or args[i - 1] != "--config")]
@@ -61,8 +68,10 @@ def main() -> None:
     acc = build_accelerator(cfg)
     plan = plan_for_mode(cfg, acc)
     model = _build(cfg, plan.device_map)
+    mark("built")
     optimizer, _ = make_optimizer(cfg, model)
     model, optimizer = acc.prepare(model, optimizer)
+    mark("prepared")
     inner = model.module if hasattr(model, "module") else model
     B, T = cfg.train.micro_batch_size, cfg.data.max_length
     ids = torch.randint(3, 400, (B, T), generator=torch.Generator().manual_seed(acc.process_index))
@@ -78,9 +87,14 @@ def main() -> None:
                    for b in (bucket.buffer if isinstance(bucket.buffer, list) else [bucket.buffer])
                    if isinstance(b, torch.Tensor))
 
+    def grad_bytes() -> int:
+        storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                    for p in inner.parameters() if p.grad is not None and p.grad.numel()}
+        return sum(storages.values())
+
     def embed_hook(module, args, output):  # its gradient is the last one backward computes
         if output.requires_grad:
-            output.register_hook(lambda g: in_backward.append(bucket_bytes()))
+            output.register_hook(lambda g: in_backward.append((bucket_bytes(), grad_bytes())))
 
     inner.get_input_embeddings().register_forward_hook(embed_hook)
 
@@ -100,9 +114,12 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
 
     forward_backward()
+    mark("backward 1")
     step()
+    mark("step 1")
     in_backward.clear()
     forward_backward()
+    mark("backward 2")  # ZeRO-3's second pass is slow on CPU: DeepSpeed scans its module trace per release
     gc.collect()
 
     kinds: dict[int, tuple[str, int]] = {}   # storage pointer -> (kind, bytes)
@@ -163,7 +180,8 @@ def main() -> None:
         totals[kind] = totals.get(kind, 0) + nbytes
     totals["gradients"] = totals.get("gradients", 0) + extra_gradients
     result = {"rank": acc.process_index, "world": acc.num_processes, "mode": plan.mode, "totals": totals,
-              "step_scalars": steps, "bucket_in_backward": max(in_backward, default=0),
+              "step_scalars": steps, "bucket_in_backward": max((b for b, _ in in_backward), default=0),
+              "grads_in_backward": max((g for _, g in in_backward), default=0),
               "others": sorted(others, reverse=True)[:20]}
     with open(f"{out}.{acc.process_index}", "w", encoding="utf-8") as fh:
         json.dump(result, fh)

@@ -24,6 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "loss": {"config"},
     "modeling": {"config", "assets"},
     "export": {"config", "fileio", "modeling"},
+    "plan": {"config", "loss", "modeling"},  # scale-plan: meta/fake tensors only, never a process group
     # the loop side: may import accelerate / torch.distributed
     "launch": {"config"},
     "metrics": {"config", "fileio", "flops"},
