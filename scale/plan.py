@@ -330,8 +330,8 @@ def _fake_parameters(model: torch.nn.Module, mode: Any, dtype_of: Callable[[torc
             store[name] = t
 
 
-def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInfo], cast: torch.dtype | None = None
-                      ) -> Activations:
+def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInfo], cast: torch.dtype | None = None,
+                      padded: bool = True) -> Activations:
     """Count what autograd saves in one forward of the tail loss at ``micro_batch_size x max_length``.
 
     Args:
@@ -339,6 +339,9 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
         model: from :func:`build_meta_model` (its checkpointing setting is the one counted).
         params: :func:`census` of that model (dtypes as trained).
         cast: every floating parameter held in this dtype (DeepSpeed with bf16/fp16 casts the module), or None.
+        padded: the batch has padding, so attention gets a ``[B, 1, T, T]`` mask (each layer keeps its additive
+            copy) and key/value are repeated to every query head; False: every row fills ``max_length``, the mask
+            is skipped and SDPA attends with grouped key/value heads.
 
     Returns:
         :class:`Activations` in bytes.
@@ -390,7 +393,17 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
             batch = {"input_ids": ids, "attention_mask": torch.ones(B, T, dtype=torch.long)}
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     torch.autocast("cpu", dtype=amp_dtype, enabled=autocast):
-                tail, targets = L.forward_tail(model, batch, N, padding_side="left")
+                if padded:
+                    tail, targets = L.forward_tail(model, batch, N, padding_side="left")
+                else:  # forward_tail's call; transformers drops an all-ones mask, so none is passed. On fake
+                    # tensors it cannot read the positions to rule out packed rows (which would add a mask): full
+                    # rows are not packed, so that check answers "not packed".
+                    from unittest import mock
+
+                    keep = torch.arange(T - N - 1, T - 1)
+                    with mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda *a, **k: None):
+                        tail = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
+                    targets = ids[:, T - N:]
                 L.tail_loss(tail, targets, torch.ones(B, N))
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         raise PlanError(f"cannot count activations of model type {model.config.model_type!r} on fake tensors "
@@ -667,8 +680,11 @@ class Plan:
 
 
 def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1, model_config: str | None = None,
-              root: Path = ROOT) -> Plan:
+              root: Path = ROOT, padded: bool = True) -> Plan:
     """Predict every launch mode's bytes per rank for ``cfg`` on ``gpus`` devices over ``nodes`` nodes.
+
+    ``padded=False`` counts activations for rows that all fill ``data.max_length`` (no attention mask), see
+    :func:`count_activations`; the harness pads each batch to its longest row, so True is the usual case.
 
     Raises:
         PlanError: impossible counts (``gpus < 1``, ``nodes < 1``, ``gpus`` not divisible by ``nodes``,
@@ -689,9 +705,10 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     other = not cfg.model.gradient_checkpointing
     models[other] = build_meta_model(cfg, hf_config, checkpointing=other)
     cast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
-    acts_by_gc = {gc: {False: count_activations(cfg, mdl, params)} for gc, mdl in models.items()}
+    acts_by_gc = {gc: {False: count_activations(cfg, mdl, params, padded=padded)} for gc, mdl in models.items()}
     for gc, mdl in models.items():  # the DeepSpeed regime: every floating parameter cast
-        acts_by_gc[gc][True] = count_activations(cfg, mdl, params, cast) if cast else acts_by_gc[gc][False]
+        acts_by_gc[gc][True] = (count_activations(cfg, mdl, params, cast, padded=padded) if cast
+                                else acts_by_gc[gc][False])
     for regime in (False, True):
         acts_by_gc[True][regime].recompute = acts_by_gc[False][regime].per_layer
     acts = acts_by_gc[cfg.model.gradient_checkpointing]
@@ -711,15 +728,17 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         checkpointing=cfg.model.gradient_checkpointing,
         activations={"checkpointing_off": a_off.decoder, "checkpointing_on": a_on.decoder, "tail_logits": a_on.head},
         logits_full_bytes=a_on.head * T // N, ranks=ranks, fits=fits, recommended=recommended,
-        assumptions=assumptions(cfg, gpus, nodes))
+        assumptions=assumptions(cfg, gpus, nodes, padded))
 
 
-def assumptions(cfg: Config, gpus: int, nodes: int) -> list[str]:
+def assumptions(cfg: Config, gpus: int, nodes: int, padded: bool = True) -> list[str]:
     """What the numbers assume, in words (printed under the table)."""
     m, t = cfg.model, cfg.train
+    rows = ("the longest row fills data.max_length and the others are padded to it (an attention mask)" if padded
+            else "every row fills data.max_length (no padding, no attention mask: --full-rows)")
     return [
-        f"one micro-batch of {t.micro_batch_size} rows x {cfg.data.max_length} tokens (data.max_length: every row "
-        f"padded to the longest), tail loss over loss.threshold={cfg.loss.threshold} positions with logits_to_keep",
+        f"one micro-batch of {t.micro_batch_size} rows x {cfg.data.max_length} tokens: {rows}; tail loss over "
+        f"loss.threshold={cfg.loss.threshold} positions with logits_to_keep",
         f"activations counted on fake tensors dispatched like CPU kernels (SDPA memory-efficient attention); "
         f"gradient accumulation ({t.gradient_accumulation_steps}) adds nothing: one micro-batch is alive at a time",
         f"weights {m.dtype}" + (f", 4-bit {m.bnb_4bit_quant_type} (double quant {m.bnb_4bit_use_double_quant}, "
@@ -787,7 +806,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``scale-plan [--config PATH] [key=value ...] --gpus N [--gpu-mem GiB] [--nodes K] [--json]``; exit code."""
+    """``scale-plan [--config PATH] [key=value ...] --gpus N [--gpu-mem GiB] [--nodes K] [--full-rows] [--json]``."""
     parser = argparse.ArgumentParser(prog="scale-plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="training YAML (default: configs/train/default.yaml)")
@@ -797,12 +816,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
     parser.add_argument("--model-config", default=None,
                         help="a model config.json (or its directory) to plan instead of model.name_or_path")
+    parser.add_argument("--full-rows", action="store_true",
+                        help="every row fills data.max_length (no padding): attention keeps no mask")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_intermixed_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         cfg = load_config(args.config, args.overrides)
-        plan = make_plan(cfg, args.gpus, args.gpu_mem, args.nodes, args.model_config)
+        plan = make_plan(cfg, args.gpus, args.gpu_mem, args.nodes, args.model_config, padded=not args.full_rows)
     except (ConfigError, PlanError, FileNotFoundError) as e:
         sys.stderr.write(f"scale-plan: error: {type(e).__name__}: {e}\n")
         return 2

@@ -104,7 +104,7 @@ def test_predicted_model_states_equal_what_each_rank_holds(shape, mode, tmp_path
 # saved activations against saved-tensor hooks on a real forward
 
 
-def real_saved_bytes(model: torch.nn.Module, cfg) -> int:
+def real_saved_bytes(model: torch.nn.Module, cfg, padded: bool = True) -> int:
     """Bytes autograd saves in one real CPU forward of the tail loss (distinct storages, parameters excluded)."""
     from scale import loss as L
 
@@ -120,7 +120,8 @@ def real_saved_bytes(model: torch.nn.Module, cfg) -> int:
     B, T = cfg.train.micro_batch_size, cfg.data.max_length
     ids = torch.randint(3, 400, (B, T), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
-    mask[0, :5] = 0  # left padding, as the collator pads a batch of unequal rows
+    if padded:
+        mask[0, :5] = 0  # left padding, as the collator pads a batch of unequal rows
     amp = cfg.train.mixed_precision == "bf16"
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
@@ -129,9 +130,10 @@ def real_saved_bytes(model: torch.nn.Module, cfg) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "full-rows"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["checkpointing-off", "checkpointing-on"])
 @pytest.mark.parametrize("shape", ["tiny", "tiny-bf16", "smollm2-135m"])
-def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, checkpointing, tmp_path):
+def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, checkpointing, padded, tmp_path):
     from transformers import LlamaForCausalLM
 
     from scale.modeling import add_lora, build_model
@@ -140,7 +142,7 @@ def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, ch
                  "smollm2-135m": [f"model.name_or_path={smollm2_json(tmp_path)}", "lora.r=16",
                                   "train.micro_batch_size=2", "data.max_length=32"]}[shape]
     cfg, hf, params = planned([*overrides, f"model.gradient_checkpointing={str(checkpointing).lower()}"])
-    predicted = P.count_activations(cfg, P.build_meta_model(cfg, hf), params)
+    predicted = P.count_activations(cfg, P.build_meta_model(cfg, hf), params, padded=padded)
     if shape == "smollm2-135m":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
@@ -148,7 +150,7 @@ def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, ch
         model.train()
     else:
         model = build_model(cfg.model, cfg.lora, P.TINY_VOCAB, cfg.train.seed)
-    real = real_saved_bytes(model, cfg)
+    real = real_saved_bytes(model, cfg, padded)
     assert abs(predicted.total / real - 1) < 0.10, (predicted, real)
     assert predicted.layers == hf.num_hidden_layers and predicted.head > 0
 
