@@ -49,8 +49,8 @@ if __package__ in (None, ""):  # `python benchmarks/gpu.py`: make `benchmarks.co
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Harness, Job, RunResult, fmt_spread, llama_config, machine_line, reset_accelerate
-from scale.plan import make_plan
 from scale.flops import flops_per_token, peak_flops
+from scale.plan import make_plan
 
 NO_CUDA = ("benchmarks/gpu.py needs a CUDA GPU: torch.cuda.is_available() is False (torch {v}). Run it on a GPU "
            "machine with a CUDA build of torch, or pass --dry-run to exercise the same code path on CPU.")

@@ -8,8 +8,9 @@
 It reads the training config (the same YAML and dotted overrides as ``scale-train``) and the model's
 ``config.json`` only: no weights are loaded, so it answers for a 70B model on a laptop and for node counts that
 do not exist here. For every launch mode (single, DDP, ZeRO-1/2/3, ZeRO-3 + CPU offload, FSDP2) it prints the
-bytes one rank holds, by kind, and the total against ``--gpu-mem``; it recommends the cheapest mode (fewest
-bytes moved between ranks per step) that fits.
+bytes one rank holds, by kind, and the total against ``--gpu-mem`` (GiB; a mode fits when it leaves
+:data:`HEADROOM` of it free); it recommends the cheapest mode (fewest bytes moved between ranks per step) that
+fits, a data-parallel one when there are several GPUs.
 
 How each number is obtained:
 
@@ -91,6 +92,9 @@ DS_DEFAULTS = {"reduce_bucket_size": 500_000_000, "contiguous_gradients": True,
 # everything counted.
 OVERHEAD_FIXED_BYTES = 1 * GIB
 OVERHEAD_FRACTION = 0.05
+# A mode "fits" when its total leaves this fraction of the GPU free: the predictions are checked to within 10% on
+# CPU, not on every GPU stack. Between that and 100% the plan says "tight".
+HEADROOM = 0.05
 
 TINY_VOCAB = 49152  # `tiny-llama` borrows SmolLM2's tokenizer: len(tokenizer) == 49,152
 SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -572,7 +576,7 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
         r.gradients = r.trainable * (2 if mode == "ddp" else 1)
         r.optimizer = 2 * r.trainable if adam else 0
         if mode == "ddp":
-            r.notes.append("DDP: gradients + its bucket copy (gradient_as_bucket_view=False, accelerate's default)")
+            r.notes.append("gradients + its bucket copy (gradient_as_bucket_view=False, accelerate's default)")
     elif mode in ("zero1", "zero2"):
         ds = deepspeed_settings(mode, hf_config, root)
         r.weights = sum(sum(_weight_bytes(p, cfg, cast)[:2]) for p in frozen)
@@ -584,7 +588,7 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
         r.master = part * 4
         if mode == "zero1":  # gradients are not partitioned: every parameter's gradient lives until the epilogue
             r.gradients = n * _nbytes(tdtype)
-            r.notes.append("ZeRO-1: whole gradients until the end of backward, then the partition")
+            r.notes.append("whole gradients until the end of backward, then the partition")
         else:
             r.gradients = zero12_gradient_elems(trainable, aligned, part, rank) * _nbytes(tdtype)
         r.optimizer = 2 * part * 4 if adam else 0
@@ -597,9 +601,7 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
         ds = deepspeed_settings(mode, hf_config, root)
         offload_param = ds.get("offload_param", {}).get("device", "none") == "cpu"
         offload_opt = ds.get("offload_optimizer", {}).get("device", "none") == "cpu"
-        persisted = 0
-        device = host = 0
-        full_nonpersistent = 0
+        persisted = host = 0
         for p in params:  # transformers' order, which is DeepSpeed's module walk order
             shardable, unshardable, dtype = _weight_bytes(p, cfg, cast)
             elems = shardable // _nbytes(dtype)
@@ -612,14 +614,12 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
                 device_part = held
             else:
                 held = part
-                full_nonpersistent = max(full_nonpersistent, shardable)
                 device_part = 0 if offload_param else part
             host += held - device_part
             if p.trainable:
                 r.trainable += device_part
             else:
                 r.weights += device_part + unshardable
-            device += device_part
         tpart = sum(_shard_elems(p.numel, w) for p in trainable)
         gdtype = cast or trainable[0].dtype
         master, grads, opt = tpart * 4, tpart * _nbytes(gdtype), (2 * tpart * 4 if adam else 0)
@@ -630,7 +630,7 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
         else:
             r.master, r.gradients, r.optimizer = master, grads + bucket, opt
         r.host = host
-        layer_bytes = max((sum(sum(_weight_bytes(p, cfg, cast)[:1]) for p in params if f".{i}." in p.name)
+        layer_bytes = max((sum(_weight_bytes(p, cfg, cast)[0] for p in params if f".{i}." in p.name)
                            for i in range(act.layers)), default=0)
         gathered = min(ds["stage3_prefetch_bucket_size"] * _nbytes(cast or _DTYPES[m.dtype]) + layer_bytes,
                        sum(_weight_bytes(p, cfg, cast)[0] for p in params))
@@ -642,9 +642,11 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
     elif mode == "fsdp2":
         for p in params:
             shardable, unshardable, dtype = _weight_bytes(p, cfg, None)
-            rows = p.shape[0] if p.shape else 1
-            part = _shard_elems(rows, w) * (p.numel // max(rows, 1)) * _nbytes(dtype) if not p.quantized \
-                else _shard_elems(shardable // _nbytes(dtype), w) * _nbytes(dtype)
+            if p.quantized:  # packed 4-bit storage is one flat column: sharded by elements
+                part = _shard_elems(shardable // _nbytes(dtype), w) * _nbytes(dtype)
+            else:  # dim-0 shards, padded to a multiple of the world size
+                rows = p.shape[0] if p.shape else 1
+                part = _shard_elems(rows, w) * (p.numel // max(rows, 1)) * _nbytes(dtype)
             if p.trainable:
                 r.trainable += part
                 r.gradients += part
@@ -654,7 +656,7 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
         layer_bytes = max((sum(_weight_bytes(p, cfg, None)[0] for p in params if f".{i}." in p.name)
                            for i in range(act.layers)), default=0)
         transient += 2 * layer_bytes  # one decoder layer gathered, the next prefetched
-        r.notes.append("FSDP2: dim-0 shards of every parameter; not checked against a count (GPU only here)")
+        r.notes.append("dim-0 shards of every parameter; not checked against a count (GPU only here)")
     r.transient = transient
     r.overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * r.allocated)
     return r
@@ -730,7 +732,8 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     limit = gpu_mem_gib * GIB
     # One GPU runs only the single-process mode; with several, one process would leave all but one idle, so the
     # single mode is shown for reference and the recommendation is a data-parallel mode.
-    fits = {r.mode: not r.refused and r.total <= limit and (gpus > 1 or r.mode == "single") for r in ranks}
+    fits = {r.mode: not r.refused and r.total <= (1 - HEADROOM) * limit and (gpus > 1 or r.mode == "single")
+            for r in ranks}
     candidates = ("single",) if gpus == 1 else MODES[1:]
     recommended = next((mode for mode in candidates if fits[mode]), None)
     a_off, a_on = acts_by_gc[False][False], acts_by_gc[True][False]
@@ -755,23 +758,24 @@ def assumptions(cfg: Config, gpus: int, nodes: int, padded: bool = True) -> list
     rows = ("the longest row fills data.max_length and the others are padded to it (an attention mask)" if padded
             else "every row fills data.max_length (no padding, no attention mask: --full-rows)")
     return [
-        f"one micro-batch of {t.micro_batch_size} rows x {cfg.data.max_length} tokens: {rows}; tail loss over "
-        f"loss.threshold={cfg.loss.threshold} positions with logits_to_keep",
-        f"activations counted on fake tensors dispatched like CPU kernels (SDPA memory-efficient attention); "
-        f"gradient accumulation ({t.gradient_accumulation_steps}) adds nothing: one micro-batch is alive at a time",
+        (f"one micro-batch of {t.micro_batch_size} rows x {cfg.data.max_length} tokens: {rows}; tail loss over "
+        f"loss.threshold={cfg.loss.threshold} positions with logits_to_keep"),
+        (f"activations counted on fake tensors dispatched like CPU kernels (SDPA memory-efficient attention); "
+        f"gradient accumulation ({t.gradient_accumulation_steps}) adds nothing: one micro-batch is alive at a time"),
         f"weights {m.dtype}" + (f", 4-bit {m.bnb_4bit_quant_type} (double quant {m.bnb_4bit_use_double_quant}, "
                                 f"storage {m.bnb_4bit_quant_storage}, compute {m.bnb_4bit_compute_dtype}), the other "
                                 f"weights fp32 (prepare_model_for_kbit_training)" if m.quantize_4bit else "")
         + f"; LoRA r={cfg.lora.r} on {cfg.lora.target_modules} in fp32 (peft); optimizer {cfg.optim.name}"
         + f"; mixed precision {t.mixed_precision}",
-        f"framework overhead = {OVERHEAD_FIXED_BYTES / GIB:.0f} GiB per process (CUDA context, cuBLAS/NCCL "
-        f"workspaces) + {OVERHEAD_FRACTION:.0%} of the counted bytes (allocator fragmentation): an assumption",
-        "transient = max(loss backward: 3 x [B x N, V] fp32, one recomputed layer under checkpointing) + DeepSpeed "
+        (f"framework overhead = {OVERHEAD_FIXED_BYTES / GIB:.0f} GiB per process (CUDA context, cuBLAS/NCCL "
+        f"workspaces) + {OVERHEAD_FRACTION:.0%} of the counted bytes (allocator fragmentation): an assumption; a mode "
+        f"fits when its total leaves {HEADROOM:.0%} of --gpu-mem free ('tight': within the memory, not the margin)"),
+        ("transient = max(loss backward: 3 x [B x N, V] fp32, one recomputed layer under checkpointing) + DeepSpeed "
         "reduce bucket (ZeRO-1/2) + gathered parameters (ZeRO-3: prefetch bucket + one layer; FSDP2: two layers) + "
-        "one dequantized 4-bit weight: estimates",
-        f"{gpus} GPU(s) on {nodes} node(s): per-rank bytes do not depend on the node count; recommended = the first "
+        "one dequantized 4-bit weight: estimates"),
+        (f"{gpus} GPU(s) on {nodes} node(s): per-rank bytes do not depend on the node count; recommended = the first "
         f"mode that fits in the order {', '.join(MODE_LABELS[m] for m in MODES)} (fewest bytes moved between ranks;"
-        f" with several GPUs the single-process mode is shown for reference, not recommended)",
+        f" with several GPUs the single-process mode is shown for reference, not recommended)"),
     ]
 
 
@@ -793,13 +797,13 @@ def format_plan(plan: Plan) -> str:
     """The plan as a text table (GiB per rank), fits, recommendation and assumptions."""
     a = plan.activations
     head = [
-        f"scale-plan: {plan.model} ({plan.model_type}), {plan.parameters:,} parameters, "
+        (f"scale-plan: {plan.model} ({plan.model_type}), {plan.parameters:,} parameters, "
         f"{plan.trainable_parameters:,} trainable; {plan.gpus} GPU(s) x {plan.gpu_mem_gib:g} GiB on "
         f"{plan.nodes} node(s); micro-batch {plan.micro_batch_size} x {plan.max_length} tokens, checkpointing "
-        f"{'on' if plan.checkpointing else 'off'}",
-        f"saved activations per micro-batch: checkpointing off {_gib(a['checkpointing_off'])} GiB, on "
+        f"{'on' if plan.checkpointing else 'off'}"),
+        (f"saved activations per micro-batch: checkpointing off {_gib(a['checkpointing_off'])} GiB, on "
         f"{_gib(a['checkpointing_on'])} GiB; fp32 log-probabilities the loss keeps: tail [B, N, V] "
-        f"{plan.logits_tail_bytes / 2**20:.2f} MiB vs full [B, T, V] {_gib(plan.logits_full_bytes)} GiB",
+        f"{plan.logits_tail_bytes / 2**20:.2f} MiB vs full [B, T, V] {_gib(plan.logits_full_bytes)} GiB"),
         "",
     ]
     labels = [MODE_LABELS[r.mode] for r in plan.ranks]
@@ -813,8 +817,10 @@ def format_plan(plan: Plan) -> str:
             fit_cells.append("refused")
         elif r.mode != "single" and plan.gpus == 1:
             fit_cells.append("n/a")
+        elif plan.fits[r.mode]:
+            fit_cells.append("yes")
         else:
-            fit_cells.append("yes" if plan.fits[r.mode] else "no")
+            fit_cells.append("tight" if r.total <= plan.gpu_mem_gib * GIB else "no")
     lines.append(f"{f'fits in {plan.gpu_mem_gib:g} GiB':<22}" + "".join(f"{x:>{width}}" for x in fit_cells))
     rec = (f"recommended: {MODE_LABELS[plan.recommended]} (cheapest that fits)" if plan.recommended
            else "recommended: none fits; lower train.micro_batch_size or data.max_length, turn on "

@@ -37,7 +37,8 @@ def _build(cfg, device_map):
         return build_model(cfg.model, cfg.lora, 49152, cfg.train.seed, device_map=device_map)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    raw = json.loads(open(cfg.model.name_or_path, encoding="utf-8").read())
+    with open(cfg.model.name_or_path, encoding="utf-8") as fh:
+        raw = json.load(fh)
     hf = AutoConfig.for_model(raw.pop("model_type"), **raw)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.train.seed)
