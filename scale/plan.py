@@ -43,6 +43,11 @@ How each number is obtained:
 - **Framework overhead** is an assumption (:data:`OVERHEAD_FIXED_BYTES`, :data:`OVERHEAD_FRACTION`), stated in
   the output.
 
+Architectures: any causal LM transformers builds from a config (checked: llama, mistral, qwen2, qwen3, gemma2,
+phi3, olmo2, granite, gpt2). Mixture-of-experts models (mixtral) plan their parameters exactly; their
+activations depend on the routing, which fake tensors cannot know (in fp32 their CPU expert matmul refuses to run
+and the plan stops with a one-line error).
+
 Shapes: ``B`` = ``train.micro_batch_size``, ``T`` = ``data.max_length``, ``N`` = ``loss.threshold``, ``V`` vocab.
 No ``accelerate`` or ``torch.distributed`` import (``tests/test_layering.py``): planning never starts a process
 group.
@@ -165,7 +170,7 @@ def load_model_config(cfg: ModelConfig, override: str | None = None) -> Any:
             raise PlanError(f"model config {str(path)!r} has an unknown model type {model_type!r} (transformers knows "
                             f"e.g. llama, mistral, qwen2, gemma2; remote-code models need their directory and "
                             f"model.trust_remote_code=true)") from e
-    aliases = {v: k for k, v in getattr(hf, "attribute_map", {}).items()}  # hidden_size -> n_embd, ...
+    aliases = getattr(hf, "attribute_map", {})  # hidden_size -> n_embd, ... (GPT-2 style names)
     text = raw.get("text_config", raw)
     missing = [k for k in SIZE_KEYS if k not in text and aliases.get(k) not in text]
     if missing:
@@ -535,10 +540,23 @@ def zero12_gradient_elems(trainable: list[ParamInfo], aligned: int, part: int, r
 
 def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activations], mode: str, world: int,
                  hf_config: Any, root: Path = ROOT, rank: int = 0) -> Rank:
-    """Bytes per rank of ``mode`` on ``world`` processes. ``acts[cast is not None]`` holds the activations of the
-    precision regime (DeepSpeed with bf16/fp16 casts every floating parameter; other modes keep the dtypes).
-    ``rank`` matters only where ranks differ (ZeRO-1/2's gradients at a partition boundary, a few elements);
-    the plan reports rank 0."""
+    """Bytes one rank holds in ``mode`` on ``world`` processes.
+
+    Args:
+        cfg: the training config.
+        params: :func:`census` of the model.
+        acts: activations by precision regime: ``acts[False]`` with the dtypes as trained, ``acts[True]`` with every
+            floating parameter in the mixed-precision dtype (DeepSpeed with bf16/fp16 casts the module).
+        mode: one of :data:`MODES`.
+        world: processes in all (``--gpus``); ``single`` uses one.
+        hf_config: the model's transformers config (for DeepSpeed's ``"auto"`` sizes).
+        root: where ``configs/deepspeed/*.json`` are looked up.
+        rank: matters only where ranks differ (ZeRO-1/2's gradients at a partition boundary, a few elements);
+            the plan reports rank 0.
+
+    Returns:
+        A :class:`Rank` in bytes.
+    """
     r = Rank(mode)
     m = cfg.model
     deepspeed = mode in DEEPSPEED_JSON

@@ -318,6 +318,23 @@ def test_4bit_base_equals_a_real_bitsandbytes_model(extra):
     assert sum(p.quantized for p in params) == 14  # 7 linears x 2 layers; embedding/LM head stay unquantized
 
 
+@pytest.mark.parametrize("content", [
+    {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000},
+    {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 1000},   # sizes under aliases
+])
+def test_other_architectures_are_counted_from_their_config(content, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(content))
+    cfg = load_config(TINY_YAML, ["train.micro_batch_size=2", "data.max_length=32"])
+    plan = P.make_plan(cfg, 2, model_config=str(path))
+    real = AutoModelForCausalLM.from_config(AutoConfig.for_model(**content))
+    assert plan.parameters - plan.trainable_parameters == sum(p.numel() for p in real.parameters())
+    assert plan.activations["checkpointing_on"] < plan.activations["checkpointing_off"]
+
+
 def test_nf4_layout():
     # 576 x 192 weight: 55,296 packed bytes; 1,728 uint8 absmax; 7 fp32 nested absmax; offset; 256 + 16 fp32 codes
     assert P.nf4_bytes(576 * 192) == (55_296, 64 + 1_728 + 7 * 4 + 4 + 1024)
