@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from scale import loss as L
+import scale.loss as scale_loss
 from scale.config import LoraConfig, ModelConfig
 from scale.modeling import add_lora
 
@@ -36,8 +36,8 @@ def saved_bytes(model: torch.nn.Module, batch: dict[str, torch.Tensor], threshol
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        tail, targets = L.forward_tail(model, batch, threshold)
-        num, den = L.tail_loss(tail, targets, torch.ones_like(targets, dtype=torch.float32))
+        tail, targets = scale_loss.forward_tail(model, batch, threshold)
+        num, den = scale_loss.tail_loss(tail, targets, torch.ones_like(targets, dtype=torch.float32))
     loss = num / den
     loss.backward()
     return sum(seen.values()), loss.item()

@@ -65,7 +65,7 @@ def peak_rss() -> int:
 def worker(job: Job, measure_saved: bool) -> dict:
     """Train ``job.steps`` steps in this process; return step times, RSS figures, losses (and saved bytes)."""
     from benchmarks.checkpointing_memory import saved_bytes
-    from scale import loss as L
+    import scale.loss as scale_loss
     from scale.data import Collator
 
     model = build_lora_model(job.shape, job.model_cfg(), job.lora_cfg(), job.seed, "cpu", job.seq)
@@ -78,8 +78,8 @@ def worker(job: Job, measure_saved: bool) -> dict:
     times, losses = [], []
     for _ in range(job.steps):
         t0 = time.perf_counter()
-        tail, targets = L.forward_tail(model, batch, job.threshold)
-        num, den = L.tail_loss(tail, targets, weights)
+        tail, targets = scale_loss.forward_tail(model, batch, job.threshold)
+        num, den = scale_loss.tail_loss(tail, targets, weights)
         loss = num / den
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, job.max_grad_norm)

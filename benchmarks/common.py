@@ -260,7 +260,7 @@ class Harness:
 
     Each :meth:`run` starts a fresh optimizer and scheduler on the *same* prepared model: the model keeps
     training across runs (the timing does not care). Build a new ``Harness`` for a run that starts from the
-    seed's weights (loss comparisons).
+    initial weights (loss comparisons).
     """
 
     def __init__(self, job: Job, device: str | None = None, model: torch.nn.Module | None = None,

@@ -5,4 +5,6 @@
 #   launch/local.sh cpu_ddp --config configs/train/tiny_cpu.yaml # 2 CPU processes (gloo)
 set -euo pipefail
 cfg="$1"; shift
-exec accelerate launch --config_file "configs/accelerate/${cfg}.yaml" -m scale.train "$@"
+# --accelerate-config reads the shipped configs/accelerate/<name>.yaml from any directory and exits with the job's
+# code (2 bad input, 75 pre-empted) rather than the launcher's 1.
+exec scale-train --accelerate-config "${cfg}" "$@"

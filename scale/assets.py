@@ -16,6 +16,7 @@ interrupted preparation never leaves a half-written asset that looks complete.
 from __future__ import annotations
 
 import bz2
+import contextlib
 import csv
 import io
 import json
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from scale.fileio import replace_dir, sha256_file, write_text_atomic
@@ -135,14 +137,47 @@ def prepare_smollm2() -> Path:
     return out
 
 
+@contextlib.contextmanager
+def isolated_rng() -> Iterator[None]:
+    """Random draws inside leave the global Python, NumPy and torch (CPU) generators as they were.
+
+    Preparing an asset draws only when the cache is cold (``prepare_smollm2`` builds a randomly initialised
+    ``LlamaForCausalLM`` before loading the weights): without this, a first run's dropout masks came out
+    different from every later run's with the same seed (issue 11: step-10 train/loss 3.5939979553 cold,
+    3.5942607969 warm).
+    """
+    import random
+
+    import torch
+
+    py_state = random.getstate()
+    np_random = sys.modules.get("numpy.random")  # only if something already imported NumPy
+    np_state = np_random.get_state() if np_random is not None else None
+    try:
+        with torch.random.fork_rng(devices=[]):  # the preparation runs on the CPU
+            yield
+    finally:
+        random.setstate(py_state)
+        if np_state is not None:
+            np_random.set_state(np_state)
+
+
 def resolve_model(name_or_path: str) -> str:
-    """Map an embedded model name to its prepared local directory; pass anything else through."""
-    return str(prepare_smollm2()) if name_or_path == "smollm2-135m" else name_or_path
+    """Map an embedded model name to its prepared local directory; pass anything else through. Preparing it
+    does not move the global random generators (:func:`isolated_rng`)."""
+    if name_or_path != "smollm2-135m":
+        return name_or_path
+    with isolated_rng():
+        return str(prepare_smollm2())
 
 
 def resolve_data(path: str) -> str:
-    """Map an embedded dataset name to its prepared local file; pass anything else through."""
-    return str(prepare_rotten_tomatoes()) if path == "rotten-tomatoes" else path
+    """Map an embedded dataset name to its prepared local file; pass anything else through (without drawing
+    from the global random generators, :func:`isolated_rng`)."""
+    if path != "rotten-tomatoes":
+        return path
+    with isolated_rng():
+        return str(prepare_rotten_tomatoes())
 
 
 if __name__ == "__main__":  # python -m scale.assets: prepare both embedded assets

@@ -35,7 +35,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import gather_object
 from safetensors.torch import load_file, save_file
 
-from scale.config import Config, ConfigError, to_dict
+from scale.config import Config, ConfigError, redact_field, to_dict
 from scale.fileio import replace_dir, temp_dir_for
 from scale.launch import ModePlan
 from scale.modeling import restore_inference_config
@@ -50,7 +50,7 @@ _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 HARMLESS = ("output_dir", "log.", "train.log_every", "train.eval_every", "train.eval_micro_batch_size",
             "train.save_every", "train.save_total_limit", "train.save_on_each_node",
             "train.check_invariants", "train.save_adapter", "train.collective_timeout_s", "data.num_workers",
-            "train.on_nonfinite")
+            "train.on_nonfinite", "train.save_every_minutes", "train.overwrite_output_dir")
 
 
 class CheckpointError(RuntimeError):
@@ -80,6 +80,29 @@ class TrainerState:
         """Set why the next checkpoint is written (``interval``, ``end`` or ``preempted``); return ``self``."""
         self.reason = reason
         return self
+
+
+class SaveTimer:
+    """The wall-clock checkpoint interval (``train.save_every_minutes``): due once that many minutes passed since
+    the last checkpoint (or the start). Each rank reads its own clock; the loop's per-window all-gather makes
+    every rank save when any is due (:func:`scale.train.windows`), so no collective is added.
+
+    Args:
+        minutes: the interval; ``None`` is never due.
+    """
+
+    def __init__(self, minutes: float | None) -> None:
+        self.seconds = None if minutes is None else 60.0 * minutes
+        self.reset()
+
+    def reset(self) -> None:
+        """Start the interval again (after a checkpoint)."""
+        self.start = time.monotonic()
+
+    @property
+    def due(self) -> bool:
+        """Whether the interval has passed on this rank."""
+        return self.seconds is not None and time.monotonic() - self.start >= self.seconds
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -129,6 +152,9 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def compare_configs(saved: dict[str, Any], current: dict[str, Any]) -> tuple[list[str], list[str]]:
     """``(errors, warnings)``: keys whose values differ between the checkpoint's config and this run's.
 
+    ``current`` is this run's unredacted config (``to_dict(cfg, redacted=False)``); ``saved`` was redacted when
+    written, so a secret matches when this run's value redacts to the saved text.
+
     Differences in :data:`HARMLESS` keys are warnings; any other difference changes the maths (model,
     LoRA, data, loss, optimizer, batch sizes, seed, precision) and is an error. ``train.max_steps`` is an
     error unless ``optim.schedule`` is constant (the schedule's curve depends on it).
@@ -136,7 +162,9 @@ def compare_configs(saved: dict[str, Any], current: dict[str, Any]) -> tuple[lis
     a, b = _flat(saved), _flat(current)
     errors, warnings = [], []
     for key in sorted(set(a) | set(b)):
-        if key != "train.resume_from" and a.get(key) != b.get(key):
+        # The checkpoint holds the redacted config; a secret there equals this run's value redacted.
+        same = a.get(key) == b.get(key) or a.get(key) == redact_field(key, b.get(key))
+        if key != "train.resume_from" and not same:
             line = f"{key}: checkpoint {a.get(key)!r} -> now {b.get(key)!r}"
             harmless = key.startswith(HARMLESS)
             if key == "train.max_steps":
@@ -210,6 +238,71 @@ def save_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, state: Traine
     return final
 
 
+RUN_ARTEFACTS = ("adapter", "metrics.jsonl", "config.yaml")  # what a run writes besides checkpoints/
+_REPLACE = "use another output_dir, or set train.overwrite_output_dir=true to replace it"
+
+
+def _last_logged_step(path: Path) -> int:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        return max((json.loads(line).get("step", 0) for line in lines if line.strip()), default=0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
+def check_fresh_start(cfg: Config) -> None:
+    """Refuse a fresh start into an ``output_dir`` that holds another run, unless ``train.overwrite_output_dir``.
+
+    A fresh run (``resume_from`` null) refuses complete ``checkpoints/``, ``adapter/`` or ``metrics.jsonl``
+    (every run writes it at start-up; a lone ``config.yaml`` is not a run). ``resume_from=latest`` without a
+    checkpoint refuses a *finished* run (``adapter/``, or ``metrics.jsonl`` logged up to ``train.max_steps``)
+    and restarts an attempt that died before its first checkpoint (a requeued job), with a warning.
+
+    Raises:
+        CheckpointError: the directory holds a run that a fresh start would replace.
+    """
+    out = Path(cfg.output_dir)
+    if cfg.train.overwrite_output_dir:
+        return
+    existing = list_checkpoints(out)
+    if existing:  # resume_from=latest would have found them
+        raise CheckpointError(f"output_dir={cfg.output_dir} already holds checkpoints of a run (newest "
+                              f"{existing[-1].name}); a fresh run there would mix its checkpoints and metrics "
+                              f"with them. Resume it with train.resume_from=latest, {_REPLACE}.")
+    found = [name + ("/" if (out / name).is_dir() else "") for name in RUN_ARTEFACTS if (out / name).exists()]
+    if not (out / "adapter").exists() and not (out / "metrics.jsonl").exists():
+        return  # every run writes metrics.jsonl at start-up: a lone config.yaml is not a run
+    if cfg.train.resume_from != "latest":
+        raise CheckpointError(f"output_dir={cfg.output_dir} already holds another run ({', '.join(found)}); a "
+                              f"fresh run would replace it: {_REPLACE}.")
+    if (out / "adapter").exists() or _last_logged_step(out / "metrics.jsonl") >= cfg.train.max_steps:
+        raise CheckpointError(f"train.resume_from=latest: output_dir={cfg.output_dir} holds a finished run "
+                              f"({', '.join(found)}) and no checkpoint to resume from; a fresh start would replace "
+                              f"it: {_REPLACE}.")
+    logger.warning("resume_from=latest: %s holds an earlier attempt (%s) that left no checkpoint; starting "
+                   "again from step 0", out, ", ".join(found), main_process_only=True)
+
+
+def clear_previous_run(acc: Accelerator, cfg: Config, resume: Path | None) -> None:
+    """``train.overwrite_output_dir=true`` on a fresh start: delete the previous run's artefacts (checkpoints/,
+    adapter/, metrics.jsonl, config.yaml; nothing else) before this run writes its own. Collective."""
+    out = Path(cfg.output_dir)
+    if resume is not None or not cfg.train.overwrite_output_dir:
+        return
+    if _is_writer(acc):
+        shutil.rmtree(checkpoint_root(out), ignore_errors=True)
+    if acc.is_main_process:
+        found = [name for name in RUN_ARTEFACTS if (out / name).exists()]
+        for name in found:
+            if (out / name).is_dir():
+                shutil.rmtree(out / name)
+            else:
+                (out / name).unlink()
+        if found:
+            logger.warning("train.overwrite_output_dir=true: deleted the previous run's %s in %s", found, out)
+    acc.wait_for_everyone()  # collective: nobody writes before the old files are gone
+
+
 def _needed_files(acc: Accelerator, plan: ModePlan, path: Path) -> list[Path]:
     files = [path / STATE_FILE, path / f"random_states_{acc.process_index}.pkl"]
     if plan.deepspeed:
@@ -241,11 +334,7 @@ def check_resume(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path | Non
         raise CheckpointError(f"the ranks do not agree on the checkpoint to resume from ({listing}). Put "
                               f"output_dir on shared storage or set train.save_on_each_node=true.")
     if path is None:
-        existing = list_checkpoints(cfg.output_dir)
-        if existing:
-            raise CheckpointError(f"output_dir={cfg.output_dir} already holds checkpoints of a run (newest "
-                                  f"{existing[-1].name}); a fresh run there would mix its checkpoints and metrics "
-                                  f"with them. Resume it with train.resume_from=latest, or use another output_dir.")
+        check_fresh_start(cfg)
         return None
     bad = [r for r in report if r[3]]
     if bad:
@@ -254,7 +343,7 @@ def check_resume(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path | Non
                               f"Without shared storage set train.save_on_each_node=true (then each node "
                               f"writes its own copy) or copy the checkpoint to every node before resuming.")
     state = TrainerState(**json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
-    errors, warnings = compare_configs(state.config, to_dict(cfg))
+    errors, warnings = compare_configs(state.config, to_dict(cfg, redacted=False))
     if errors:
         raise ConfigError(f"the config differs from checkpoint {path} in keys that change the maths: "
                           + "; ".join(errors) + ". Resume with the checkpoint's config (" + str(path / STATE_FILE)

@@ -1,20 +1,41 @@
 """``scale-train``: parse the command line, train, and turn the outcome into an exit code.
 
-    scale-train [--config PATH] [section.key=value ...]
-    accelerate launch --config_file configs/accelerate/cpu_ddp.yaml -m scale.train --config configs/train/tiny_cpu.yaml
+    scale-train [--config NAME|PATH] [section.key=value ...]
+    scale-train --accelerate-config cpu_zero2 --config tiny_cpu          # 2 processes through accelerate launch
+    accelerate launch --config_file configs/accelerate/cpu_ddp.yaml -m scale.train --config tiny_cpu
+
+``--config`` and ``--accelerate-config`` take a file or the name of a config shipped with the package
+(``scale/configs/{train,accelerate}/NAME.yaml``), so both run from any directory.
 
 Exit codes: 0 trained; 2 (:data:`EXIT_BAD_INPUT`) the config, data, launch or checkpoint was rejected before
 training, with one line on stderr naming the fix; 75 (:data:`scale.signals.EXIT_PREEMPTED`) a signal arrived
 and a checkpoint was written; 1 anything else (a non-finite loss, a crash).
+
+Under a launcher the message is reported once, by global rank 0 (every rank runs the same checks; a failure of one
+rank alone is reported by that rank): ``torchrun``/``accelerate launch`` get it in their error file and show it as
+the root cause in the summary they print last; other launchers get it on stderr. The exit code by launcher:
+
+- ``scale-train --accelerate-config``: the job's code (2, 75, 1), and the message is the last line.
+- ``deepspeed``: passes a rank's code through (2, 75); its own log lines may follow the message.
+- ``accelerate launch`` and ``torchrun``: always 1 when a rank fails (torch elastic's ``ChildFailedError``);
+  the message is the ``traceback :`` line of their summary block, followed only by its border.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import json
 import logging
 import os
+import signal
+import subprocess
 import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
 
 import torch
 
@@ -31,43 +52,179 @@ BAD_INPUT = (ConfigError, DataError, LaunchError, CheckpointError)
 logger = logging.getLogger("scale.train")
 
 
-def _error(e: BaseException) -> None:
-    sys.stderr.write(f"scale-train: error: {type(e).__name__}: {e}\n")
+OUTCOME_DIR = "SCALE_OUTCOME_DIR"  # set by --accelerate-config: ranks leave their exit code and message there
+
+
+def _error(e: BaseException, code: int = EXIT_BAD_INPUT, echo: bool = True) -> None:
+    """Report a failure once: rank 0 prints it (a rank-local failure prints on its own rank); every rank also
+    leaves it for the launcher (torch elastic's error file) and for ``--accelerate-config`` (the exit code).
+    ``echo=False``: already logged (pre-emption), only left for the launcher."""
+    rank = int(os.environ.get("RANK", "0"))
+    kind = "pre-empted" if code == EXIT_PREEMPTED else "error"
+    line = f"scale-train: {kind}: {type(e).__name__}: {e}" + (f" (rank {rank})" if rank else "")
+    mine = rank == 0 or getattr(e, "rank_local", False)  # the other ranks raised the same error as rank 0
+    outcome = os.environ.get(OUTCOME_DIR)
+    if outcome:
+        with contextlib.suppress(OSError):
+            Path(outcome, f"rank_{rank}.json").write_text(json.dumps({"code": code, "line": line, "rank": rank}))
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun and accelerate launch
+    if error_file:  # shown as each rank's "traceback" in the summary the launcher prints last
+        # torch elastic names the failure with the earliest timestamp the root cause: rank 0's message, once.
+        text = line if mine else f"scale-train: error: the same as rank 0's (rank {rank})"
+        data = {"message": {"message": text, "extraInfo": {"py_callstack": text,
+                                                           "timestamp": str(int(time.time()) + (not mine))}}}
+        with contextlib.suppress(OSError):
+            Path(error_file).write_text(json.dumps(data))
+    if echo and mine and not outcome and not error_file:
+        sys.stderr.write(line + "\n")
+    if not mine and (error_file or outcome):
+        time.sleep(1.0)  # let rank 0 exit first with its code: the launcher then stops the others
+
+
+THIRD_PARTY = ("transformers", "peft", "accelerate", "datasets", "bitsandbytes", "torch", "DeepSpeed", "wandb")
+
+
+class _ErrorsOnly(logging.Filter):
+    """Drop records below ERROR from the named loggers and their children (a logger's own filters do not see
+    records propagated from its children, so this sits on the handlers too)."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.names = names
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        quiet = any(record.name == n or record.name.startswith(n + ".") for n in self.names)
+        return not quiet or record.levelno >= logging.ERROR
+
+
+def configure_logging(env: dict[str, str], uses_deepspeed: bool = False) -> None:
+    """Our log lines on stderr; third-party warnings once per run, on the main rank.
+
+    - Every rank of a launch imports the same libraries and prints the same warnings (a bitsandbytes kernel
+      notice, a transformers deprecation): ranks other than 0 keep only third-party errors.
+    - DeepSpeed's logger talks in runs that do not use DeepSpeed (transformers and peft import it to probe
+      for ZeRO-3, and it announces "Setting accelerator to CPU"): it keeps only errors unless the run uses
+      DeepSpeed. A filter, not a level: DeepSpeed resets its logger's level when it is imported.
+    - peft calls transformers' deprecated ``is_gradient_checkpointing`` on every model it wraps (transformers 5.x
+      FutureWarning, not ours to fix): ignored.
+    """
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+    uses_deepspeed = uses_deepspeed or env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    main_rank = env.get("RANK", "0") == "0"
+    quiet = tuple(n for n in THIRD_PARTY if not main_rank or (n == "DeepSpeed" and not uses_deepspeed))
+    if quiet:
+        errors_only = _ErrorsOnly(quiet)
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(errors_only)
+        logging.getLogger("DeepSpeed").addFilter(errors_only)  # it does not propagate: it has its own handler
+    if not main_rank:
+        warnings.filterwarnings("ignore")  # python warnings come from libraries; rank 0 shows them
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``--config PATH`` and the dotted overrides, which may come before and after it."""
+    parser = argparse.ArgumentParser(prog="scale-train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=None, help="training YAML, or a shipped config's name such as tiny_cpu "
+                                                       "(default: default)")
+    parser.add_argument("--accelerate-config", default=None, metavar="NAME|PATH",
+                        help="start the job through `accelerate launch` with this accelerate config (a shipped name "
+                             "such as cpu_zero2, ddp, zero3, or a YAML; its DeepSpeed JSON is read relative to it); "
+                             "the exit code is the job's")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=50")
+    # The `deepspeed` launcher appends --local_rank=N; the rank is read from LOCAL_RANK in the environment.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_intermixed_args(argv)  # overrides may come before and after --config
 
 
 def main(argv: list[str] | None = None) -> int:
     """``scale-train [--config PATH] [section.key=value ...]``: parse, train; return the exit code."""
-    parser = argparse.ArgumentParser(prog="scale-train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="training YAML (default: configs/train/default.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=50")
-    # The `deepspeed` launcher appends --local_rank=N; the rank is read from LOCAL_RANK in the environment.
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_intermixed_args(argv)  # overrides may come before and after --config
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.accelerate_config is not None:
+        try:
+            return launch_with_accelerate(args.accelerate_config, _without_accelerate_config(argv))
+        except ConfigError as e:
+            _error(e)
+            return EXIT_BAD_INPUT
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
         _error(e)
         return EXIT_BAD_INPUT
+    configure_logging(dict(os.environ), uses_deepspeed=cfg.train.deepspeed_config is not None)
     preemption = Preemption()
     preemption.install()
     try:
         run(cfg, preemption)
     except Preempted as e:
         logger.warning("%s; exit code %d", e, EXIT_PREEMPTED)
+        _error(e, EXIT_PREEMPTED, echo=False)
         return EXIT_PREEMPTED
     except BAD_INPUT as e:  # bad input: the message is the help
         _error(e)
         return EXIT_BAD_INPUT
     except NonFiniteError as e:
-        _error(e)
+        _error(e, 1)
         return 1
     finally:
         preemption.uninstall()
     return 0
+
+
+def _without_accelerate_config(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--accelerate-config":
+            skip = True
+        elif not arg.startswith("--accelerate-config="):
+            out.append(arg)
+    return out
+
+
+def launch_with_accelerate(name_or_path: str, job_args: list[str]) -> int:
+    """Run ``scale-train job_args`` under ``accelerate launch`` with a (shipped or own) accelerate config.
+
+    The config's relative ``deepspeed_config_file`` is read relative to the YAML and passed on as an absolute
+    ``--deepspeed_config_file``, so the launch works from any directory. SIGTERM/SIGINT are forwarded to the
+    launcher (which forwards them to the ranks: pre-emption works as without the wrapper). When a rank
+    reported an outcome (:func:`_error`), its message is printed last and its exit code is returned, whatever
+    the launcher's own code (torch elastic turns every failure into 1).
+
+    Returns:
+        The job's exit code.
+
+    Raises:
+        ConfigError: the accelerate config is neither a file nor a shipped name.
+    """
+    from scale.config import named_config, yaml_load
+
+    yaml_path = named_config(name_or_path, kind="accelerate").resolve()
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_path)]
+    tree = yaml_load(yaml_path.read_text(encoding="utf-8")) or {}
+    ds = (tree.get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if isinstance(ds, str) and ds != "none" and not Path(ds).is_absolute() and (yaml_path.parent / ds).is_file():
+        cmd += ["--deepspeed_config_file", str((yaml_path.parent / ds).resolve())]
+    with tempfile.TemporaryDirectory(prefix="scale-outcome-") as outcome:
+        proc = subprocess.Popen([*cmd, "-m", "scale.train", *job_args], env={**os.environ, OUTCOME_DIR: outcome})
+        forward = {s: signal.signal(s, lambda signum, frame: proc.send_signal(signum))
+                   for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            code = proc.wait()
+        finally:
+            for s, handler in forward.items():
+                signal.signal(s, handler)
+        reports = sorted((json.loads(p.read_text()) for p in Path(outcome).glob("rank_*.json")),
+                         key=lambda r: r["rank"])
+    if code != 0 and reports:
+        sys.stderr.write(reports[0]["line"] + "\n")
+        return int(reports[0]["code"])
+    return code
 
 
 def cli() -> None:

@@ -11,6 +11,7 @@ No torch, no accelerate: this module is imported by every other one.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -23,7 +24,41 @@ import yaml
 
 from scale.fileio import write_text_atomic
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "train" / "default.yaml"
+
+
+def configs_dir() -> Path:
+    """The shipped configs: ``scale/configs/`` in an installed wheel (``pyproject.toml`` maps the repository's
+    top-level ``configs/`` there), the repository's ``configs/`` in a checkout or an editable install."""
+    here = Path(__file__).resolve().parent
+    return next((d for d in (here / "configs", here.parent / "configs") if (d / "train").is_dir()),
+                here.parent / "configs")
+
+
+DEFAULT_CONFIG = configs_dir() / "train" / "default.yaml"
+# Keys naming input files: a relative path in a config file is read relative to that file (when it exists there).
+FILE_KEYS = ("data.path", "model.name_or_path", "model.tokenizer", "train.deepspeed_config")
+
+
+def named_config(name_or_path: str | Path, kind: str = "train", suffix: str = ".yaml") -> Path:
+    """A config file path, or the name of a shipped one: ``tiny_cpu`` -> ``<configs>/train/tiny_cpu.yaml``.
+
+    Args:
+        name_or_path: an existing file, or a name under ``configs_dir() / kind``.
+        kind: ``train``, ``accelerate`` or ``deepspeed``.
+        suffix: ``.yaml`` or ``.json``.
+
+    Raises:
+        ConfigError: neither a file nor a shipped name (the message lists the names).
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    shipped = configs_dir() / kind / f"{path.name.removesuffix(suffix)}{suffix}"
+    if len(path.parts) == 1 and shipped.is_file():
+        return shipped
+    names = sorted(p.stem for p in (configs_dir() / kind).glob(f"*{suffix}"))
+    raise ConfigError(f"{name_or_path} is neither a file (a relative path is read from the current directory, "
+                      f"{os.getcwd()}) nor a shipped {kind} config: {names}")
 
 
 class ConfigError(ValueError):
@@ -89,7 +124,8 @@ class DataConfig:
                                                               "token is appended.")
     max_length: int = _f(128, "Maximum sequence length (tokens); longer rows lose tokens from the prompt start.")
     max_text_chars: int | None = _f(None, "Drop rows whose text is longer than this (characters); null keeps all.")
-    eval_size: int = _f(400, "Held-out examples for evaluation (rows), split off deterministically by `train.seed`.")
+    eval_size: int = _f(400, "Held-out examples for evaluation (rows, >= 1), split off deterministically by "
+                             "`train.seed`.")
     max_train_examples: int | None = _f(None, "Use at most this many training rows (null: all).")
     padding_side: str = _f("left", "Pad side of a batch: left | right. The loss is the same either way.")
     num_workers: int = _f(0, "DataLoader worker processes.")
@@ -121,7 +157,8 @@ class OptimConfig:
     warmup_steps: int = _f(10, "Linear warmup length (optimizer steps).")
     schedule: str = _f("cosine", "Decay after warmup: cosine | linear | constant.")
     min_lr_ratio: float = _f(0.1, "Final LR as a fraction of `lr` at `train.max_steps`.")
-    max_grad_norm: float | None = _f(1.0, "Clip the global gradient L2 norm to this; null disables clipping.")
+    max_grad_norm: float | None = _f(1.0, "Clip the global gradient L2 norm to this (> 0); null disables clipping "
+                                          "(the same in every launch mode).")
 
 
 @dataclass
@@ -141,13 +178,20 @@ class TrainConfig:
     check_invariants: bool = _f(False, "After training, check base weights bit-identical, LoRA weights equal on "
                                        "every rank, every lora_B non-zero; written to metrics.jsonl as check/*.")
     save_adapter: bool = _f(True, "Write the final PEFT adapter to `<output_dir>/adapter/`.")
-    save_every: int = _f(0, "Write a resumable checkpoint (`save_state`) to `<output_dir>/checkpoints/step_XXXXXX/` "
-                            "every this many optimizer steps and at the end; 0: only when pre-empted (SIGTERM).")
+    save_every: int = _f(500, "Write a resumable checkpoint (`save_state`) to `<output_dir>/checkpoints/step_XXXXXX/` "
+                              "every this many optimizer steps (or `save_every_minutes`, whichever comes first) "
+                              "and at the end; 0: no step interval. Also written when pre-empted (SIGTERM).")
+    save_every_minutes: float | None = _f(30.0, "Also write a checkpoint when this many minutes passed since the last "
+                                                "one (or the start); null: no time interval. With save_every=0 as "
+                                                "well, a checkpoint is written only when pre-empted.")
     save_total_limit: int | None = _f(2, "Keep this many newest complete checkpoints; null keeps all.")
     save_on_each_node: bool = _f(False, "Every node writes the checkpoint files it needs (nodes without shared "
                                         "storage); false: shared storage, written once.")
     resume_from: str | None = _f(None, "Resume: 'latest' (newest complete checkpoint in `<output_dir>/checkpoints`, "
                                        "or a fresh start if there is none) or a checkpoint directory.")
+    overwrite_output_dir: bool = _f(False, "Start a fresh run in an `output_dir` that holds another run's "
+                                           "artefacts (adapter/, metrics.jsonl, config.yaml, checkpoints/), deleting "
+                                           "them first; false refuses to start there.")
     on_nonfinite: str = _f("error", "A non-finite loss or gradient norm: 'error' stops naming the step and batch "
                                     "(no checkpoint is written after it); 'skip' drops that optimizer step.")
     collective_timeout_s: float = _f(1800.0, "Seconds a rank waits in a collective before the job fails (a lost "
@@ -210,6 +254,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("train.eval_every must be >= 0 (0 evaluates only at step 0 and the end)")
     if cfg.train.save_every < 0:
         raise ConfigError("train.save_every must be >= 0 (0 writes a checkpoint only when pre-empted)")
+    if cfg.train.save_every_minutes is not None and not cfg.train.save_every_minutes > 0:
+        raise ConfigError(f"train.save_every_minutes={cfg.train.save_every_minutes} must be > 0, or null for no time "
+                          f"interval")
     if cfg.train.save_total_limit is not None and cfg.train.save_total_limit < 1:
         raise ConfigError(f"train.save_total_limit={cfg.train.save_total_limit} must be >= 1, or null to keep all")
     if cfg.train.collective_timeout_s <= 0:
@@ -222,10 +269,45 @@ def _validate(cfg: Config) -> None:
             f"-{cfg.loss.threshold} and -1 (loss.threshold={cfg.loss.threshold}); raise loss.threshold or move it")
     if len(set(cfg.data.labels)) < 2:
         raise ConfigError(f"data.labels={cfg.data.labels} needs at least two distinct labels")
-    if cfg.loss.type_weights is not None and any(w < 0 for w in cfg.loss.type_weights):
-        raise ConfigError(f"loss.type_weights={cfg.loss.type_weights} must be non-negative")
+    if cfg.loss.type_weights is not None and not all(0 <= w < math.inf for w in cfg.loss.type_weights):
+        raise ConfigError(f"loss.type_weights={cfg.loss.type_weights} must be finite and non-negative")
+    if cfg.loss.type_weights is not None and cfg.data.type_column is None \
+            and len(cfg.loss.type_weights) < len(cfg.data.labels):
+        raise ConfigError(f"loss.type_weights={cfg.loss.type_weights} has {len(cfg.loss.type_weights)} weight(s) but "
+                          f"data.labels has {len(cfg.data.labels)} labels, whose indices are the type ids (data."
+                          f"type_column is null); give one weight per label")
     if cfg.loss.criterion is not None and ":" not in cfg.loss.criterion:
         raise ConfigError(f"loss.criterion={cfg.loss.criterion!r} must look like 'package.module:function'")
+    if cfg.loss.criterion is not None and cfg.loss.type_weights is not None:
+        raise ConfigError("loss.criterion and loss.type_weights cannot be combined: a user criterion gets weight 1 "
+                          "for every tail token, so the weights would be ignored. Drop loss.type_weights, or weigh "
+                          "inside the criterion (loss.criterion_mode=input passes it the type ids)")
+    if cfg.data.eval_size < 1:
+        raise ConfigError(f"data.eval_size={cfg.data.eval_size} must be >= 1: the run reports held-out figures "
+                          f"(eval/loss, eval/accuracy) at step 0 and at the end; use a small value such as 32 to "
+                          f"keep most rows for training")
+    for key in ("data.max_train_examples", "data.max_text_chars"):
+        if get_key(cfg, key) is not None and get_key(cfg, key) < 1:
+            raise ConfigError(f"{key}={get_key(cfg, key)} must be >= 1, or null for no limit")
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers={cfg.data.num_workers} must be >= 0")
+    o = cfg.optim
+    if o.max_grad_norm is not None and not o.max_grad_norm > 0:
+        raise ConfigError(f"optim.max_grad_norm={o.max_grad_norm} must be > 0, or null to turn clipping off (0 "
+                          f"would freeze the weights under DDP but mean 'off' under DeepSpeed)")
+    for key, ok, rule in (("optim.lr", 0 < o.lr < math.inf, "must be > 0 and finite"),
+                          ("optim.eps", 0 < o.eps < math.inf, "must be > 0 and finite"),
+                          ("optim.weight_decay", 0 <= o.weight_decay < math.inf, "must be >= 0 and finite"),
+                          ("optim.min_lr_ratio", 0 <= o.min_lr_ratio <= 1, "must lie in [0, 1]"),
+                          ("optim.warmup_steps", o.warmup_steps >= 0, "must be >= 0"),
+                          ("optim.betas", len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+                           "must be two numbers in [0, 1)"),
+                          ("lora.dropout", 0 <= cfg.lora.dropout < 1, "must lie in [0, 1)"),
+                          ("lora.alpha", 0 < cfg.lora.alpha < math.inf, "must be > 0 and finite")):
+        if not ok:
+            raise ConfigError(f"{key}={get_key(cfg, key)} {rule}")
+    if cfg.log.peak_flops is not None and not 0 < cfg.log.peak_flops < math.inf:
+        raise ConfigError(f"log.peak_flops={cfg.log.peak_flops} must be > 0 (FLOP/s), or null to look it up")
     if cfg.train.mixed_precision != "no" and cfg.model.quantize_4bit and cfg.model.bnb_4bit_compute_dtype == "float32":
         raise ConfigError("train.mixed_precision needs model.bnb_4bit_compute_dtype to match (bfloat16/float16)")
 
@@ -267,12 +349,43 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-    elif tp is bool or tp is str:
-        if isinstance(value, tp):
+    elif tp is bool:
+        if isinstance(value, bool):
             return value
+        if isinstance(value, str) and value.lower() in _BOOL_WORDS:  # YAML 1.1's words for booleans
+            return _BOOL_WORDS[value.lower()]
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):  # labels: [0, 1]; run_name: 2024
+            return str(value)
     else:  # pragma: no cover - schema uses only the types above
         raise TypeError(f"unsupported annotation {tp} for {key}")
     raise ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
+
+
+_BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
+
+
+class YamlLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` with YAML 1.2 booleans: only ``true``/``false`` (any case) are booleans.
+
+    YAML 1.1 (PyYAML's default) also reads ``yes/no/on/off/y/n`` as booleans, so the documented
+    ``train.mixed_precision: no`` arrived as ``False``. Here they stay strings; a boolean field still accepts
+    yes/no/on/off (:func:`_coerce`).
+    """
+
+
+YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+YamlLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
+
+
+def yaml_load(text: Any) -> Any:
+    """Parse YAML text (or a stream) with :class:`YamlLoader`."""
+    return yaml.load(text, Loader=YamlLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def _type_name(tp: Any) -> str:
@@ -311,27 +424,40 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a YAML config and apply dotted overrides.
 
+    A relative input path in the file (:data:`FILE_KEYS`: data, model, DeepSpeed JSON) is read relative to the
+    file when it exists there, so shipped and copied configs run from any directory; on the command line it is
+    read from the current directory. ``train.deepspeed_config`` may name a shipped JSON (``zero2``).
+
     Args:
-        path: YAML file; None loads ``configs/train/default.yaml``.
+        path: YAML file or a shipped config's name (``tiny_cpu``); None loads ``configs/train/default.yaml``.
         overrides: ``["train.max_steps=50", "lora.target_modules=[q_proj,v_proj]"]``; values parse as YAML.
 
     Returns:
         The validated :class:`Config`.
 
     Raises:
-        ConfigError: unknown key, wrong type, a value outside its choices, or an override without ``=``.
-        FileNotFoundError: ``path`` does not exist.
+        ConfigError: unknown key, wrong type, a value outside its choices, an override without ``=``, or a
+            ``path`` that is neither a file nor a shipped name.
     """
-    path = Path(path) if path is not None else DEFAULT_CONFIG
+    path = named_config(path) if path is not None else DEFAULT_CONFIG
     with open(path, encoding="utf-8") as fh:
-        tree = yaml.safe_load(fh) or {}
+        tree = yaml_load(fh) or {}
     if not isinstance(tree, dict):
         raise ConfigError(f"{path} must hold a mapping of config sections")
+    for key in FILE_KEYS:
+        section, _, name = key.partition(".")
+        value = tree.get(section, {}).get(name) if isinstance(tree.get(section), dict) else None
+        if isinstance(value, str) and not Path(value).expanduser().is_absolute() \
+                and (path.parent / value).exists():
+            tree[section][name] = str((path.parent / value).resolve())
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
         _set_dotted(tree, key.strip(), _parse_value(raw))
+    ds = tree.get("train", {}).get("deepspeed_config") if isinstance(tree.get("train"), dict) else None
+    if isinstance(ds, str) and not Path(ds).exists() and (configs_dir() / "deepspeed" / f"{ds}.json").is_file():
+        tree["train"]["deepspeed_config"] = str(configs_dir() / "deepspeed" / f"{ds}.json")  # a shipped name
     return _build(Config, tree, "")
 
 
@@ -341,7 +467,7 @@ def _parse_value(raw: str) -> Any:
     if not raw.strip():
         return None
     try:
-        value = yaml.safe_load(raw)
+        value = yaml_load(raw)
     except yaml.YAMLError:
         return raw
     if isinstance(value, dict) and not raw.lstrip().startswith("{"):
@@ -353,38 +479,60 @@ _SECRET_PATTERNS = (
     (re.compile(r"(://[^/\s:@]+:)[^@\s/]+@"), r"\1<redacted>@"),  # credentials in a URL
     (re.compile(r"\bhf_[A-Za-z0-9]{20,}"), "<redacted>"),           # Hugging Face token
     (re.compile(r"\bsk-[A-Za-z0-9_-]{20,}"), "<redacted>"),         # API keys of the sk- family
-    (re.compile(r"\b[0-9a-f]{40}\b"), "<redacted>"),                # W&B API key
 )
 _SECRET_ENV = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
+# Fields that hold a path (or hub id): only a value that IS a secret, or a URL's password, is redacted there.
+PATH_KEYS = ("output_dir", "model.name_or_path", "model.tokenizer", "data.path", "train.deepspeed_config",
+             "train.resume_from")
+
+
+def _secret_values(env: dict[str, str] | None) -> list[str]:
+    env = os.environ if env is None else env
+    return [value for name, value in env.items() if _SECRET_ENV.search(name) and len(value) >= 8]
 
 
 def redact(text: str, env: dict[str, str] | None = None) -> str:
     """``text`` with API keys, tokens and URL passwords replaced by ``<redacted>``.
 
-    Redacts well-known token shapes, and the value of every environment variable whose name contains
-    TOKEN, KEY, SECRET or PASSWORD (8+ characters), wherever it appears.
+    Redacts the value of every environment variable whose name contains TOKEN, KEY, SECRET or PASSWORD
+    (8+ characters) wherever it appears, URL passwords, and tokens of distinctive shapes (``hf_...``,
+    ``sk-...``). Bare hex strings are left alone: a W&B key looks like a git commit or a SHA-1 data hash,
+    and it is caught as the value of ``WANDB_API_KEY`` instead.
     """
-    env = os.environ if env is None else env
-    for name, value in env.items():
-        if _SECRET_ENV.search(name) and len(value) >= 8:
-            text = text.replace(value, "<redacted>")
+    for value in _secret_values(env):
+        text = text.replace(value, "<redacted>")
     for pattern, replacement in _SECRET_PATTERNS:
         text = pattern.sub(replacement, text)
     return text
 
 
-def to_dict(cfg: Config) -> dict[str, Any]:
-    """The resolved config as plain YAML-able data, secrets redacted (it goes to config.yaml and trackers)."""
-    def clean(value: Any) -> Any:
-        if isinstance(value, str):
-            return redact(value)
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [clean(v) for v in value]
-        return value
+def redact_field(key: str, value: Any, env: dict[str, str] | None = None) -> Any:
+    """One config value as written to ``config.yaml`` and the trackers (:func:`to_dict`).
 
-    return clean(dataclasses.asdict(cfg))
+    Path fields (:data:`PATH_KEYS`) are never rewritten except where the whole value is a secret or a URL
+    carries a password, so the saved config still names the same files; other strings go through
+    :func:`redact`. Lists are redacted element by element; other values pass through.
+    """
+    if isinstance(value, list):
+        return [redact_field(key, v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+    if key in PATH_KEYS:
+        if value in _secret_values(env):
+            return "<redacted>"
+        return _SECRET_PATTERNS[0][0].sub(_SECRET_PATTERNS[0][1], value)
+    return redact(value, env)
+
+
+def to_dict(cfg: Config, redacted: bool = True) -> dict[str, Any]:
+    """The resolved config as plain YAML-able data; with ``redacted``, secrets replaced (:func:`redact_field`)
+    as it goes to config.yaml, checkpoints and trackers."""
+    def clean(value: Any, prefix: str) -> Any:
+        if isinstance(value, dict):
+            return {k: clean(v, f"{prefix}{k}.") for k, v in value.items()}
+        return redact_field(prefix[:-1], value) if redacted else value
+
+    return clean(dataclasses.asdict(cfg), "")
 
 
 def dump_config(cfg: Config, path: str | Path) -> None:
@@ -408,3 +556,22 @@ def help_table() -> str:
 
     walk(Config, "")
     return "\n".join(rows)
+
+
+CONFIG_DOC_HEADER = """# Config reference
+
+Every key, its schema default and its unit. The shipped YAMLs (`configs/train/default.yaml`, which plain
+`scale-train` runs, and `tiny_cpu.yaml`) set some of them differently. Override any key on the command line as
+`section.key=value` (values parse as YAML: `lora.target_modules=[q_proj,v_proj]`, `loss.type_weights=null`;
+text that YAML would read as a mapping, such as `Text: {text}`, stays text). Unknown keys and wrong types are
+errors that name the key.
+
+This table is generated from the schema (`scale/config.py`); `tests/test_config.py` fails when it is stale.
+Regenerate it with `python -m scale.config > docs/config.md`.
+"""
+
+
+if __name__ == "__main__":  # python -m scale.config > docs/config.md
+    import sys
+
+    sys.stdout.write(CONFIG_DOC_HEADER + "\n" + help_table() + "\n")

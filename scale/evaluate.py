@@ -6,6 +6,8 @@ even out the last batch across ranks) and reduced once, in float64, on the host.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
@@ -40,5 +42,9 @@ def evaluate(acc: Accelerator, model: torch.nn.Module, eval_dl: DataLoader, spec
     n = table.shape[0]
     if was_training:
         model.train()
-    return {"eval/loss": num / den, "eval/target_nll": -logprob / n, "eval/accuracy": correct / n,
-            "eval/examples": n}
+    metrics = {"eval/loss": num / den if den > 0 else None, "eval/target_nll": -logprob / n,
+               "eval/accuracy": correct / n, "eval/examples": n}
+    if den == 0:  # loss.type_weights weighs every eval row 0: no eval loss (missing, as train/loss then)
+        del metrics["eval/loss"]
+        warnings.warn("eval/loss is missing: loss.type_weights gives every eval row weight 0", stacklevel=2)
+    return metrics

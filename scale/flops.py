@@ -24,9 +24,13 @@ checkpointing) is *not* counted: these are model FLOPs, so checkpointing lowers 
 would add one more forward). 4-bit weights are counted like any other: the FLOPs are those of the bf16
 matmuls they are dequantized into.
 
-No torch, accelerate or transformers import: ``config`` is any object with Llama-style attributes
-(``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``, optional
-``num_key_value_heads`` and ``head_dim``, ``vocab_size``).
+Any model family: :func:`model_shape` reads ``N`` and ``N_head`` off the model's own matmul layers (every
+``nn.Linear``, bitsandbytes 4-bit linear and GPT-2 ``Conv1D``; fused projections such as Phi-3's ``qkv_proj``
+count as what they are) and the attention dimensions off its config, so no family's attribute names are
+assumed. :func:`param_counts` and :func:`lora_params` are the hand count of a Llama-style config, kept as the
+reference the generic count is tested against.
+
+No torch, accelerate or transformers import: models and configs are read by duck typing.
 """
 
 from __future__ import annotations
@@ -85,6 +89,61 @@ class ParamCounts:
     norms: int
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """What the FLOPs count needs to know about a model, whatever its family.
+
+    Attributes:
+        layers: elements of every matmul weight except the LM head (``N``: attention and MLP projections).
+        head: elements of the LM head (``N_head = V x d``; counted even when tied to the embedding).
+        num_layers: decoder layers ``L``.
+        attention_width: ``d_attn = heads x head_dim`` (query heads).
+    """
+
+    layers: int
+    head: int
+    num_layers: int
+    attention_width: int
+
+
+def _matmul_elements(module: Any) -> int:
+    """Weight elements of a matmul layer (``nn.Linear`` and subclasses, GPT-2's ``Conv1D``), else 0."""
+    if hasattr(module, "base_layer"):  # a peft wrapper: its base layer is visited on its own
+        return 0
+    if isinstance(getattr(module, "in_features", None), int) and isinstance(getattr(module, "out_features", None),
+                                                                             int):
+        return module.in_features * module.out_features
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx"):
+        return module.nf * module.nx
+    return 0
+
+
+def model_shape(model: Any) -> ModelShape:
+    """Read a model's :class:`ModelShape` off its modules (plain, PEFT-wrapped, 4-bit or ZeRO-3 partitioned).
+
+    LoRA adapter matrices are left out (they are ``lora_params``); the LM head is
+    ``model.get_output_embeddings()``. The attention dimensions come from the (text) config through the
+    standard names, which transformers maps per family (GPT-2's ``n_layer``/``n_head`` included).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    layers = sum(_matmul_elements(m) for name, m in base.named_modules()
+                 if m is not head and ".lora_" not in f".{name}")
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_elements = _matmul_elements(head) if head is not None else 0
+    return ModelShape(layers=layers, head=head_elements or config.vocab_size * config.hidden_size,
+                      num_layers=config.num_hidden_layers, attention_width=heads * head_dim)
+
+
+def shape_from_config(config: Any) -> ModelShape:
+    """The :class:`ModelShape` of a Llama-style config by hand count (:func:`param_counts`)."""
+    _, _, L, heads, _, hd, _ = _dims(config)
+    counts = param_counts(config)
+    return ModelShape(layers=counts.layers, head=counts.head, num_layers=L, attention_width=heads * hd)
+
+
 def _dims(config: Any) -> tuple[int, int, int, int, int, int, int]:
     d = config.hidden_size
     heads = config.num_attention_heads
@@ -121,7 +180,7 @@ def flops_per_token(config: Any, seq_len: int, *, lora_params: int | None = None
     """Training FLOPs (forward + backward, no recomputation) per computed position; see the module docstring.
 
     Args:
-        config: Llama-style model config.
+        config: a :class:`ModelShape` (:func:`model_shape`: any family), or a Llama-style model config.
         seq_len: ``T``, padded sequence length (attention term).
         lora_params: ``None`` for full fine-tuning (every weight trained); otherwise the number of trainable
             adapter parameters with a frozen base (0 allowed), e.g. the model's trainable parameter count.
@@ -133,10 +192,9 @@ def flops_per_token(config: Any, seq_len: int, *, lora_params: int | None = None
     """
     if not 0.0 <= logits_fraction <= 1.0:
         raise ValueError(f"logits_fraction={logits_fraction} must lie in [0, 1]")
-    _, _, L, heads, _, hd, _ = _dims(config)
-    counts = param_counts(config)
-    matmul_params = counts.layers + logits_fraction * counts.head
-    attention = 12 * L * seq_len * heads * hd
+    shape = config if isinstance(config, ModelShape) else shape_from_config(config)
+    matmul_params = shape.layers + logits_fraction * shape.head
+    attention = 12 * shape.num_layers * seq_len * shape.attention_width
     if lora_params is None:
         return 6 * matmul_params + attention
     return 4 * matmul_params + 6 * lora_params + attention

@@ -10,15 +10,23 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
+from accelerate.utils import (DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration,
+                               broadcast_object_list)
 
-from scale.config import Config
+from scale.config import Config, ConfigError, configs_dir, get_key
+
+
+T = TypeVar("T")
 
 
 class LaunchError(RuntimeError):
@@ -43,6 +51,100 @@ def check_launch_environment(env: dict[str, str] | None = None) -> None:
                           "machine without CUDA the loop then runs a real gloo process group.")
 
 
+_EMBEDDED_MODELS = ("smollm2-135m", "tiny-llama")
+_HUB_ID = re.compile(r"^(?:[\w\-.]{1,96}/)?[\w\-.]{1,96}$")  # huggingface_hub's repo-id shape
+_TRACKER_PACKAGES = {"wandb": "'scale[wandb]'", "comet_ml": "comet-ml"}
+
+
+def check_inputs(cfg: Config) -> None:
+    """Reject inputs that would fail later with a traceback or a silent wrong result, before any process
+    group, file or model exists. Every rank runs it and reaches the same verdict (shared storage).
+
+    Raises:
+        ConfigError: ``train.mixed_precision=fp16`` without a GPU; ``output_dir`` is a file or not writable;
+            ``model.name_or_path``/``model.tokenizer``/``train.deepspeed_config`` name a path that does not exist;
+            an unknown tracker or one whose package is missing.
+    """
+    if cfg.train.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("train.mixed_precision=fp16 needs a CUDA GPU: on CPU it would silently run in fp32 while "
+                          "config.yaml says fp16; use train.mixed_precision=bf16 or no")
+    check_output_dir(cfg.output_dir)
+    for key in ("model.name_or_path", "model.tokenizer"):
+        value = get_key(cfg, key)
+        if value is None or value in _EMBEDDED_MODELS:
+            continue
+        path = Path(value).expanduser()
+        if path.is_dir():
+            if key == "model.name_or_path" and not (path / "config.json").is_file():
+                raise ConfigError(f"{key}={value!r} is a directory without config.json, not a transformers model "
+                                  f"(write one with save_pretrained)")
+        elif path.exists():
+            raise ConfigError(f"{key}={value!r} is a file; point it at a model directory or a hub id")
+        elif not _HUB_ID.match(value) or value.startswith((".", "~")):
+            raise ConfigError(f"{key}={value!r} does not exist (a relative path is read from the current directory, "
+                              f"{os.getcwd()})")
+    ds = cfg.train.deepspeed_config
+    if ds is not None and not Path(ds).is_file():
+        raise ConfigError(f"train.deepspeed_config={ds!r} does not exist (a relative path is read from the current "
+                          f"directory, {os.getcwd()})")
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+
+    available = {str(t) for t in get_available_trackers()}
+    for name in cfg.log.trackers:
+        if name == "none":
+            continue
+        if name not in LOGGER_TYPE_TO_CLASS:
+            raise ConfigError(f"log.trackers: unknown tracker {name!r}; known: {sorted(LOGGER_TYPE_TO_CLASS)}, "
+                              f"or [] for none")
+        if name not in available:
+            raise ConfigError(f"log.trackers: {name!r} needs its package: pip install "
+                              f"{_TRACKER_PACKAGES.get(name, name)}, or drop it from log.trackers")
+
+
+def check_output_dir(output_dir: str) -> None:
+    """``output_dir`` is a directory this process can write to, or can be created; nothing is left behind.
+
+    Raises:
+        ConfigError: it (or a parent) is a file, or the nearest existing directory refuses a file.
+    """
+    out = Path(output_dir).expanduser().absolute()
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == out else f"cannot be created: {existing} is a file"
+        raise ConfigError(f"output_dir={output_dir} {where}; point output_dir at a directory")
+    try:  # os.access says yes to root on a read-only mount: try a nameless temporary file instead
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(f"output_dir={output_dir} is not writable ({existing}: {e.strerror}); choose a directory "
+                          f"you can write to") from None
+
+
+def resolve_deepspeed_file(env: Any = None) -> None:
+    """Make the DeepSpeed JSON that an accelerate config names readable from any directory.
+
+    ``accelerate launch`` hands the YAML's ``deepspeed_config_file`` to the ranks as written
+    (``ACCELERATE_DEEPSPEED_CONFIG_FILE``), and the ranks read it relative to the current directory. The
+    shipped YAMLs name it relative to themselves (``../deepspeed/zero2.json``): a relative path that is not
+    found from the current directory is read relative to the shipped accelerate configs (and the repository
+    root, for older YAMLs), and the environment is updated before the Accelerator reads it.
+
+    Raises:
+        ConfigError: the file is found nowhere.
+    """
+    env = os.environ if env is None else env
+    value = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not value or value == "none" or Path(value).is_absolute() or Path(value).is_file():
+        return
+    for base in (configs_dir() / "accelerate", configs_dir().parent):
+        if (base / value).is_file():
+            env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str((base / value).resolve())
+            return
+    raise ConfigError(f"the accelerate config's deepspeed_config_file={value!r} exists neither in the current "
+                      f"directory ({os.getcwd()}) nor next to the shipped accelerate configs; write an absolute "
+                      f"path, or launch with `scale-train --accelerate-config <yaml>` (read relative to the YAML)")
+
+
 def cpu_threads_per_rank(env: dict[str, str]) -> None:
     """The ``deepspeed`` launcher leaves ``OMP_NUM_THREADS`` unset: 2 ranks on 2 cores ran 37x slower."""
     local = int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", "1")))
@@ -53,15 +155,52 @@ def cpu_threads_per_rank(env: dict[str, str]) -> None:
                                             local, threads)
 
 
+def main_process_first(acc: Accelerator, fn: Callable[[], T]) -> T:
+    """``fn()`` on the main process first (it prepares the cached assets), then on the others. Collective.
+
+    Unlike ``Accelerator.main_process_first``, an exception on the main process is raised on every rank
+    (the others skip ``fn``): the ranks then fail together with the main process's message instead of
+    waiting in a barrier until the launcher kills them. An exception on another rank alone (a file missing
+    on one node) is marked ``rank_local`` so that the CLI prints it although that rank is not rank 0.
+    """
+    error: BaseException | None = None
+    result: Any = None
+    if acc.is_main_process:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised everywhere
+            error = e
+    if acc.num_processes > 1:
+        box = [error]
+        try:
+            broadcast_object_list(box, from_process=0)  # collective
+        except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its text
+            box = [RuntimeError(f"{type(error).__name__}: {error}") if error is not None else None]
+            broadcast_object_list(box, from_process=0)
+        error = box[0]
+    if error is not None:
+        raise error
+    if not acc.is_main_process:
+        try:
+            result = fn()
+        except Exception as e:
+            e.rank_local = True  # type: ignore[attr-defined]
+            raise
+    return result
+
+
 def build_accelerator(cfg: Config) -> Accelerator:
     """Create the Accelerator for the launch mode found in the environment, with start-up guards.
 
     Raises:
+        ConfigError: see :func:`check_inputs`.
         LaunchError: several processes were launched but accelerate did not set up a process group; a
             DeepSpeed config contradicts the training config (gradient_accumulation_steps, gradient_clipping);
             see also :func:`check_launch_environment`.
     """
     check_launch_environment()
+    check_inputs(cfg)
+    resolve_deepspeed_file()
     use_deepspeed = (os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
                      or cfg.train.deepspeed_config is not None)
     on_cpu = not torch.cuda.is_available()

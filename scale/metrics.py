@@ -116,6 +116,14 @@ class StepMeter:
         return out
 
 
+def bar_text(metrics: dict[str, Any]) -> str:
+    """The progress bar's text at a log step: ``loss 2.3456 lr 2.00e-04 tok/s 1.2e+03 gnorm 0.812``."""
+    loss = metrics.get("train/loss")
+    return (f"loss {loss:.4f} " if loss is not None else "loss - ") + (
+        f"lr {metrics['train/lr']:.2e} tok/s {metrics['train/tokens_per_s']:.3g} "
+        f"gnorm {metrics['train/grad_norm']:.3g}")
+
+
 class JsonlSink:
     """Append one JSON object per call to ``<output_dir>/metrics.jsonl`` (main process only).
 

@@ -12,14 +12,16 @@ the LoRA matrices. Workarounds carry their reason and link:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from scale.assets import resolve_model
-from scale.config import LoraConfig, ModelConfig
+from scale.config import ConfigError, LoraConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +34,25 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
     from transformers import AutoTokenizer
 
     source = cfg.tokenizer or ("smollm2-135m" if cfg.name_or_path == TINY else cfg.name_or_path)
-    tok = AutoTokenizer.from_pretrained(resolve_model(source), trust_remote_code=cfg.trust_remote_code)
+    key = "model.tokenizer" if cfg.tokenizer else "model.name_or_path"
+    with loading(key, source):
+        tok = AutoTokenizer.from_pretrained(resolve_model(source), trust_remote_code=cfg.trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+@contextlib.contextmanager
+def loading(key: str, value: str) -> Iterator[None]:
+    """Turn transformers' ``OSError`` for a model it cannot find (no such directory, a hub id without network
+    or access, missing weight files) into one :class:`ConfigError` line naming the config key and the fix."""
+    try:
+        yield
+    except OSError as e:
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ConfigError(f"{key}={value!r} could not be loaded: {first[:300]} (no network or no access to the "
+                          f"Hugging Face Hub? download it with `hf download {value} --local-dir DIR` and set "
+                          f"{key}=DIR)") from None
 
 
 def tiny_llama_config(cfg: ModelConfig, vocab_size: int) -> Any:
@@ -102,7 +119,8 @@ def load_base(cfg: ModelConfig, vocab_size: int, seed: int, device_map: Any = No
         if cfg.quantize_4bit:
             model = reload_from_directory(model, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.name_or_path), **kwargs)
+        with loading("model.name_or_path", cfg.name_or_path):
+            model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.name_or_path), **kwargs)
     model.config.use_cache = False
     if cfg.quantize_4bit:
         disable_cpu_inference_packing(model)
@@ -159,6 +177,7 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
         # pass gradient to LoRA (peft#137).
         kwargs = {"use_reentrant": model_cfg.use_reentrant}
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    check_lora_targets(model, lora_cfg.target_modules)
     peft_cfg = PeftLoraConfig(
         r=lora_cfg.r,
         lora_alpha=lora_cfg.alpha,
@@ -167,6 +186,33 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, peft_cfg)
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """Full names of the model's matmul layers that LoRA can adapt (``nn.Linear``, 4-bit linear, GPT-2's
+    ``Conv1D``), the LM head excepted: ``model.layers.0.self_attn.q_proj``, ``transformer.h.0.attn.c_attn``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [name for name, m in model.named_modules()
+            if m is not head and (isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")]
+
+
+def check_lora_targets(model: torch.nn.Module, targets: list[str] | str) -> None:
+    """Every name in a ``lora.target_modules`` list must name a matmul layer of this model family.
+
+    peft raises only when no name matches, and silently skips the others: ``[q_proj, v_proj]`` on GPT-2
+    (``c_attn``) or Phi-3 (fused ``qkv_proj``) would train fewer adapters than asked, or fail deep in peft.
+
+    Raises:
+        ConfigError: a listed name matches no matmul layer; the message lists the model's names.
+    """
+    if isinstance(targets, str):  # 'all-linear' or a regular expression: peft's own rules
+        return
+    names = linear_names(model)
+    unknown = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]  # peft's suffix rule
+    if unknown:
+        short = sorted({n.rsplit(".", 1)[-1] for n in names})
+        raise ConfigError(f"lora.target_modules: {unknown} match no linear layer of this {type(model).__name__}; "
+                          f"its linear layers are {short} (or use all-linear)")
 
 
 def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, vocab_size: int, seed: int,

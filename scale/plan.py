@@ -69,11 +69,9 @@ from typing import Any
 
 import torch
 
-from scale.config import Config, ConfigError, ModelConfig, load_config
+from scale.config import Config, ConfigError, ModelConfig, configs_dir, load_config
 from scale.modeling import TINY, tiny_llama_config
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL_CONFIGS = ROOT / "configs" / "models"
 GIB = 2**30
 
 # Launch modes, cheapest first: bytes moved between ranks per optimizer step (W = all weights, G = trainable
@@ -116,18 +114,25 @@ class PlanError(ValueError):
 
 
 def model_config_path(cfg: ModelConfig, override: str | None = None) -> Path | None:
-    """The ``config.json`` to plan with: ``override`` (``--model-config``), a ``.json`` file or a directory in
-    ``model.name_or_path``, the shipped copy for ``smollm2-135m``; None for ``tiny-llama``.
+    """The ``config.json`` to plan with: ``override`` (``--model-config``: a file, a directory, or the name of one
+    shipped in ``configs/models/``), a ``.json`` file or a directory in ``model.name_or_path``, the shipped copy
+    for ``smollm2-135m``; None for ``tiny-llama``.
 
     Raises:
         PlanError: the path does not exist, or the name is a hub id (no hub here).
     """
+    shipped = configs_dir() / "models"
     if override is not None:
         path = Path(override)
+        if not path.exists() and len(path.parts) == 1 and (shipped / f"{path.name.removesuffix('.json')}.json").is_file():
+            path = shipped / f"{path.name.removesuffix('.json')}.json"
+        elif not path.exists():
+            names = sorted(p.stem for p in shipped.glob("*.json"))
+            raise PlanError(f"--model-config {override}: neither a file or directory nor a shipped model config {names}")
     elif cfg.name_or_path == TINY:
         return None
     elif cfg.name_or_path == "smollm2-135m":
-        path = MODEL_CONFIGS / "smollm2-135m.json"
+        path = shipped / "smollm2-135m.json"
     else:
         path = Path(cfg.name_or_path)
         if not path.exists():
@@ -491,13 +496,13 @@ class Rank:
         return self.allocated + self.overhead
 
 
-def deepspeed_settings(mode: str, hf_config: Any, root: Path = ROOT) -> dict[str, Any]:
+def deepspeed_settings(mode: str, hf_config: Any, root: Path | None = None) -> dict[str, Any]:
     """``zero_optimization`` of the DeepSpeed JSON this mode launches with, DeepSpeed's defaults filled in and
     ``"auto"`` resolved as accelerate resolves it (``reduce_bucket_size = hidden^2``, ``prefetch = 0.9 hidden^2``,
     ``persistence threshold = 10 hidden``)."""
-    path = root / "configs" / "deepspeed" / DEEPSPEED_JSON[mode]
+    path = (root or configs_dir()) / "deepspeed" / DEEPSPEED_JSON[mode]
     zero = json.loads(path.read_text(encoding="utf-8")).get("zero_optimization", {}) if path.is_file() else {}
-    zero["source"] = str(path.relative_to(root)) if path.is_file() else "DeepSpeed defaults"
+    zero["source"] = f"configs/deepspeed/{path.name}" if path.is_file() else "DeepSpeed defaults"
     h = getattr(hf_config, "hidden_size", 0)
     auto = {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
             "stage3_param_persistence_threshold": 10 * h}
@@ -539,7 +544,7 @@ def zero12_gradient_elems(trainable: list[ParamInfo], aligned: int, part: int, r
 
 
 def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activations], mode: str, world: int,
-                 hf_config: Any, root: Path = ROOT, rank: int = 0) -> Rank:
+                 hf_config: Any, root: Path | None = None, rank: int = 0) -> Rank:
     """Bytes one rank holds in ``mode`` on ``world`` processes.
 
     Args:
@@ -550,7 +555,7 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
         mode: one of :data:`MODES`.
         world: processes in all (``--gpus``); ``single`` uses one.
         hf_config: the model's transformers config (for DeepSpeed's ``"auto"`` sizes).
-        root: where ``configs/deepspeed/*.json`` are looked up.
+        root: the configs directory whose ``deepspeed/*.json`` are read (default: the shipped configs).
         rank: matters only where ranks differ (ZeRO-1/2's gradients at a partition boundary, a few elements);
             the plan reports rank 0.
 
@@ -714,7 +719,7 @@ class Plan:
 
 
 def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1, model_config: str | None = None,
-              root: Path = ROOT, padded: bool = True) -> Plan:
+              root: Path | None = None, padded: bool = True) -> Plan:
     """Predict every launch mode's bytes per rank for ``cfg`` on ``gpus`` devices over ``nodes`` nodes.
 
     ``padded=False`` counts activations for rows that all fill ``data.max_length`` (no attention mask), see
@@ -853,13 +858,15 @@ def main(argv: list[str] | None = None) -> int:
     """``scale-plan [--config PATH] [key=value ...] --gpus N [--gpu-mem GiB] [--nodes K] [--full-rows] [--json]``."""
     parser = argparse.ArgumentParser(prog="scale-plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=None, help="training YAML (default: configs/train/default.yaml)")
+    parser.add_argument("--config", default=None, help="training YAML, or a shipped config's name such as tiny_cpu "
+                                                       "(default: configs/train/default.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.micro_batch_size=4")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs (processes) in all, over all nodes")
     parser.add_argument("--gpu-mem", type=float, default=80.0, help="memory per GPU, GiB (default 80)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
     parser.add_argument("--model-config", default=None,
-                        help="a model config.json (or its directory) to plan instead of model.name_or_path")
+                        help="a model config.json (or its directory), or a shipped name such as llama-3.1-8b, to "
+                             "plan instead of model.name_or_path")
     parser.add_argument("--full-rows", action="store_true",
                         help="every row fills data.max_length (no padding): attention keeps no mask")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")

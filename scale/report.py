@@ -37,25 +37,51 @@ class Panel(NamedTuple):
 
 # (file name, title, panels). Keys sharing a panel share a unit; different units get their own panel.
 FIGURES: list[tuple[str, str, list[Panel]]] = [
-    ("loss.png", "Tail loss (weighted cross-entropy over the last loss.threshold tokens)",
+    ("loss.png", "Tail loss (weighted cross-entropy over each row's tail tokens)",
      [Panel("loss (nats/token)", [("train/loss", "train"), ("eval/loss", "eval")])]),
     ("target_nll.png", "Eval target NLL (-log p of the label token)",
      [Panel("NLL (nats/example)", [("eval/target_nll", "")])]),
     ("accuracy.png", "Eval accuracy (argmax over the label tokens)",
      [Panel("accuracy (fraction)", [("eval/accuracy", "")])]),
-    ("lr.png", "Learning rate", [Panel("learning rate (log scale)", [("train/lr", "")], log=True)]),
+    ("lr.png", "Learning rate (line: the schedule at every step; dots: logged)",
+     [Panel("learning rate", [("train/lr", "")], from_zero=True)]),
+    ("grad_norm.png", "Gradient norm before clipping (dashed: optim.max_grad_norm)",
+     [Panel("L2 norm", [("train/grad_norm", "")], from_zero=True)]),
     ("throughput.png", "Training throughput (mean over each log interval)",
-     [Panel("tokens/s", [("train/tokens_per_s", "")], from_zero=True),
-      Panel("tail tokens/s", [("train/tail_tokens_per_s", "")], from_zero=True),
-      Panel("samples/s", [("train/samples_per_s", "")], from_zero=True)]),
-    ("memory.png", "Peak memory",
-     [Panel("peak memory (GiB)", [("train/peak_mem_gib", "")], from_zero=True)]),
+     [Panel("tokens/s", [("train/tokens_per_s", "")], from_zero=True)]),
+    ("memory.png", "Peak memory", [Panel("peak memory (GiB)", [("train/peak_mem_gib", "")], from_zero=True)]),
     ("data_vs_compute.png", "Time per log interval: waiting on data vs computing",
      [Panel("time (s)", [("train/data_s", "data"), ("train/compute_s", "compute")], from_zero=True)]),
     ("mfu.png", "Model FLOPs utilisation",
      [Panel("MFU (fraction of peak FLOP/s)", [("train/mfu", "")], from_zero=True)]),
     ("loss_scale.png", "Mixed-precision loss scale", [Panel("loss scale", [("train/loss_scale", "")], log=True)]),
 ]
+HEADROOM = 1.15  # from_zero panels end 15% above their largest value, so no line runs along the top frame
+
+
+def schedule_line(run_dir: Path) -> tuple[list[int], list[float]] | None:
+    """The learning rate at every optimizer step, from the run's ``config.yaml`` and :mod:`scale.schedule`
+    (the logged ``train/lr`` has one point per log interval, which hides a warm-up shorter than it)."""
+    from scale.config import ConfigError, load_config
+    from scale.schedule import lr_factor
+
+    try:
+        cfg = load_config(run_dir / "config.yaml")
+    except (OSError, ConfigError):
+        return None
+    steps = list(range(cfg.train.max_steps))
+    # train/lr at logged step s is the rate optimizer step s used, i.e. lr_factor(s - 1).
+    return [s + 1 for s in steps], [cfg.optim.lr * lr_factor(s, cfg.optim, cfg.train.max_steps) for s in steps]
+
+
+def clip_threshold(run_dir: Path) -> float | None:
+    """``optim.max_grad_norm`` from the run's ``config.yaml``, or None."""
+    from scale.config import ConfigError, load_config
+
+    try:
+        return load_config(run_dir / "config.yaml").optim.max_grad_norm
+    except (OSError, ConfigError):
+        return None
 
 
 def load_run(run_dir: str | Path) -> Rows:
@@ -111,11 +137,13 @@ def summarize(runs: dict[str, Rows]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: dict[str, Rows], out: Path) -> list[Path]:
+def plot(runs: dict[str, Rows], out: Path, run_dirs: dict[str, Path] | None = None) -> list[Path]:
     """Write one PNG per figure in :data:`FIGURES` that has data; return their paths.
 
     Colour identifies the run; within a panel, line style identifies the key. Eval keys get round markers
-    (a run evaluates only a few times); train keys get dots when they have few points.
+    (a run evaluates only a few times); train keys get dots when they have few points. With ``run_dirs``, the
+    learning-rate panel draws each run's schedule at every step and the gradient-norm panel its clipping
+    threshold, both read from the run's ``config.yaml``.
 
     Raises:
         ImportError: matplotlib is not installed (the message gives the pip command).
@@ -123,7 +151,6 @@ def plot(runs: dict[str, Rows], out: Path) -> list[Path]:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg: files only, no display needed
         from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
     except ImportError as exc:
         raise ImportError("scale.report draws its plots with matplotlib: pip install 'scale[report]'") from exc
     written = []
@@ -134,24 +161,43 @@ def plot(runs: dict[str, Rows], out: Path) -> list[Path]:
         fig = Figure(figsize=(max(7.0, 4.5 * len(panels)), 4.2), dpi=110, layout="constrained")
         FigureCanvasAgg(fig)
         for ax, panel in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
-            for i, (name, rows) in enumerate(runs.items()):
-                for j, (key, label) in enumerate(panel.keys):
-                    steps, values = series(rows, key)
-                    if not steps:
-                        continue
-                    marker = "o" if key.startswith("eval/") else ("." if len(steps) <= 50 else None)
-                    ax.plot(steps, values, color=f"C{i % 10}", linestyle=("-", "--", ":")[j % 3], marker=marker,
-                            label=f"{name} {label}".strip())
-            ax.set(xlabel="optimizer step", ylabel=panel.ylabel, yscale="log" if panel.log else "linear")
-            if panel.from_zero:
-                ax.set_ylim(bottom=0)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize="small")
+            draw_panel(ax, panel, runs, run_dirs or {})
         fig.suptitle(title)
         fig.savefig(out / filename)
         written.append(out / filename)
     return written
+
+
+def draw_panel(ax: Any, panel: Panel, runs: dict[str, Rows], run_dirs: dict[str, Path]) -> None:
+    """Draw ``panel``'s keys for every run on the matplotlib axes ``ax`` (see :func:`plot`)."""
+    from matplotlib.ticker import MaxNLocator
+
+    top = 0.0
+    for i, (name, rows) in enumerate(runs.items()):
+        run_dir = run_dirs.get(name)
+        for j, (key, label) in enumerate(panel.keys):
+            steps, values = series(rows, key)
+            if not steps:
+                continue
+            top = max(top, *values)
+            marker = "o" if key.startswith("eval/") else ("." if len(steps) <= 50 else None)
+            style = ("-", "--", ":")[j % 3]
+            line = schedule_line(run_dir) if key == "train/lr" and run_dir is not None else None
+            if line is not None:  # the schedule as a line, the logged rates as dots on it
+                ax.plot(*line, color=f"C{i % 10}", linestyle=style, label=f"{name} schedule".strip())
+                top = max(top, *line[1])
+                style, label, marker = "none", "logged", marker or "."
+            ax.plot(steps, values, color=f"C{i % 10}", linestyle=style, marker=marker, label=f"{name} {label}".strip())
+            clip = clip_threshold(run_dir) if key == "train/grad_norm" and run_dir is not None else None
+            if clip is not None and clip <= 2 * max(values):  # far above the curve it would flatten it
+                ax.axhline(clip, color=f"C{i % 10}", linestyle="--", linewidth=0.8)
+                top = max(top, clip)
+    ax.set(xlabel="optimizer step", ylabel=panel.ylabel, yscale="log" if panel.log else "linear")
+    if panel.from_zero:
+        ax.set_ylim(bottom=0, top=top * HEADROOM if top > 0 else None)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
 
 
 def run_names(run_dirs: list[Path]) -> list[str]:
@@ -167,10 +213,11 @@ def report(run_dirs: list[str | Path], out: str | Path | None = None) -> tuple[l
         The PNG paths written and the summary table (markdown).
     """
     dirs = [Path(d) for d in run_dirs]
-    runs = {name: load_run(d) for name, d in zip(run_names(dirs), dirs)}
+    names = run_names(dirs)
+    runs = {name: load_run(d) for name, d in zip(names, dirs)}
     out = Path(out) if out is not None else dirs[0] / "report"
     out.mkdir(parents=True, exist_ok=True)
-    pngs = plot(runs, out)
+    pngs = plot(runs, out, dict(zip(names, dirs)))
     summary = summarize(runs)
     (out / "summary.md").write_text(summary, encoding="utf-8")
     return pngs, summary

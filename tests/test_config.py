@@ -40,9 +40,12 @@ def test_bad_values_name_the_key(override, message):
         load_config(None, [override])
 
 
-def test_readme_reference_matches_schema():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert help_table() in readme, "README config reference is stale: paste scale.config.help_table()"
+def test_config_reference_matches_schema():
+    from scale.config import CONFIG_DOC_HEADER
+
+    doc = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
+    assert doc == CONFIG_DOC_HEADER + "\n" + help_table() + "\n", \
+        "docs/config.md is stale: python -m scale.config > docs/config.md"
 
 
 def test_default_is_default_yaml():

@@ -31,11 +31,10 @@ ALLOWED: dict[str, set[str]] = {
     "checks": {"modeling"},
     "checkpoint": {"config", "fileio", "launch", "modeling"},
     "evaluate": {"loss"},
-    "train": {"assets", "checkpoint", "checks", "config", "data", "evaluate", "fileio", "launch", "loss", "metrics",
-              "modeling", "schedule", "signals",
-              "cli"},  # cli only in `if __name__ == "__main__"`: `python -m scale.train` runs the CLI
+    "train": {"assets", "checkpoint", "checks", "config", "data", "evaluate", "fileio", "flops", "launch", "loss",
+              "metrics", "modeling", "schedule", "signals"},
     "cli": {"checkpoint", "config", "data", "launch", "signals", "train"},
-    "report": {"metrics"},
+    "report": {"config", "metrics", "schedule"},
 }
 DISTRIBUTED = {"launch", "metrics", "checks", "checkpoint", "evaluate", "train", "cli"}
 

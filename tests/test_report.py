@@ -38,7 +38,7 @@ RUN_B = [
 ]
 ROW_A = "| run_a | 6 | 0.4100 | 7.1000 → 0.4000 | 0.7200 → 0.8425 | 6.9800 → 0.3760 | 1500 | 3.25 |"
 ROW_B = "| run_b | 4 | 0.9000 | 7.1000 → 0.9500 | 0.7200 → 0.7900 | 6.9800 → 0.9000 | 4000 | n/a |"
-CORE_PNGS = {"loss.png", "target_nll.png", "accuracy.png", "lr.png", "throughput.png"}
+CORE_PNGS = {"loss.png", "target_nll.png", "accuracy.png", "lr.png", "grad_norm.png", "throughput.png"}
 
 
 def write_run(path: Path, rows: list[dict]) -> Path:
@@ -141,3 +141,31 @@ def test_imports_without_matplotlib_and_plotting_names_the_extra(runs, tmp_path,
     fresh = importlib.import_module("scale.report")
     with pytest.raises(ImportError, match=r"pip install 'scale\[report\]'"):
         fresh.report([runs[0]], tmp_path / "out")
+
+
+def test_memory_from_zero_with_headroom_and_lr_schedule_at_every_step(runs, tmp_path):
+    """Memory starts at 0 and ends above its peak; the lr panel draws the schedule of config.yaml at every
+    step (a 2-step warm-up is invisible in points logged every 2 steps), on a linear axis."""
+    from matplotlib.figure import Figure
+
+    from scale.config import dump_config, load_config
+    from scale.schedule import lr_factor
+    from tests.conftest import TINY_YAML
+
+    cfg = load_config(TINY_YAML, ["train.max_steps=6", "optim.warmup_steps=2", "optim.lr=2e-4"])
+    dump_config(cfg, runs[0] / "config.yaml")
+    rows = {"run_a": R.load_run(runs[0])}
+    memory = next(p for f, _, ps in R.FIGURES if f == "memory.png" for p in ps)
+    ax = Figure().subplots()
+    R.draw_panel(ax, memory, rows, {"run_a": runs[0]})
+    assert ax.get_ylim() == pytest.approx((0.0, 3.25 * R.HEADROOM))
+    steps, lrs = R.schedule_line(runs[0])
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert lrs == [2e-4 * lr_factor(s, cfg.optim, 6) for s in range(6)] and lrs[0] == pytest.approx(1e-4)
+    lr_panel = next(p for f, _, ps in R.FIGURES if f == "lr.png" for p in ps)
+    ax = Figure().subplots()
+    R.draw_panel(ax, lr_panel, rows, {"run_a": runs[0]})
+    assert ax.get_yscale() == "linear" and ax.get_ylim()[0] == 0
+    schedule, logged = ax.get_lines()
+    assert list(schedule.get_xdata()) == steps and list(logged.get_xdata()) == [2, 4, 6]
+    assert R.clip_threshold(runs[0]) == cfg.optim.max_grad_norm

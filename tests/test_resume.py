@@ -165,7 +165,8 @@ def test_fresh_run_into_a_directory_with_checkpoints_is_refused(reference):
         run(tiny_cfg(reference, *JOB))
     assert str(e.value) == (f"output_dir={reference} already holds checkpoints of a run (newest step_000014); a "
                             f"fresh run there would mix its checkpoints and metrics with them. Resume it with "
-                            f"train.resume_from=latest, or use another output_dir.")
+                            f"train.resume_from=latest, use another output_dir, or set "
+                            f"train.overwrite_output_dir=true to replace it.")
     assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == before
     assert len(_losses(reference)) == 2 * K  # its metrics.jsonl untouched
 

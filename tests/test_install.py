@@ -1,0 +1,56 @@
+"""The package runs from any directory (issue 11): after a non-editable `pip install .` into a fresh virtualenv,
+the shipped tiny job and a 2-process ZeRO-2 launch of it run from a directory outside the checkout; then the
+same from an editable install. Slow (a fresh venv, ~3 min, plus DeepSpeed's first JIT build): `launch` marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.launch
+
+
+def _sh(cmd, cwd, env, timeout=1200):
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _final_eval(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "eval/loss" in r][-1]
+
+
+def test_installed_package_runs_the_tiny_job_and_zero2_from_anywhere(tmp_path):
+    venv, work = tmp_path / "venv", tmp_path / "elsewhere"
+    work.mkdir()
+    _sh([sys.executable, "-m", "venv", str(venv)], tmp_path, os.environ)
+    pip, bin_dir = venv / "bin" / "pip", venv / "bin"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false")
+    torch_pin = f"torch=={__import__('torch').__version__.split('+')[0]}"
+    if subprocess.run([str(pip), "install", "-q", torch_pin], env=env, capture_output=True).returncode != 0:
+        pytest.skip(f"cannot install {torch_pin} into a fresh venv here")
+    build = tmp_path / "src"  # a copy: the build must not leave build/ or *.egg-info in the checkout
+    shutil.copytree(ROOT, build, ignore=shutil.ignore_patterns(".venv", ".git", "runs", "__pycache__"))
+    _sh([str(pip), "install", "-q", f"{build}[deepspeed]"], tmp_path, env)
+
+    _sh([str(bin_dir / "scale-train"), "--config", "tiny_cpu", "train.max_steps=2", "output_dir=single"], work, env)
+    _sh([str(bin_dir / "scale-train"), "--accelerate-config", "cpu_zero2", "--config", "tiny_cpu",
+         "train.max_steps=2", "output_dir=zero2"], work, env)
+    single, zero2 = _final_eval(work / "single"), _final_eval(work / "zero2")
+    assert single["eval/examples"] == zero2["eval/examples"] == 32
+    saved = (work / "single" / "config.yaml").read_text()
+    assert f"{venv}/lib/" in saved and "scale/configs/data/tiny_reviews.jsonl" in saved  # the shipped data
+
+    _sh([str(pip), "install", "-q", "--no-deps", "-e", str(build)], tmp_path, env)  # editable: the checkout's
+    _sh([str(bin_dir / "scale-train"), "--config", "tiny_cpu", "train.max_steps=2", "output_dir=editable"], work, env)
+    assert f"{build}/configs/data/tiny_reviews.jsonl" in (work / "editable" / "config.yaml").read_text()
