@@ -3,8 +3,8 @@
     accelerate launch --config_file configs/accelerate/cpu_zero2.yaml tests/plan_census.py OUT.json \\
         --config configs/train/tiny_cpu.yaml [key=value ...]
 
-Builds the job's model as the harness does (``scale.modeling.build_model``; for a ``model.name_or_path`` that is a
-``config.json``, random weights from that config through the same ``add_lora``), prepares it with the harness's
+Builds the job's model as the harness does (``scale.modeling.build_model``; for a ``model.name_or_path`` directory
+that holds only a ``config.json``, random weights from that config through the same ``add_lora``), prepares it with the harness's
 Accelerator and optimizer, runs one optimizer step, then the forward and backward of a second one, and counts,
 right before that second optimizer step, the bytes of every storage this rank holds, by kind:
 
@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -33,11 +34,12 @@ import torch
 def _build(cfg, device_map):
     from scale.modeling import _DTYPES, add_lora, build_model
 
-    if not cfg.model.name_or_path.endswith(".json"):
+    source = Path(cfg.model.name_or_path)
+    if not (source.is_dir() and [p.name for p in source.iterdir()] == ["config.json"]):
         return build_model(cfg.model, cfg.lora, 49152, cfg.train.seed, device_map=device_map)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    with open(cfg.model.name_or_path, encoding="utf-8") as fh:
+    with open(source / "config.json", encoding="utf-8") as fh:
         raw = json.load(fh)
     hf = AutoConfig.for_model(raw.pop("model_type"), **raw)
     with torch.random.fork_rng(devices=[]):

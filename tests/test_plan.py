@@ -40,11 +40,14 @@ NO_ACTS = {False: P.Activations(0, 0, 0, 0), True: P.Activations(0, 0, 0, 0)}
 STATES = ("weights", "trainable", "master", "gradients", "optimizer")
 
 
-def smollm2_json(tmp: Path) -> Path:
+def smollm2_dir(tmp: Path) -> Path:
+    """A directory holding only SmolLM2-135M's ``config.json`` (scale-train refuses a bare file as
+    ``model.name_or_path``; the census builds random weights from such a directory)."""
     from transformers import LlamaConfig
 
-    path = tmp / "smollm2-135m-shape.json"
-    LlamaConfig(**SMOLLM2, use_cache=False).to_json_file(path)
+    path = tmp / "smollm2-135m-shape"
+    path.mkdir(exist_ok=True)
+    LlamaConfig(**SMOLLM2, use_cache=False).to_json_file(path / "config.json")
     return path
 
 
@@ -92,7 +95,7 @@ def test_predicted_model_states_equal_what_each_rank_holds(shape, mode, tmp_path
     pytest.importorskip("deepspeed") if mode.startswith("zero") else None
     overrides = SHAPES[shape]
     if overrides is None:  # SmolLM2 shape: random weights from its config; one short row keeps the run short
-        overrides = [f"model.name_or_path={smollm2_json(tmp_path)}", "train.micro_batch_size=1", "data.max_length=16"]
+        overrides = [f"model.name_or_path={smollm2_dir(tmp_path)}", "train.micro_batch_size=1", "data.max_length=16"]
     counts = run_census(mode, overrides, tmp_path / "census.json")
     assert len(counts) == (1 if mode == "single" else 2)
     cfg, hf, params = planned(overrides)
@@ -159,7 +162,7 @@ def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, ch
     from scale.modeling import add_lora, build_model
 
     overrides = {"tiny": [], "tiny-bf16": ["model.dtype=bfloat16", "train.mixed_precision=bf16"],
-                 "smollm2-135m": [f"model.name_or_path={smollm2_json(tmp_path)}", "lora.r=16",
+                 "smollm2-135m": [f"model.name_or_path={smollm2_dir(tmp_path)}", "lora.r=16",
                                   "train.micro_batch_size=2", "data.max_length=32"]}[shape]
     cfg, hf, params = planned([*overrides, f"model.gradient_checkpointing={str(checkpointing).lower()}"])
     predicted = P.count_activations(cfg, P.build_meta_model(cfg, hf), params, padded=padded)
@@ -231,7 +234,7 @@ def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(sha
                  f"data.max_length={T}", *(["model.quantize_4bit=true"] if "qlora" in shape else []),
                  *(bf16 if shape.endswith("bf16") else [])]
     if shape == "smollm2-135m":
-        overrides += [f"model.name_or_path={smollm2_json(tmp_path)}", "lora.r=16"]
+        overrides += [f"model.name_or_path={smollm2_dir(tmp_path)}", "lora.r=16"]
     cfg, _hf, _ = planned(overrides)
     predicted = P.make_plan(cfg, 1).ranks[0]
     if shape == "smollm2-135m":
