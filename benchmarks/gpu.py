@@ -29,7 +29,10 @@ times, each run ``--steps`` optimizer steps of which the first ``--warmup`` are 
   missing from the table), resolved by ``scale.metrics.resolve_peak_flops`` as ``log.peak_flops`` is in a run:
   the same code that logs ``train/mfu``;
 - peak memory: ``torch.cuda.max_memory_allocated`` during the contestant's first run, minus what was allocated
-  before its model was built: its weights, adapters, optimizer state, activations and workspace (GiB).
+  before its model was built: its weights, adapters, optimizer state, activations and workspace (GiB);
+- predicted vs measured: ``scale-plan``'s single-device prediction of that peak (``scale.plan.make_plan`` with the
+  shape's config, ``--full-rows``: the rows have no padding; its ``allocated``, i.e. without the assumed CUDA
+  context and fragmentation overhead) next to ``max_memory_allocated``; the goal is within 15%.
 
 Written and dry-run on a CPU machine only; not yet run on a GPU.
 """
@@ -52,6 +55,7 @@ if __package__ in (None, ""):  # `python benchmarks/gpu.py`: make `benchmarks.co
 from benchmarks.common import Harness, Job, RunResult, fmt_spread, llama_config, machine_line, reset_accelerate
 from scale.flops import mfu
 from scale.metrics import PeakFlops, model_flops, resolve_peak_flops
+from scale.plan import make_plan
 
 NO_CUDA = ("benchmarks/gpu.py needs a CUDA GPU: torch.cuda.is_available() is False (torch {v}). Run it on a GPU "
            "machine with a CUDA build of torch, or pass --dry-run to exercise the same code path on CPU.")
@@ -67,6 +71,20 @@ def contestants(shape: str, args: argparse.Namespace) -> dict[str, Job]:
 
 def trainable(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def predicted_gib(job: Job, shape: str, seq: int) -> float:
+    """``scale-plan``'s prediction of this contestant's peak allocated memory on one device (GiB): model states,
+    saved activations, tail logits and transient buffers of the job's config, rows of exactly ``seq`` tokens."""
+    from dataclasses import replace
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = job.config(tmp)
+        cfg.data = replace(cfg.data, max_length=seq)
+        path = Path(tmp) / "config.json"
+        llama_config(shape, seq).to_json_file(path)
+        single = make_plan(cfg, gpus=1, model_config=str(path), padded=False).ranks[0]
+    return single.allocated / 2**30
 
 
 def bench_shape(shape: str, args: argparse.Namespace, acc, device: str) -> dict:
@@ -97,6 +115,7 @@ def bench_shape(shape: str, args: argparse.Namespace, acc, device: str) -> dict:
         cfg = harnesses[name].cfg
         fpt = model_flops(cfg, config, n_lora)(args.batch, args.seq) / (args.batch * args.seq)  # as train/mfu counts
         out[name] = {"tps": [r.tokens_per_s for r in runs[name]], "fpt": fpt, "peak_gib": peak[name],
+                     "predicted_gib": predicted_gib(job, shape, args.seq),
                      "trainable": n_lora, "loss": runs[name][0].losses[-1],
                      "dtypes": dtype_census(harnesses[name].model),
                      "linear4bit": sum(type(m).__name__ == "Linear4bit" for m in harnesses[name].model.modules())}
@@ -136,6 +155,14 @@ def table(results: dict[str, dict], args: argparse.Namespace, peak: PeakFlops, d
         "MFU = tokens/s x model FLOPs per token / peak; LoRA FLOPs per token = 4(N + f N_head) + 6 N_lora + "
         "12 L T d_attn (scale/flops.py; recomputation not counted)",
         *census,
+        "",
+        "predicted (scale-plan, one device, no overhead) vs torch.cuda.max_memory_allocated, goal within 15%:",
+        "| shape | method | predicted (GiB) | max_memory_allocated (GiB) | predicted / measured |",
+        "|---|---|---|---|---|",
+        *(f"| {shape} | {name} | {res[name]['predicted_gib']:.2f} | {res[name]['peak_gib']:.2f} | "
+          f"{res[name]['predicted_gib'] / res[name]['peak_gib']:.3f} |" if res[name]["peak_gib"] == res[name]["peak_gib"]
+          else f"| {shape} | {name} | {res[name]['predicted_gib']:.4f} | n/a (no CUDA) | n/a |"
+          for shape, res in results.items() for name in res if name != "ratio"),
         machine_line(),
     ])
 

@@ -72,6 +72,7 @@ def test_gpu_script_dry_run_and_no_cuda_message(capsys):
     assert "LoRA bf16: parameter elements by dtype {'bfloat16/frozen'" in out
     qlora = out.split("QLoRA nf4/bf16: parameter elements by dtype")[1]
     assert "'uint8/frozen'" in qlora and " 0 Linear4bit" not in qlora
+    assert "| tiny | LoRA bf16 | 0.0" in out and "| n/a (no CUDA) | n/a |" in out   # scale-plan's prediction row
     if not torch.cuda.is_available():
         assert gpu.main([]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -27,6 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "modeling": {"config", "assets"},
     "sampling": set(),
     "export": {"config", "fileio", "modeling"},
+    "plan": {"config", "loss", "modeling"},  # scale-plan: meta/fake tensors only, never a process group
     # the loop side: may import accelerate / torch.distributed
     "launch": {"config"},
     "metrics": {"config", "fileio", "flops"},

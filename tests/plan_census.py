@@ -1,0 +1,199 @@
+"""Count what one rank really holds, for ``tests/test_plan.py``: run under ``accelerate launch`` (or plain python).
+
+    accelerate launch --config_file configs/accelerate/cpu_zero2.yaml tests/plan_census.py OUT.json \\
+        --config configs/train/tiny_cpu.yaml [key=value ...]
+
+Builds the job's model as the harness does (``scale.modeling.build_model``; for a ``model.name_or_path`` directory
+that holds only a ``config.json``, random weights from that config through the same ``add_lora``), prepares it with the harness's
+Accelerator and optimizer, runs one optimizer step, then the forward and backward of a second one, and counts,
+right before that second optimizer step, the bytes of every storage this rank holds, by kind:
+
+- ``weights`` / ``trainable``: the frozen / trainable parameters' storages (ZeRO-3: ``ds_tensor`` partitions plus
+  the whole data of persistent parameters; ZeRO-1/2: the flat buffer the trainable parameters are views of);
+- ``master``: DeepSpeed's fp32 partitions; ``optimizer``: the torch optimizer's state tensors (0-dim ``step``
+  counters are reported apart: host scalars);
+- ``gradients``: ``param.grad``, DDP's buckets (``bucket_sizes`` from DDP's logging data), DeepSpeed's gradient
+  partitions and ZeRO-3's reduce bucket;
+- ``bucket_in_backward``: DeepSpeed ZeRO-1/2's reduce bucket, seen from inside backward (it is freed at its end).
+
+Set ``PLAN_CENSUS_TIMES=1`` for timings on stderr. Any other live tensor found through the garbage collector is listed under ``other`` so that a buffer the
+accounting does not know about shows up. Rank ``r`` writes ``OUT.json`` with ``.r`` appended.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _build(cfg, device_map):
+    from scale.modeling import _DTYPES, add_lora, build_model
+
+    source = Path(cfg.model.name_or_path)
+    if not (source.is_dir() and [p.name for p in source.iterdir()] == ["config.json"]):
+        return build_model(cfg.model, cfg.lora, 49152, cfg.train.seed, device_map=device_map)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with open(source / "config.json", encoding="utf-8") as fh:
+        raw = json.load(fh)
+    hf = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.train.seed)
+        base = AutoModelForCausalLM.from_config(hf, dtype=_DTYPES[cfg.model.dtype])
+        base.config.use_cache = False
+        model = add_lora(base, cfg.model, cfg.lora)
+    model.train()
+    return model
+
+
+def main() -> None:
+    import time
+    t0 = time.perf_counter()
+
+    def mark(what: str) -> None:
+        if os.environ.get("PLAN_CENSUS_TIMES"):
+            sys.stderr.write(f"census {what}: {time.perf_counter() - t0:.1f} s\n")
+
+    out, args = sys.argv[1], sys.argv[2:]
+    config = args[args.index("--config") + 1]
+    overrides = [a for i, a in enumerate(args) if a != "--config" and (i == 0 or args[i - 1] != "--config")]
+    from scale import loss as L
+    from scale.config import load_config
+    from scale.launch import build_accelerator, plan_for_mode
+    from scale.train import make_optimizer
+
+    cfg = load_config(config, overrides)
+    acc = build_accelerator(cfg)
+    plan = plan_for_mode(cfg, acc)
+    model = _build(cfg, plan.device_map)
+    mark("built")
+    optimizer, _ = make_optimizer(cfg, model)
+    model, optimizer = acc.prepare(model, optimizer)
+    mark("prepared")
+    inner = model.module if hasattr(model, "module") else model
+    B, T = cfg.train.micro_batch_size, cfg.data.max_length
+    ids = torch.randint(3, 400, (B, T), generator=torch.Generator().manual_seed(acc.process_index))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding on one row
+    batch = {"input_ids": ids.to(acc.device), "attention_mask": mask.to(acc.device)}
+    ds_opt = model.optimizer if plan.deepspeed else None
+    in_backward: list[int] = []
+
+    def bucket_bytes() -> int:
+        buckets = getattr(ds_opt, "ipg_buckets", {}) or {}
+        return sum(b.numel() * b.element_size() for bucket in buckets.values()
+                   for b in (bucket.buffer if isinstance(bucket.buffer, list) else [bucket.buffer])
+                   if isinstance(b, torch.Tensor))
+
+    def grad_bytes() -> int:
+        storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+                    for p in inner.parameters() if p.grad is not None and p.grad.numel()}
+        return sum(storages.values())
+
+    def embed_hook(module, args, output):  # its gradient is the last one backward computes
+        if output.requires_grad:
+            output.register_hook(lambda g: in_backward.append((bucket_bytes(), grad_bytes())))
+
+    inner.get_input_embeddings().register_forward_hook(embed_hook)
+
+    def forward_backward() -> None:
+        tail, targets = L.forward_tail(model, batch, cfg.loss.threshold)
+        num, den = L.tail_loss(tail, targets, torch.ones_like(targets, dtype=torch.float32))
+        if plan.deepspeed:
+            model.backward(num / den)  # the engine; accelerate's backward() would also step it
+        else:
+            acc.backward(num / den)
+
+    def step() -> None:
+        if plan.deepspeed:
+            model.step()
+        else:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    forward_backward()
+    mark("backward 1")
+    step()
+    mark("step 1")
+    in_backward.clear()
+    forward_backward()
+    mark("backward 2")  # ZeRO-3's second pass is slow on CPU: DeepSpeed scans its module trace per release
+    gc.collect()
+
+    kinds: dict[int, tuple[str, int]] = {}   # storage pointer -> (kind, bytes)
+
+    def add(t, kind: str) -> None:
+        if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr():
+            s = t.untyped_storage()
+            kinds.setdefault(s.data_ptr(), (kind, s.nbytes()))
+
+    for p in inner.parameters():
+        kind = "trainable" if p.requires_grad else "weights"
+        add(getattr(p, "ds_tensor", None), kind)
+        add(p.data, kind)
+        add(p.grad, "gradients")
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            for t in (qs.absmax, qs.code, qs.offset, getattr(qs.state2, "absmax", None),
+                      getattr(qs.state2, "code", None)):
+                add(t, "weights")
+    for b in inner.buffers():
+        add(b, "buffers")
+    steps = 0
+    torch_opt = ds_opt.optimizer if plan.deepspeed else optimizer.optimizer
+    for state in torch_opt.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor) and t.dim() == 0:
+                steps += t.numel() * t.element_size()
+            else:
+                add(t, "optimizer")
+    extra_gradients = 0
+    if plan.deepspeed:
+        for t in getattr(ds_opt, "single_partition_of_fp32_groups", []):
+            add(t, "master")
+        for t in getattr(ds_opt, "fp32_partitioned_groups_flat", []):
+            add(t, "master")
+        for t in getattr(ds_opt, "averaged_gradients", {}).values():
+            for g in (t if isinstance(t, list) else [t]):
+                add(g, "gradients")
+        add(getattr(ds_opt, "grads_in_partition", None), "gradients")
+        add(getattr(ds_opt, "grad_partitions_flat_buffer", None), "gradients")
+        for bucket in (getattr(ds_opt, "ipg_buckets", {}) or {}).values():
+            for b in (bucket.buffer if isinstance(bucket.buffer, list) else [bucket.buffer]):
+                add(b, "gradients")
+    elif hasattr(model, "_get_ddp_logging_data"):
+        sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
+        extra_gradients = sum(int(x) for x in sizes.split(",") if x.strip())   # C++ buckets: not Python tensors
+    others = []
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, torch.Tensor) and o.numel() and o.untyped_storage().data_ptr() not in kinds:
+                s = o.untyped_storage()
+                kinds[s.data_ptr()] = ("other", s.nbytes())
+                others.append([s.nbytes(), str(o.dtype), list(o.shape)])
+        except (RuntimeError, ReferenceError):
+            continue
+    totals: dict[str, int] = {}
+    for kind, nbytes in kinds.values():
+        totals[kind] = totals.get(kind, 0) + nbytes
+    totals["gradients"] = totals.get("gradients", 0) + extra_gradients
+    result = {"rank": acc.process_index, "world": acc.num_processes, "mode": plan.mode, "totals": totals,
+              "step_scalars": steps, "bucket_in_backward": max((b for b, _ in in_backward), default=0),
+              "grads_in_backward": max((g for _, g in in_backward), default=0),
+              "others": sorted(others, reverse=True)[:20]}
+    with open(f"{out}.{acc.process_index}", "w", encoding="utf-8") as fh:
+        json.dump(result, fh)
+    acc.wait_for_everyone()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # pytorch/pytorch#190489: gloo can abort at interpreter exit
+
+
+if __name__ == "__main__":
+    main()

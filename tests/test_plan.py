@@ -1,0 +1,406 @@
+"""``scale-plan``: predicted bytes per rank against counts of what each rank really holds.
+
+- Model states (weights, trainable weights, fp32 master, gradients, optimizer state) in single, DDP and
+  ZeRO-1/2/3 with 2 processes: ``tests/plan_census.py`` runs under ``accelerate launch`` with
+  ``configs/accelerate/cpu_*.yaml`` and counts every storage each rank holds before its second optimizer step;
+  the prediction must equal it to the byte, on both ranks.
+- Saved activations: within 10% of the bytes ``saved_tensors_hooks`` count on a real CPU forward of the same
+  job (checkpointing on and off, padded and full rows).
+- The single-device total without overhead: within 10% of the peak of live tensor bytes over a real CPU optimizer
+  step (a ``TorchDispatchMode`` that follows every storage; the CPU stand-in for ``max_memory_allocated``).
+- 4-bit storage: equal to a real bitsandbytes model's packed weights and quant state.
+- Bad input: one line on stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from scale import plan as P
+from scale.config import load_config
+from tests.conftest import ROOT, TINY_YAML
+from tests.launching import free_port
+
+BASE = ["log.trackers=[]", "train.gradient_accumulation_steps=1"]
+# SmolLM2-135M's shape (its config.json, written out explicitly so that no cache is needed), and a tiny Llama whose
+# odd sizes make DeepSpeed pad: LoRA r=3 on a 127-wide MLP gives odd parameter sizes and an odd group size.
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=2048)
+ODD = ["model.tiny_hidden_size=66", "model.tiny_num_heads=3", "model.tiny_intermediate_size=127", "lora.r=3"]
+NO_ACTS = {False: P.Activations(0, 0, 0, 0), True: P.Activations(0, 0, 0, 0)}
+STATES = ("weights", "trainable", "master", "gradients", "optimizer")
+
+
+def smollm2_dir(tmp: Path) -> Path:
+    """A directory holding only SmolLM2-135M's ``config.json`` (scale-train refuses a bare file as
+    ``model.name_or_path``; the census builds random weights from such a directory)."""
+    from transformers import LlamaConfig
+
+    path = tmp / "smollm2-135m-shape"
+    path.mkdir(exist_ok=True)
+    LlamaConfig(**SMOLLM2, use_cache=False).to_json_file(path / "config.json")
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2_base():
+    """A random-weight SmolLM2-135M-shaped Llama, built once per module (LoRA is added to a copy per test)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(**SMOLLM2, use_cache=False))
+
+
+def planned(overrides: list[str]):
+    cfg = load_config(TINY_YAML, [*BASE, *overrides])
+    hf = P.load_model_config(cfg.model)
+    return cfg, hf, P.census(cfg, P.build_meta_model(cfg, hf))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model states, counted on 2 processes
+
+
+def run_census(mode: str, overrides: list[str], out: Path) -> list[dict]:
+    script = [str(ROOT / "tests" / "plan_census.py"), str(out), "--config", str(TINY_YAML), *BASE, *overrides]
+    if mode == "single":
+        cmd = [sys.executable, *script]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "configs" / "accelerate" / f"cpu_{mode}.yaml"), "--main_process_port", str(free_port()),
+               *script]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return [json.loads(p.read_text()) for p in sorted(out.parent.glob(out.name + ".*"))]
+
+
+SHAPES = {"tiny": [], "smollm2-135m": None, "odd": ODD}
+CASES = [(s, m) for s in ("tiny", "smollm2-135m") for m in ("single", "ddp", "zero1", "zero2", "zero3")]
+CASES += [("odd", "zero1"), ("odd", "zero2"), ("odd", "zero3")]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("shape,mode", CASES, ids=[f"{s}-{m}" for s, m in CASES])
+def test_predicted_model_states_equal_what_each_rank_holds(shape, mode, tmp_path):
+    pytest.importorskip("deepspeed") if mode.startswith("zero") else None
+    overrides = SHAPES[shape]
+    if overrides is None:  # SmolLM2 shape: random weights from its config; one short row keeps the run short
+        overrides = [f"model.name_or_path={smollm2_dir(tmp_path)}", "train.micro_batch_size=1", "data.max_length=16"]
+    counts = run_census(mode, overrides, tmp_path / "census.json")
+    assert len(counts) == (1 if mode == "single" else 2)
+    cfg, hf, params = planned(overrides)
+    for c in counts:
+        assert c["mode"] == mode
+        r = P.predict_mode(cfg, params, NO_ACTS, mode, c["world"], hf, rank=c["rank"])
+        predicted = {k: getattr(r, k) for k in STATES}
+        held = {k: c["totals"].get(k, 0) for k in STATES}
+        if mode == "zero1":  # whole gradients until the end of backward; the partition after it
+            held["gradients"] = c["grads_in_backward"]
+            trainable = [p for p in params if p.trainable]
+            n = sum(p.numel for p in trainable)
+            aligned = -(-n // (2 * c["world"])) * 2 * c["world"]
+            partition = P.zero12_gradient_elems(trainable, aligned, aligned // c["world"], c["rank"]) * 4
+            assert c["totals"]["gradients"] == partition
+        assert predicted == held, (c["rank"], predicted, held)
+        if mode in ("zero1", "zero2", "zero3"):  # DeepSpeed's reduce bucket, seen from inside backward
+            assert c["bucket_in_backward"] == P.deepspeed_settings(mode, hf)["reduce_bucket_size"] * 4
+        # nothing big held that the accounting does not know: the batch, RoPE tables, a leftover gradient view
+        assert c["totals"].get("other", 0) < 64 * 1024, c["others"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# saved activations against saved-tensor hooks on a real forward
+
+
+def real_saved_bytes(model: torch.nn.Module, cfg, padded: bool = True) -> int:
+    """Bytes autograd saves in one real CPU forward of the tail loss (distinct storages, parameters excluded)."""
+    from scale import loss as L
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    B, T = cfg.train.micro_batch_size, cfg.data.max_length
+    ids = torch.randint(3, 400, (B, T), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :5] = 0  # left padding, as the collator pads a batch of unequal rows
+    amp = cfg.train.mixed_precision == "bf16"
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        tail, targets = L.forward_tail(model, {"input_ids": ids, "attention_mask": mask}, cfg.loss.threshold)
+        L.tail_loss(tail, targets, torch.ones_like(targets, dtype=torch.float32))
+    return sum(seen.values())
+
+
+ACTIVATION_CASES = [(s, c, p) for s in ("tiny", "smollm2-135m") for c in (False, True) for p in (True, False)]
+ACTIVATION_CASES += [("tiny-bf16", False, True), ("tiny-bf16", True, True)]
+
+
+@pytest.mark.parametrize("shape,checkpointing,padded", ACTIVATION_CASES,
+                         ids=[f"{s}-checkpointing-{'on' if c else 'off'}-{'padded' if p else 'full-rows'}"
+                              for s, c, p in ACTIVATION_CASES])
+def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, checkpointing, padded, tmp_path,
+                                                                       request):
+    import copy
+
+    from scale.modeling import add_lora, build_model
+
+    overrides = {"tiny": [], "tiny-bf16": ["model.dtype=bfloat16", "train.mixed_precision=bf16"],
+                 "smollm2-135m": [f"model.name_or_path={smollm2_dir(tmp_path)}", "lora.r=16",
+                                  "train.micro_batch_size=2", "data.max_length=32"]}[shape]
+    cfg, hf, params = planned([*overrides, f"model.gradient_checkpointing={str(checkpointing).lower()}"])
+    predicted = P.count_activations(cfg, P.build_meta_model(cfg, hf), params, padded=padded)
+    if shape == "smollm2-135m":
+        model = add_lora(copy.deepcopy(request.getfixturevalue("smollm2_base")), cfg.model, cfg.lora)
+        model.train()
+    else:
+        model = build_model(cfg.model, cfg.lora, P.TINY_VOCAB, cfg.train.seed)
+    real = real_saved_bytes(model, cfg, padded)
+    assert abs(predicted.total / real - 1) < 0.10, (predicted, real)
+    assert predicted.layers == hf.num_hidden_layers and predicted.head > 0
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages alive: those registered at the start plus every storage an op creates inside
+    the mode, each forgotten when it is freed; ``peak`` is the most at once (what ``max_memory_allocated`` would
+    report on a GPU, without the allocator's rounding)."""
+
+    def __init__(self, *existing: torch.Tensor) -> None:
+        super().__init__()
+        self.now, self.peak, self.refs = 0, 0, {}
+        for t in existing:
+            self.add(t)
+
+    def add(self, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        storage = t.untyped_storage()
+        key, nbytes = storage._cdata, storage.nbytes()
+        if key in self.refs or not nbytes:
+            return
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
+        def freed(_, key=key, nbytes=nbytes) -> None:
+            self.now -= nbytes
+            self.refs.pop(key, None)
+
+        self.refs[key] = weakref.ref(storage, freed)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self.add(t)
+        return out
+
+
+PEAK_CASES = [(s, c) for s in ("tiny", "tiny-bf16", "tiny-qlora", "tiny-qlora-bf16") for c in (False, True)]
+PEAK_CASES += [("smollm2-135m", True)]
+
+
+@pytest.mark.parametrize("shape,checkpointing", PEAK_CASES,
+                         ids=[f"{s}-checkpointing-{'on' if c else 'off'}" for s, c in PEAK_CASES])
+def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(shape, checkpointing, tmp_path,
+                                                                             request):
+    """The whole single-device prediction (model states + activations + logits + transient, no overhead) against
+    the peak of live tensor bytes over a real CPU optimizer step (the optimizer state already exists)."""
+    import copy
+
+    from scale import loss as L
+    from scale.modeling import add_lora, build_model
+    from scale.train import make_optimizer
+
+    if "qlora" in shape:
+        pytest.importorskip("bitsandbytes")
+    bf16 = ["model.dtype=bfloat16", "train.mixed_precision=bf16", "model.bnb_4bit_compute_dtype=bfloat16"]
+    B, T = (2, 32) if shape == "smollm2-135m" else (4, 64)
+    overrides = [f"model.gradient_checkpointing={str(checkpointing).lower()}", f"train.micro_batch_size={B}",
+                 f"data.max_length={T}", *(["model.quantize_4bit=true"] if "qlora" in shape else []),
+                 *(bf16 if shape.endswith("bf16") else [])]
+    if shape == "smollm2-135m":
+        overrides += [f"model.name_or_path={smollm2_dir(tmp_path)}", "lora.r=16"]
+    cfg, _hf, _ = planned(overrides)
+    predicted = P.make_plan(cfg, 1).ranks[0]
+    if shape == "smollm2-135m":
+        model = add_lora(copy.deepcopy(request.getfixturevalue("smollm2_base")), cfg.model, cfg.lora)
+    else:
+        model = build_model(cfg.model, cfg.lora, P.TINY_VOCAB, 0)
+    model.train()
+    optimizer, _ = make_optimizer(cfg, model)
+    ids = torch.randint(3, 400, (B, T), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train.mixed_precision == "bf16"):
+            tail, targets = L.forward_tail(model, {"input_ids": ids, "attention_mask": mask}, cfg.loss.threshold)
+        num, den = L.tail_loss(tail.float(), targets, torch.ones_like(targets, dtype=torch.float32))
+        (num / den).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    states = [t for s in optimizer.state.values() for t in s.values() if t.dim()]
+    quant = [t for p in model.parameters() if getattr(p, "quant_state", None) is not None
+             for t in (p.quant_state.absmax, p.quant_state.code, p.quant_state.offset,
+                       *((p.quant_state.state2.absmax, p.quant_state.state2.code) if p.quant_state.state2 else ()))
+             if t is not None]
+    live = LiveBytes(*model.parameters(), *model.buffers(), *states, *quant)
+    with live:
+        step()
+    assert abs(predicted.allocated / live.peak - 1) < 0.10, (predicted, live.peak)
+
+
+def test_checkpointing_saves_less_and_logits_are_the_tail():
+    cfg, hf, params = planned([])
+    on = P.count_activations(cfg, P.build_meta_model(cfg, hf, checkpointing=True), params)
+    off = P.count_activations(cfg, P.build_meta_model(cfg, hf, checkpointing=False), params)
+    assert on.decoder < off.decoder / 5
+    # The loss keeps the fp32 log-softmax of B x N tail predictions over V: the head's share is about that.
+    B, N, V = cfg.train.micro_batch_size, cfg.loss.threshold, P.TINY_VOCAB
+    assert B * N * V * 4 <= on.head < 1.01 * B * N * V * 4 + 4096
+    assert on.head == off.head
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parameters and 4-bit storage
+
+
+@pytest.mark.parametrize("name,base_params,tied", [("llama-3.2-1b", 1_235_814_400, True),
+                                                   ("llama-3.1-8b", 8_030_261_248, False),
+                                                   ("llama-3.1-70b", 70_553_706_496, False)])
+def test_shipped_model_configs_count_their_published_parameters(name, base_params, tied):
+    cfg = load_config(TINY_YAML, [f"model.name_or_path={ROOT / 'configs' / 'models' / f'{name}.json'}"])
+    hf = P.load_model_config(cfg.model)
+    params = P.census(cfg, P.build_meta_model(cfg, hf))
+    assert sum(p.numel for p in params if not p.trainable) == base_params
+    assert hf.tie_word_embeddings is tied
+    # LoRA r on all 7 linears of every layer: r x (in + out) each
+    d, ff, L, kv = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers, hf.num_key_value_heads * hf.head_dim
+    per_layer = (d + d) + 2 * (d + kv) + (d + d) + 3 * (d + ff)
+    assert sum(p.numel for p in params if p.trainable) == cfg.lora.r * L * per_layer
+
+
+@pytest.mark.parametrize("extra", [[], ["model.bnb_4bit_quant_storage=float32"], ["model.bnb_4bit_use_double_quant=false"],
+                                   ["model.dtype=bfloat16", "model.bnb_4bit_compute_dtype=bfloat16",
+                                    "model.bnb_4bit_quant_storage=bfloat16"]])
+def test_4bit_base_equals_a_real_bitsandbytes_model(extra):
+    pytest.importorskip("bitsandbytes")
+    from scale.modeling import build_model
+
+    cfg, hf, params = planned(["model.quantize_4bit=true", *extra])
+    predicted = P.predict_mode(cfg, params, NO_ACTS, "single", 1, hf).weights
+    model = build_model(cfg.model, cfg.lora, P.TINY_VOCAB, 0)
+    held: dict[int, int] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            continue
+        qs = getattr(p, "quant_state", None)
+        tensors = [p.data] + ([qs.absmax, qs.code, qs.offset, *(
+            [qs.state2.absmax, qs.state2.code] if qs.state2 is not None else [])] if qs is not None else [])
+        for t in tensors:
+            if t is not None:
+                held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    assert predicted == sum(held.values())
+    assert sum(p.quantized for p in params) == 14  # 7 linears x 2 layers; embedding/LM head stay unquantized
+
+
+@pytest.mark.parametrize("content", [
+    {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000},
+    {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 1000},   # sizes under aliases
+])
+def test_other_architectures_are_counted_from_their_config(content, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(content))
+    cfg = load_config(TINY_YAML, ["train.micro_batch_size=2", "data.max_length=32"])
+    plan = P.make_plan(cfg, 2, model_config=str(path))
+    real = AutoModelForCausalLM.from_config(AutoConfig.for_model(**content))
+    assert plan.parameters - plan.trainable_parameters == sum(p.numel() for p in real.parameters())
+    assert plan.activations["checkpointing_on"] < plan.activations["checkpointing_off"]
+
+
+def test_nf4_layout():
+    # 576 x 192 weight: 55,296 packed bytes; 1,728 uint8 absmax; 7 fp32 nested absmax; offset; 256 + 16 fp32 codes
+    assert P.nf4_bytes(576 * 192) == (55_296, 64 + 1_728 + 7 * 4 + 4 + 1024)
+    assert P.nf4_bytes(576 * 192, double_quant=False) == (55_296, 64 + 1_728 * 4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the command
+
+
+def plan_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "scale.plan", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+def test_json_plan_for_the_tiny_job():
+    proc = plan_cli("--config", str(TINY_YAML), "--gpus", "2", "--gpu-mem", "24", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = json.loads(proc.stdout)
+    assert [r["mode"] for r in plan["ranks"]] == list(P.MODES)
+    assert plan["recommended"] == "ddp" and all(plan["fits"].values())  # 2 GPUs: one process would idle one
+    assert plan["trainable_parameters"] == 17_408 and plan["parameters"] == 3_245_376
+    single, ddp = plan["ranks"][0], plan["ranks"][1]
+    assert ddp["gradients"] == 2 * single["gradients"] == 2 * 17_408 * 4
+    assert single["total"] == single["allocated"] + single["overhead"]
+
+
+def test_text_plan_marks_what_does_not_fit(capsys):
+    assert P.main(["--config", str(TINY_YAML), "--gpus", "8", "--gpu-mem", "1.5",
+                   f"model.name_or_path={ROOT / 'configs' / 'models' / 'llama-3.2-1b.json'}"]) == 0
+    out = capsys.readouterr().out
+    fits = next(line for line in out.splitlines() if line.startswith("fits in 1.5 GiB")).split()[4:]
+    assert fits == ["no", "no", "no", "no", "no", "no", "no"]
+    assert "recommended: none fits" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpus", "0"], "PlanError: --gpus 0: at least 1 GPU is needed"),
+    (["--gpus", "6", "--nodes", "4"], ("PlanError: --gpus 6 is not divisible by --nodes 4: every node runs the same "
+                                      "number of processes (num_processes = gpus per node x nodes)")),
+    (["--gpus", "2", "--nodes", "0"], "PlanError: --nodes 0: at least 1 node is needed"),
+    (["--gpus", "2", "--gpu-mem", "0"], "PlanError: --gpu-mem 0.0: GiB per GPU must be > 0"),
+    (["--gpus", "2", "model.name_or_path=meta-llama/Llama-3.1-8B"],
+     ("PlanError: model.name_or_path='meta-llama/Llama-3.1-8B' is not a local directory or config.json (there is no "
+     "model hub here); pass --model-config PATH/config.json, e.g. configs/models/llama-3.1-8b.json")),
+    (["--gpus", "2", "train.micro_batch_size=0"], "ConfigError: train.micro_batch_size=0 must be >= 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    assert P.main(["--config", str(TINY_YAML), *args]) == 2
+    assert capsys.readouterr().err == f"scale-plan: error: {message}\n"
+
+
+@pytest.mark.parametrize("content,message", [
+    ({"model_type": "llamaa", "hidden_size": 8}, ("has an unknown model type 'llamaa' (transformers knows e.g. llama, "
+                                                 "mistral, qwen2, gemma2; remote-code models need their directory and "
+                                                 "model.trust_remote_code=true)")),
+    ({"model_type": "llama", "hidden_size": 64, "vocab_size": 100},
+     ("lacks num_hidden_layers, num_attention_heads: the planner needs the model's sizes (transformers would fill "
+     "LlamaConfig's defaults, a different model)")),
+    ({"hidden_size": 64}, "has no model_type; it must be a transformers config.json"),
+])
+def test_bad_model_config_is_one_line_and_exit_2(content, message, tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(content))
+    assert P.main(["--config", str(TINY_YAML), "--gpus", "2", "--model-config", str(path)]) == 2
+    assert capsys.readouterr().err == f"scale-plan: error: PlanError: model config {str(path)!r} {message}\n"
