@@ -65,7 +65,7 @@ def main() -> None:
     from scale import loss as L
     from scale.config import load_config
     from scale.launch import build_accelerator, plan_for_mode
-    from scale.train import make_optimizer
+    from scale.job import make_optimizer
 
     cfg = load_config(config, overrides)
     acc = build_accelerator(cfg)

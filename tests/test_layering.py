@@ -27,7 +27,9 @@ ALLOWED: dict[str, set[str]] = {
     "modeling": {"config", "assets"},
     "sampling": set(),
     "export": {"config", "fileio", "modeling"},
-    "plan": {"config", "loss", "modeling"},  # scale-plan: meta/fake tensors only, never a process group
+    "census": {"config", "loss", "modeling"},  # scale-plan's counts: meta/fake tensors only, no process group
+    "layouts": {"census", "config"},
+    "plan": {"census", "config", "layouts"},
     # the loop side: may import accelerate / torch.distributed
     "launch": {"config"},
     "metrics": {"config", "fileio", "flops"},

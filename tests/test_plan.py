@@ -25,6 +25,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from scale import census as C
+from scale import layouts as LY
 from scale import plan as P
 from scale.config import load_config
 from tests.conftest import ROOT, TINY_YAML
@@ -36,7 +38,7 @@ BASE = ["log.trackers=[]", "train.gradient_accumulation_steps=1"]
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=2048)
 ODD = ["model.tiny_hidden_size=66", "model.tiny_num_heads=3", "model.tiny_intermediate_size=127", "lora.r=3"]
-NO_ACTS = {False: P.Activations(0, 0, 0, 0), True: P.Activations(0, 0, 0, 0)}
+NO_ACTS = {False: C.Activations(0, 0, 0, 0), True: C.Activations(0, 0, 0, 0)}
 STATES = ("weights", "trainable", "master", "gradients", "optimizer")
 
 
@@ -63,8 +65,8 @@ def smollm2_base():
 
 def planned(overrides: list[str]):
     cfg = load_config(TINY_YAML, [*BASE, *overrides])
-    hf = P.load_model_config(cfg.model)
-    return cfg, hf, P.census(cfg, P.build_meta_model(cfg, hf))
+    hf = C.load_model_config(cfg.model)
+    return cfg, hf, C.census(cfg, C.build_meta_model(cfg, hf))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -101,7 +103,7 @@ def test_predicted_model_states_equal_what_each_rank_holds(shape, mode, tmp_path
     cfg, hf, params = planned(overrides)
     for c in counts:
         assert c["mode"] == mode
-        r = P.predict_mode(cfg, params, NO_ACTS, mode, c["world"], hf, rank=c["rank"])
+        r = LY.predict_mode(cfg, params, NO_ACTS, mode, c["world"], hf, rank=c["rank"])
         predicted = {k: getattr(r, k) for k in STATES}
         held = {k: c["totals"].get(k, 0) for k in STATES}
         if mode == "zero1":  # whole gradients until the end of backward; the partition after it
@@ -109,11 +111,11 @@ def test_predicted_model_states_equal_what_each_rank_holds(shape, mode, tmp_path
             trainable = [p for p in params if p.trainable]
             n = sum(p.numel for p in trainable)
             aligned = -(-n // (2 * c["world"])) * 2 * c["world"]
-            partition = P.zero12_gradient_elems(trainable, aligned, aligned // c["world"], c["rank"]) * 4
+            partition = LY.zero12_gradient_elems(trainable, aligned, aligned // c["world"], c["rank"]) * 4
             assert c["totals"]["gradients"] == partition
         assert predicted == held, (c["rank"], predicted, held)
         if mode in ("zero1", "zero2", "zero3"):  # DeepSpeed's reduce bucket, seen from inside backward
-            assert c["bucket_in_backward"] == P.deepspeed_settings(mode, hf)["reduce_bucket_size"] * 4
+            assert c["bucket_in_backward"] == LY.deepspeed_settings(mode, hf)["reduce_bucket_size"] * 4
         # nothing big held that the accounting does not know: the batch, RoPE tables, a leftover gradient view
         assert c["totals"].get("other", 0) < 64 * 1024, c["others"]
 
@@ -165,12 +167,12 @@ def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, ch
                  "smollm2-135m": [f"model.name_or_path={smollm2_dir(tmp_path)}", "lora.r=16",
                                   "train.micro_batch_size=2", "data.max_length=32"]}[shape]
     cfg, hf, params = planned([*overrides, f"model.gradient_checkpointing={str(checkpointing).lower()}"])
-    predicted = P.count_activations(cfg, P.build_meta_model(cfg, hf), params, padded=padded)
+    predicted = C.count_activations(cfg, C.build_meta_model(cfg, hf), params, padded=padded)
     if shape == "smollm2-135m":
         model = add_lora(copy.deepcopy(request.getfixturevalue("smollm2_base")), cfg.model, cfg.lora)
         model.train()
     else:
-        model = build_model(cfg.model, cfg.lora, P.TINY_VOCAB, cfg.train.seed)
+        model = build_model(cfg.model, cfg.lora, C.TINY_VOCAB, cfg.train.seed)
     real = real_saved_bytes(model, cfg, padded)
     assert abs(predicted.total / real - 1) < 0.10, (predicted, real)
     assert predicted.layers == hf.num_hidden_layers and predicted.head > 0
@@ -224,7 +226,7 @@ def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(sha
 
     from scale import loss as L
     from scale.modeling import add_lora, build_model
-    from scale.train import make_optimizer
+    from scale.job import make_optimizer
 
     if "qlora" in shape:
         pytest.importorskip("bitsandbytes")
@@ -240,7 +242,7 @@ def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(sha
     if shape == "smollm2-135m":
         model = add_lora(copy.deepcopy(request.getfixturevalue("smollm2_base")), cfg.model, cfg.lora)
     else:
-        model = build_model(cfg.model, cfg.lora, P.TINY_VOCAB, 0)
+        model = build_model(cfg.model, cfg.lora, C.TINY_VOCAB, 0)
     model.train()
     optimizer, _ = make_optimizer(cfg, model)
     ids = torch.randint(3, 400, (B, T), generator=torch.Generator().manual_seed(0))
@@ -269,11 +271,11 @@ def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(sha
 
 def test_checkpointing_saves_less_and_logits_are_the_tail():
     cfg, hf, params = planned([])
-    on = P.count_activations(cfg, P.build_meta_model(cfg, hf, checkpointing=True), params)
-    off = P.count_activations(cfg, P.build_meta_model(cfg, hf, checkpointing=False), params)
+    on = C.count_activations(cfg, C.build_meta_model(cfg, hf, checkpointing=True), params)
+    off = C.count_activations(cfg, C.build_meta_model(cfg, hf, checkpointing=False), params)
     assert on.decoder < off.decoder / 5
     # The loss keeps the fp32 log-softmax of B x N tail predictions over V: the head's share is about that.
-    B, N, V = cfg.train.micro_batch_size, cfg.loss.threshold, P.TINY_VOCAB
+    B, N, V = cfg.train.micro_batch_size, cfg.loss.threshold, C.TINY_VOCAB
     assert B * N * V * 4 <= on.head < 1.01 * B * N * V * 4 + 4096
     assert on.head == off.head
 
@@ -287,8 +289,8 @@ def test_checkpointing_saves_less_and_logits_are_the_tail():
                                                    ("llama-3.1-70b", 70_553_706_496, False)])
 def test_shipped_model_configs_count_their_published_parameters(name, base_params, tied):
     cfg = load_config(TINY_YAML, [f"model.name_or_path={ROOT / 'configs' / 'models' / f'{name}.json'}"])
-    hf = P.load_model_config(cfg.model)
-    params = P.census(cfg, P.build_meta_model(cfg, hf))
+    hf = C.load_model_config(cfg.model)
+    params = C.census(cfg, C.build_meta_model(cfg, hf))
     assert sum(p.numel for p in params if not p.trainable) == base_params
     assert hf.tie_word_embeddings is tied
     # LoRA r on all 7 linears of every layer: r x (in + out) each
@@ -305,8 +307,8 @@ def test_4bit_base_equals_a_real_bitsandbytes_model(extra):
     from scale.modeling import build_model
 
     cfg, hf, params = planned(["model.quantize_4bit=true", *extra])
-    predicted = P.predict_mode(cfg, params, NO_ACTS, "single", 1, hf).weights
-    model = build_model(cfg.model, cfg.lora, P.TINY_VOCAB, 0)
+    predicted = LY.predict_mode(cfg, params, NO_ACTS, "single", 1, hf).weights
+    model = build_model(cfg.model, cfg.lora, C.TINY_VOCAB, 0)
     held: dict[int, int] = {}
     for p in model.parameters():
         if p.requires_grad:
@@ -340,8 +342,8 @@ def test_other_architectures_are_counted_from_their_config(content, tmp_path):
 
 def test_nf4_layout():
     # 576 x 192 weight: 55,296 packed bytes; 1,728 uint8 absmax; 7 fp32 nested absmax; offset; 256 + 16 fp32 codes
-    assert P.nf4_bytes(576 * 192) == (55_296, 64 + 1_728 + 7 * 4 + 4 + 1024)
-    assert P.nf4_bytes(576 * 192, double_quant=False) == (55_296, 64 + 1_728 * 4)
+    assert C.nf4_bytes(576 * 192) == (55_296, 64 + 1_728 + 7 * 4 + 4 + 1024)
+    assert C.nf4_bytes(576 * 192, double_quant=False) == (55_296, 64 + 1_728 * 4)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -357,7 +359,7 @@ def test_json_plan_for_the_tiny_job():
     proc = plan_cli("--config", str(TINY_YAML), "--gpus", "2", "--gpu-mem", "24", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     plan = json.loads(proc.stdout)
-    assert [r["mode"] for r in plan["ranks"]] == list(P.MODES)
+    assert [r["mode"] for r in plan["ranks"]] == list(LY.MODES)
     assert plan["recommended"] == "ddp" and all(plan["fits"].values())  # 2 GPUs: one process would idle one
     assert plan["trainable_parameters"] == 17_408 and plan["parameters"] == 3_245_376
     single, ddp = plan["ranks"][0], plan["ranks"][1]

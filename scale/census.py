@@ -1,0 +1,386 @@
+"""What a model holds for training, counted from its config alone: parameters (LoRA and 4-bit included) and
+the activations autograd saves for backward. The counting side of ``scale-plan`` (:mod:`scale.plan`).
+
+- **Parameters** are counted exactly for any architecture transformers knows: the model is built on the ``meta``
+  device from its config (``AutoModelForCausalLM.from_config``; no memory) and wrapped with LoRA by the harness's
+  own :func:`scale.modeling.add_lora`. 4-bit storage cannot be built on ``meta``; it is computed from the shapes
+  of the linear layers transformers would quantize (its own ``get_keys_to_not_convert`` decides which), with
+  bitsandbytes' layout (:func:`nf4_bytes`).
+- **Saved activations** are counted, not modelled: one forward of the harness's tail loss
+  (:func:`scale.loss.forward_tail`) runs on fake tensors (``torch._subclasses.FakeTensorMode``: shapes and
+  dtypes, no data, no memory) at ``train.micro_batch_size`` x ``data.max_length``, and
+  ``torch.autograd.graph.saved_tensors_hooks`` adds up the distinct storages autograd keeps for backward
+  (parameters excluded), with gradient checkpointing on and off. The fake forward dispatches like a CPU one
+  (a fake CUDA device needs a CUDA build of torch), which saves the same tensors as CUDA's memory-efficient
+  attention (query, key, value, output, log-sum-exp, the additive mask); under CUDA autocast a few elementwise
+  ops keep fp32 inputs that CPU autocast would not, so bf16 runs can differ by a few per cent.
+
+No weights are loaded and no process group is started (no ``accelerate`` or ``torch.distributed`` import).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scale.config import Config, ModelConfig, configs_dir
+from scale.modeling import TINY, tiny_llama_config
+
+GIB = 2**30
+TINY_VOCAB = 49152  # `tiny-llama` borrows SmolLM2's tokenizer: len(tokenizer) == 49,152
+SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.uint8: 1}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
+
+
+def nbytes(dtype: torch.dtype) -> int:
+    """Bytes of one element of ``dtype`` (the dtypes a plan meets)."""
+    return _BYTES[dtype]
+
+
+class PlanError(ValueError):
+    """The inputs cannot be planned (unknown model type, missing sizes, impossible GPU counts); says the fix."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model, from its config only
+
+
+def model_config_path(cfg: ModelConfig, override: str | None = None) -> Path | None:
+    """The ``config.json`` to plan with: ``override`` (``--model-config``: a file, a directory, or the name of one
+    shipped in ``configs/models/``), a ``.json`` file or a directory in ``model.name_or_path``, the shipped copy
+    for ``smollm2-135m``; None for ``tiny-llama``.
+
+    Raises:
+        PlanError: the path does not exist, or the name is a hub id (no hub here).
+    """
+    shipped = configs_dir() / "models"
+    if override is not None:
+        path = Path(override)
+        if not path.exists() and len(path.parts) == 1 and (shipped / f"{path.name.removesuffix('.json')}.json").is_file():
+            path = shipped / f"{path.name.removesuffix('.json')}.json"
+        elif not path.exists():
+            names = sorted(p.stem for p in shipped.glob("*.json"))
+            raise PlanError(f"--model-config {override}: neither a file or directory nor a shipped model config {names}")
+    elif cfg.name_or_path == TINY:
+        return None
+    elif cfg.name_or_path == "smollm2-135m":
+        path = shipped / "smollm2-135m.json"
+    else:
+        path = Path(cfg.name_or_path)
+        if not path.exists():
+            raise PlanError(f"model.name_or_path={cfg.name_or_path!r} is not a local directory or config.json (there "
+                            f"is no model hub here); pass --model-config PATH/config.json, e.g. "
+                            f"configs/models/llama-3.1-8b.json")
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise PlanError(f"model config {str(path)!r} does not exist; pass a config.json file or a directory with one")
+    return path
+
+
+def load_model_config(cfg: ModelConfig, override: str | None = None) -> Any:
+    """The transformers config of the model to plan (no weights read).
+
+    Raises:
+        PlanError: unreadable JSON, no ``model_type``, a model type transformers does not know, or a config
+            without the sizes (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``, ``vocab_size``):
+            transformers would silently fill its class defaults, a different model.
+    """
+    path = model_config_path(cfg, override)
+    if path is None:
+        return tiny_llama_config(cfg, TINY_VOCAB)
+    from transformers import AutoConfig
+
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanError(f"model config {str(path)!r} is not readable JSON: {e}") from e
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise PlanError(f"model config {str(path)!r} has no model_type; it must be a transformers config.json")
+    model_type = raw["model_type"]
+    try:
+        hf = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "model_type"})
+    except (KeyError, ValueError) as e:
+        if cfg.trust_remote_code and "auto_map" in raw:
+            hf = AutoConfig.from_pretrained(str(path.parent), trust_remote_code=True)
+        else:
+            raise PlanError(f"model config {str(path)!r} has an unknown model type {model_type!r} (transformers knows "
+                            f"e.g. llama, mistral, qwen2, gemma2; remote-code models need their directory and "
+                            f"model.trust_remote_code=true)") from e
+    aliases = getattr(hf, "attribute_map", {})  # hidden_size -> n_embd, ... (GPT-2 style names)
+    text = raw.get("text_config", raw)
+    missing = [k for k in SIZE_KEYS if k not in text and aliases.get(k) not in text]
+    if missing:
+        raise PlanError(f"model config {str(path)!r} lacks {', '.join(missing)}: the planner needs the model's sizes "
+                        f"(transformers would fill {type(hf).__name__}'s defaults, a different model)")
+    return hf
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter of the LoRA-wrapped model, as the harness builds it.
+
+    Attributes:
+        name: dotted name (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight``).
+        shape: shape of the logical (unquantized) tensor.
+        dtype: dtype the harness trains with before any launcher cast (peft keeps LoRA fp32; QLoRA's
+            ``prepare_model_for_kbit_training`` casts the unquantized fp16/bf16 weights to fp32).
+        trainable: requires grad (the LoRA matrices).
+        quantized: stored as bitsandbytes 4-bit (QLoRA base linear weights).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    trainable: bool
+    quantized: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def build_meta_model(cfg: Config, hf_config: Any, checkpointing: bool | None = None) -> torch.nn.Module:
+    """The harness's model (base + LoRA, :func:`scale.modeling.add_lora`) on the ``meta`` device: no memory.
+
+    4-bit quantization is not applied (bitsandbytes cannot quantize meta tensors): see :func:`census`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    m = cfg.model
+    gc = m.gradient_checkpointing if checkpointing is None else checkpointing
+    dtype = DTYPES[m.dtype]
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, trust_remote_code=m.trust_remote_code)
+        base.config.use_cache = False
+        from scale.modeling import add_lora
+
+        model = add_lora(base, replace(m, quantize_4bit=False, gradient_checkpointing=gc), cfg.lora)
+    model.train()
+    return model
+
+
+def quantized_linear_names(base: torch.nn.Module) -> set[str]:
+    """Module names of the ``nn.Linear`` layers transformers' bitsandbytes integration turns into ``Linear4bit``:
+    every linear except the output embedding, tied and last modules, and ``_keep_in_fp32_modules``
+    (transformers ``get_keys_to_not_convert`` / ``replace_with_bnb_linear``)."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = list(get_keys_to_not_convert(base)) + list(getattr(base, "_keep_in_fp32_modules", None) or [])
+    return {name for name, mod in base.named_modules()  # a LoRA-wrapped layer's weight is in its `base_layer`
+            if type(mod) is torch.nn.Linear and ".lora_" not in name and should_convert_module(name, skip)}
+
+
+def census(cfg: Config, model: torch.nn.Module) -> list[ParamInfo]:
+    """Every distinct parameter of the meta-built model (tied weights once), with its training dtype.
+
+    With ``model.quantize_4bit`` the weights of the linear layers transformers quantizes are marked
+    ``quantized``; the other fp16/bf16 parameters become fp32, as ``prepare_model_for_kbit_training`` does.
+    """
+    base = model.get_base_model()
+    quantized: set[int] = set()
+    if cfg.model.quantize_4bit:
+        names = quantized_linear_names(base)
+        quantized = {id(mod.weight) for name, mod in base.named_modules() if name in names}
+    out, seen = [], set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        q = id(p) in quantized
+        dtype = p.dtype
+        if cfg.model.quantize_4bit and not q and dtype in (torch.float16, torch.bfloat16):
+            dtype = torch.float32
+        out.append(ParamInfo(name, tuple(p.shape), dtype, p.requires_grad, q))
+    return out
+
+
+def nf4_bytes(numel: int, double_quant: bool = True, blocksize: int = 64, nested_blocksize: int = 256) -> tuple[int, int]:
+    """Bytes of one bitsandbytes 4-bit weight: ``(packed, quant_state)``.
+
+    bitsandbytes 0.50 (``functional.quantize_4bit``): two 4-bit codes per byte, ``ceil(numel / 2)`` bytes (in
+    ``bnb_4bit_quant_storage`` elements: the same bytes, viewed as uint8/bf16/fp32); one absmax per ``blocksize``
+    elements, fp32, or with double quantization uint8 plus one fp32 absmax per ``nested_blocksize`` of those, an
+    fp32 offset and the nested 256-entry fp32 code; the 16-entry fp32 NF4 code. ``quant_storage`` changes only
+    the dtype the packed bytes are viewed as, so that ZeRO-3/FSDP can shard them like other float weights.
+    """
+    packed = (numel + 1) // 2
+    blocks = math.ceil(numel / blocksize)
+    state = 16 * 4  # NF4 code
+    if double_quant:
+        state += blocks + 4 * math.ceil(blocks / nested_blocksize) + 4 + 256 * 4
+    else:
+        state += 4 * blocks
+    return packed, state
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Saved activations: one fake forward
+
+
+@dataclass
+class Activations:
+    """Bytes autograd keeps for backward after one micro-batch's forward (distinct storages, parameters excluded).
+
+    Attributes:
+        decoder: embedding and decoder layers (up to the LM head).
+        head: from the LM head on: the LM head's saved inputs (under autocast, the low-precision copy of an fp32
+            head weight, as QLoRA keeps it) and the loss's ``[B x N, V]`` fp32 log-softmax.
+        per_layer: largest single decoder layer's share.
+        layers: decoder layers seen.
+        vocab: ``V``, the LM head's output width.
+        recompute: under checkpointing, what one layer saves when backward recomputes it (the largest
+            ``per_layer`` of a count without checkpointing); 0 without checkpointing.
+    """
+
+    decoder: int
+    head: int
+    per_layer: int
+    layers: int
+    vocab: int = 0
+    recompute: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.decoder + self.head
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder stack: the longest ``nn.ModuleList`` in the model."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+@contextmanager
+def _fake_parameters(model: torch.nn.Module, mode: Any, dtype_of: Callable[[torch.nn.Parameter], torch.dtype]
+                     ) -> Iterator[None]:
+    """Swap the meta model's parameters and buffers for CPU fake tensors (tied ones stay tied); restore after."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    cpu = torch.device("cpu")
+    memo: dict[int, torch.Tensor] = {}
+    saved: list[tuple[dict, str, Any]] = []
+
+    def fake(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if id(t) not in memo:
+            meta = t.detach().to(dtype) if t.is_floating_point() else t.detach()
+            f = FakeTensor(mode, meta, cpu)
+            memo[id(t)] = torch.nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else f
+        return memo[id(t)]
+
+    for mod in model.modules():
+        for store in (mod._parameters, mod._buffers):
+            for name, t in store.items():
+                if t is not None:
+                    saved.append((store, name, t))
+                    store[name] = fake(t, dtype_of(t) if isinstance(t, torch.nn.Parameter) else t.dtype)
+    try:
+        yield
+    finally:
+        for store, name, t in saved:
+            store[name] = t
+
+
+def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInfo], cast: torch.dtype | None = None,
+                      padded: bool = True) -> Activations:
+    """Count what autograd saves in one forward of the tail loss at ``micro_batch_size x max_length``.
+
+    Args:
+        cfg: the training config (micro-batch, length, threshold, mixed precision, 4-bit).
+        model: from :func:`build_meta_model` (its checkpointing setting is the one counted).
+        params: :func:`census` of that model (dtypes as trained).
+        cast: every floating parameter held in this dtype (DeepSpeed with bf16/fp16 casts the module), or None.
+        padded: the batch has padding, so attention gets a ``[B, 1, T, T]`` mask (each layer keeps its additive
+            copy) and key/value are repeated to every query head; False: every row fills ``max_length``, the mask
+            is skipped and SDPA attends with grouped key/value heads.
+
+    Returns:
+        :class:`Activations` in bytes.
+
+    Raises:
+        PlanError: the architecture's forward cannot run on fake tensors (data-dependent shapes, e.g. some
+            mixture-of-experts routers).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from scale import loss as L
+
+    dtypes = {p.name: p.dtype for p in params}
+    quantized = {p.name for p in params if p.quantized}
+    by_id: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), n)  # a tied weight goes by its first name, as in the census
+
+    def dtype_of(p: torch.nn.Parameter) -> torch.dtype:
+        name = by_id.get(id(p))
+        if cast is not None and p.is_floating_point():
+            return cast
+        if name in quantized:  # a 4-bit layer computes in compute dtype and returns its input's dtype
+            return torch.float32
+        return dtypes.get(name, p.dtype)
+
+    B, T, N = cfg.train.micro_batch_size, cfg.data.max_length, cfg.loss.threshold
+    mode = FakeTensorMode()
+    layers = _decoder_layers(model)
+    head_module = model.get_base_model().get_output_embeddings()
+    phase = {"now": "embed"}
+    per_phase: dict[str, int] = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, i=i: phase.__setitem__("now", f"layer{i}"))
+             for i, m in enumerate(layers)]
+    if head_module is not None:
+        hooks.append(head_module.register_forward_pre_hook(lambda mod, args: phase.__setitem__("now", "head")))
+    seen: dict[int, tuple[str, int]] = {}
+    autocast = cfg.train.mixed_precision != "no" and cast is None
+    amp_dtype = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else torch.float16
+    try:
+        with _fake_parameters(model, mode, dtype_of), mode:
+            param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                key = t.untyped_storage()._cdata
+                if key not in param_storages and key not in seen:
+                    seen[key] = (phase["now"], t.untyped_storage().nbytes())
+                return t
+
+            ids = torch.zeros(B, T, dtype=torch.long)
+            batch = {"input_ids": ids, "attention_mask": torch.ones(B, T, dtype=torch.long)}
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                    torch.autocast("cpu", dtype=amp_dtype, enabled=autocast):
+                if padded:
+                    tail, targets = L.forward_tail(model, batch, N, padding_side="left", check=False)
+                else:  # forward_tail's call; transformers drops an all-ones mask, so none is passed. On fake
+                    # tensors it cannot read the positions to rule out packed rows (which would add a mask): full
+                    # rows are not packed, so that check answers "not packed".
+                    from unittest import mock
+
+                    keep = torch.arange(T - N - 1, T - 1)
+                    with mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda *a, **k: None):
+                        tail = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
+                    targets = ids[:, T - N:]
+                L.tail_loss(tail, targets, torch.ones(B, N))
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+        raise PlanError(f"cannot count activations of model type {model.config.model_type!r} on fake tensors "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
+    finally:
+        for h in hooks:
+            h.remove()
+    for ph, nbytes in seen.values():
+        per_phase[ph] = per_phase.get(ph, 0) + nbytes
+    head = per_phase.pop("head", 0)
+    layer_bytes = [v for k, v in per_phase.items() if k.startswith("layer")]
+    vocab = head_module.weight.shape[0] if head_module is not None else 0
+    return Activations(decoder=sum(per_phase.values()), head=head, per_layer=max(layer_bytes, default=0),
+                       layers=len(layers), vocab=vocab)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-mode accounting
