@@ -1,6 +1,6 @@
 # The two commands on a fresh machine (Python >= 3.10, make):
 #   make train    set up .venv, then run the main job (scale-train; ARGS="key=value ..." to override)
-#   make test     set up .venv, then run the unit tests and the multi-process launch tests
+#   make test     set up .venv, then run the unit tests, then the multi-process launch and slow tests
 # TORCH picks the torch build: the default is the CPU wheel; on a CUDA machine run `make train TORCH=torch`.
 PYTHON ?= python3
 VENV ?= .venv
@@ -26,6 +26,6 @@ test-unit: setup
 	$(BIN)/python -m pytest -q
 
 test-launch: setup
-	$(BIN)/python -m pytest -q -m launch
+	$(BIN)/python -m pytest -q -m 'launch or slow'      # multi-process launches, whole jobs, W&B
 
 test: test-unit test-launch

@@ -233,6 +233,7 @@ def test_nonfinite_skip_drops_the_step(tmp_path, tokenizer, caplog):
     assert all(torch.isfinite(t).all() for t in _adapter(tmp_path).values())
 
 
+@pytest.mark.slow
 def test_unreachable_wandb_costs_one_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
@@ -246,6 +247,7 @@ def test_unreachable_wandb_costs_one_warning(tmp_path, monkeypatch, caplog):
     assert steps == [0, 4] and final["eval/examples"] == 32
 
 
+@pytest.mark.slow
 def test_secrets_stay_out_of_every_file(tmp_path, monkeypatch, capfd):
     key = "fedcba9876543210fedcba9876543210fedcba98"
     token = "hf_" + "Zq" * 16

@@ -63,6 +63,7 @@ def test_checkpointing_on_equals_off_gradients():
 
 
 @pytest.mark.skipif(not HAS_DS, reason="deepspeed not installed")
+@pytest.mark.slow
 def test_zero3_adapter_is_complete_and_reproduces_eval(tmp_path, tokenizer):
     from accelerate import Accelerator
     from peft import PeftModel

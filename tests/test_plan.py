@@ -154,9 +154,10 @@ ACTIVATION_CASES = [(s, c, p) for s in ("tiny", "smollm2-135m") for c in (False,
 ACTIVATION_CASES += [("tiny-bf16", False, True), ("tiny-bf16", True, True)]
 
 
-@pytest.mark.parametrize("shape,checkpointing,padded", ACTIVATION_CASES,
-                         ids=[f"{s}-checkpointing-{'on' if c else 'off'}-{'padded' if p else 'full-rows'}"
-                              for s, c, p in ACTIVATION_CASES])
+@pytest.mark.parametrize("shape,checkpointing,padded", [
+    pytest.param(s, c, p, marks=[pytest.mark.slow] if s == "smollm2-135m" else [],
+                 id=f"{s}-checkpointing-{'on' if c else 'off'}-{'padded' if p else 'full-rows'}")
+    for s, c, p in ACTIVATION_CASES])
 def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, checkpointing, padded, tmp_path,
                                                                        request):
     import copy
@@ -216,8 +217,9 @@ PEAK_CASES = [(s, c) for s in ("tiny", "tiny-bf16", "tiny-qlora", "tiny-qlora-bf
 PEAK_CASES += [("smollm2-135m", True)]
 
 
-@pytest.mark.parametrize("shape,checkpointing", PEAK_CASES,
-                         ids=[f"{s}-checkpointing-{'on' if c else 'off'}" for s, c in PEAK_CASES])
+@pytest.mark.parametrize("shape,checkpointing", [
+    pytest.param(s, c, marks=[pytest.mark.slow] if s == "smollm2-135m" else [],
+                 id=f"{s}-checkpointing-{'on' if c else 'off'}") for s, c in PEAK_CASES])
 def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(shape, checkpointing, tmp_path,
                                                                              request):
     """The whole single-device prediction (model states + activations + logits + transient, no overhead) against

@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, TINY_DATA
 
 
+@pytest.mark.slow
 def test_tiny_job_imports_no_deepspeed_wandb_or_matplotlib(tmp_path):
     probe = ("import json, sys\nfrom scale.cli import main\n"
              f"rc = main(['--config', 'configs/train/tiny_cpu.yaml', 'output_dir={tmp_path}', 'data.path={TINY_DATA}', "
