@@ -6,4 +6,4 @@
 # divides the cores between local ranks when it is unset).
 set -euo pipefail
 exec deepspeed ${HOSTFILE:+--hostfile "$HOSTFILE"} ${DS_ARGS:-} --module scale.train "$@" \
-  "train.deepspeed_config=configs/deepspeed/zero${ZERO:-2}.json"
+  "train.deepspeed_config=zero${ZERO:-2}"   # a shipped name: found from any directory

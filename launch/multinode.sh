@@ -5,7 +5,8 @@
 #   NUM_MACHINES (default 2), NUM_PROCESSES (total over all nodes), ACCELERATE_CONFIG (default multinode).
 #   MACHINE_RANK=0 MASTER_ADDR=10.0.0.1 NUM_PROCESSES=16 launch/multinode.sh --config configs/train/default.yaml
 set -euo pipefail
-exec accelerate launch --config_file "configs/accelerate/${ACCELERATE_CONFIG:-multinode}.yaml" \
+root="$(cd "$(dirname "$0")/.." && pwd)"   # the configs are found from any working directory
+exec accelerate launch --config_file "${root}/configs/accelerate/${ACCELERATE_CONFIG:-multinode}.yaml" \
   --num_machines "${NUM_MACHINES:-2}" --num_processes "${NUM_PROCESSES:?total processes over all nodes}" \
   --machine_rank "${MACHINE_RANK:?rank of this node}" \
   --main_process_ip "${MASTER_ADDR:?address of node 0}" --main_process_port "${MASTER_PORT:-29500}" \

@@ -30,6 +30,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def deepspeed_cmd() -> list[str]:
+    """The ``deepspeed`` launcher beside this interpreter: CI runs the venv's python without the venv on PATH."""
+    return [str(Path(sys.executable).parent / "deepspeed"), "--num_accelerators", "2", "--master_port",
+            str(free_port()), "--module", "scale.train"]
+
+
 def accelerate_cmd(config: str, extra: list[str] | None = None) -> list[str]:
     yaml_path = str(ROOT / "configs" / "accelerate" / config)
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", yaml_path,
@@ -55,7 +61,7 @@ def modes() -> dict[str, tuple[list[list[str]], list[str]]]:
         "zero3 2x(2,2)": ([accelerate_cmd("cpu_zero3.yaml")], mb2),
         "2 nodes x 1 proc (2,2)": (nodes, mb2),
         "deepspeed launcher 2x(2,2)": (
-            [["deepspeed", "--num_accelerators", "2", "--master_port", str(free_port()), "--module", "scale.train"]],
+            [deepspeed_cmd()],
             ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2", f"train.deepspeed_config={zero2}"]),
     }
 

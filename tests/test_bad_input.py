@@ -610,15 +610,14 @@ def _launch(cmd, tmp_path, *overrides, env=None):
 def _launchers():
     import sys
 
-    from tests.launching import accelerate_cmd, free_port
+    from tests.launching import accelerate_cmd, deepspeed_cmd, free_port
 
     return {
         "scale-train --accelerate-config": ([sys.executable, "-m", "scale.cli", "--accelerate-config", "cpu_ddp"], []),
         "accelerate launch": (accelerate_cmd("cpu_ddp.yaml"), []),
         "torchrun": ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                       str(free_port()), "-m", "scale.train"], []),
-        "deepspeed": (["deepspeed", "--num_accelerators", "2", "--master_port", str(free_port()), "--module",
-                       "scale.train"], ["train.deepspeed_config=zero2"]),
+        "deepspeed": (deepspeed_cmd(), ["train.deepspeed_config=zero2"]),
     }
 
 
