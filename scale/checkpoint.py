@@ -270,8 +270,9 @@ def check_fresh_start(cfg: Config) -> None:
 
     A fresh run (``resume_from`` null) refuses complete ``checkpoints/``, ``adapter/`` or ``metrics.jsonl``
     (every run writes it at start-up; a lone ``config.yaml`` is not a run). ``resume_from=latest`` without a
-    checkpoint refuses a *finished* run (``adapter/``, or ``metrics.jsonl`` logged up to ``train.max_steps``)
-    and restarts an attempt that died before its first checkpoint (a requeued job), with a warning.
+    checkpoint refuses a *finished* run (``adapter/``, or ``metrics.jsonl`` logged up to ``train.max_steps``;
+    with ``train.num_epochs`` only ``adapter/`` tells, as the step count needs the data) and restarts an attempt
+    that died before its first checkpoint (a requeued job), with a warning.
 
     Raises:
         CheckpointError: the directory holds a run that a fresh start would replace.
@@ -290,7 +291,8 @@ def check_fresh_start(cfg: Config) -> None:
     if cfg.train.resume_from != "latest":
         raise CheckpointError(f"output_dir={cfg.output_dir} already holds another run ({', '.join(found)}); a "
                               f"fresh run would replace it: {_REPLACE}.")
-    if (out / "adapter").exists() or _last_logged_step(out / "metrics.jsonl") >= cfg.train.max_steps:
+    limit = cfg.train.max_steps  # null with train.num_epochs: the step count needs the data, not read yet here
+    if (out / "adapter").exists() or (limit is not None and _last_logged_step(out / "metrics.jsonl") >= limit):
         raise CheckpointError(f"train.resume_from=latest: output_dir={cfg.output_dir} holds a finished run "
                               f"({', '.join(found)}) and no checkpoint to resume from; a fresh start would replace "
                               f"it: {_REPLACE}.")

@@ -43,12 +43,16 @@ FIGURES: list[tuple[str, str, list[Panel]]] = [
      [Panel("NLL (nats/example)", [("eval/target_nll", "")])]),
     ("accuracy.png", "Eval accuracy (argmax over the label tokens)",
      [Panel("accuracy (fraction)", [("eval/accuracy", "")])]),
+    ("exact_match.png", "Eval exact match (teacher forced: every completion token is the argmax)",
+     [Panel("exact match (fraction)", [("eval/exact_match", "")], from_zero=True)]),
     ("lr.png", "Learning rate (line: the schedule at every step; dots: logged)",
      [Panel("learning rate", [("train/lr", "")], from_zero=True)]),
     ("grad_norm.png", "Gradient norm before clipping (dashed: optim.max_grad_norm)",
      [Panel("L2 norm", [("train/grad_norm", "")], from_zero=True)]),
     ("throughput.png", "Training throughput (mean over each log interval)",
      [Panel("tokens/s", [("train/tokens_per_s", "")], from_zero=True)]),
+    ("pad_fraction.png", "Padding (padded / computed positions of each log interval's micro-batches)",
+     [Panel("pad fraction", [("train/pad_fraction", "")], from_zero=True)]),
     ("memory.png", "Peak memory", [Panel("peak memory (GiB)", [("train/peak_mem_gib", "")], from_zero=True)]),
     ("data_vs_compute.png", "Time per log interval: waiting on data vs computing",
      [Panel("time (s)", [("train/data_s", "data"), ("train/compute_s", "compute")], from_zero=True)]),
@@ -59,9 +63,13 @@ FIGURES: list[tuple[str, str, list[Panel]]] = [
 HEADROOM = 1.15  # from_zero panels end 15% above their largest value, so no line runs along the top frame
 
 
-def schedule_line(run_dir: Path) -> tuple[list[int], list[float]] | None:
+def schedule_line(run_dir: Path, last_step: int) -> tuple[list[int], list[float]] | None:
     """The learning rate at every optimizer step, from the run's ``config.yaml`` and :mod:`scale.schedule`
-    (the logged ``train/lr`` has one point per log interval, which hides a warm-up shorter than it)."""
+    (the logged ``train/lr`` has one point per log interval, which hides a warm-up shorter than it).
+
+    ``last_step`` (the run's last logged step) stands for the schedule's length when the run was set by
+    ``train.num_epochs``: its step count came from the data, and a finished run logs its final evaluation there.
+    """
     from scale.config import ConfigError, load_config
     from scale.schedule import lr_factor
 
@@ -69,9 +77,10 @@ def schedule_line(run_dir: Path) -> tuple[list[int], list[float]] | None:
         cfg = load_config(run_dir / "config.yaml")
     except (OSError, ConfigError):
         return None
-    steps = list(range(cfg.train.max_steps))
+    total = cfg.train.max_steps or last_step
+    steps = list(range(total))
     # train/lr at logged step s is the rate optimizer step s used, i.e. lr_factor(s - 1).
-    return [s + 1 for s in steps], [cfg.optim.lr * lr_factor(s, cfg.optim, cfg.train.max_steps) for s in steps]
+    return [s + 1 for s in steps], [cfg.optim.lr * lr_factor(s, cfg.optim, total) for s in steps]
 
 
 def clip_threshold(run_dir: Path) -> float | None:
@@ -112,8 +121,16 @@ def series(rows: Rows, key: str) -> tuple[list[int], list[float]]:
 
 
 def summarize(runs: dict[str, Rows]) -> str:
-    """A markdown table, one row per run: last step, final train loss, eval first → last, throughput, memory."""
+    """A markdown table, one row per run: last step, final train loss, eval first → last, throughput, memory.
+
+    The eval columns are those some run logged (classification: accuracy and target NLL; prompt/completion
+    and chat: exact match); a run without one shows ``n/a``.
+    """
     with_mem = any(series(rows, "train/peak_mem_gib")[1] for rows in runs.values())
+    evals = [(key, title) for key, title in (("eval/accuracy", "eval/accuracy"),
+                                             ("eval/target_nll", "eval/target_nll (nats)"),
+                                             ("eval/exact_match", "eval/exact_match"))
+             if any(series(rows, key)[1] for rows in runs.values())]
 
     def span(rows: Rows, key: str) -> str:
         values = series(rows, key)[1]
@@ -122,13 +139,13 @@ def summarize(runs: dict[str, Rows]) -> str:
     def last(values: list[float], fmt: str) -> str:
         return format(values[-1], fmt) if values else "n/a"
 
-    head = ["run", "steps", "final train/loss", "eval/loss", "eval/accuracy", "eval/target_nll (nats)",
+    head = ["run", "steps", "final train/loss", "eval/loss", *(title for _, title in evals),
             "median tokens/s"] + (["peak memory (GiB)"] if with_mem else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, rows in runs.items():
         tokens = series(rows, "train/tokens_per_s")[1]
         cells = [name, str(max(int(r["step"]) for r in rows)), last(series(rows, "train/loss")[1], ".4f"),
-                 span(rows, "eval/loss"), span(rows, "eval/accuracy"), span(rows, "eval/target_nll"),
+                 span(rows, "eval/loss"), *(span(rows, key) for key, _ in evals),
                  f"{statistics.median(tokens):.0f}" if tokens else "n/a"]
         if with_mem:
             mem = series(rows, "train/peak_mem_gib")[1]
@@ -182,7 +199,8 @@ def draw_panel(ax: Any, panel: Panel, runs: dict[str, Rows], run_dirs: dict[str,
             top = max(top, *values)
             marker = "o" if key.startswith("eval/") else ("." if len(steps) <= 50 else None)
             style = ("-", "--", ":")[j % 3]
-            line = schedule_line(run_dir) if key == "train/lr" and run_dir is not None else None
+            last = max(int(r["step"]) for r in rows)
+            line = schedule_line(run_dir, last) if key == "train/lr" and run_dir is not None else None
             if line is not None:  # the schedule as a line, the logged rates as dots on it
                 ax.plot(*line, color=f"C{i % 10}", linestyle=style, label=f"{name} schedule".strip())
                 top = max(top, *line[1])

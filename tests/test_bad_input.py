@@ -695,6 +695,22 @@ def test_lone_config_yaml_is_not_a_run(tmp_path):
         check_fresh_start(tiny_cfg(tmp_path))
 
 
+def test_resume_latest_without_checkpoint_in_an_epoch_run(tmp_path):
+    """With train.num_epochs (max_steps null) the finished-run check cannot compare steps: an adapter marks a
+    finished run, metrics alone an earlier attempt that is restarted."""
+    from accelerate import PartialState
+
+    from scale.checkpoint import check_fresh_start
+
+    PartialState()  # the restart warning goes through accelerate's logger
+    cfg = tiny_cfg(tmp_path, "train.resume_from=latest", "train.max_steps=null", "train.num_epochs=1")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 3, "train/loss": 1.0}\n')
+    check_fresh_start(cfg)  # an attempt that died before its first checkpoint: started again
+    (tmp_path / "adapter").mkdir()
+    with pytest.raises(CheckpointError, match="holds a finished run"):
+        check_fresh_start(cfg)
+
+
 # ---- data formats (issue 10): one line, exit 2, nothing written ----
 
 def _cli(tmp_path, capsys, *overrides):

@@ -93,6 +93,29 @@ def test_run_without_optional_keys_skips_their_plots_and_column(runs, tmp_path):
     assert summary.splitlines()[2] == ROW_B.removesuffix(" n/a |")
 
 
+def test_chat_run_plots_exact_match_and_padding_and_shows_only_its_eval_columns(tmp_path):
+    """A prompt/completion or chat run logs exact match (no accuracy or target NLL) and the padding share."""
+    rows = [{"step": 0, "eval/loss": 2.7623, "eval/exact_match": 0.0, "eval/examples": 98},
+            *({"step": s, "train/loss": 3.0 / s, "train/lr": 5e-4, "train/grad_norm": 1.0,
+               "train/tokens_per_s": 110.0, "train/pad_fraction": 0.05 * s} for s in (1, 2, 3)),
+            {"step": 3, "eval/loss": 1.9103, "eval/exact_match": 0.0408, "eval/examples": 98}]
+    run = write_run(tmp_path / "sft", rows)
+    # An epoch-based run (max_steps null): the lr panel's schedule line takes its length from the last step.
+    (run / "config.yaml").write_text("optim:\n  lr: 5.0e-4\n  warmup_steps: 1\ntrain:\n  max_steps: null\n"
+                                     "  num_epochs: 1\n", encoding="utf-8")
+    from scale.config import load_config
+    from scale.schedule import lr_factor
+
+    optim = load_config(run / "config.yaml").optim
+    assert R.schedule_line(run, 3) == ([1, 2, 3], [5.0e-4 * lr_factor(s, optim, 3) for s in range(3)])
+    pngs, summary = R.report([run], tmp_path / "out")
+    assert {p.name for p in pngs} == {"loss.png", "exact_match.png", "pad_fraction.png", "lr.png",
+                                      "grad_norm.png", "throughput.png"}
+    assert summary.splitlines()[0] == ("| run | steps | final train/loss | eval/loss | eval/exact_match "
+                                       "| median tokens/s |")
+    assert summary.splitlines()[2] == "| sft | 3 | 1.0000 | 2.7623 → 1.9103 | 0.0000 → 0.0408 | 110 |"
+
+
 def test_cli_default_out_dir_and_stdout(runs, capsys):
     assert R.main([str(runs[0]), str(runs[1])]) == 0
     out = runs[0] / "report"
@@ -159,7 +182,7 @@ def test_memory_from_zero_with_headroom_and_lr_schedule_at_every_step(runs, tmp_
     ax = Figure().subplots()
     R.draw_panel(ax, memory, rows, {"run_a": runs[0]})
     assert ax.get_ylim() == pytest.approx((0.0, 3.25 * R.HEADROOM))
-    steps, lrs = R.schedule_line(runs[0])
+    steps, lrs = R.schedule_line(runs[0], 6)
     assert steps == [1, 2, 3, 4, 5, 6]
     assert lrs == [2e-4 * lr_factor(s, cfg.optim, 6) for s in range(6)] and lrs[0] == pytest.approx(1e-4)
     lr_panel = next(p for f, _, ps in R.FIGURES if f == "lr.png" for p in ps)
