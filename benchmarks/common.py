@@ -207,7 +207,7 @@ class Job:
                                         gradient_accumulation_steps=self.gradient_accumulation_steps,
                                         eval_micro_batch_size=self.micro_batch_size, log_every=self.log_every,
                                         eval_every=0, seed=self.seed, mixed_precision=self.mixed_precision,
-                                        save_adapter=False),
+                                        save_adapter=False, save_every=0, save_every_minutes=None),
                       log=LogConfig(trackers=[]))
 
     def describe(self) -> str:

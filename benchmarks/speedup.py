@@ -64,7 +64,8 @@ CONTESTANTS: dict[str, list[str]] = {
 
 def job_overrides(name: str, steps: int, out: str) -> list[str]:
     return [*CONTESTANTS[name], f"train.max_steps={steps}", "train.log_every=1", "train.eval_every=0",
-            "train.save_every=0", "train.save_adapter=false", "log.trackers=[]", f"output_dir={out}"]
+            "train.save_every=0", "train.save_every_minutes=null", "train.save_adapter=false", "log.trackers=[]",
+            f"output_dir={out}"]
 
 
 # ---------------------------------------------------------------------------------------------- worker side
