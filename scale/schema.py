@@ -113,8 +113,8 @@ class LossConfig:
     """The tail loss: cross-entropy over the last `threshold` real tokens of each row."""
 
     threshold: int = _f(2, "Tail length (tokens): CE over the last `threshold` real tokens of each row.")
-    type_weights: list[float] | None = _f(None, "Per-`type_indicator` weight of each tail token (seed's "
-                                                "mode='input'); null weights every token 1.")
+    type_weights: list[float] | None = _f(None, "Per-`type_indicator` weight of each tail token (the original "
+                                                "loop's mode='input'); null weights every token 1.")
     criterion: str | None = _f(None, "Own criterion as 'module:function' taking (logits [M, V], labels [M]) "
                                      "(+ type_indicator [M] with criterion_mode='input'); returns [M] or a mean.")
     criterion_mode: str = _f("plain", "plain | input: whether `criterion` also gets the per-token type indicator.")

@@ -1,4 +1,4 @@
-"""Tail loss against independent full-logits references: the seed's fixed-N formula, per-row tails of different
+"""Tail loss against independent full-logits references: the original loop's fixed-N formula, per-row tails of different
 lengths, left and right padding, type weights, a user criterion; the LM head never sees [B, T, V]."""
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def _examples(seed=0, lengths=(5, 9, 4, 12), tails=None):
             for i, (n, t) in enumerate(zip(lengths, tails))]
 
 
-def seed_reference(model, input_ids, attention_mask, threshold, weights=None):
-    """The seed's loss on a LEFT-padded batch: full [B, T, V] logits, then the last `threshold` predictions."""
+def original_reference(model, input_ids, attention_mask, threshold, weights=None):
+    """The original loop's loss on a LEFT-padded batch: full [B, T, V] logits, then the last `threshold` predictions."""
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits   # [B, T, V]
     shift_logits = logits[:, -threshold - 1:-1, :]
@@ -62,9 +62,9 @@ def _close(a, b, rel=1e-6):
 
 
 @torch.no_grad()
-def test_tail_loss_equals_seed_formula_left_padded(model):
+def test_tail_loss_equals_original_formula_left_padded(model):
     batch = Collator(0, "left")(_examples())
-    ref = seed_reference(model, batch["input_ids"], batch["attention_mask"], N)
+    ref = original_reference(model, batch["input_ids"], batch["attention_mask"], N)
     tail_logits, targets = L.forward_tail(model, batch, N, "left")
     num, den = L.tail_loss(tail_logits, targets, L.token_weights(batch["type_indicator"], batch["tail_mask"], None))
     assert den.item() == 4 * N
@@ -79,9 +79,9 @@ def test_text_format_threshold_10_equals_the_original_formula_per_row(model, sid
     got = per_row(model, Collator(0, side)(examples), side)
     for g, ex in zip(got, examples):
         assert _close(g, row_reference(model, ex.input_ids, 10)), (g, side)
-    if side == "left":  # and the seed's batch formula over the whole left-padded batch
+    if side == "left":  # and the original loop's batch formula over the whole left-padded batch
         batch = Collator(0, "left")(examples)
-        ref = seed_reference(model, batch["input_ids"], batch["attention_mask"], 10).item()
+        ref = original_reference(model, batch["input_ids"], batch["attention_mask"], 10).item()
         assert _close(sum(got) / len(got), ref)
 
 
@@ -123,7 +123,7 @@ def test_weighted_by_type_equals_reference(model):
     batch = Collator(0, "left")(_examples(1))
     w = L.token_weights(batch["type_indicator"], batch["tail_mask"], [0.25, 2.0])
     assert w.shape == (4, N) and w[0, 0].item() == 0.25 and w[1, 2].item() == 2.0
-    ref = seed_reference(model, batch["input_ids"], batch["attention_mask"], N, weights=w)
+    ref = original_reference(model, batch["input_ids"], batch["attention_mask"], N, weights=w)
     num, den = L.tail_loss(*L.forward_tail(model, batch, padding_side="left"), w)
     assert den.item() == pytest.approx(3 * (0.25 * 2 + 2.0 * 2))
     assert _close((num / den).item(), ref.item())
@@ -192,7 +192,7 @@ def test_sequence_logprob_and_exact_match():
 
 
 def my_criterion(logits, labels):
-    return F.cross_entropy(logits, labels)   # a mean, as the seed's criterion returned
+    return F.cross_entropy(logits, labels)   # a mean, as the original loop's criterion returned
 
 
 def my_typed_criterion(logits, labels, type_indicator):
