@@ -312,7 +312,7 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from scale import loss as L
+    from scale import loss as scale_loss
 
     dtypes = {p.name: p.dtype for p in params}
     quantized = {p.name for p in params if p.quantized}
@@ -356,7 +356,7 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     torch.autocast("cpu", dtype=amp_dtype, enabled=autocast):
                 if padded:
-                    tail, targets = L.forward_tail(model, batch, N, padding_side="left", check=False)
+                    tail, targets = scale_loss.forward_tail(model, batch, N, padding_side="left", check=False)
                 else:  # forward_tail's call; transformers drops an all-ones mask, so none is passed. On fake
                     # tensors it cannot read the positions to rule out packed rows (which would add a mask): full
                     # rows are not packed, so that check answers "not packed".
@@ -366,7 +366,7 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
                     with mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda *a, **k: None):
                         tail = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
                     targets = ids[:, T - N:]
-                L.tail_loss(tail, targets, torch.ones(B, N))
+                scale_loss.tail_loss(tail, targets, torch.ones(B, N))
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         raise PlanError(f"cannot count activations of model type {model.config.model_type!r} on fake tensors "
                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e

@@ -62,7 +62,7 @@ def main() -> None:
     out, args = sys.argv[1], sys.argv[2:]
     config = args[args.index("--config") + 1]
     overrides = [a for i, a in enumerate(args) if a != "--config" and (i == 0 or args[i - 1] != "--config")]
-    from scale import loss as L
+    from scale import loss as scale_loss
     from scale.config import load_config
     from scale.launch import build_accelerator, plan_for_mode
     from scale.job import make_optimizer
@@ -102,8 +102,8 @@ def main() -> None:
     inner.get_input_embeddings().register_forward_hook(embed_hook)
 
     def forward_backward() -> None:
-        tail, targets = L.forward_tail(model, batch, cfg.loss.threshold)
-        num, den = L.tail_loss(tail, targets, torch.ones_like(targets, dtype=torch.float32))
+        tail, targets = scale_loss.forward_tail(model, batch, cfg.loss.threshold)
+        num, den = scale_loss.tail_loss(tail, targets, torch.ones_like(targets, dtype=torch.float32))
         if plan.deepspeed:
             model.backward(num / den)  # the engine; accelerate's backward() would also step it
         else:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from scale import evaluate as E
-from scale import loss as L
+from scale import loss as scale_loss
 from scale.config import ModelConfig
 from scale.data import Collator, Example
 from scale.modeling import load_base
@@ -51,9 +51,9 @@ def row_reference(model, ids, tail_len):
 
 
 def per_row(model, batch, side):
-    tail_logits, targets = L.forward_tail(model, batch, padding_side=side)
-    w = L.token_weights(batch["type_indicator"], batch["tail_mask"], None)
-    losses = [L.tail_loss(tail_logits[b:b + 1], targets[b:b + 1], w[b:b + 1]) for b in range(len(targets))]
+    tail_logits, targets = scale_loss.forward_tail(model, batch, padding_side=side)
+    w = scale_loss.token_weights(batch["type_indicator"], batch["tail_mask"], None)
+    losses = [scale_loss.tail_loss(tail_logits[b:b + 1], targets[b:b + 1], w[b:b + 1]) for b in range(len(targets))]
     return [(num / den).item() for num, den in losses]
 
 
@@ -65,8 +65,8 @@ def _close(a, b, rel=1e-6):
 def test_tail_loss_equals_original_formula_left_padded(model):
     batch = Collator(0, "left")(_examples())
     ref = original_reference(model, batch["input_ids"], batch["attention_mask"], N)
-    tail_logits, targets = L.forward_tail(model, batch, N, "left")
-    num, den = L.tail_loss(tail_logits, targets, L.token_weights(batch["type_indicator"], batch["tail_mask"], None))
+    tail_logits, targets = scale_loss.forward_tail(model, batch, N, "left")
+    num, den = scale_loss.tail_loss(tail_logits, targets, scale_loss.token_weights(batch["type_indicator"], batch["tail_mask"], None))
     assert den.item() == 4 * N
     assert _close((num / den).item(), ref.item())
 
@@ -95,8 +95,8 @@ def test_tails_of_lengths_1_3_7_equal_a_per_row_full_logits_reference(model, sid
     for g, ex in zip(got, examples):
         assert _close(g, row_reference(model, ex.input_ids, ex.tail_len)), (g, side)
     # The batch's numerator / denominator is the token-weighted mean over all 11 tail tokens.
-    tail_logits, targets = L.forward_tail(model, batch, padding_side=side)
-    num, den = L.tail_loss(tail_logits, targets, batch["tail_mask"].float())
+    tail_logits, targets = scale_loss.forward_tail(model, batch, padding_side=side)
+    num, den = scale_loss.tail_loss(tail_logits, targets, batch["tail_mask"].float())
     assert den.item() == 11
     assert _close((num / den).item(), sum(g * ex.tail_len for g, ex in zip(got, examples)) / 11)
 
@@ -109,7 +109,7 @@ def test_lm_head_never_sees_all_positions(model, side):
     handle = model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
     try:
         batch = Collator(0, side)(_examples(4, lengths=(6, 13, 9), tails=[1, 3, 7]))
-        L.forward_tail(model, batch, padding_side=side)
+        scale_loss.forward_tail(model, batch, padding_side=side)
     finally:
         handle.remove()
     T = batch["input_ids"].shape[1]
@@ -121,10 +121,10 @@ def test_lm_head_never_sees_all_positions(model, side):
 @torch.no_grad()
 def test_weighted_by_type_equals_reference(model):
     batch = Collator(0, "left")(_examples(1))
-    w = L.token_weights(batch["type_indicator"], batch["tail_mask"], [0.25, 2.0])
+    w = scale_loss.token_weights(batch["type_indicator"], batch["tail_mask"], [0.25, 2.0])
     assert w.shape == (4, N) and w[0, 0].item() == 0.25 and w[1, 2].item() == 2.0
     ref = original_reference(model, batch["input_ids"], batch["attention_mask"], N, weights=w)
-    num, den = L.tail_loss(*L.forward_tail(model, batch, padding_side="left"), w)
+    num, den = scale_loss.tail_loss(*scale_loss.forward_tail(model, batch, padding_side="left"), w)
     assert den.item() == pytest.approx(3 * (0.25 * 2 + 2.0 * 2))
     assert _close((num / den).item(), ref.item())
 
@@ -132,7 +132,7 @@ def test_weighted_by_type_equals_reference(model):
 @torch.no_grad()
 def test_type_weights_times_tail_mask():
     mask = torch.tensor([[0, 0, 1], [1, 1, 1]])
-    w = L.token_weights(torch.tensor([1, 0]), mask, [0.5, 3.0])
+    w = scale_loss.token_weights(torch.tensor([1, 0]), mask, [0.5, 3.0])
     assert w.tolist() == [[0.0, 0.0, 3.0], [0.5, 0.5, 0.5]]
 
 
@@ -141,34 +141,34 @@ def test_same_example_same_loss_under_left_and_right_padding(model):
     examples = _examples(2, tails=[1, 3, 2, 3])
     left, right = Collator(0, "left")(examples), Collator(0, "right")(examples)
     assert not torch.equal(left["input_ids"], right["input_ids"])
-    ll, lt = L.forward_tail(model, left, padding_side="left")
-    rl, rt = L.forward_tail(model, right, padding_side="right")
+    ll, lt = scale_loss.forward_tail(model, left, padding_side="left")
+    rl, rt = scale_loss.forward_tail(model, right, padding_side="right")
     m = left["tail_mask"].bool()
     assert torch.equal(lt[m], rt[m])
     torch.testing.assert_close(ll[m], rl[m], rtol=0, atol=1e-5)
-    ln, ld = L.tail_loss(ll, lt, left["tail_mask"].float())
-    rn, rd = L.tail_loss(rl, rt, right["tail_mask"].float())
+    ln, ld = scale_loss.tail_loss(ll, lt, left["tail_mask"].float())
+    rn, rd = scale_loss.tail_loss(rl, rt, right["tail_mask"].float())
     assert abs(ln.item() - rn.item()) <= 1e-6 * abs(ln.item()) and ld.item() == rd.item() == 9
     # Each row alone (no padding at all) gives the same tail predictions too.
     for b, ex in enumerate(examples):
-        sl, _ = L.forward_tail(model, Collator(0, "left")([ex]), padding_side="left")
+        sl, _ = scale_loss.forward_tail(model, Collator(0, "left")([ex]), padding_side="left")
         torch.testing.assert_close(sl[0, -ex.tail_len:], ll[b, -ex.tail_len:], rtol=0, atol=1e-5)
 
 
 def test_tail_positions_left_and_right():
     mask_left = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     mask_right = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
-    assert L.tail_positions(mask_left, 2).tolist() == [[4, 5], [4, 5]]
-    assert L.tail_positions(mask_right, 2).tolist() == [[2, 3], [4, 5]]
+    assert scale_loss.tail_positions(mask_left, 2).tolist() == [[4, 5], [4, 5]]
+    assert scale_loss.tail_positions(mask_right, 2).tolist() == [[2, 3], [4, 5]]
     # Per-row tails: columns outside a row's tail repeat its first tail position.
     tails = torch.tensor([[0, 1], [1, 1]])
-    assert L.tail_positions(mask_right, tails).tolist() == [[3, 3], [4, 5]]
+    assert scale_loss.tail_positions(mask_right, tails).tolist() == [[3, 3], [4, 5]]
 
 
 def test_bad_rows_flags_short_rows_and_gaps():
     mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1]])
     tails = torch.tensor([[1, 1, 1], [1, 1, 1], [0, 0, 1], [0, 0, 1]])
-    assert L.bad_rows(mask, tails).tolist() == [True, False, True, False]
+    assert scale_loss.bad_rows(mask, tails).tolist() == [True, False, True, False]
 
 
 def test_target_stats_logprob_and_accuracy():
@@ -202,17 +202,17 @@ def my_typed_criterion(logits, labels, type_indicator):
 def test_user_criterion_by_import_path():
     torch.manual_seed(0)
     logits, targets = torch.randn(3, 2, 11), torch.randint(0, 11, (3, 2))
-    fn = L.load_criterion("tests.test_loss:my_criterion")
-    num, den = L.tail_loss(logits, targets, torch.ones(3, 2), criterion=fn)
+    fn = scale_loss.load_criterion("tests.test_loss:my_criterion")
+    num, den = scale_loss.tail_loss(logits, targets, torch.ones(3, 2), criterion=fn)
     ref = F.cross_entropy(logits.reshape(6, 11), targets.reshape(6))
     assert den.item() == 6 and (num / den).item() == pytest.approx(ref.item(), rel=1e-6)
-    typed = L.load_criterion("tests.test_loss:my_typed_criterion")
+    typed = scale_loss.load_criterion("tests.test_loss:my_typed_criterion")
     types = torch.tensor([0, 1, 0])
-    num, den = L.tail_loss(logits, targets, torch.ones(3, 2), types, typed, "input")
+    num, den = scale_loss.tail_loss(logits, targets, torch.ones(3, 2), types, typed, "input")
     ce = F.cross_entropy(logits.reshape(6, 11), targets.reshape(6), reduction="none")
     assert num.item() == pytest.approx((ce * torch.tensor([1, 1, 2, 2, 1, 1.0])).sum().item(), rel=1e-6)
     with pytest.raises(ValueError, match="loss.criterion='tests.test_loss:nope' cannot be imported"):
-        L.load_criterion("tests.test_loss:nope")
+        scale_loss.load_criterion("tests.test_loss:nope")
 
 
 def test_user_criterion_sees_only_tail_tokens():
@@ -220,7 +220,7 @@ def test_user_criterion_sees_only_tail_tokens():
     torch.manual_seed(1)
     logits, targets = torch.randn(2, 2, 11), torch.randint(0, 11, (2, 2))
     mask = torch.tensor([[0.0, 1.0], [1.0, 1.0]])
-    num, den = L.tail_loss(logits, targets, mask, criterion=my_criterion)
+    num, den = scale_loss.tail_loss(logits, targets, mask, criterion=my_criterion)
     keep = mask.reshape(-1).bool()
     ref = F.cross_entropy(logits.reshape(4, 11)[keep], targets.reshape(4)[keep])
     assert den.item() == 3 and (num / den).item() == pytest.approx(ref.item(), rel=1e-6)

@@ -98,7 +98,7 @@ def test_merged_export_predicts_like_adapter_plus_base(tmp_path, tokenizer):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from scale import loss as L
+    from scale import loss as scale_loss
     from scale.config import load_config
     from scale.data import Collator, build_splits
     from scale.export import merge_run
@@ -117,7 +117,7 @@ def test_merged_export_predicts_like_adapter_plus_base(tmp_path, tokenizer):
     with torch.no_grad():
         preds = []
         for m in (adapted, merged):
-            tail, _ = L.forward_tail(m, batch, cfg.loss.threshold)
+            tail, _ = scale_loss.forward_tail(m, batch, cfg.loss.threshold)
             preds.append(tail[:, cfg.loss.threshold + cfg.loss.target_position][:, labels].argmax(-1))
             if m is adapted:
                 ref_logits = tail

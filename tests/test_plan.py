@@ -126,7 +126,7 @@ def test_predicted_model_states_equal_what_each_rank_holds(shape, mode, tmp_path
 
 def real_saved_bytes(model: torch.nn.Module, cfg, padded: bool = True) -> int:
     """Bytes autograd saves in one real CPU forward of the tail loss (distinct storages, parameters excluded)."""
-    from scale import loss as L
+    from scale import loss as scale_loss
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -145,8 +145,8 @@ def real_saved_bytes(model: torch.nn.Module, cfg, padded: bool = True) -> int:
     amp = cfg.train.mixed_precision == "bf16"
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-        tail, targets = L.forward_tail(model, {"input_ids": ids, "attention_mask": mask}, cfg.loss.threshold)
-        L.tail_loss(tail, targets, torch.ones_like(targets, dtype=torch.float32))
+        tail, targets = scale_loss.forward_tail(model, {"input_ids": ids, "attention_mask": mask}, cfg.loss.threshold)
+        scale_loss.tail_loss(tail, targets, torch.ones_like(targets, dtype=torch.float32))
     return sum(seen.values())
 
 
@@ -226,7 +226,7 @@ def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(sha
     the peak of live tensor bytes over a real CPU optimizer step (the optimizer state already exists)."""
     import copy
 
-    from scale import loss as L
+    from scale import loss as scale_loss
     from scale.modeling import add_lora, build_model
     from scale.job import make_optimizer
 
@@ -253,8 +253,8 @@ def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(sha
 
     def step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train.mixed_precision == "bf16"):
-            tail, targets = L.forward_tail(model, {"input_ids": ids, "attention_mask": mask}, cfg.loss.threshold)
-        num, den = L.tail_loss(tail.float(), targets, torch.ones_like(targets, dtype=torch.float32))
+            tail, targets = scale_loss.forward_tail(model, {"input_ids": ids, "attention_mask": mask}, cfg.loss.threshold)
+        num, den = scale_loss.tail_loss(tail.float(), targets, torch.ones_like(targets, dtype=torch.float32))
         (num / den).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
