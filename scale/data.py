@@ -298,6 +298,15 @@ def split_rows(rows: list[Any], eval_size: int, seed: int) -> tuple[list[Any], l
     return [rows[i] for i in order[eval_size:]], [rows[i] for i in order[:eval_size]]
 
 
+PER_EXAMPLE = ("type_indicator", "target_token", "label", "row")
+
+
+def per_example_fields(examples: list[Example]) -> dict[str, Tensor]:
+    """The per-example ``[B]`` long tensors every batch carries beside its tokens: ``type_indicator``,
+    ``target_token``, ``label`` (index into ``data.labels``, -1 without) and ``row`` (data-file row)."""
+    return {k: torch.tensor([getattr(e, k) for e in examples], dtype=torch.long) for k in PER_EXAMPLE}
+
+
 class Collator:
     """Pad a list of :class:`Example` into a batch dict (see the module docstring for shapes).
 
@@ -322,15 +331,7 @@ class Collator:
             ids[b, span] = torch.tensor(e.input_ids, dtype=torch.long)
             mask[b, span] = 1
             tail[b, N - e.tail_len:] = 1
-        return {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "tail_mask": tail,
-            "type_indicator": torch.tensor([e.type_indicator for e in examples], dtype=torch.long),
-            "target_token": torch.tensor([e.target_token for e in examples], dtype=torch.long),
-            "label": torch.tensor([e.label for e in examples], dtype=torch.long),
-            "row": torch.tensor([e.row for e in examples], dtype=torch.long),
-        }
+        return {"input_ids": ids, "attention_mask": mask, "tail_mask": tail, **per_example_fields(examples)}
 
 
 def label_candidates(batch: dict[str, Tensor], label_seqs: list[list[int]], collate: Collator) -> list[dict[str, Tensor]]:

@@ -41,6 +41,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Sampler
 
+from scale.data import per_example_fields
+
 
 def length_grouped_order(lengths: Sequence[int], global_batch_size: int, mega_batch_steps: int, seed: int,
                          epoch: int = 0) -> list[int]:
@@ -150,8 +152,5 @@ class PaddingFreeCollator:
             "position_ids": torch.cat([torch.arange(len(x)) for x in ids])[None],
             "seq_lens": lens,
             "tail_mask": tail,
-            "label": torch.tensor([e.label for e in examples], dtype=torch.long),
-            "type_indicator": torch.tensor([e.type_indicator for e in examples], dtype=torch.long),
-            "target_token": torch.tensor([e.target_token for e in examples], dtype=torch.long),
-            "row": torch.tensor([e.row for e in examples], dtype=torch.long),
+            **per_example_fields(examples),
         }

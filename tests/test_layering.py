@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"config", "formats"},
     "loss": {"config"},
     "modeling": {"config", "assets"},
-    "sampling": set(),
+    "sampling": {"data"},
     "export": {"config", "fileio", "modeling"},
     "census": {"config", "loss", "modeling"},  # scale-plan's counts: meta/fake tensors only, no process group
     "layouts": {"census", "config"},
