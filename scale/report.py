@@ -199,8 +199,8 @@ def draw_panel(ax: Any, panel: Panel, runs: dict[str, Rows], run_dirs: dict[str,
             top = max(top, *values)
             marker = "o" if key.startswith("eval/") else ("." if len(steps) <= 50 else None)
             style = ("-", "--", ":")[j % 3]
-            last = max(int(r["step"]) for r in rows)
-            line = schedule_line(run_dir, last) if key == "train/lr" and run_dir is not None else None
+            line = (schedule_line(run_dir, max(int(r["step"]) for r in rows))
+                    if key == "train/lr" and run_dir is not None else None)
             if line is not None:  # the schedule as a line, the logged rates as dots on it
                 ax.plot(*line, color=f"C{i % 10}", linestyle=style, label=f"{name} schedule".strip())
                 top = max(top, *line[1])
