@@ -89,7 +89,7 @@ def read_table(cfg: DataConfig, path: str) -> tuple[list[dict[str, Any]], list[s
     file = Path(path)
     if not file.is_file():
         what = "is a directory" if file.is_dir() else "does not exist"
-        raise DataError(f"data.path={path!r} {what}; point it at a .jsonl/.csv/.tsv file (a relative path is "
+        raise DataError(f"data.path={path!r} {what}; point it at a .jsonl/.json/.csv/.tsv file (a relative path is "
                         f"read from the current directory)")
     suffix = file.suffix.lower()
     if suffix not in EXTENSIONS:

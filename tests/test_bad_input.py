@@ -217,8 +217,8 @@ def test_resume_refuses_pickled_code(checkpoint, tmp_path):
 
 def test_data_path_that_is_a_directory(tmp_path):
     assert _message(DataError, load_rows, DataConfig(), str(tmp_path)) == (
-        f"data.path={str(tmp_path)!r} is a directory; point it at a .jsonl/.csv/.tsv file (a relative path is read "
-        f"from the current directory)")
+        f"data.path={str(tmp_path)!r} is a directory; point it at a .jsonl/.json/.csv/.tsv file (a relative path "
+        f"is read from the current directory)")
 
 
 def test_override_text_with_a_colon_stays_text():
@@ -238,7 +238,7 @@ def test_cli_prints_the_message_and_exits_2(tmp_path, capsys):
     assert "Traceback" not in err
     assert main(["--config", str(TINY_YAML), f"output_dir={tmp_path}", "data.path=nowhere.jsonl"]) == 2
     assert capsys.readouterr().err == ("scale-train: error: DataError: data.path='nowhere.jsonl' does not exist; "
-                                       "point it at a .jsonl/.csv/.tsv file (a relative path is read from the "
+                                       "point it at a .jsonl/.json/.csv/.tsv file (a relative path is read from the "
                                        "current directory)\n")
 
 

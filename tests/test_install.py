@@ -50,6 +50,9 @@ def test_installed_package_runs_the_tiny_job_and_zero2_from_anywhere(tmp_path):
     assert single["eval/examples"] == zero2["eval/examples"] == 32
     saved = (work / "single" / "config.yaml").read_text()
     assert f"{venv}/lib/" in saved and "scale/configs/data/tiny_reviews.jsonl" in saved  # the shipped data
+    # The SFT job's chat template ships too: its config names it relative to itself.
+    probe = "from scale.config import load_config; print(open(load_config('sft').data.chat_template).read())"
+    assert "<|im_start|>" in _sh([str(bin_dir / "python"), "-c", probe], work, env).stdout
 
     _sh([str(pip), "install", "-q", "--no-deps", "-e", str(build)], tmp_path, env)  # editable: the checkout's
     _sh([str(bin_dir / "scale-train"), "--config", "tiny_cpu", "train.max_steps=2", "output_dir=editable"], work, env)
