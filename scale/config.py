@@ -81,6 +81,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
         (arm,) = typing.get_args(tp)
         return [_coerce(f"{key}[{i}]", v, arm) for i, v in enumerate(value)]
+    if origin is dict:  # data.chat_template_kwargs: template variables, any YAML values under text keys
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}={value!r} has the wrong type: expected a mapping with text keys")
+        return dict(value)
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "2e-4" as a string
             try:

@@ -1,14 +1,7 @@
-"""Data files -> validated rows of one of four formats. No tokenizer, no torch.
+"""Data files -> rows of named cells, read as text. No tokenizer, no torch, no format names.
 
-| format | columns | what is trained (the *tail*, see :mod:`scale.data`) |
-|---|---|---|
-| ``text`` | ``text``, optional ``type``, optional ``target`` | the last ``loss.threshold`` tokens of each row |
-| ``classification`` | ``text``, ``label`` (one of ``data.labels``) | the label's tokens + EOS |
-| ``prompt_completion`` | ``prompt``, ``completion`` | the completion's tokens + EOS |
-| ``messages`` | ``messages`` (list of ``{role, content}``) | the last assistant turn |
-
-The format is ``data.format``, or (``auto``) the first of ``messages``, ``prompt_completion``,
-``classification``, ``text`` whose columns the file has. Column names come from ``data.*_column``.
+Which columns a format needs and how its rows are checked is :mod:`scale.tasks` (one module per format); this
+module reads the file and offers the cell checks the formats share.
 
 Files are read with the standard library, every cell as the text it is: a CSV cell ``NA`` or ``None`` stays
 that string (no missing-value guessing), ``.tsv`` has no quoting (a ``"`` is a character), and a ``.csv``
@@ -21,61 +14,17 @@ from __future__ import annotations
 import csv
 import io
 import json
+import unicodedata
 from pathlib import Path
 from typing import Any
 
 from scale.config import DataConfig
 
 EXTENSIONS = (".csv", ".json", ".jsonl", ".tsv")
-FORMATS = ("text", "classification", "prompt_completion", "messages")
-ROLES = ("system", "user", "assistant", "tool")
 
 
 class DataError(ValueError):
     """The data file or its rows cannot be used; the message names the field and the fix."""
-
-
-def columns_needed(cfg: DataConfig) -> dict[str, list[str]]:
-    """The columns each format needs, in detection order (``messages`` first, ``text`` last)."""
-    return {
-        "messages": [cfg.messages_column],
-        "prompt_completion": [cfg.prompt_column, cfg.completion_column],
-        "classification": [cfg.text_column, cfg.label_column],
-        "text": [cfg.text_column],
-    }
-
-
-def detect_format(cfg: DataConfig, columns: list[str], path: str) -> str:
-    """``data.format``, or the first format whose columns are all in ``columns``.
-
-    ``text`` is the fallback, so it is detected only when no column is left over (besides ``type`` and
-    ``target``): a ``text, label`` file with a misspelled ``data.label_column`` is an error, not a text file.
-
-    Raises:
-        DataError: no format fits (the message lists every format, the columns it needs and what is
-            missing), or the configured format's columns are missing.
-    """
-    needed = columns_needed(cfg)
-    if cfg.format != "auto":
-        missing = [c for c in needed[cfg.format] if c not in columns]
-        if missing:
-            raise DataError(f"data.format={cfg.format} needs the columns {needed[cfg.format]} but {path} has "
-                            f"{columns}; rename the columns or set data.*_column (data.column_names for a "
-                            f"header-less file)")
-        return cfg.format
-    optional = {cfg.text_column, cfg.type_column or "type", cfg.target_column}
-    for name, cols in needed.items():
-        if all(c in columns for c in cols) and (name != "text" or set(columns) <= optional):
-            return name
-    reasons = []
-    for name, cols in needed.items():
-        missing = [c for c in cols if c not in columns]
-        extra = [c for c in columns if c not in optional] if name == "text" and not missing else []
-        why = f"no {', '.join(map(repr, missing))}" if missing else f"other columns {extra}: set data.format=text"
-        reasons.append(f"{name} needs {', '.join(cols)}" + (" (+ type, target)" if name == "text" else "") +
-                       f" ({why})")
-    raise DataError(f"{path} has the columns {columns}, which fit no data format: {'; '.join(reasons)}. Rename "
-                    f"the columns, set data.*_column, or set data.format")
 
 
 def read_table(cfg: DataConfig, path: str) -> tuple[list[dict[str, Any]], list[str]]:
@@ -179,66 +128,9 @@ def _read_delimited(text: str, path: str, tsv: bool, names: list[str] | None) ->
 
 
 def normalize_label(label: Any) -> str:
-    """A label as text without surrounding whitespace: the same rule for ``data.labels`` and the file."""
-    return str(label).strip()
-
-
-def load_rows(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
-    """Read the file, detect its format and validate every row.
-
-    Args:
-        cfg: the data section (columns, format, labels).
-        path: local file (already resolved from an embedded name).
-
-    Returns:
-        Rows as dicts with a ``row`` index (file order) and, by format: ``text`` (+ ``type``, ``target``);
-        ``text``, ``label`` (+ ``type``); ``prompt``, ``completion`` (+ ``type``); ``messages`` (+ ``type``).
-
-    Raises:
-        DataError: see :func:`read_table` and :func:`detect_format`; an empty text/prompt/completion, a
-            label outside ``data.labels``, a non-integer type, or a conversation that does not end with an
-            assistant turn.
-    """
-    table, columns = read_table(cfg, path)
-    fmt = detect_format(cfg, columns, path)
-    type_column = cfg.type_column or ("type" if fmt == "text" and "type" in columns else None)
-    if cfg.type_column is not None and cfg.type_column not in columns:
-        raise DataError(f"data.type_column={cfg.type_column!r} is not a column of {path}; its columns are "
-                        f"{columns}. Set data.type_column (or data.column_names for a header-less file).")
-    target_column = cfg.target_column if fmt == "text" and cfg.target_column in columns else None
-    allowed = [normalize_label(x) for x in cfg.labels]
-    rows = []
-    for i, raw in enumerate(table):
-        row: dict[str, Any] = {"row": i}
-        if fmt in ("text", "classification"):
-            row["text"] = _text(raw, cfg.text_column, i, path)
-        if fmt == "classification":
-            value = raw.get(cfg.label_column)
-            label = normalize_label(value) if value is not None else None
-            if label not in allowed:
-                raise DataError(f"row {i} of {path}: label {label!r} is not in data.labels={cfg.labels}; "
-                                f"fix the row or add the label to data.labels")
-            row["label"] = label
-        elif fmt == "prompt_completion":
-            row["prompt"] = _text(raw, cfg.prompt_column, i, path, strip=False)
-            row["completion"] = _text(raw, cfg.completion_column, i, path, strip=False)
-        elif fmt == "messages":
-            row["messages"] = _messages(raw.get(cfg.messages_column), cfg.messages_column, i, path)
-        if type_column is not None:
-            row["type"] = _integer(raw.get(type_column), type_column, i, path)
-        if target_column is not None:
-            row["target"] = _target(raw.get(target_column), target_column, i, path)
-        rows.append(row)
-    return rows
-
-
-def row_format(row: dict[str, Any]) -> str:
-    """The format of a row returned by :func:`load_rows`."""
-    if "messages" in row:
-        return "messages"
-    if "completion" in row:
-        return "prompt_completion"
-    return "classification" if "label" in row else "text"
+    """A label as text: Unicode NFC form, without surrounding whitespace. The same rule for ``data.labels`` and
+    the file, so a label typed in two Unicode normal forms is one class."""
+    return unicodedata.normalize("NFC", str(label)).strip()
 
 
 def row_key(row: dict[str, Any]) -> str:
@@ -246,7 +138,7 @@ def row_key(row: dict[str, Any]) -> str:
     return json.dumps({k: v for k, v in row.items() if k != "row"}, sort_keys=True, ensure_ascii=False)
 
 
-def _text(raw: dict[str, Any], column: str, i: int, path: str, strip: bool = True) -> str:
+def text_cell(raw: dict[str, Any], column: str, i: int, path: str, strip: bool = True) -> str:
     value = raw.get(column)
     if value is None or isinstance(value, (dict, list)) or not str(value).strip():
         what = "empty" if value is None or not str(value).strip() else f"a {type(value).__name__}, not text, in"
@@ -254,7 +146,7 @@ def _text(raw: dict[str, Any], column: str, i: int, path: str, strip: bool = Tru
     return str(value).strip() if strip else str(value)
 
 
-def _integer(value: Any, column: str, i: int, path: str) -> int:
+def integer_cell(value: Any, column: str, i: int, path: str) -> int:
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         return int(value)
     if not isinstance(value, int) or isinstance(value, bool):
@@ -262,7 +154,7 @@ def _integer(value: Any, column: str, i: int, path: str) -> int:
     return value
 
 
-def _target(value: Any, column: str, i: int, path: str) -> int | str:
+def target_cell(value: Any, column: str, i: int, path: str) -> int | str:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str) and value:
@@ -271,28 +163,13 @@ def _target(value: Any, column: str, i: int, path: str) -> int | str:
                     f"got {value!r}")
 
 
-def _messages(value: Any, column: str, i: int, path: str) -> list[dict[str, str]]:
-    if isinstance(value, str):  # a CSV cell holding JSON
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            pass
-    if not isinstance(value, list) or not value:
-        raise DataError(f"row {i} of {path}: {column!r} must be a non-empty list of {{role, content}} messages, "
-                        f"got {type(value).__name__}")
-    messages = []
-    for j, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
-            raise DataError(f"row {i} of {path}: message {j} must be {{'role': one of {list(ROLES)}, 'content': "
-                            f"text}}, got {m!r}"[:400])
-        messages.append({"role": m["role"], "content": m["content"]})
-    if not any(m["role"] == "assistant" for m in messages):
-        raise DataError(f"row {i} of {path}: no assistant message; the messages format trains the last "
-                        f"assistant turn, so every conversation needs one")
-    if messages[-1]["role"] != "assistant":
-        raise DataError(f"row {i} of {path}: the last message is from {messages[-1]['role']!r}, not "
-                        f"'assistant'; the messages format trains the last assistant turn, so end every "
-                        f"conversation with it")
-    if not messages[-1]["content"].strip():
-        raise DataError(f"row {i} of {path}: the last assistant message is empty")
-    return messages
+_MOVED = ("load_rows", "detect_format", "columns_needed", "row_format", "FORMATS")
+
+
+def __getattr__(name: str) -> Any:
+    """The reading-and-checking entry points moved to :mod:`scale.tasks`; still importable from here."""
+    if name in _MOVED:
+        import scale.tasks
+
+        return getattr(scale.tasks, name)
+    raise AttributeError(f"module 'scale.formats' has no attribute {name!r}")

@@ -214,7 +214,7 @@ def check_type_weights(cfg: Config, splits: Splits) -> None:
     if weights is None:
         return
     labels = cfg.data.labels
-    if splits.format == "classification" and cfg.data.type_column is None and len(weights) < len(labels):
+    if splits.types_are_labels and cfg.data.type_column is None and len(weights) < len(labels):
         raise ConfigError(f"loss.type_weights={weights} has {len(weights)} weight(s) but data.labels has "
                           f"{len(labels)} labels, whose indices are the type ids (data.type_column is null); give "
                           f"one weight per label")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,14 @@ def _tail_mask(attention_mask: Tensor, tail: Tensor | int) -> Tensor:
     if isinstance(tail, int):
         return torch.ones(attention_mask.shape[0], tail, dtype=torch.long, device=attention_mask.device)
     return tail.long()
+
+
+def tail_lengths(tail_mask: Tensor) -> Tensor:
+    """``[B]`` tail length of each row: from its first 1 through column ``N - 1`` (a chat's tail holds 0s
+    where user/tool tokens sit between trained turns; a contiguous tail's length is its sum). No host sync."""
+    mask = tail_mask.long()
+    N = mask.shape[1]
+    return torch.where(mask.any(1), N - mask.argmax(1), torch.zeros_like(mask[:, 0]))
 
 
 def bad_rows(attention_mask: Tensor, tail_mask: Tensor | int) -> Tensor:
@@ -53,12 +62,12 @@ def bad_rows(attention_mask: Tensor, tail_mask: Tensor | int) -> Tensor:
     first = mask.argmax(1)
     last = (T - 1) - mask.flip(1).argmax(1)
     gap = (last - first + 1) != lengths
-    return gap | (lengths < _tail_mask(mask, tail_mask).sum(1) + 1)
+    return gap | (lengths < tail_lengths(_tail_mask(mask, tail_mask)) + 1)
 
 
 def describe_bad_row(attention_mask: Tensor, tail_mask: Tensor | int, rows: Tensor | None = None) -> str:
     """The message for the first row :func:`bad_rows` flags (host sync: for the error path only)."""
-    tails = _tail_mask(attention_mask, tail_mask).sum(1)
+    tails = tail_lengths(_tail_mask(attention_mask, tail_mask))
     b = int(bad_rows(attention_mask, tail_mask).nonzero()[0, 0])
     where = f"row {b} of the batch" + (f" (data-file row {int(rows[b])})" if rows is not None else "")
     mask = attention_mask[b].long()
@@ -73,7 +82,7 @@ def batch_bad_rows(batch: dict[str, Tensor]) -> Tensor:
     """:func:`bad_rows` of a collated batch, padded or padding-free (``seq_lens``: each packed row needs more
     tokens than its tail); ``[B]`` bool, on the device (no host sync)."""
     if "seq_lens" in batch:
-        return batch["seq_lens"] < batch["tail_mask"].sum(1) + 1
+        return batch["seq_lens"] < tail_lengths(batch["tail_mask"]) + 1
     return bad_rows(batch["attention_mask"], batch["tail_mask"])
 
 
@@ -82,7 +91,7 @@ def describe_batch_row(batch: dict[str, Tensor]) -> str:
     if "seq_lens" not in batch:
         return describe_bad_row(batch["attention_mask"], batch["tail_mask"], batch.get("row"))
     b = int(batch_bad_rows(batch).nonzero()[0, 0])
-    n, tail = int(batch["seq_lens"][b]), int(batch["tail_mask"][b].sum())
+    n, tail = int(batch["seq_lens"][b]), int(tail_lengths(batch["tail_mask"])[b])
     where = f"row {b} of the batch" + (f" (data-file row {int(batch['row'][b])})" if "row" in batch else "")
     return (f"{where} has {n} real tokens; its tail of {tail} tokens needs at least {tail + 1} (each tail token "
             f"is predicted from the token before it). Lower loss.threshold or drop short rows.")
@@ -119,7 +128,7 @@ def tail_positions(attention_mask: Tensor, tail_mask: Tensor | int) -> Tensor:
     T, N = mask.shape[1], tails.shape[1]
     last = (T - 1) - mask.flip(dims=[1]).argmax(dim=1)            # [B] last real position
     span = last[:, None] - torch.arange(N - 1, -1, -1, device=mask.device)[None, :]
-    first = last - tails.sum(1) + 1                               # [B] first tail position
+    first = last - tail_lengths(tails) + 1                        # [B] first tail position
     return torch.maximum(span, first[:, None])
 
 
@@ -337,7 +346,7 @@ def forward_tail_packed(model: torch.nn.Module, batch: dict[str, Tensor]) -> tup
     B, N = tails.shape
     ends = seq_lens.cumsum(0) - 1                                                   # [B] last token of each row
     pos = ends[:, None] - torch.arange(N - 1, -1, -1, device=ends.device)[None, :]  # [B, N] tail positions
-    pos = torch.maximum(pos, (ends - tails.sum(1) + 1)[:, None])                     # not before the row's tail
+    pos = torch.maximum(pos, (ends - tail_lengths(tails) + 1)[:, None])              # not before the row's tail
     out = model(input_ids=input_ids, position_ids=batch["position_ids"], logits_to_keep=(pos - 1).reshape(-1),
                 use_cache=False)
     return out.logits.reshape(B, N, -1), input_ids[0, pos]
@@ -348,17 +357,14 @@ class LossSpec:
     """Everything :func:`loss_step` and evaluation need besides the model and the batch (from the config).
 
     Attributes:
-        threshold: the ``text`` format's tail length (tokens).
+        threshold: ``loss.threshold``, the tail length of rows whose format trains the last tokens (tokens).
         padding_side: ``"left"`` or ``"right"`` (how batches are padded; see :func:`forward_tail`).
         type_weights: weight per ``type_indicator`` id, or ``None`` (every tail token weighs 1).
         criterion: a user criterion (:func:`load_criterion`), or ``None`` for cross-entropy.
         criterion_mode: ``"plain"`` or ``"input"``.
-        target_position: the ``text`` format's target token, counted from the end (``-1`` = last).
-        label_token_ids: ``[L]`` token id of each label when every label is one token, else ``None``.
-        format: the data format: ``text``, ``classification``, ``prompt_completion`` or ``messages``.
-        label_seqs: the tokens of each label (classification).
-        has_target: the ``text`` rows carry a target token.
-        pad_token_id: pads the label candidates of multi-token label ranking.
+        target_position: ``loss.target_position``, a target token counted from the end (``-1`` = last).
+        task: what the data pipeline found, for the format's evaluation (:mod:`scale.tasks`): ``format`` and
+            the format's own keys (label tokens, ``has_target``, ``pad_token_id``). Opaque to the loss.
     """
 
     threshold: int
@@ -367,23 +373,23 @@ class LossSpec:
     criterion: Criterion | None
     criterion_mode: str
     target_position: int
-    label_token_ids: Tensor | None
-    format: str = "classification"
-    label_seqs: list[list[int]] = field(default_factory=list)
-    has_target: bool = False
-    pad_token_id: int = 0
+    task: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, cfg: Config, label_token_ids: list[int] | None, *, format: str = "classification",
-                    label_seqs: list[list[int]] | None = None, has_target: bool = False,
-                    pad_token_id: int = 0) -> LossSpec:
+    def from_config(cls, cfg: Config, label_token_ids: list[int] | None = None, **task: Any) -> LossSpec:
         """Build from the ``loss`` and ``data`` sections and what the data pipeline found.
+
+        Args:
+            cfg: the run's config.
+            label_token_ids: a token per label when every label is one token (``Splits.label_token_ids``).
+            **task: the rest of :meth:`scale.data.Splits.task_info` (``format``, ``label_seqs``,
+                ``has_target``, ``pad_token_id``), kept in :attr:`task`.
 
         Raises:
             ValueError: a criterion that cannot be imported.
         """
-        if label_seqs is None and label_token_ids is not None:
-            label_seqs = [[t] for t in label_token_ids]
+        if task.get("label_seqs") is None and label_token_ids is not None:
+            task["label_seqs"] = [[t] for t in label_token_ids]
         return cls(
             threshold=cfg.loss.threshold,
             padding_side=cfg.data.padding_side,
@@ -391,15 +397,11 @@ class LossSpec:
             criterion=load_criterion(cfg.loss.criterion) if cfg.loss.criterion else None,
             criterion_mode=cfg.loss.criterion_mode,
             target_position=cfg.loss.target_position,
-            label_token_ids=torch.tensor(label_token_ids, dtype=torch.long) if label_token_ids is not None else None,
-            format=format,
-            label_seqs=label_seqs or [],
-            has_target=has_target,
-            pad_token_id=pad_token_id,
+            task={**task, "label_token_ids": label_token_ids},
         )
 
     def weights(self, batch: dict[str, Tensor]) -> Tensor:
-        """``[B, N]`` tail-token weights of a batch (a user criterion counts every tail token once)."""
+        """``[B, N]`` tail-token weights of a batch (a user criterion counts every trained tail token once)."""
         if self.criterion is not None:
             return batch["tail_mask"].float()
         return token_weights(batch["type_indicator"], batch["tail_mask"], self.type_weights)

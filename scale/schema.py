@@ -76,7 +76,17 @@ class DataConfig:
     label_column: str = _f("label", "Column with the label (one of `labels`; classification).")
     prompt_column: str = _f("prompt", "Column with the prompt (prompt_completion).")
     completion_column: str = _f("completion", "Column with the completion that is trained (prompt_completion).")
-    messages_column: str = _f("messages", "Column with a list of {role, content} messages (messages).")
+    messages_column: str = _f("messages", "Column with a list of {role, content} messages (messages); every other "
+                                          "key of a message (tool_calls, name, reasoning_content...) reaches the "
+                                          "chat template.")
+    tools_column: str = _f("tools", "messages: column with the tool (function) schemas, passed as the chat "
+                                    "template's `tools`.")
+    train_on: str = _f("all_assistant", "messages: which assistant turns are trained: all_assistant (every turn, "
+                                        "from its first content token through its end-of-turn marker) | "
+                                        "last_assistant.")
+    chat_template_kwargs: dict[str, Any] = _f({}, "messages: extra variables for the chat template (e.g. "
+                                                  "{date_string: 26 Jul 2024} pins a template that reads the clock, "
+                                                  "enable_thinking: false).")
     target_column: str = _f("target", "text format: column with a target token (id or text); when present, "
                                       "eval/target_nll is its NLL at `loss.target_position`.")
     type_column: str | None = _f(None, "Integer column for `type_indicator`; null uses the label's index "
@@ -214,6 +224,7 @@ _CHOICES = {
     "model.bnb_4bit_compute_dtype": ("float32", "bfloat16", "float16"),
     "model.bnb_4bit_quant_storage": ("uint8", "float32", "bfloat16", "float16"),
     "data.padding_side": ("left", "right"),
+    "data.train_on": ("all_assistant", "last_assistant"),
     "data.format": ("auto", "text", "classification", "prompt_completion", "messages"),
     "loss.criterion_mode": ("plain", "input"),
     "optim.name": ("adamw", "sgd"),

@@ -179,17 +179,30 @@ def test_post_processor_special_tokens_are_not_doubled(tmp_path, bos_eos_tokeniz
     assert ex.input_ids == [0, *_enc(tok, "one two three four")[-2:], eos]
 
 
-def test_messages_tail_is_the_last_assistant_turn(tmp_path, tokenizer):
+def test_messages_tail_is_every_assistant_turn_or_the_last(tmp_path, tokenizer):
+    """Issue 17: by default every assistant turn is trained, from its first content token through its end-of-turn
+    marker; the user turn between them sits inside the tail with weight 0. last_assistant trains the last only."""
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
                 {"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]
     rows = load_rows(DataConfig(), _write(tmp_path / "d.jsonl", [{"messages": messages}]))
-    (ex,) = tokenize_rows(rows, tokenizer, DataConfig(max_length=256), LossConfig())
     rendered = tokenizer.apply_chat_template(messages, tokenize=False)
     assert rendered.endswith("<|im_start|>assistant\nParis.<|im_end|>\n")
+    (ex,) = tokenize_rows(rows, tokenizer, DataConfig(max_length=256), LossConfig())
     assert tokenizer.decode(ex.input_ids) == rendered[:-1]          # cut right after the end-of-turn marker
-    assert ex.input_ids[-ex.tail_len:] == _enc(tokenizer, "Paris.<|im_end|>")
-    (cut,) = tokenize_rows(rows, tokenizer, DataConfig(max_length=10), LossConfig())
+    tail = ex.input_ids[-ex.tail_len:]
+    trained = [t for t, f in zip(tail, ex.trained) if f]
+    assert tokenizer.decode(tail).startswith("Hello.<|im_end|>") and ex.trained[0] == 1
+    assert trained == _enc(tokenizer, "Hello.<|im_end|>") + _enc(tokenizer, "Paris.<|im_end|>")
+    assert tokenizer.decode([t for t, f in zip(tail, ex.trained) if not f]) == \
+        "\n<|im_start|>user\nCapital of France?<|im_end|>\n<|im_start|>assistant\n"
+    last = DataConfig(max_length=256, train_on="last_assistant")
+    (ex,) = tokenize_rows(rows, tokenizer, last, LossConfig())
+    assert ex.input_ids[-ex.tail_len:] == _enc(tokenizer, "Paris.<|im_end|>") and ex.trained is None
+    (cut,) = tokenize_rows(rows, tokenizer, DataConfig(max_length=10, train_on="last_assistant"), LossConfig())
     assert cut.input_ids == ex.input_ids[-10:] and cut.tail_len == ex.tail_len   # prompt tokens dropped
+    # all_assistant with too little room: the oldest turns become prompt, the last turn is kept
+    (cut,) = tokenize_rows(rows, tokenizer, DataConfig(max_length=10), LossConfig())
+    assert cut.input_ids == ex.input_ids[-10:] and cut.tail_len == ex.tail_len and cut.trained is None
 
 
 def test_messages_with_a_chat_template_file(tmp_path, tokenizer):

@@ -43,11 +43,13 @@ def _spec(splits, padding_side, **kw):
 
 
 @torch.no_grad()
-def brute_force(model, tokenizer, example, label_seqs):
-    """Score every label by running prompt + label alone (no padding, full logits) and summing its log-probs."""
+def brute_force(model, tokenizer, example, label_seqs, eos=False):
+    """Score every label by running prompt + label (+ EOS) alone (no padding, full logits) and summing its
+    log-probs."""
     prompt = example.input_ids[:-example.tail_len]
     scores = []
     for seq in label_seqs:
+        seq = seq + [tokenizer.eos_token_id] if eos else seq
         ids = torch.tensor([prompt + seq])
         logp = model(input_ids=ids).logits[0].float().log_softmax(-1)          # [T, V]
         scores.append(sum(logp[len(prompt) - 1 + k, t].item() for k, t in enumerate(seq)))
@@ -65,10 +67,10 @@ def test_multi_token_accuracy_equals_brute_force(tmp_path, tokenizer, model, sid
     dl = DataLoader(splits.eval, batch_size=5, collate_fn=Collator(tokenizer.pad_token_id, side))
     got = evaluate(Accelerator(cpu=True), model, dl, _spec(splits, side))
     correct, nll = 0, 0.0
-    for ex in splits.eval:
-        scores = brute_force(model, tokenizer, ex, splits.label_seqs)
-        correct += max(range(4), key=scores.__getitem__) == ex.label
-        nll -= scores[ex.label]
+    for ex in splits.eval:   # issue 17: labels are ranked with the EOS they are trained with
+        ranked = brute_force(model, tokenizer, ex, splits.label_seqs, eos=True)
+        correct += max(range(4), key=ranked.__getitem__) == ex.label
+        nll -= brute_force(model, tokenizer, ex, splits.label_seqs)[ex.label]
     assert got["eval/accuracy"] == correct / 12 and got["eval/examples"] == 12
     assert got["eval/target_nll"] == pytest.approx(nll / 12, rel=1e-5)
     assert set(got) == {"eval/loss", "eval/target_nll", "eval/accuracy", "eval/examples"}

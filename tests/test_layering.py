@@ -21,8 +21,9 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"fileio", "schema"},
     "assets": {"fileio"},
     "schedule": {"config"},
-    "formats": {"config"},
-    "data": {"config", "formats"},
+    "formats": {"config", "tasks"},  # tasks: the names that moved there, imported lazily (PEP 562)
+    "tasks": {"config", "formats", "loss", "tasks"},  # the package scale/tasks/: one module per data format
+    "data": {"config", "formats", "tasks"},
     "loss": {"config"},
     "modeling": {"config", "assets"},
     "sampling": {"data"},
@@ -35,7 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "metrics": {"config", "fileio", "flops"},
     "checks": {"modeling"},
     "checkpoint": {"config", "fileio", "launch", "modeling"},
-    "evaluate": {"data", "loss"},
+    "evaluate": {"loss", "tasks"},
     "job": {"assets", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss", "metrics",
             "modeling", "sampling", "schedule"},
     "train": {"checkpoint", "checks", "config", "evaluate", "job", "loss", "metrics", "signals"},
@@ -45,8 +46,21 @@ ALLOWED: dict[str, set[str]] = {
 DISTRIBUTED = {"launch", "metrics", "checks", "checkpoint", "evaluate", "job", "train", "cli"}
 
 
+def _sources(name: str) -> list:
+    """The files of a room: ``scale/<name>.py``, or every file of the package ``scale/<name>/``."""
+    package = ROOT / "scale" / name
+    return sorted(package.glob("*.py")) if package.is_dir() else [ROOT / "scale" / f"{name}.py"]
+
+
 def _imports(name: str) -> set[str]:
-    tree = ast.parse((ROOT / "scale" / f"{name}.py").read_text(encoding="utf-8"))
+    found = set()
+    for path in _sources(name):
+        found |= _file_imports(path)
+    return found
+
+
+def _file_imports(path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -60,6 +74,7 @@ def _imports(name: str) -> set[str]:
 
 def test_every_module_is_in_the_table():
     modules = {p.stem for p in (ROOT / "scale").glob("*.py") if p.stem != "__init__"}
+    modules |= {p.name for p in (ROOT / "scale").iterdir() if (p / "__init__.py").is_file()}
     assert modules == set(ALLOWED), f"add to / remove from ALLOWED: {modules ^ set(ALLOWED)}"
 
 
@@ -78,3 +93,40 @@ def test_loop_has_no_print_empty_cache_or_len_batch():
         src = (ROOT / "scale" / f"{name}.py").read_text(encoding="utf-8")
         for banned in ("print(", "empty_cache(", "len(batch)", ".item()"):
             assert banned not in src, (name, banned)
+
+
+FORMAT_NAMES = ("text", "classification", "prompt_completion", "messages")
+
+
+def _format_names_in_code(path) -> list[str]:
+    """Format names used as values in ``path``'s code: the unambiguous names anywhere as a string constant, and
+    ``text``/``messages`` (also column names) where compared or looked up (``fmt == "text"``, ``get("text")``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value in ("classification", "prompt_completion"):
+            found.append(f"line {node.lineno}: {node.value!r}")
+        elif isinstance(node, ast.Compare):
+            for c in [node.left, *node.comparators]:
+                if isinstance(c, ast.Constant) and c.value in FORMAT_NAMES:
+                    found.append(f"line {node.lineno}: compares with {c.value!r}")
+                elif isinstance(c, (ast.Tuple, ast.List, ast.Set)) and any(
+                        isinstance(e, ast.Constant) and e.value in FORMAT_NAMES for e in c.elts):
+                    found.append(f"line {node.lineno}: compares with a tuple of format names")
+    return found
+
+
+def test_format_names_live_in_scale_tasks_only():
+    """Issue 17: outside scale/tasks/ only the registry (scale/tasks/__init__.py) and the schema (data.format's
+    choices) name the formats; data.py, evaluate.py, loss.py, job.py... ask the format's module instead."""
+    offenders = {}
+    for path in sorted((ROOT / "scale").rglob("*.py")):
+        rel = path.relative_to(ROOT / "scale").as_posix()
+        if rel.startswith("tasks/") and rel != "tasks/__init__.py" or rel == "schema.py":
+            continue
+        if rel == "tasks/__init__.py":  # the registry: names each format once, in its table
+            continue
+        hits = _format_names_in_code(path)
+        if hits:
+            offenders[rel] = hits
+    assert offenders == {}, f"format names outside scale/tasks/: {offenders}"

@@ -1,0 +1,59 @@
+"""``prompt_completion``: the prompt's tokens, then the trained completion's tokens + EOS.
+
+A *conversational* row (TRL's format: ``prompt`` and ``completion`` are lists of messages) becomes a chat
+(:mod:`scale.tasks.messages`) whose completion's assistant turns are trained, rendered by the chat template.
+Evaluation: ``eval/loss`` is the completion NLL per token; ``eval/exact_match``: every completion token is the
+argmax (teacher forced).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from scale.config import DataConfig, LossConfig
+from scale.formats import text_cell
+from scale.tasks.base import Builder, Example, Task, encode
+
+
+def exact_match(tail_logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """``[B]`` 1.0 where every trained tail token (``mask [B, N]``) is the argmax of its prediction (teacher
+    forced)."""
+    hit = (tail_logits.argmax(-1) == targets) | (mask == 0)
+    return hit.all(1).float()
+
+
+class PromptCompletion(Task):
+    """The ``prompt_completion`` format (text prompt and completion)."""
+
+    name = "prompt_completion"
+    row_keys = {"prompt", "completion"}
+
+    def columns(self, cfg: DataConfig) -> list[str]:
+        return [cfg.prompt_column, cfg.completion_column]
+
+    def read(self, raw: dict[str, Any], cfg: DataConfig, i: int, path: str) -> dict[str, Any]:
+        prompt, completion = raw.get(cfg.prompt_column), raw.get(cfg.completion_column)
+        if isinstance(prompt, list) or isinstance(completion, list):
+            from scale.tasks.messages import conversational_row
+
+            return conversational_row(raw, cfg, i, path)
+        return {"prompt": text_cell(raw, cfg.prompt_column, i, path, strip=False),
+                "completion": text_cell(raw, cfg.completion_column, i, path, strip=False)}
+
+    def encode(self, row: dict[str, Any], b: Builder, loss_cfg: LossConfig) -> Example | None:
+        completion = b.with_eos(encode(b.tokenizer, row["completion"]))
+        prefix, prompt = b.front(encode(b.tokenizer, row["prompt"]))
+        ids = b.assemble(prefix, prompt, completion, row.get("row", -1))
+        if ids is None:
+            return None
+        return Example(ids, len(completion), int(row.get("type", 0)), 0, -1, row.get("row", -1))
+
+    def eval_columns(self, model: torch.nn.Module, batch: dict[str, Tensor], tail_logits: Tensor, targets: Tensor,
+                     spec: Any) -> list[Tensor]:
+        return [exact_match(tail_logits, targets, batch["tail_mask"])]
+
+    def summary(self, sums: list[float], n: int, spec: Any) -> dict[str, float]:
+        return {"eval/exact_match": sums[0] / n}
