@@ -7,8 +7,9 @@ Jobs: configs/train/tiny_cpu.yaml on 20 examples (global batch 8, so every epoch
 window of 4), 6 optimizer steps (2 epochs), plain SGD (Adam would hide a gradient-scale error), no dropout,
 logged every step: ``reviews`` (classification, every tail 2 tokens) and ``completions``
 (configs/data/tiny_completions.jsonl, prompt/completion rows whose tails are 2 to 12 tokens, so the micro-batches of
-a window hold tails of different lengths). For each job and mode it reads ``metrics.jsonl`` (per-step
-``train/loss`` and ``train/grad_norm``) and the saved adapter, and prints the max relative deviation from
+a window hold tails of different lengths) and ``chats`` (configs/data/tiny_chats.jsonl, 1-3 exchange chats,
+every assistant turn trained: tails up to ~90 tokens, weight-0 user turns inside). For each job and mode it reads
+``metrics.jsonl`` (per-step ``train/loss`` and ``train/grad_norm``) and the saved adapter, and prints the max relative deviation from
 the job's first row; exits 1 if any row exceeds the tolerance.
 """
 
@@ -22,9 +23,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python benchmarks/parity.py`: make `tests.launching` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.launching import COMPLETIONS, ROOT, modes, rel_dev, run_mode, weight_dev  # noqa: E402
+from tests.launching import CHATS, COMPLETIONS, ROOT, modes, rel_dev, run_mode, weight_dev  # noqa: E402
 
-JOBS = {"reviews": [], "completions": COMPLETIONS}
+JOBS = {"reviews": [], "completions": COMPLETIONS, "chats": CHATS}
 
 
 def main() -> int:

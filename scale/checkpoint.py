@@ -73,6 +73,8 @@ class TrainerState:
     zero_weight_steps: int = 0  # windows whose loss weights summed to zero: no update, the step still counts
     reason: str = "interval"  # interval | end | preempted
     data_sha256: str = ""     # of the data file: an edited file would silently change the split
+    template_sha256: str = ""  # of the chat template's text and variables (issue 17)
+    rows_sha256: str = ""     # of every tokenized row and its trained flags: what the run trains (issue 17)
     config: dict[str, Any] = field(default_factory=dict)
     saved_at: float = 0.0
 
@@ -375,17 +377,29 @@ def check_resume(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path | Non
 
 
 def load_checkpoint(acc: Accelerator, plan: ModePlan, path: Path, state: TrainerState,
-                    data_sha256: str) -> TrainerState:
+                    data_sha256: str, template_sha256: str = "", rows_sha256: str = "") -> TrainerState:
     """Restore model (trainable tensors), optimizer, scheduler and RNG states from ``path`` (already checked
     by :func:`check_resume`). Collective.
 
     Raises:
-        ConfigError: the data file's bytes differ from the checkpoint's (same path, edited file).
+        ConfigError: the data file's bytes differ from the checkpoint's (same path, edited file); the chat
+            template's text or variables differ; the tokenized rows differ (a template that renders the date,
+            another tokenizer): the resumed steps would train other tokens.
     """
     if state.data_sha256 and state.data_sha256 != data_sha256:
         raise ConfigError(f"the data file changed since checkpoint {path} was written (sha256 "
                           f"{state.data_sha256[:12]}... -> {data_sha256[:12]}...): the split and the sample order "
                           f"would differ. Restore the file, or start a new run in another output_dir.")
+    if state.template_sha256 and state.template_sha256 != template_sha256:
+        raise ConfigError(f"data.chat_template changed since checkpoint {path} was written (its text or "
+                          f"data.chat_template_kwargs; sha256 {state.template_sha256[:12]}... -> "
+                          f"{template_sha256[:12]}...): the resumed steps would train other tokens. Restore the "
+                          f"template, or start a new run in another output_dir.")
+    if state.rows_sha256 and state.rows_sha256 != rows_sha256:
+        raise ConfigError(f"the tokenized rows changed since checkpoint {path} was written (sha256 "
+                          f"{state.rows_sha256[:12]}... -> {rows_sha256[:12]}...) with the same data file and "
+                          f"config: something the tokens depend on differs (the tokenizer files, or what the chat "
+                          f"template renders). Restore it, or start a new run in another output_dir.")
     acc.load_state(str(path), **plan.load_state_kwargs)  # collective under DeepSpeed
     logger.info("resumed from %s at step %d (epoch %d, %d windows into it)", path, state.step, state.epoch,
                 state.windows_in_epoch, main_process_only=True)

@@ -36,6 +36,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -134,6 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="start the job through `accelerate launch` with this accelerate config (a shipped name "
                              "such as cpu_zero2, ddp, zero3, or a YAML; its DeepSpeed JSON is read relative to it); "
                              "the exit code is the job's")
+    parser.add_argument("--show-rows", type=int, default=None, metavar="N",
+                        help="print the first N train rows as the model reads them, trained tokens between [[ and ]], "
+                             "and exit (nothing is trained or written)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=50")
     # The `deepspeed` launcher appends --local_rank=N; the rank is read from LOCAL_RANK in the environment.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -156,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         _error(e)
         return EXIT_BAD_INPUT
     configure_logging(dict(os.environ), uses_deepspeed=cfg.train.deepspeed_config is not None)
+    if args.show_rows is not None:
+        try:
+            show_rows(cfg, args.show_rows)
+        except BAD_INPUT as e:
+            _error(e)
+            return EXIT_BAD_INPUT
+        return 0
     preemption = Preemption()
     preemption.install()
     try:
@@ -173,6 +184,28 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         preemption.uninstall()
     return 0
+
+
+def show_rows(cfg: Any, n: int) -> None:
+    """``scale-train --show-rows N``: the first ``n`` train rows (split and order as the run's data pipeline
+    builds them), each with its data-file row, its token counts and its text, trained tokens between ``[[`` and
+    ``]]``; printed on stdout. Nothing is trained or written.
+
+    Raises:
+        DataError, ConfigError: as the run would raise them.
+    """
+    from scale.assets import resolve_data
+    from scale.data import build_splits, show_example, show_legend
+    from scale.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    splits = build_splits(cfg.data, cfg.loss, tokenizer, resolve_data(cfg.data.path), cfg.train.seed)
+    sys.stdout.write(f"format={splits.format}; {show_legend()}\n")
+    for e in splits.train[:n]:
+        trained = sum(e.tail_flags())
+        sys.stdout.write(f"--- data-file row {e.row}: {len(e.input_ids)} tokens, {trained} trained\n"
+                         f"{show_example(tokenizer, e)}\n")
+    sys.stdout.flush()
 
 
 def _without_accelerate_config(argv: list[str]) -> list[str]:

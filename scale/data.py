@@ -221,3 +221,26 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
                   label_seqs=info.get("label_seqs", []), has_target=info.get("has_target", False), stats=stats,
                   types_are_labels=task.types_are_labels, fingerprint=token_fingerprint(train + held),
                   template_sha256=hashlib.sha256(extra.encode()).hexdigest() if extra else "")
+
+
+TRAINED_OPEN, TRAINED_CLOSE = "[[", "]]"
+
+
+def show_legend() -> str:
+    """How :func:`show_example` marks the trained tokens."""
+    return f"trained tokens between {TRAINED_OPEN} and {TRAINED_CLOSE}"
+
+
+def show_example(tokenizer: Any, e: Example) -> str:
+    """The example's text as the model reads it, each run of trained tokens between ``[[`` and ``]]``.
+
+    Tokens are decoded one run at a time (special tokens spelled out), so the text is the row's exactly.
+    """
+    flags = [0] * (len(e.input_ids) - e.tail_len) + e.tail_flags()
+    out, start = [], 0
+    for j in range(1, len(flags) + 1):
+        if j == len(flags) or flags[j] != flags[start]:
+            text = tokenizer.decode(e.input_ids[start:j])
+            out.append(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if flags[start] else text)
+            start = j
+    return "".join(out)

@@ -26,7 +26,7 @@ from scale.checkpoint import (TrainerState, check_resume, clear_previous_run, lo
                               resolve_resume)
 from scale.checks import dtype_census
 from scale.config import Config, ConfigError, dump_config
-from scale.data import Collator, DataError, Splits, build_splits
+from scale.data import Collator, DataError, Splits, build_splits, show_example, show_legend
 from scale.fileio import sha256_file
 from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
@@ -169,10 +169,13 @@ def setup(cfg: Config) -> Job:
                     ga, mb * ga * world, mb * ga * world * mean_len, mean_len, mb * ga * world * mean_tail, trainable,
                     total, 100 * trainable / total, len(splits.train), len(splits.eval), splits.format, max_steps)
         log_data_stats(splits.stats)
+        logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))
         logger.info("mode plan: %s; parameter dtypes: %s", "; ".join(plan.notes) or "defaults", dtype_census(model))
-    state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=world, data_sha256=sha256_file(data_path))
+    state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=world, data_sha256=sha256_file(data_path),
+                         template_sha256=splits.template_sha256, rows_sha256=splits.fingerprint)
     if resume is not None:
-        state = load_checkpoint(acc, plan, resume, saved_state, state.data_sha256)  # collective
+        state = load_checkpoint(acc, plan, resume, saved_state, state.data_sha256, state.template_sha256,
+                                state.rows_sha256)  # collective
     elif cfg.train.resume_from == "latest" and acc.is_main_process:
         logger.info("resume_from=latest: no checkpoint in %s yet, starting fresh", out / "checkpoints")
     start_trackers(cfg, acc)

@@ -22,6 +22,10 @@ JOB = ["data.max_train_examples=20", "train.max_steps=6", "train.log_every=1", "
 # The same job on prompt/completion rows: tails of 2 to 12 tokens (a completion of 1-6 words + EOS), so the
 # micro-batches of a window hold tails of different lengths; 20 rows make windows of 8, 8 and 4 per epoch.
 COMPLETIONS = [f"data.path={ROOT / 'configs' / 'data' / 'tiny_completions.jsonl'}"]
+# Multi-turn chats (1-3 exchanges each), every assistant turn trained (issue 17): tails of 2 to ~90 tokens whose
+# user turns between the assistant turns weigh 0.
+CHATS = [f"data.path={ROOT / 'configs' / 'data' / 'tiny_chats.jsonl'}", "data.max_length=128",
+         f"data.chat_template={ROOT / 'configs' / 'chat' / 'chatml.jinja'}"]
 
 
 def free_port() -> int:

@@ -40,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "job": {"assets", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss", "metrics",
             "modeling", "sampling", "schedule"},
     "train": {"checkpoint", "checks", "config", "evaluate", "job", "loss", "metrics", "signals"},
-    "cli": {"checkpoint", "config", "data", "launch", "signals", "train"},
+    "cli": {"assets", "checkpoint", "config", "data", "launch", "modeling", "signals", "train"},
     "report": {"config", "metrics", "schedule"},
 }
 DISTRIBUTED = {"launch", "metrics", "checks", "checkpoint", "evaluate", "job", "train", "cli"}

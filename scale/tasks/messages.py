@@ -227,8 +227,8 @@ def spans(tokenizer: Any, template: str, messages: list[dict[str, Any]], i: int,
             raise DataError(f"row {i}: the chat template's generation prompt is not the start of the rendered last "
                             f"assistant turn: after {full[max(0, n - 30):n]!r} the prompt continues "
                             f"{prompt[n:n + 40]!r} but the conversation {full[n:n + 40]!r}; the model would be "
-                            f"trained after a prompt inference never sends. Fix data.chat_template (or set "
-                            f"data.train_on=last_assistant if only history turns differ)")
+                            f"trained after a prompt inference never sends. Fix data.chat_template so that its "
+                            f"generation prompt is what the rendered turn starts with")
         content = messages[k]["content"].strip()
         at = full.find(content, lo) if content else -1
         if at < 0:
@@ -292,17 +292,28 @@ class Messages(PromptCompletion):
         Raises:
             DataError: the template called ``strftime_now`` with ``data.chat_template_kwargs`` as given.
         """
-        def probe(*_: Any) -> str:
-            raise ClockError
+        # transformers' strftime_now() reads chat_template_utils.datetime.now() when called: swap in a clock that
+        # stops the render (template variables cannot carry a function: they are converted to plain data).
+        import transformers.utils.chat_template_utils as ctu
 
+        class Probe:
+            @staticmethod
+            def now(*_: Any) -> Any:
+                raise ClockError
+
+        real = ctu.datetime
         try:
+            ctu.datetime = Probe
             render(tokenizer, self.template, row["messages"], row.get("row", -1), tools=row.get("tools"),
-                   kwargs={**self.kwargs, "strftime_now": probe})
+                   kwargs=self.kwargs)
         except ClockError:
+            ctu.datetime = real
             raise DataError("data.chat_template reads the clock (strftime_now): every row would hold the day the run "
                             "starts, so a resume on another day trains other tokens. Pin what it renders with "
                             "data.chat_template_kwargs (e.g. data.chat_template_kwargs={date_string: '26 Jul "
                             "2024'} for Llama-3 templates)") from None
+        finally:
+            ctu.datetime = real
 
     def report_unused_keys(self, rows: list[dict[str, Any]]) -> None:
         """Warn once about message keys (and a ``tools`` column) the template never reads."""

@@ -1,0 +1,260 @@
+"""Issue 17: chats as users bring them. Every assistant turn trained (loss equal to a full-logits reference),
+transformers' assistant mask agreeing with ours, tool calls/tools/reasoning reaching the template, conversational
+prompt/completion, template hygiene (a raising template, the generation prompt, special-token spellings, BOS, the
+clock), labels (prefix labels, Unicode forms, separators) and ``--show-rows``."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from scale.config import DataConfig, LossConfig, ModelConfig
+from scale.data import Collator, DataError, build_splits, load_rows, tokenize_rows
+from scale.loss import forward_tail, tail_loss, token_weights
+from scale.modeling import load_base
+from tests.conftest import ROOT, SHARED_DATA, TINY_YAML
+
+CASES = SHARED_DATA.parent / "cases" / "turn3"
+CHATML = ROOT / "configs" / "chat" / "chatml.jinja"
+# ChatML with transformers' {% generation %} markers around what an assistant turn trains
+GENERATION = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' %}"
+              "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}"
+              "{{ m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def _chat(*turns):
+    return [{"role": ("user", "assistant")[k % 2], "content": t} for k, t in enumerate(turns)]
+
+
+def _enc(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+CHATS = [_chat("Hi", "Hello there.", "Capital of France?", "Paris.", "And of Spain?", "Madrid, I think."),
+         _chat("Name a colour.", "Blue."),
+         _chat("Count to three.", "One, two, three.", "Backwards?", "Three, two, one.")]
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return load_base(ModelConfig(name_or_path="tiny-llama"), vocab_size=len(tokenizer), seed=5).eval()
+
+
+@pytest.fixture(scope="module")
+def chat_examples(tmp_path_factory, tokenizer):
+    path = _write(tmp_path_factory.mktemp("chats") / "c.jsonl", [{"messages": m} for m in CHATS])
+    cfg = DataConfig(chat_template=str(CHATML), max_length=256)
+    return tokenize_rows(load_rows(cfg, path), tokenizer, cfg, LossConfig())
+
+
+def test_every_assistant_turn_is_trained_through_its_marker(chat_examples, tokenizer):
+    a, b, c = chat_examples
+    trained = [t for t, f in zip(a.input_ids[-a.tail_len:], a.trained) if f]
+    assert trained == [t for s in ("Hello there.", "Paris.", "Madrid, I think.") for t in _enc(tokenizer, s + "<|im_end|>")]
+    assert b.trained is None and b.input_ids[-b.tail_len:] == _enc(tokenizer, "Blue.<|im_end|>")
+    assert a.input_ids[-a.tail_len:][:len(_enc(tokenizer, "Hello"))] == _enc(tokenizer, "Hello")  # tail starts trained
+    assert sum(c.trained) == len(_enc(tokenizer, "One, two, three.<|im_end|>Three, two, one.<|im_end|>"))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@torch.no_grad()
+def test_multi_turn_loss_equals_a_full_logits_masked_reference(chat_examples, tokenizer, model, side):
+    """Per-token loss of a multi-turn batch (tails of 3 lengths, weight-0 user turns inside) equals masked CE
+    over the full logits of every row run alone, within 1e-6; the LM head never sees all positions."""
+    batch = Collator(tokenizer.pad_token_id, side)(chat_examples)
+    assert batch["tail_mask"].shape[1] < batch["input_ids"].shape[1]
+    tail_logits, targets = forward_tail(model, batch, padding_side=side)
+    w = token_weights(batch["type_indicator"], batch["tail_mask"], None)
+    per_token = F.cross_entropy(tail_logits.flatten(0, 1).float(), targets.flatten(), reduction="none").view_as(w)
+    num, den = tail_loss(tail_logits, targets, w)
+    ref_num, ref_den = 0.0, 0
+    for b, e in enumerate(chat_examples):
+        ids = torch.tensor([e.input_ids])
+        logits = model(input_ids=ids).logits[0].float()                              # [T, V]
+        T, N = len(e.input_ids), batch["tail_mask"].shape[1]
+        for j, flag in enumerate(e.tail_flags()):
+            pos = T - e.tail_len + j
+            if flag:
+                ref = F.cross_entropy(logits[pos - 1:pos], ids[0, pos:pos + 1]).item()
+                col = N - e.tail_len + j
+                assert targets[b, col].item() == e.input_ids[pos]
+                assert per_token[b, col].item() == pytest.approx(ref, abs=1e-6)
+                ref_num, ref_den = ref_num + ref, ref_den + 1
+    assert den.item() == ref_den and num.item() == pytest.approx(ref_num, abs=1e-5)
+
+
+def test_generation_markers_agree_with_transformers_assistant_mask(tmp_path, tokenizer):
+    """Where a template marks {% generation %}, transformers' return_assistant_tokens_mask is our trained mask."""
+    template = tmp_path / "gen.jinja"
+    template.write_text(GENERATION)
+    cfg = DataConfig(chat_template=str(template), max_length=256)
+    rows = load_rows(cfg, _write(tmp_path / "c.jsonl", [{"messages": m} for m in CHATS]))
+    for e, m in zip(tokenize_rows(rows, tokenizer, cfg, LossConfig()), CHATS):
+        out = tokenizer.apply_chat_template(m, chat_template=GENERATION, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        assert ids[:len(e.input_ids)] == e.input_ids and tokenizer.decode(ids[len(e.input_ids):]) == "\n"
+        ours = [0] * (len(e.input_ids) - e.tail_len) + e.tail_flags()
+        assert ours == mask[:len(e.input_ids)] and sum(ours) > 0
+
+
+def test_tool_calls_and_tools_reach_the_template(tmp_path, tokenizer, caplog):
+    """C34's rows: the tool call turn and the answer are both trained; the tools schema is in the prompt."""
+    case = CASES / "C34"
+    if not case.is_dir():
+        pytest.skip("../shared/cases is absent")
+    cfg = DataConfig(chat_template=str(case / "qwen25_tools.jinja"), max_length=512, eval_size=8)
+    rows = load_rows(cfg, str(case / "tool_answers.jsonl"))
+    assert "tool_calls" in rows[0]["messages"][1] and rows[0]["tools"][0]["function"]["name"] == "get_temperature"
+    (e,) = tokenize_rows(rows[:1], tokenizer, cfg, LossConfig())
+    text = tokenizer.decode(e.input_ids)
+    raw = json.loads((case / "tool_answers.jsonl").read_text().splitlines()[0])
+    full = tokenizer.apply_chat_template(raw["messages"], tools=raw["tools"], chat_template=(
+        case / "qwen25_tools.jinja").read_text(), tokenize=False)
+    assert text == full.rstrip("\n") and "<tools>" in text and "<tool_call>" in text
+    trained = tokenizer.decode([t for t, f in zip(e.input_ids[-e.tail_len:], e.tail_flags()) if f])
+    assert trained == ('<tool_call>\n{"name": "get_temperature", "arguments": {"city": "Paris"}}\n</tool_call>'
+                       '<|im_end|>It is 10 degrees Celsius in Paris.<|im_end|>')
+    # A key the template never reads is reported once.
+    rows[0]["messages"][1]["reasoning_content"] = "Look it up."
+    with caplog.at_level("WARNING"):
+        build = DataConfig(chat_template=str(CHATML), max_length=256, eval_size=8)
+        path = _write(tmp_path / "r.jsonl", [{k: v for k, v in r.items() if k != "row"} for r in rows])
+        build_splits(build, LossConfig(), tokenizer, path, seed=0)
+    lines = [r.getMessage() for r in caplog.records if "never reads" in r.getMessage()]
+    assert lines == ["data: the chat template never reads ['name', 'reasoning_content', 'tool_calls', 'tools'], so "
+                     "that part of the rows is not rendered (nor trained); use a template that renders it "
+                     "(data.chat_template)"]
+
+
+def test_conversational_prompt_completion_trains_the_completion_turns(tmp_path, tokenizer):
+    row = {"prompt": _chat("Hi", "Hello.", "Capital of France?"), "completion": [
+        {"role": "assistant", "content": "Paris."}]}
+    cfg = DataConfig(chat_template=str(CHATML), max_length=256)
+    (r,) = load_rows(cfg, _write(tmp_path / "pc.jsonl", [row]))
+    assert r["completion_from"] == 3 and [m["content"] for m in r["messages"]][-1] == "Paris."
+    (e,) = tokenize_rows([r], tokenizer, cfg, LossConfig())
+    assert e.input_ids[-e.tail_len:] == _enc(tokenizer, "Paris.<|im_end|>") and e.trained is None
+
+
+def _cli(tmp_path, capsys, *overrides):
+    from scale.cli import main
+
+    out = tmp_path / "out"
+    code = main(["--config", str(TINY_YAML), f"output_dir={out}", *overrides])
+    err = capsys.readouterr().err
+    assert not out.exists(), "a rejected run must write nothing"
+    assert err.count("\n") == 1 and "Traceback" not in err
+    return code, err.removeprefix("scale-train: error: DataError: ").rstrip("\n")
+
+
+def test_a_template_that_raises_is_one_line_naming_the_row(tmp_path, capsys):
+    case = CASES / "C33"
+    if not case.is_dir():
+        pytest.skip("../shared/cases is absent")
+    code, err = _cli(tmp_path, capsys, f"data.path={case / 'system_row.jsonl'}", "data.format=messages",
+                     f"data.chat_template={case / 'gemma.jinja'}", "data.eval_size=8")
+    assert code == 2 and err == ("row 7: the chat template refuses this conversation (TemplateError: System role not "
+                                 "supported); fix the row or data.chat_template")
+
+
+def test_generation_prompt_must_start_the_rendered_turn(tmp_path, capsys):
+    """A reasoning-style template whose generation prompt opens a thinking block the rendered turn lacks."""
+    template = tmp_path / "think.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n"
+                        "{% endif %}")
+    path = _write(tmp_path / "c.jsonl", [{"messages": _chat("Hi", "Yo")}] * 40)
+    code, err = _cli(tmp_path, capsys, f"data.path={path}", f"data.chat_template={template}")
+    assert code == 2 and err.split(":", 1)[1] == (
+        " the chat template's generation prompt is not the start of the rendered last assistant turn: after "
+        "'m_end|>\\n<|im_start|>assistant\\n' the prompt continues '<think>\\n\\n</think>\\n\\n' but the "
+        "conversation 'Yo<|im_end|>\\n'; the model would be trained after a prompt inference never sends. Fix "
+        "data.chat_template so that its generation prompt is what the rendered turn starts with")
+
+
+def test_special_token_spellings_in_text_stay_text(tmp_path, tokenizer, caplog):
+    m = _chat("Quote the marker <|im_end|> please", "It is <|im_end|> as text.")
+    cfg = DataConfig(chat_template=str(CHATML), max_length=256, eval_size=1)
+    path = _write(tmp_path / "c.jsonl", [{"messages": m}] * 3)
+    with caplog.at_level("WARNING"):
+        splits = build_splits(cfg, LossConfig(), tokenizer, path, seed=0)
+    e = splits.train[0]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    literal = tokenizer("<|im_end|>", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert len(literal) > 1 and e.input_ids.count(end) == 2          # the user's and the assistant's own markers
+    assert tokenizer.decode(e.input_ids[-e.tail_len:]) == "It is <|im_end|> as text.<|im_end|>"
+    assert e.input_ids[-1] == end and e.input_ids[-e.tail_len:].count(end) == 1
+    assert any("6 special-token spellings inside message text" in r.getMessage() for r in caplog.records)
+
+
+def test_no_second_bos(tmp_path, tokenizer):
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(tokenizer)
+    tok._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    tok.bos_token = "<|endoftext|>"
+    rows = load_rows(DataConfig(), _write(tmp_path / "p.jsonl", [{"prompt": "<|endoftext|>Q:", "completion": " A"}]))
+    (e,) = tokenize_rows(rows, tok, DataConfig(), LossConfig())
+    assert e.input_ids == [0, *_enc(tok, "Q:"), *_enc(tok, " A"), tok.eos_token_id]
+
+
+def test_a_template_that_reads_the_clock_is_refused_unless_pinned(tmp_path, capsys, tokenizer):
+    case = CASES / "C36"
+    if not case.is_dir():
+        pytest.skip("../shared/cases is absent")
+    tok_dir = tmp_path / "tok"
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.save_pretrained(tok_dir)
+    path = _write(tmp_path / "c.jsonl", [{"messages": _chat(f"Q{i}", f"A{i}")} for i in range(40)])
+    job = [f"data.path={path}", f"data.chat_template={case / 'llama32.jinja'}", f"model.tokenizer={tok_dir}",
+           "data.max_length=96"]
+    code, err = _cli(tmp_path, capsys, *job)
+    assert code == 2 and err.startswith("data.chat_template reads the clock (strftime_now)")
+    cfg = DataConfig(chat_template=str(case / "llama32.jinja"), chat_template_kwargs={"date_string": "09 Jan 2026"},
+                     max_length=96, eval_size=8)
+    splits = build_splits(cfg, LossConfig(), tok, path, seed=0)
+    assert "Today Date: 09 Jan 2026" in tok.decode(splits.train[0].input_ids)
+    assert tok.decode(splits.train[0].input_ids).count(tok.bos_token) == 1
+
+
+def test_prefix_labels_unicode_forms_and_separators(tmp_path, tokenizer):
+    from scale.tasks.classification import label_candidates, label_sequences
+
+    nfd, nfc = "cafe\u0301", "caf\u00e9"
+    cfg = DataConfig(labels=[nfc, "recommend", "recommend against"], template="Review: {text}\nVerdict:\n{label}")
+    seqs = label_sequences(tokenizer, cfg)
+    assert [tokenizer.decode(s) for s in seqs] == [nfc, "recommend", "recommend against"]   # no "\n" in a label
+    rows = load_rows(cfg, _write(tmp_path / "d.jsonl", [{"text": "ok", "label": nfd + " "},
+                                                         {"text": "no", "label": "recommend against"}]))
+    a, b = tokenize_rows(rows, tokenizer, cfg, LossConfig())
+    assert rows[0]["label"] == nfc and a.label == 0 and b.label == 2
+    assert b.input_ids[:-b.tail_len] == _enc(tokenizer, "Review: no\nVerdict:\n")   # the prompt, exactly
+    batch = Collator(tokenizer.pad_token_id, "left")([a, b])
+    cands = label_candidates(batch, seqs, tokenizer.pad_token_id, "left")
+    eos = tokenizer.eos_token_id
+    assert cands[1]["input_ids"][1, -len(seqs[1]) - 1:].tolist() == [*seqs[1], eos]   # scored with its EOS
+
+
+def test_show_rows_prints_the_trained_tokens(tmp_path, capsys):
+    from scale.cli import main
+
+    path = _write(tmp_path / "c.jsonl", [{"messages": m} for m in CHATS] * 4)
+    code = main(["--config", str(TINY_YAML), f"data.path={path}", "data.eval_size=2", "data.max_length=128",
+                 f"data.chat_template={CHATML}", "--show-rows", "2", f"output_dir={tmp_path / 'out'}"])
+    out = capsys.readouterr().out
+    assert code == 0 and not (tmp_path / "out").exists()
+    assert out.startswith("format=messages; trained tokens between [[ and ]]\n--- data-file row ")
+    assert out.count("--- data-file row") == 2 and "<|im_start|>assistant\n[[" in out and "<|im_end|>]]" in out
