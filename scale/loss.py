@@ -359,6 +359,8 @@ class LossSpec:
         label_seqs: the tokens of each label (classification).
         has_target: the ``text`` rows carry a target token.
         pad_token_id: pads the label candidates of multi-token label ranking.
+        chunk_size: ``loss.chunk_size``: ``"auto"``, 0 (unchunked) or positions per chunk of the tail loss
+            (:mod:`scale.chunked`).
     """
 
     threshold: int
@@ -372,6 +374,7 @@ class LossSpec:
     label_seqs: list[list[int]] = field(default_factory=list)
     has_target: bool = False
     pad_token_id: int = 0
+    chunk_size: int | str = "auto"
 
     @classmethod
     def from_config(cls, cfg: Config, label_token_ids: list[int] | None, *, format: str = "classification",
@@ -396,6 +399,7 @@ class LossSpec:
             label_seqs=label_seqs or [],
             has_target=has_target,
             pad_token_id=pad_token_id,
+            chunk_size=cfg.loss.chunk_size,
         )
 
     def weights(self, batch: dict[str, Tensor]) -> Tensor:
@@ -410,8 +414,19 @@ def loss_step(model: torch.nn.Module, batch: dict[str, Tensor], spec: LossSpec, 
 
     Pure: no collectives; the caller divides by the window's denominator. The rows were checked by
     ``scale.train.windows`` (inside its all-gather), so no check here. The tail logits ``[B, N, V]`` are
-    freed before returning.
+    freed before returning; when ``spec.chunk_size`` cuts the tail into several chunks they are never built at
+    once (:mod:`scale.chunked`: fp32 logits of one chunk at a time, exact to round-off).
     """
+    from scale import chunked
+
+    B, N = weights.shape
+    if chunked.chunkable(model):
+        chunk = chunked.resolve_chunk_size(spec.chunk_size, B * N, chunked.vocab_size(model))
+        if chunk:
+            hidden, targets = chunked.forward_tail_hidden(model, batch, padding_side=spec.padding_side, check=False)
+            num, _ = chunked.chunked_tail_loss(model, hidden, targets, weights, chunk, batch["type_indicator"],
+                                               spec.criterion, spec.criterion_mode)
+            return num
     tail_logits, targets = forward_tail(model, batch, padding_side=spec.padding_side, check=False)
     num, _ = tail_loss(tail_logits, targets, weights, batch["type_indicator"], spec.criterion, spec.criterion_mode)
     return num

@@ -120,6 +120,9 @@ class LossConfig:
     criterion_mode: str = _f("plain", "plain | input: whether `criterion` also gets the per-token type indicator.")
     target_position: int = _f(-2, "Which real token (counted from the end, -1 = last) is the label; the target "
                                   "log-probability is its prediction. Must lie in the tail.")
+    chunk_size: int | str = _f("auto", "Tail positions per chunk of the training loss (LM head -> fp32 logits -> "
+                                       "CE, one chunk at a time: never fp32 [B, N, V]); 0: unchunked; auto: "
+                                       "chunks of <= 64 MiB fp32 logits when the tail needs more than one.")
 
 
 @dataclass
@@ -267,6 +270,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("loss.criterion and loss.type_weights cannot be combined: a user criterion gets weight 1 "
                           "for every tail token, so the weights would be ignored. Drop loss.type_weights, or weigh "
                           "inside the criterion (loss.criterion_mode=input passes it the type ids)")
+    chunk = cfg.loss.chunk_size
+    if chunk != "auto" and not (isinstance(chunk, int) and chunk >= 0):
+        raise ConfigError(f"loss.chunk_size={chunk!r} must be 'auto', 0 (unchunked) or a number of positions >= 1")
     if cfg.data.eval_size < 1:
         raise ConfigError(f"data.eval_size={cfg.data.eval_size} must be >= 1: the run reports held-out figures "
                           f"(eval/loss, eval/accuracy) at step 0 and at the end; use a small value such as 32 to "

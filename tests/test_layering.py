@@ -23,7 +23,8 @@ ALLOWED: dict[str, set[str]] = {
     "schedule": {"config"},
     "formats": {"config"},
     "data": {"config", "formats"},
-    "loss": {"config"},
+    "loss": {"config", "chunked"},  # loss_step picks the chunked loss (imported lazily: chunked imports loss)
+    "chunked": {"loss"},
     "modeling": {"config", "assets"},
     "sampling": {"data"},
     "export": {"config", "fileio", "modeling"},
