@@ -38,6 +38,9 @@ from scale import loss as scale_loss
 
 CHUNK_BYTES = 64 * 2**20
 """``loss.chunk_size: auto`` keeps one chunk's fp32 logits ``[C, V]`` at or below this many bytes (64 MiB)."""
+CHUNK_FROM_BYTES = 256 * 2**20
+"""``loss.chunk_size: auto`` chunks a micro-batch whose whole fp32 tail logits ``[B x N, V]`` would exceed this
+(256 MiB); below it the unchunked loss is kept (classification's few positions, short answers)."""
 
 # Config attributes of families whose forward transforms the LM head's output (softcapping, scaling): the chunked
 # path would skip that step, so those families keep the unchunked loss.
@@ -86,11 +89,13 @@ def resolve_chunk_size(setting: int | str, positions: int, vocab: int) -> int:
         vocab: ``V``.
 
     Returns:
-        ``C >= 1`` when the tail is cut into more than one chunk, else 0 (``auto`` keeps today's unchunked loss
-        when one chunk would hold the whole tail, e.g. classification's two tokens a row). ``auto``: the largest
-        multiple of 8 positions whose fp32 logits fit :data:`CHUNK_BYTES`, at least 8.
+        ``C >= 1`` when the tail is cut into more than one chunk, else 0. ``auto``: unchunked while the whole
+        tail's fp32 logits stay within :data:`CHUNK_FROM_BYTES`, else the largest multiple of 8 positions whose
+        fp32 logits fit :data:`CHUNK_BYTES` (at least 8).
     """
     if setting == "auto":
+        if positions * vocab * 4 <= CHUNK_FROM_BYTES:
+            return 0
         size = max(8, CHUNK_BYTES // (4 * vocab) // 8 * 8)
     else:
         size = int(setting)

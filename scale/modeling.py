@@ -96,7 +96,8 @@ def load_base(cfg: ModelConfig, vocab_size: int, seed: int, device_map: Any = No
             transformers place the weights (required under ZeRO-3).
 
     Returns:
-        A transformers ``PreTrainedModel`` with ``use_cache=False``.
+        A transformers ``PreTrainedModel`` with ``use_cache=False``, attending with ``model.attn_implementation``
+        (recorded in its config as ``_attn_implementation``).
 
     Raises:
         ImportError: ``quantize_4bit`` without bitsandbytes (``pip install 'scale[qlora]'``).
@@ -104,6 +105,8 @@ def load_base(cfg: ModelConfig, vocab_size: int, seed: int, device_map: Any = No
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": _DTYPES[cfg.dtype], "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation is not None:
+        kwargs["attn_implementation"] = cfg.attn_implementation
     if cfg.quantize_4bit:
         try:
             import bitsandbytes  # noqa: F401
@@ -115,7 +118,10 @@ def load_base(cfg: ModelConfig, vocab_size: int, seed: int, device_map: Any = No
     if cfg.name_or_path == TINY:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = LlamaForCausalLM(tiny_llama_config(cfg, vocab_size)).to(_DTYPES[cfg.dtype])
+            config = tiny_llama_config(cfg, vocab_size)
+            if cfg.attn_implementation is not None:
+                config._attn_implementation = cfg.attn_implementation
+            model = LlamaForCausalLM(config).to(_DTYPES[cfg.dtype])
         if cfg.quantize_4bit:
             model = reload_from_directory(model, **kwargs)
     else:
@@ -175,8 +181,7 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
     if model_cfg.gradient_checkpointing:
         # Also makes the embedding output require grad, so checkpointed blocks of a frozen base still
         # pass gradient to LoRA (peft#137).
-        kwargs = {"use_reentrant": model_cfg.use_reentrant}
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        model.activation_checkpointing_enable(**checkpointing_kwargs(model_cfg))
     check_lora_targets(model, lora_cfg.target_modules)
     peft_cfg = PeftLoraConfig(
         r=lora_cfg.r,
@@ -186,6 +191,15 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, peft_cfg)
+
+
+def checkpointing_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """Arguments of transformers' ``activation_checkpointing_enable`` for ``model.gradient_checkpointing``:
+    ``true`` every layer, ``every_n`` every ``checkpoint_every_n_layers``-th layer, ``offload`` every layer with
+    the saved layer inputs in (pinned) host memory (``torch.autograd.graph.save_on_cpu``)."""
+    return {"activation_checkpointing_kwargs": {"use_reentrant": cfg.use_reentrant},
+            "every_n_layers": cfg.checkpoint_every_n_layers if cfg.gradient_checkpointing == "every_n" else 1,
+            "offload": cfg.gradient_checkpointing == "offload"}
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:

@@ -96,10 +96,12 @@ def test_checkpointed_path_with_lora_on_the_head_is_exact():
 
 
 def test_auto_chunk_size_and_when_it_stays_unchunked():
-    # 64 MiB of fp32 logits: 341 positions of V=49152 -> 336 (a multiple of 8); V=128256 -> 128.
+    # chunks from 256 MiB of fp32 tail logits on, of 64 MiB: 341 positions of V=49152 -> 336 (a multiple of 8); V=128256 -> 128.
     assert chunked.resolve_chunk_size("auto", 2048, 49152) == 336
     assert chunked.resolve_chunk_size("auto", 2048, 128256) == 128
-    assert chunked.resolve_chunk_size("auto", 16, 49152) == 0      # classification's 2 x 8 positions: one chunk
+    assert chunked.resolve_chunk_size("auto", 16, 49152) == 0      # classification's 2 x 8 positions
+    assert chunked.resolve_chunk_size("auto", 1365, 49152) == 0    # 256 MiB of fp32 logits: still unchunked
+    assert chunked.resolve_chunk_size("auto", 1366, 49152) == 336
     assert chunked.resolve_chunk_size(0, 4096, 49152) == 0
     assert chunked.resolve_chunk_size(64, 65, 49152) == 64 and chunked.resolve_chunk_size(64, 64, 49152) == 0
 
