@@ -196,10 +196,12 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
 def checkpointing_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     """Arguments of transformers' ``activation_checkpointing_enable`` for ``model.gradient_checkpointing``:
     ``true`` every layer, ``every_n`` every ``checkpoint_every_n_layers``-th layer, ``offload`` every layer with
-    the saved layer inputs in (pinned) host memory (``torch.autograd.graph.save_on_cpu``)."""
+    the saved layer inputs in (pinned) host memory (``torch.autograd.graph.save_on_cpu``). Without a GPU the
+    activations already live in host memory and transformers 5.24's offload fails on CPU ("pin_memory=True
+    requires a CUDA or other accelerator backend"), so ``offload`` checkpoints every layer there, as ``true``."""
     return {"activation_checkpointing_kwargs": {"use_reentrant": cfg.use_reentrant},
             "every_n_layers": cfg.checkpoint_every_n_layers if cfg.gradient_checkpointing == "every_n" else 1,
-            "offload": cfg.gradient_checkpointing == "offload"}
+            "offload": cfg.gradient_checkpointing == "offload" and torch.cuda.is_available()}
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:
