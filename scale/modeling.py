@@ -204,6 +204,52 @@ def checkpointing_kwargs(cfg: ModelConfig) -> dict[str, Any]:
             "offload": cfg.gradient_checkpointing == "offload" and torch.cuda.is_available()}
 
 
+# Layer types (transformers' ``config.layer_types``) that attend only within a packed example: every mask-based
+# attention honours the position ids that restart per example; convolutions, linear attention and SSM scans run
+# along the whole packed row.
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+
+
+def packing_leak(config: Any) -> str | None:
+    """Why packed rows would leak into each other in this model family, or None when they cannot.
+
+    Reads ``layer_types`` (and Jamba-style ``layers_block_type``) of the (text) config: a layer that is no
+    attention (Qwen3.5/Qwen3-Next ``linear_attention``: Gated DeltaNet + causal conv1d; LFM2 ``conv``; Falcon-H1
+    ``hybrid``: a Mamba-2 mixer beside attention; Mamba ``linear_attention``) mixes each example with the end
+    of the one before it, whatever the position ids say. Measured on tiny Qwen3.5: step-1 loss off by 2.1e-3
+    (../shared/cases/turn3/C44). The boundary-aware kernels (flash-linear-attention with ``cu_seqlens``,
+    ``causal_conv1d`` with ``seq_idx``) are not wired into the harness's packed forward, so these families are
+    refused rather than trained on another loss.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found: list[str] = []
+    for c in (config, text):
+        for attr in ("layer_types", "layers_block_type"):
+            for t in getattr(c, attr, None) or []:
+                if t not in ATTENTION_LAYER_TYPES and t not in found:
+                    found.append(t)
+    if not found:
+        return None
+    return (f"model type {getattr(config, 'model_type', '?')!r} has {', '.join(repr(t) for t in found)} layers "
+            f"(convolution / linear attention / state-space), which run along the whole packed row: each example "
+            f"would see the end of the previous one")
+
+
+def check_packing(model: torch.nn.Module, padding_free: bool) -> None:
+    """Refuse ``data.padding_free`` on a model family whose layers leak across packed examples.
+
+    Raises:
+        ConfigError: one line naming the family and the layer types (:func:`packing_leak`).
+    """
+    if not padding_free:
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    why = packing_leak(base.config)
+    if why:
+        raise ConfigError(f"data.padding_free=true cannot be exact here: {why}. Set data.padding_free=false "
+                          f"(padded batches; data.group_by_length=true keeps padding low)")
+
+
 def linear_names(model: torch.nn.Module) -> list[str]:
     """Full names of the model's matmul layers that LoRA can adapt (``nn.Linear``, 4-bit linear, GPT-2's
     ``Conv1D``), the LM head excepted: ``model.layers.0.self_attn.q_proj``, ``transformer.h.0.attn.c_attn``."""
