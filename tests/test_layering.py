@@ -28,9 +28,9 @@ ALLOWED: dict[str, set[str]] = {
     "modeling": {"config", "assets"},
     "sampling": {"data"},
     "export": {"config", "fileio", "modeling"},
-    "census": {"config", "loss", "modeling"},  # scale-plan's counts: meta/fake tensors only, no process group
+    "census": {"config", "loss", "modeling", "chunked"},  # scale-plan's counts: meta/fake tensors only, no process group
     "layouts": {"census", "config"},
-    "plan": {"census", "config", "layouts"},
+    "plan": {"census", "config", "layouts", "assets", "data", "modeling"},  # data: the tails to plan for
     # the loop side: may import accelerate / torch.distributed
     "launch": {"config"},
     "metrics": {"config", "fileio", "flops"},
