@@ -240,6 +240,8 @@ class Activations:
         vocab: ``V``, the LM head's output width.
         recompute: under checkpointing, what one layer saves when backward recomputes it (the largest
             ``per_layer`` of a count without checkpointing); 0 without checkpointing.
+        loss_positions: tail positions whose fp32 logits the loss holds at once: ``B x N`` unchunked, one
+            chunk's ``C`` with ``loss.chunk_size`` (:mod:`scale.chunked`).
     """
 
     decoder: int
@@ -248,6 +250,7 @@ class Activations:
     layers: int
     vocab: int = 0
     recompute: int = 0
+    loss_positions: int = 0
 
     @property
     def total(self) -> int:
@@ -328,10 +331,14 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
             return torch.float32
         return dtypes.get(name, p.dtype)
 
+    from scale import chunked
+
     B, T, N = cfg.train.micro_batch_size, cfg.data.max_length, cfg.loss.threshold
     mode = FakeTensorMode()
     layers = _decoder_layers(model)
     head_module = model.get_base_model().get_output_embeddings()
+    V = head_module.weight.shape[0] if head_module is not None else 0
+    chunk = chunked.resolve_chunk_size(cfg.loss.chunk_size, B * N, V) if head_module is not None else 0
     phase = {"now": "embed"}
     per_phase: dict[str, int] = {}
     hooks = [m.register_forward_pre_hook(lambda mod, args, i=i: phase.__setitem__("now", f"layer{i}"))
@@ -355,7 +362,12 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
             batch = {"input_ids": ids, "attention_mask": torch.ones(B, T, dtype=torch.long)}
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     torch.autocast("cpu", dtype=amp_dtype, enabled=autocast):
-                if padded:
+                if padded and chunk:  # the chunked loss (scale.chunked): hidden states, then chunk by chunk
+                    with torch.device("cpu"):
+                        batch["tail_mask"] = torch.ones(B, N, dtype=torch.long)
+                    hidden, targets = chunked.forward_tail_hidden(model, batch, padding_side="left", check=False)
+                    chunked.chunked_tail_loss(model, hidden, targets, torch.ones(B, N), chunk)
+                elif padded:
                     tail, targets = scale_loss.forward_tail(model, batch, N, padding_side="left", check=False)
                 else:  # forward_tail's call; transformers drops an all-ones mask, so none is passed. On fake
                     # tensors it cannot read the positions to rule out packed rows (which would add a mask): full
@@ -366,7 +378,8 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
                     with mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda *a, **k: None):
                         tail = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
                     targets = ids[:, T - N:]
-                scale_loss.tail_loss(tail, targets, torch.ones(B, N))
+                if not (padded and chunk):
+                    scale_loss.tail_loss(tail, targets, torch.ones(B, N))
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         raise PlanError(f"cannot count activations of model type {model.config.model_type!r} on fake tensors "
                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
@@ -377,9 +390,8 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
         per_phase[ph] = per_phase.get(ph, 0) + nbytes
     head = per_phase.pop("head", 0)
     layer_bytes = [v for k, v in per_phase.items() if k.startswith("layer")]
-    vocab = head_module.weight.shape[0] if head_module is not None else 0
     return Activations(decoder=sum(per_phase.values()), head=head, per_layer=max(layer_bytes, default=0),
-                       layers=len(layers), vocab=vocab)
+                       layers=len(layers), vocab=V, loss_positions=chunk or B * N)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.loss import LossSpec
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_peak_flops, start_trackers
-from scale.modeling import build_model, load_tokenizer, parameter_counts
+from scale.modeling import build_model, check_packing, load_tokenizer, parameter_counts
 from scale.sampling import LengthGroupedSampler, PaddingFreeCollator
 from scale.schedule import lr_factor, steps_for_epochs
 
@@ -131,6 +131,7 @@ def setup(cfg: Config) -> Job:
         data_path = resolve_data(cfg.data.path)
         splits = build_splits(cfg.data, cfg.loss, tokenizer, data_path, cfg.train.seed)
         model = build_model(cfg.model, cfg.lora, len(tokenizer), cfg.train.seed, device_map=plan.device_map)
+        check_packing(model, cfg.data.padding_free)  # before anything is written
         return tokenizer, data_path, splits, model
 
     # One process prepares the cached assets, the others then read them; an error there stops every rank.

@@ -365,6 +365,8 @@ class LossSpec:
         target_position: ``loss.target_position``, a target token counted from the end (``-1`` = last).
         task: what the data pipeline found, for the format's evaluation (:mod:`scale.tasks`): ``format`` and
             the format's own keys (label tokens, ``has_target``, ``pad_token_id``). Opaque to the loss.
+        chunk_size: ``loss.chunk_size``: ``"auto"``, 0 (unchunked) or positions per chunk of the tail loss
+            (:mod:`scale.chunked`).
     """
 
     threshold: int
@@ -374,6 +376,7 @@ class LossSpec:
     criterion_mode: str
     target_position: int
     task: dict[str, Any] = field(default_factory=dict)
+    chunk_size: int | str = "auto"
 
     @classmethod
     def from_config(cls, cfg: Config, label_token_ids: list[int] | None = None, **task: Any) -> LossSpec:
@@ -398,6 +401,7 @@ class LossSpec:
             criterion_mode=cfg.loss.criterion_mode,
             target_position=cfg.loss.target_position,
             task={**task, "label_token_ids": label_token_ids},
+            chunk_size=cfg.loss.chunk_size,
         )
 
     def weights(self, batch: dict[str, Tensor]) -> Tensor:
@@ -412,8 +416,19 @@ def loss_step(model: torch.nn.Module, batch: dict[str, Tensor], spec: LossSpec, 
 
     Pure: no collectives; the caller divides by the window's denominator. The rows were checked by
     ``scale.train.windows`` (inside its all-gather), so no check here. The tail logits ``[B, N, V]`` are
-    freed before returning.
+    freed before returning; when ``spec.chunk_size`` cuts the tail into several chunks they are never built at
+    once (:mod:`scale.chunked`: fp32 logits of one chunk at a time, exact to round-off).
     """
+    from scale import chunked
+
+    B, N = weights.shape
+    if chunked.chunkable(model):
+        chunk = chunked.resolve_chunk_size(spec.chunk_size, B * N, chunked.vocab_size(model))
+        if chunk:
+            hidden, targets = chunked.forward_tail_hidden(model, batch, padding_side=spec.padding_side, check=False)
+            num, _ = chunked.chunked_tail_loss(model, hidden, targets, weights, chunk, batch["type_indicator"],
+                                               spec.criterion, spec.criterion_mode)
+            return num
     tail_logits, targets = forward_tail(model, batch, padding_side=spec.padding_side, check=False)
     num, _ = tail_loss(tail_logits, targets, weights, batch["type_indicator"], spec.criterion, spec.criterion_mode)
     return num

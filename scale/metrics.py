@@ -200,7 +200,7 @@ def compute_dtype(cfg: Config) -> torch.dtype:
     return getattr(torch, cfg.model.bnb_4bit_compute_dtype if cfg.model.quantize_4bit else cfg.model.dtype)
 
 
-_MEASURED: dict[tuple[str, torch.dtype, int, int], float] = {}  # per process: the hardware does not change
+_MEASURED: dict[tuple[str, torch.dtype, int, int], tuple[float, int]] = {}  # per process: the hardware does not change
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.4, n: int | None = None
@@ -208,21 +208,37 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float 
     """Best FLOP/s of a dense ``[n, n] @ [n, n]`` matmul (``2 n^3`` FLOPs) on ``device`` in ``dtype``.
 
     One warm-up product (kernel selection), then products for about ``seconds`` (at least 3): the best one
-    counts, so a noisy neighbour lowers the figure less than a mean would. ``n`` defaults to 2048 on CPU
-    (~50 ms per product at 300 GFLOP/s) and 8192 on a GPU. Measured once per process for a device, dtype,
-    thread count and ``n`` (a second run in the same process, as in the tests, reuses the figure).
+    counts, so a noisy neighbour lowers the figure less than a mean would. ``n`` defaults to 8192 on a GPU; on
+    CPU it grows from 256 by doubling up to 2048 while one product takes under ``seconds / 8``, so that a dtype
+    the CPU has no fast kernel for (bf16 on an AVX2-only CPU: 0.2 GFLOP/s measured, one 2048^3 product ~80 s)
+    is measured in well under a second instead of stalling the start-up. Measured once per process for a
+    device, dtype, thread count and ``n`` (:func:`measured_size` gives the size used).
 
     Returns:
         FLOP/s.
     """
-    n = n or (8192 if device.type == "cuda" else 2048)
-    key = (str(device), dtype, torch.get_num_threads(), n)
+    return _measure(device, dtype, seconds, n)[0]
+
+
+def measured_size(device: torch.device, dtype: torch.dtype, seconds: float = 0.4, n: int | None = None) -> int:
+    """The GEMM size ``n`` :func:`measure_peak_flops` used (measuring first if needed)."""
+    return _measure(device, dtype, seconds, n)[1]
+
+
+def _measure(device: torch.device, dtype: torch.dtype, seconds: float, n: int | None) -> tuple[float, int]:
+    key = (str(device), dtype, torch.get_num_threads(), n or 0)
     if key not in _MEASURED:
-        _MEASURED[key] = _time_gemm(device, dtype, seconds, n)
+        if n is None and device.type != "cuda":
+            size = 256
+            while size < 2048 and 2.0 * size**3 / _time_gemm(device, dtype, 0.0, size, reps=1) < seconds / 8:
+                size *= 2
+        else:
+            size = n or 8192
+        _MEASURED[key] = (_time_gemm(device, dtype, seconds, size), size)
     return _MEASURED[key]
 
 
-def _time_gemm(device: torch.device, dtype: torch.dtype, seconds: float, n: int) -> float:
+def _time_gemm(device: torch.device, dtype: torch.dtype, seconds: float, n: int, reps: int = 3) -> float:
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
@@ -230,13 +246,13 @@ def _time_gemm(device: torch.device, dtype: torch.dtype, seconds: float, n: int)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.matmul(a, b, out=out)
     sync()
-    best, reps, stop = 0.0, 0, time.perf_counter() + seconds
-    while reps < 3 or (time.perf_counter() < stop and reps < 100):
+    best, done, stop = 0.0, 0, time.perf_counter() + seconds
+    while done < reps or (time.perf_counter() < stop and done < 100):
         t0 = time.perf_counter()
         torch.matmul(a, b, out=out)
         sync()
         best = max(best, 2.0 * n**3 / (time.perf_counter() - t0))
-        reps += 1
+        done += 1
     return best
 
 
@@ -274,7 +290,7 @@ def resolve_peak_flops(cfg: Config, acc: Accelerator) -> PeakFlops:
     flops = acc.gather(mine).mean(0).tolist() if acc.num_processes > 1 else mine[0].tolist()  # collective
     n_threads = torch.get_num_threads()
     threads = f", {n_threads} thread{'s' if n_threads != 1 else ''}" if device.type == "cpu" else ""
-    n = 8192 if device.type == "cuda" else 2048
+    n = measured_size(device, dtype)
     source = (f"{_fmt_flops(flops[0])} per device (measured: {str(dtype).removeprefix('torch.')} GEMM {n}^3 on "
               f"{device.type}{threads})")
     if other is not None:

@@ -96,7 +96,8 @@ def load_base(cfg: ModelConfig, vocab_size: int, seed: int, device_map: Any = No
             transformers place the weights (required under ZeRO-3).
 
     Returns:
-        A transformers ``PreTrainedModel`` with ``use_cache=False``.
+        A transformers ``PreTrainedModel`` with ``use_cache=False``, attending with ``model.attn_implementation``
+        (recorded in its config as ``_attn_implementation``).
 
     Raises:
         ImportError: ``quantize_4bit`` without bitsandbytes (``pip install 'scale[qlora]'``).
@@ -104,6 +105,8 @@ def load_base(cfg: ModelConfig, vocab_size: int, seed: int, device_map: Any = No
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": _DTYPES[cfg.dtype], "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation is not None:
+        kwargs["attn_implementation"] = cfg.attn_implementation
     if cfg.quantize_4bit:
         try:
             import bitsandbytes  # noqa: F401
@@ -115,7 +118,10 @@ def load_base(cfg: ModelConfig, vocab_size: int, seed: int, device_map: Any = No
     if cfg.name_or_path == TINY:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = LlamaForCausalLM(tiny_llama_config(cfg, vocab_size)).to(_DTYPES[cfg.dtype])
+            config = tiny_llama_config(cfg, vocab_size)
+            if cfg.attn_implementation is not None:
+                config._attn_implementation = cfg.attn_implementation
+            model = LlamaForCausalLM(config).to(_DTYPES[cfg.dtype])
         if cfg.quantize_4bit:
             model = reload_from_directory(model, **kwargs)
     else:
@@ -175,8 +181,7 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
     if model_cfg.gradient_checkpointing:
         # Also makes the embedding output require grad, so checkpointed blocks of a frozen base still
         # pass gradient to LoRA (peft#137).
-        kwargs = {"use_reentrant": model_cfg.use_reentrant}
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        model.activation_checkpointing_enable(**checkpointing_kwargs(model_cfg))
     check_lora_targets(model, lora_cfg.target_modules)
     peft_cfg = PeftLoraConfig(
         r=lora_cfg.r,
@@ -186,6 +191,63 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, peft_cfg)
+
+
+def checkpointing_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """Arguments of transformers' ``activation_checkpointing_enable`` for ``model.gradient_checkpointing``:
+    ``true`` every layer, ``every_n`` every ``checkpoint_every_n_layers``-th layer, ``offload`` every layer with
+    the saved layer inputs in (pinned) host memory (``torch.autograd.graph.save_on_cpu``). Without a GPU the
+    activations already live in host memory and transformers 5.24's offload fails on CPU ("pin_memory=True
+    requires a CUDA or other accelerator backend"), so ``offload`` checkpoints every layer there, as ``true``."""
+    return {"activation_checkpointing_kwargs": {"use_reentrant": cfg.use_reentrant},
+            "every_n_layers": cfg.checkpoint_every_n_layers if cfg.gradient_checkpointing == "every_n" else 1,
+            "offload": cfg.gradient_checkpointing == "offload" and torch.cuda.is_available()}
+
+
+# Layer types (transformers' ``config.layer_types``) that attend only within a packed example: every mask-based
+# attention honours the position ids that restart per example; convolutions, linear attention and SSM scans run
+# along the whole packed row.
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+
+
+def packing_leak(config: Any) -> str | None:
+    """Why packed rows would leak into each other in this model family, or None when they cannot.
+
+    Reads ``layer_types`` (and Jamba-style ``layers_block_type``) of the (text) config: a layer that is no
+    attention (Qwen3.5/Qwen3-Next ``linear_attention``: Gated DeltaNet + causal conv1d; LFM2 ``conv``; Falcon-H1
+    ``hybrid``: a Mamba-2 mixer beside attention; Mamba ``linear_attention``) mixes each example with the end
+    of the one before it, whatever the position ids say. Measured on tiny Qwen3.5: step-1 loss off by 2.1e-3
+    (../shared/cases/turn3/C44). The boundary-aware kernels (flash-linear-attention with ``cu_seqlens``,
+    ``causal_conv1d`` with ``seq_idx``) are not wired into the harness's packed forward, so these families are
+    refused rather than trained on another loss.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found: list[str] = []
+    for c in (config, text):
+        for attr in ("layer_types", "layers_block_type"):
+            for t in getattr(c, attr, None) or []:
+                if t not in ATTENTION_LAYER_TYPES and t not in found:
+                    found.append(t)
+    if not found:
+        return None
+    return (f"model type {getattr(config, 'model_type', '?')!r} has {', '.join(repr(t) for t in found)} layers "
+            f"(convolution / linear attention / state-space), which run along the whole packed row: each example "
+            f"would see the end of the previous one")
+
+
+def check_packing(model: torch.nn.Module, padding_free: bool) -> None:
+    """Refuse ``data.padding_free`` on a model family whose layers leak across packed examples.
+
+    Raises:
+        ConfigError: one line naming the family and the layer types (:func:`packing_leak`).
+    """
+    if not padding_free:
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    why = packing_leak(base.config)
+    if why:
+        raise ConfigError(f"data.padding_free=true cannot be exact here: {why}. Set data.padding_free=false "
+                          f"(padded batches; data.group_by_length=true keeps padding low)")
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:

@@ -44,15 +44,15 @@ import dataclasses
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from scale.census import (GIB, PlanError, build_meta_model, census, count_activations,
+from scale.census import (GIB, Activations, PlanError, build_meta_model, census, count_activations,
                           load_model_config)
-from scale.config import Config, ConfigError, load_config
+from scale.config import Config, ConfigError, ModelConfig, load_config
 from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, Rank, predict_mode
 
 # A mode "fits" when its total leaves this fraction of the GPU free: the predictions are checked to within 10% on
@@ -73,7 +73,7 @@ class Plan:
     gpu_mem_gib: float
     micro_batch_size: int
     max_length: int
-    checkpointing: bool
+    checkpointing: bool | str
     activations: dict[str, int]
     logits_tail_bytes: int
     logits_full_bytes: int
@@ -110,9 +110,12 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     if gpu_mem_gib <= 0:
         raise PlanError(f"--gpu-mem {gpu_mem_gib}: GiB per GPU must be > 0")
     hf_config = load_model_config(cfg.model, model_config)
-    models = {cfg.model.gradient_checkpointing: build_meta_model(cfg, hf_config)}
-    params = census(cfg, models[cfg.model.gradient_checkpointing])
-    other = not cfg.model.gradient_checkpointing
+    tail, tail_note = data_tail(cfg)
+    user_cfg, cfg = cfg, with_tail(cfg, tail)  # the counts below see the data's tail as loss.threshold
+    gc_setting, gc = cfg.model.gradient_checkpointing, bool(cfg.model.gradient_checkpointing)
+    models = {gc: build_meta_model(cfg, hf_config, checkpointing=gc)}
+    params = census(cfg, models[gc])
+    other = not gc
     models[other] = build_meta_model(cfg, hf_config, checkpointing=other)
     cast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
     acts_by_gc = {gc: {False: count_activations(cfg, mdl, params, padded=padded)} for gc, mdl in models.items()}
@@ -121,7 +124,8 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
                                 else acts_by_gc[gc][False])
     for regime in (False, True):
         acts_by_gc[True][regime].recompute = acts_by_gc[False][regime].per_layer
-    acts = acts_by_gc[cfg.model.gradient_checkpointing]
+    acts = {regime: checkpoint_variant(acts_by_gc[True][regime], acts_by_gc[False][regime], cfg.model)
+            for regime in (False, True)} if gc_setting in ("every_n", "offload") else acts_by_gc[gc]
     ranks = [predict_mode(cfg, params, acts, mode, gpus, hf_config, root) for mode in MODES]
     limit = gpu_mem_gib * GIB
     # One GPU runs only the single-process mode; with several, one process would leave all but one idle, so the
@@ -138,12 +142,64 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         model=name, model_type=hf_config.model_type, parameters=n_params,
         trainable_parameters=sum(p.numel for p in params if p.trainable), gpus=gpus, nodes=nodes,
         gpu_mem_gib=gpu_mem_gib, micro_batch_size=cfg.train.micro_batch_size, max_length=T,
-        checkpointing=cfg.model.gradient_checkpointing,
+        checkpointing=gc_setting,
         activations={"checkpointing_off": a_off.decoder, "checkpointing_on": a_on.decoder, "lm_head_and_loss": a_on.head},
         logits_tail_bytes=cfg.train.micro_batch_size * N * a_on.vocab * 4,
         logits_full_bytes=cfg.train.micro_batch_size * T * a_on.vocab * 4, ranks=ranks, fits=fits,
         recommended=recommended,
-        assumptions=assumptions(cfg, gpus, nodes, padded))
+        assumptions=[tail_note, *assumptions(user_cfg, gpus, nodes, padded), loss_note(cfg, a_on)])
+
+
+def data_tail(cfg: Config) -> tuple[int, str]:
+    """``N``, the tail positions per row to plan the LM head and loss for, and the assumption in words.
+
+    The ``text`` format's tail is ``loss.threshold`` tokens; classification, prompt/completion and chat tails
+    are read from the data (the harness's own tokenizer and :func:`scale.data.build_splits`): the longest
+    trained span of the train split, since a micro-batch's tail is padded to its longest row and the peak step
+    is the one holding it. When the data cannot be read, ``loss.threshold`` with a note saying so.
+    """
+    from scale.assets import resolve_data
+    from scale.data import build_splits
+    from scale.modeling import load_tokenizer
+
+    try:
+        tok = load_tokenizer(cfg.model)
+        splits = build_splits(cfg.data, cfg.loss, tok, resolve_data(cfg.data.path), cfg.train.seed)
+    except Exception as e:  # noqa: BLE001 - a plan without the data still answers, and says so
+        return cfg.loss.threshold, (f"tail: loss.threshold={cfg.loss.threshold} positions per row (the data could "
+                                    f"not be read for its tail lengths: {type(e).__name__}: {str(e)[:160]})")
+    tails = sorted(e.tail_len for e in splits.train) or [cfg.loss.threshold]
+    return tails[-1], (f"tail: N = {tails[-1]} positions per row, the longest trained span of the {splits.format} "
+                       f"train split ({len(tails)} rows, median {tails[len(tails) // 2]}): every micro-batch's tail "
+                       f"is as wide as its longest row, and the peak step holds the longest")
+
+
+def with_tail(cfg: Config, tail: int) -> Config:
+    """``cfg`` with ``loss.threshold = tail`` (the counts' ``N``); the target position stays inside it."""
+    return replace(cfg, loss=replace(cfg.loss, threshold=max(tail, -cfg.loss.target_position)))
+
+
+def checkpoint_variant(on: Activations, off: Activations, m: ModelConfig) -> Activations:
+    """Saved activations under ``model.gradient_checkpointing: every_n | offload`` from the all-on/all-off counts.
+
+    ``every_n``: transformers checkpoints layers ``0, n, 2n, ...``; each of those saves what a checkpointed layer
+    saves, the others what an unchecked one does. ``offload``: every layer checkpointed and its saved input moved
+    to host memory (on a GPU), so the device keeps only the embedding and LM-head side.
+    """
+    if m.gradient_checkpointing == "every_n":
+        k = len(range(0, on.layers, m.checkpoint_every_n_layers))
+        saved_per_layer = (off.decoder - on.decoder) / max(on.layers, 1)  # what checkpointing one layer saves
+        return replace(on, decoder=int(off.decoder - k * saved_per_layer))
+    return replace(on, decoder=max(0, on.decoder - on.per_layer * on.layers))
+
+
+def loss_note(cfg: Config, act: Activations) -> str:
+    """The loss's chunking in words (:mod:`scale.chunked`)."""
+    B, N = cfg.train.micro_batch_size, cfg.loss.threshold
+    if act.loss_positions < B * N:
+        return (f"loss.chunk_size={cfg.loss.chunk_size}: the tail loss runs in chunks of {act.loss_positions} "
+                f"positions (fp32 logits of one chunk at a time, not [{B} x {N}, V])")
+    return f"loss.chunk_size={cfg.loss.chunk_size}: unchunked tail loss ([{B} x {N}, V] fp32 logits at once)"
 
 
 def assumptions(cfg: Config, gpus: int, nodes: int, padded: bool = True) -> list[str]:
@@ -194,7 +250,7 @@ def format_plan(plan: Plan) -> str:
         (f"scale-plan: {plan.model} ({plan.model_type}), {plan.parameters:,} parameters, "
         f"{plan.trainable_parameters:,} trainable; {plan.gpus} GPU(s) x {plan.gpu_mem_gib:g} GiB on "
         f"{plan.nodes} node(s); micro-batch {plan.micro_batch_size} x {plan.max_length} tokens, checkpointing "
-        f"{'on' if plan.checkpointing else 'off'}"),
+        f"{plan.checkpointing if isinstance(plan.checkpointing, str) else 'on' if plan.checkpointing else 'off'}"),
         (f"saved activations per micro-batch: checkpointing off {_gib(a['checkpointing_off'])} GiB, on "
         f"{_gib(a['checkpointing_on'])} GiB; fp32 log-probabilities the loss keeps: tail [B, N, V] "
         f"{plan.logits_tail_bytes / 2**20:.2f} MiB vs full [B, T, V] {_gib(plan.logits_full_bytes)} GiB"),

@@ -42,7 +42,13 @@ class ModelConfig:
     bnb_4bit_compute_dtype: str = _f("float32", "Dtype the 4-bit GEMMs compute in: float32 | bfloat16 | float16.")
     bnb_4bit_quant_storage: str = _f("uint8", "Storage dtype of packed 4-bit weights (uint8; a float dtype "
                                               "for ZeRO-3/FSDP sharding).")
-    gradient_checkpointing: bool = _f(True, "Recompute activations in backward: -memory, -speed.")
+    gradient_checkpointing: bool | str = _f(True, "Recompute activations in backward (-memory, -speed): true (every "
+                                                  "layer) | false | every_n (every `checkpoint_every_n_layers`-th "
+                                                  "layer) | offload (every layer, saved inputs in host memory).")
+    checkpoint_every_n_layers: int = _f(2, "gradient_checkpointing=every_n: checkpoint every n-th decoder layer.")
+    attn_implementation: str | None = _f(None, "Attention kernel passed to transformers: sdpa | eager | "
+                                               "flash_attention_2 | flex_attention; null: transformers' default "
+                                               "(sdpa). Padding-free batches use the varlen path of flash/flex.")
     use_reentrant: bool = _f(False, "Re-entrant checkpointing (breaks DDP+LoRA, peft#313); False is the default.")
     trust_remote_code: bool = _f(False, "Allow model code from the checkpoint directory to run.")
     tiny_hidden_size: int = _f(64, "'tiny-llama' only: hidden size (features).")
@@ -130,6 +136,10 @@ class LossConfig:
     criterion_mode: str = _f("plain", "plain | input: whether `criterion` also gets the per-token type indicator.")
     target_position: int = _f(-2, "Which real token (counted from the end, -1 = last) is the label; the target "
                                   "log-probability is its prediction. Must lie in the tail.")
+    chunk_size: int | str = _f("auto", "Tail positions per chunk of the training loss (LM head -> fp32 logits -> "
+                                       "CE, one chunk at a time: never fp32 [B, N, V]); 0: unchunked; auto: "
+                                       "chunks of <= 64 MiB fp32 logits once a micro-batch's [B, N, V] fp32 "
+                                       "logits would exceed 256 MiB.")
 
 
 @dataclass
@@ -225,6 +235,8 @@ _CHOICES = {
     "model.bnb_4bit_quant_storage": ("uint8", "float32", "bfloat16", "float16"),
     "data.padding_side": ("left", "right"),
     "data.train_on": ("all_assistant", "last_assistant"),
+    "model.gradient_checkpointing": (True, False, "every_n", "offload"),
+    "model.attn_implementation": (None, "sdpa", "eager", "flash_attention_2", "flex_attention"),
     "data.format": ("auto", "text", "classification", "prompt_completion", "messages"),
     "loss.criterion_mode": ("plain", "input"),
     "optim.name": ("adamw", "sgd"),
@@ -234,7 +246,7 @@ _CHOICES = {
 }
 _POSITIVE = ("train.micro_batch_size", "train.gradient_accumulation_steps",
              "train.eval_micro_batch_size", "train.log_every", "loss.threshold", "data.max_length", "lora.r",
-             "data.mega_batch_steps")
+             "data.mega_batch_steps", "model.checkpoint_every_n_layers")
 
 
 def _validate(cfg: Config) -> None:
@@ -278,6 +290,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("loss.criterion and loss.type_weights cannot be combined: a user criterion gets weight 1 "
                           "for every tail token, so the weights would be ignored. Drop loss.type_weights, or weigh "
                           "inside the criterion (loss.criterion_mode=input passes it the type ids)")
+    chunk = cfg.loss.chunk_size
+    if chunk != "auto" and not (isinstance(chunk, int) and chunk >= 0):
+        raise ConfigError(f"loss.chunk_size={chunk!r} must be 'auto', 0 (unchunked) or a number of positions >= 1")
     if cfg.data.eval_size < 1:
         raise ConfigError(f"data.eval_size={cfg.data.eval_size} must be >= 1: the run reports held-out figures "
                           f"(eval/loss, eval/accuracy) at step 0 and at the end; use a small value such as 32 to "

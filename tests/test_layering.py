@@ -24,13 +24,14 @@ ALLOWED: dict[str, set[str]] = {
     "formats": {"config", "tasks"},  # tasks: the names that moved there, imported lazily (PEP 562)
     "tasks": {"config", "formats", "loss", "tasks"},  # the package scale/tasks/: one module per data format
     "data": {"config", "formats", "tasks"},
-    "loss": {"config"},
+    "loss": {"config", "chunked"},  # loss_step picks the chunked loss (imported lazily: chunked imports loss)
+    "chunked": {"loss"},
     "modeling": {"config", "assets"},
     "sampling": {"data"},
     "export": {"config", "fileio", "modeling"},
-    "census": {"config", "loss", "modeling"},  # scale-plan's counts: meta/fake tensors only, no process group
+    "census": {"config", "loss", "modeling", "chunked"},  # scale-plan's counts: meta/fake tensors only, no process group
     "layouts": {"census", "config"},
-    "plan": {"census", "config", "layouts"},
+    "plan": {"census", "config", "layouts", "assets", "data", "modeling"},  # data: the tails to plan for
     # the loop side: may import accelerate / torch.distributed
     "launch": {"config"},
     "metrics": {"config", "fileio", "flops"},

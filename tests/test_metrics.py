@@ -8,7 +8,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from scale.metrics import StepMeter, compute_dtype, measure_peak_flops, peak_memory_gib, resolve_peak_flops
+from scale.metrics import (StepMeter, compute_dtype, measure_peak_flops, measured_size, peak_memory_gib,
+                           resolve_peak_flops)
 
 
 def _batch(rows, seq_len, real):
@@ -58,10 +59,23 @@ def test_peak_flops_setting_number_off_and_measured(tmp_path):
     off = resolve_peak_flops(tiny_cfg(tmp_path, "log.peak_flops=false"), acc)
     assert off.flops is None and "no train/mfu" in off.source
     measured = resolve_peak_flops(tiny_cfg(tmp_path), acc)   # null on CPU: measured
-    assert 1e9 < measured.flops < 1e14                        # any CPU of this decade, fp32
-    assert "per device (measured: float32 GEMM 2048^3 on cpu" in measured.source
+    assert 1e8 < measured.flops < 1e14                        # any CPU of this decade, fp32 (a shared, loaded one too)
+    n = measured_size(acc.device, torch.float32)
+    assert n in (256, 512, 1024, 2048)                        # grown while one product takes < 50 ms
+    assert f"per device (measured: float32 GEMM {n}^3 on cpu" in measured.source
     assert "; bfloat16 measures " in measured.source           # the other dtype, as a hint
-    assert 1e9 < measure_peak_flops(acc.device, torch.float32, seconds=0.0, n=256) < 1e14
+    assert 1e8 < measure_peak_flops(acc.device, torch.float32, seconds=0.0, n=256) < 1e14
+
+
+def test_probe_stays_small_for_a_dtype_without_a_fast_kernel(monkeypatch):
+    """A dtype at 0.2 GFLOP/s (bf16 on an AVX2-only CPU) is measured at 256^3, not at 2048^3 (~80 s a product)."""
+    from scale import metrics
+
+    monkeypatch.setattr(metrics, "_MEASURED", {})
+    monkeypatch.setattr(metrics, "_time_gemm", lambda device, dtype, seconds, n, reps=3: 0.2e9 if dtype == torch.bfloat16
+                        else 300e9)
+    cpu = torch.device("cpu")
+    assert metrics.measured_size(cpu, torch.bfloat16) == 256 and metrics.measured_size(cpu, torch.float32) == 2048
 
 
 def test_compute_dtype_follows_autocast_then_4bit_then_weights(tmp_path):
