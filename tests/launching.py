@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "train" / "tiny_cpu.yaml"
 JOB = ["data.max_train_examples=20", "train.max_steps=6", "train.log_every=1", "train.eval_every=0",
        "lora.dropout=0.0", "optim.warmup_steps=2", f"data.path={ROOT / 'configs' / 'data' / 'tiny_reviews.jsonl'}",
-       "log.trackers=[]", "optim.name=sgd", "optim.lr=0.5"]
+       "log.trackers=[]", "optim.name=sgd", "optim.lr=0.5",
+       "log.peak_flops=1e12"]  # measuring it costs minutes on a CPU without bf16 GEMM kernels (no avx512_bf16)
 # The same job on prompt/completion rows: tails of 2 to 12 tokens (a completion of 1-6 words + EOS), so the
 # micro-batches of a window hold tails of different lengths; 20 rows make windows of 8, 8 and 4 per epoch.
 COMPLETIONS = [f"data.path={ROOT / 'configs' / 'data' / 'tiny_completions.jsonl'}"]
@@ -42,8 +43,28 @@ def accelerate_cmd(config: str, extra: list[str] | None = None) -> list[str]:
             "--main_process_port", str(free_port()), *(extra or []), "-m", "scale.train"]
 
 
-def modes() -> dict[str, tuple[list[list[str]], list[str]]]:
-    """name -> (commands to start together, overrides). Micro-batch x GA x processes = 8 in every mode."""
+def save_tiny_directory(path: Path, *overrides: str) -> Path:
+    """The job's ``tiny-llama`` (tiny_cpu.yaml + ``overrides``, weights from ``train.seed``) written with
+    ``save_pretrained``: a real model directory holding the very weights the built-in name builds, so a run from it
+    must give the built-in run's numbers (``model.name_or_path=<path> model.tokenizer=smollm2-135m``)."""
+    from scale.config import load_config
+    from scale.modeling import load_base, load_tokenizer
+
+    cfg = load_config(str(TINY), list(overrides))
+    load_base(cfg.model, len(load_tokenizer(cfg.model)), cfg.train.seed).save_pretrained(path)
+    return path
+
+
+def from_directory(path: Path) -> list[str]:
+    """Overrides that load the model from ``path`` (:func:`save_tiny_directory`) instead of building it."""
+    return [f"model.name_or_path={path}", "model.tokenizer=smollm2-135m"]
+
+
+def modes(directory: Path | None = None) -> dict[str, tuple[list[list[str]], list[str]]]:
+    """name -> (commands to start together, overrides). Micro-batch x GA x processes = 8 in every mode.
+
+    With ``directory`` (:func:`save_tiny_directory`) a ZeRO-3 row loads the model from it: ``from_pretrained``
+    under ``zero.Init``, the path a real model takes (the built-in ``tiny-llama`` is built in memory)."""
     py = [sys.executable, "-m", "scale.train"]
     zero2 = str(ROOT / "configs" / "deepspeed" / "zero2.json")
     port = free_port()
@@ -52,7 +73,7 @@ def modes() -> dict[str, tuple[list[list[str]], list[str]]]:
               "--machine_rank", str(r), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
               "-m", "scale.train"] for r in (0, 1)]
     mb2 = ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]
-    return {
+    table = {
         "single 1x(8,1)": ([py], ["train.micro_batch_size=8", "train.gradient_accumulation_steps=1"]),
         "single 1x(2,4)": ([py], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=4"]),
         "ddp 2x(2,2)": ([accelerate_cmd("cpu_ddp.yaml")], mb2),
@@ -64,6 +85,9 @@ def modes() -> dict[str, tuple[list[list[str]], list[str]]]:
             [deepspeed_cmd()],
             ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2", f"train.deepspeed_config={zero2}"]),
     }
+    if directory is not None:
+        table["zero3 from a directory 2x(2,2)"] = ([accelerate_cmd("cpu_zero3.yaml")], mb2 + from_directory(directory))
+    return table
 
 
 def run_mode(cmds: list[list[str]], overrides: list[str], out: Path, timeout: float = 600) -> dict:
