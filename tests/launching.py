@@ -125,3 +125,78 @@ def weight_dev(a: dict, b: dict) -> float:
     if a.keys() != b.keys():
         return float("inf")
     return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-30)).item() for k in a)
+
+
+def torchrun_cmd(max_restarts: int, nproc: int = 2) -> list[str]:
+    """``torchrun`` with elastic restarts (c10d rendezvous on a free local port), as launch/elastic.sh runs it."""
+    return [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}", "--rdzv-id", "scale-elastic", "--monitor-interval", "0.5",
+            "-m", "scale.train"]
+
+
+def _logged_steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line being written
+            continue
+        if "train/loss" in row:
+            steps.append(row["step"])
+    return steps
+
+
+def run_elastic(out: Path, overrides: list[str], kill_at: list[int], max_restarts: int, seed: int = 0,
+                timeout: float = 900) -> dict:
+    """Run the tiny job under ``torchrun --max-restarts`` (``train.resume_from=auto``, a checkpoint every step)
+    and SIGKILL one worker, chosen at random, once the run has logged each step in ``kill_at``.
+
+    Returns:
+        ``returncode``, ``weights`` (the final adapter, when written), ``losses`` (step -> train/loss as finally
+        logged), ``recovery_s`` (per kill: seconds from the kill until the restarted group logged a new step),
+        ``log`` (the launcher's output).
+    """
+    import random
+    import time
+
+    import psutil
+    from safetensors.torch import load_file
+
+    rng = random.Random(seed)
+    args = ["--config", str(TINY), f"output_dir={out}", *JOB, "train.save_every=1", "train.resume_from=auto",
+            *overrides]
+    env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    log_path = out.with_name(out.name + ".log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(torchrun_cmd(max_restarts) + args, cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        recovery, deadline = [], time.time() + timeout
+        for step in kill_at:
+            while proc.poll() is None and time.time() < deadline and max(_logged_steps(out), default=0) < step:
+                time.sleep(0.05)
+            workers = [c for c in psutil.Process(proc.pid).children() if "scale.train" in " ".join(c.cmdline())]
+            if proc.poll() is not None or not workers:
+                break
+            at = max(_logged_steps(out), default=0)
+            killed = time.time()
+            rng.choice(workers).kill()  # SIGKILL: no handler, no checkpoint, no goodbye
+            while proc.poll() is None and time.time() < deadline and max(_logged_steps(out), default=0) <= at:
+                time.sleep(0.05)
+            recovery.append(time.time() - killed)
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for c in psutil.Process(proc.pid).children(recursive=True):
+                c.kill()
+            proc.kill()
+            proc.wait()
+    adapter = out / "adapter" / "adapter_model.safetensors"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
+        if (out / "metrics.jsonl").exists() else []
+    return {"returncode": proc.returncode, "weights": load_file(adapter) if adapter.exists() else None,
+            "losses": {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}, "recovery_s": recovery,
+            "log": log_path.read_text(errors="replace")}
