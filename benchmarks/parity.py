@@ -10,7 +10,8 @@ logged every step: ``reviews`` (classification, every tail 2 tokens) and ``compl
 a window hold tails of different lengths) and ``chats`` (configs/data/tiny_chats.jsonl, 1-3 exchange chats,
 every assistant turn trained: tails up to ~90 tokens, weight-0 user turns inside). For each job and mode it reads
 ``metrics.jsonl`` (per-step ``train/loss`` and ``train/grad_norm``) and the saved adapter, and prints the max relative deviation from
-the job's first row; exits 1 if any row exceeds the tolerance.
+the job's first row; exits 1 if any row exceeds the tolerance. The ``zero3 from a directory`` row loads the same
+tiny model from a ``save_pretrained`` directory (``from_pretrained`` under ZeRO-3's ``zero.Init``, as a real model).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python benchmarks/parity.py`: make `tests.launching` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.launching import CHATS, COMPLETIONS, ROOT, modes, rel_dev, run_mode, weight_dev  # noqa: E402
+from tests.launching import CHATS, COMPLETIONS, ROOT, modes, rel_dev, run_mode, save_tiny_directory, weight_dev  # noqa: E402
 
 JOBS = {"reviews": [], "completions": COMPLETIONS, "chats": CHATS}
 
@@ -37,7 +38,8 @@ def main() -> int:
                         help="extra config override for every mode, e.g. --set data.group_by_length=true")
     parser.add_argument("--out", default=str(ROOT / "runs" / "parity"))
     args = parser.parse_args()
-    table = modes()
+    # The tiny model saved as a directory: the ZeRO-3 row loading it goes through from_pretrained under zero.Init.
+    table = modes(save_tiny_directory(Path(args.out) / "tiny-llama-dir"))
     if args.modes:
         wanted = args.modes.split(",")
         table = {k: v for i, (k, v) in enumerate(table.items()) if i == 0 or any(w in k for w in wanted)}

@@ -5,5 +5,5 @@
 # On a CPU-only host add --num_accelerators 2 via DS_ARGS and leave OMP_NUM_THREADS unset or set (the loop
 # divides the cores between local ranks when it is unset).
 set -euo pipefail
-exec deepspeed ${HOSTFILE:+--hostfile "$HOSTFILE"} ${DS_ARGS:-} --module scale.train "$@" \
+exec deepspeed ${HOSTFILE:+--hostfile "$HOSTFILE"} ${DS_ARGS:-} --module scale.train train.resume_from=auto "$@" \
   "train.deepspeed_config=zero${ZERO:-2}"   # a shipped name: found from any directory

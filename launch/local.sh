@@ -7,4 +7,6 @@ set -euo pipefail
 cfg="$1"; shift
 # --accelerate-config reads the shipped configs/accelerate/<name>.yaml from any directory and exits with the job's
 # code (2 bad input, 75 pre-empted) rather than the launcher's 1.
-exec scale-train --accelerate-config "${cfg}" "$@"
+# train.resume_from=auto: a rerun continues this output_dir's run from its newest checkpoint (a later
+# train.resume_from=... on the command line wins).
+exec scale-train --accelerate-config "${cfg}" train.resume_from=auto "$@"

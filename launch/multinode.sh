@@ -10,4 +10,4 @@ exec accelerate launch --config_file "${root}/configs/accelerate/${ACCELERATE_CO
   --num_machines "${NUM_MACHINES:-2}" --num_processes "${NUM_PROCESSES:?total processes over all nodes}" \
   --machine_rank "${MACHINE_RANK:?rank of this node}" \
   --main_process_ip "${MASTER_ADDR:?address of node 0}" --main_process_port "${MASTER_PORT:-29500}" \
-  -m scale.train "$@"
+  -m scale.train train.resume_from=auto "$@"   # a rerun continues from the newest checkpoint

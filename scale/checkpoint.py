@@ -35,7 +35,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, gather_object
 from safetensors.torch import load_file, save_file
 
-from scale.config import Config, ConfigError, redact_field, to_dict
+from scale.config import Config, ConfigError, redact_field, to_dict, yaml_load
 from scale.fileio import replace_dir, temp_dir_for
 from scale.launch import ModePlan
 from scale.modeling import restore_inference_config
@@ -124,14 +124,16 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
 def resolve_resume(resume_from: str | None, output_dir: str | Path) -> Path | None:
     """The checkpoint directory ``train.resume_from`` names, or ``None`` for a fresh start.
 
-    ``latest`` with no checkpoint yet is a fresh start (a requeued job's first attempt).
+    ``latest`` with no checkpoint yet is a fresh start (a requeued job's first attempt). ``auto`` resolves as
+    ``latest``; :func:`check_resume` then also refuses, in one line, a checkpoint (or a ``config.yaml``) of
+    another run: the mode for launchers that restart a job (SLURM requeue, torchrun ``--max-restarts``).
 
     Raises:
         CheckpointError: a path that is not a complete checkpoint.
     """
     if resume_from is None:
         return None
-    if resume_from == "latest":
+    if resume_from in ("latest", "auto"):
         found = list_checkpoints(output_dir)
         return found[-1] if found else None
     path = Path(resume_from)
@@ -290,16 +292,33 @@ def check_fresh_start(cfg: Config) -> None:
     found = [name + ("/" if (out / name).is_dir() else "") for name in RUN_ARTEFACTS if (out / name).exists()]
     if not (out / "adapter").exists() and not (out / "metrics.jsonl").exists():
         return  # every run writes metrics.jsonl at start-up: a lone config.yaml is not a run
-    if cfg.train.resume_from != "latest":
+    if cfg.train.resume_from not in ("latest", "auto"):
         raise CheckpointError(f"output_dir={cfg.output_dir} already holds another run ({', '.join(found)}); a "
                               f"fresh run would replace it: {_REPLACE}.")
     limit = cfg.train.max_steps  # null with train.num_epochs: the step count needs the data, not read yet here
     if (out / "adapter").exists() or (limit is not None and _last_logged_step(out / "metrics.jsonl") >= limit):
-        raise CheckpointError(f"train.resume_from=latest: output_dir={cfg.output_dir} holds a finished run "
-                              f"({', '.join(found)}) and no checkpoint to resume from; a fresh start would replace "
-                              f"it: {_REPLACE}.")
-    logger.warning("resume_from=latest: %s holds an earlier attempt (%s) that left no checkpoint; starting "
-                   "again from step 0", out, ", ".join(found), main_process_only=True)
+        raise CheckpointError(f"train.resume_from={cfg.train.resume_from}: output_dir={cfg.output_dir} holds a "
+                              f"finished run ({', '.join(found)}) and no checkpoint to resume from; a fresh start "
+                              f"would replace it: {_REPLACE}.")
+    if cfg.train.resume_from == "auto" and (out / "config.yaml").is_file():
+        check_same_run(cfg, yaml_load((out / "config.yaml").read_text(encoding="utf-8")) or {}, out / "config.yaml")
+    logger.warning("resume_from=%s: %s holds an earlier attempt (%s) that left no checkpoint; starting "
+                   "again from step 0", cfg.train.resume_from, out, ", ".join(found), main_process_only=True)
+
+
+def check_same_run(cfg: Config, saved: dict[str, Any], source: Path) -> None:
+    """``train.resume_from=auto``: the run saved in ``output_dir`` (its checkpoint's or ``config.yaml``'s config)
+    is this run, or the start is refused in one line.
+
+    Raises:
+        CheckpointError: the saved config differs in keys that change the maths (:func:`compare_configs`).
+    """
+    errors, _ = compare_configs(saved, to_dict(cfg, redacted=False))
+    if errors:
+        keys = ", ".join(line.split(":", 1)[0] for line in errors)
+        raise CheckpointError(f"train.resume_from=auto: output_dir={cfg.output_dir} holds another run ({source} "
+                              f"differs in {keys}); use another output_dir, or train.resume_from=latest to see "
+                              f"every difference")
 
 
 def clear_previous_run(acc: Accelerator, cfg: Config, resume: Path | None) -> None:
@@ -362,6 +381,8 @@ def check_resume(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path | Non
                               f"Without shared storage set train.save_on_each_node=true (then each node "
                               f"writes its own copy) or copy the checkpoint to every node before resuming.")
     state = TrainerState(**json.loads((path / STATE_FILE).read_text(encoding="utf-8")))
+    if cfg.train.resume_from == "auto":
+        check_same_run(cfg, state.config, path / STATE_FILE)
     errors, warnings = compare_configs(state.config, to_dict(cfg, redacted=False))
     if errors:
         raise ConfigError(f"the config differs from checkpoint {path} in keys that change the maths: "

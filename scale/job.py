@@ -21,7 +21,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from scale.assets import resolve_data
+from scale.assets import resolve_data, resolve_model
 from scale.checkpoint import (TrainerState, check_resume, clear_previous_run, load_checkpoint, register_hooks,
                               resolve_resume)
 from scale.checks import dtype_census
@@ -126,16 +126,23 @@ def setup(cfg: Config) -> Job:
     resume = resolve_resume(cfg.train.resume_from, out)
     saved_state = check_resume(acc, cfg, plan, resume)  # collective; before anything is written
     set_seed(cfg.train.seed)
-    def prepare() -> tuple[Any, str, Splits, torch.nn.Module]:
+    together = plan.mode == "zero3"  # from_pretrained under ZeRO-3 runs collectives: every rank loads at once
+
+    def prepare() -> tuple[Any, str, Splits, torch.nn.Module | None]:
         tokenizer = load_tokenizer(cfg.model)
         data_path = resolve_data(cfg.data.path)
         splits = build_splits(cfg.data, cfg.loss, tokenizer, data_path, cfg.train.seed)
+        if together:
+            resolve_model(cfg.model.name_or_path)  # the asset (SmolLM2's conversion), prepared once
+            return tokenizer, data_path, splits, None
         model = build_model(cfg.model, cfg.lora, len(tokenizer), cfg.train.seed, device_map=plan.device_map)
         check_packing(model, cfg.data.padding_free)  # before anything is written
         return tokenizer, data_path, splits, model
 
     # One process prepares the cached assets, the others then read them; an error there stops every rank.
     tokenizer, data_path, splits, model = main_process_first(acc, prepare)  # collective
+    if model is None:
+        model = build_model_on_every_rank(acc, cfg, plan, len(tokenizer))  # collective
     mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, acc.num_processes
     if mb * world > len(splits.train):
         raise DataError(f"train.micro_batch_size={mb} x num_processes={world} is larger than the train split "
@@ -177,8 +184,9 @@ def setup(cfg: Config) -> Job:
     if resume is not None:
         state = load_checkpoint(acc, plan, resume, saved_state, state.data_sha256, state.template_sha256,
                                 state.rows_sha256)  # collective
-    elif cfg.train.resume_from == "latest" and acc.is_main_process:
-        logger.info("resume_from=latest: no checkpoint in %s yet, starting fresh", out / "checkpoints")
+    elif cfg.train.resume_from in ("latest", "auto") and acc.is_main_process:
+        logger.info("resume_from=%s: no checkpoint in %s yet, starting fresh", cfg.train.resume_from,
+                    out / "checkpoints")
     start_trackers(cfg, acc)
     # A resumed run keeps the history up to its checkpoint and drops what was logged after it.
     sink = JsonlSink(out / "metrics.jsonl", acc.is_main_process, keep_until=state.step if resume else None)
@@ -193,6 +201,35 @@ def setup(cfg: Config) -> Job:
                                 has_target=splits.has_target, pad_token_id=tokenizer.pad_token_id)
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
                flops_fn, peak.flops, max_steps)
+
+
+def build_model_on_every_rank(acc: Accelerator, cfg: Config, plan: ModePlan, vocab_size: int) -> torch.nn.Module:
+    """Build the model on every rank at the same time, as DeepSpeed ZeRO-3 needs. Collective.
+
+    Under ZeRO-3, transformers' ``from_pretrained`` creates the weights inside ``deepspeed.zero.Init`` and
+    loads the checkpoint into the partitioned parameters through ``GatheredParameters``: both are collectives
+    every rank must enter together. Built on the main process first (as the assets are), rank 0 waited in
+    ``from_pretrained``'s broadcast while rank 1 waited in ``main_process_first``'s, and gloo aborted with "Is
+    there a distributed collective mismatch" (issue 21). The ranks then agree on the outcome, so that an error
+    on one rank (a missing file on one node) stops all of them with its message instead of a hang.
+
+    Raises:
+        Whatever :func:`scale.modeling.build_model` raises, on every rank (``rank_local`` when only this one).
+    """
+    error: BaseException | None = None
+    model = None
+    try:
+        model = build_model(cfg.model, cfg.lora, vocab_size, cfg.train.seed, device_map=plan.device_map)
+    except Exception as e:  # noqa: BLE001 - agreed on below, then raised
+        error = e
+    mine = float(error is not None)
+    failed = acc.reduce(torch.tensor([mine * acc.is_main_process, mine], device=acc.device), reduction="sum")
+    if error is not None:  # printed by this rank when rank 0 (whose message the CLI prints) did not fail
+        error.rank_local = not acc.is_main_process and float(failed[0]) == 0  # type: ignore[attr-defined]
+        raise error
+    if float(failed[1]) > 0:
+        raise RuntimeError("building the model failed on another rank (its message is in that rank's output)")
+    return model
 
 
 def flops_shape(model: torch.nn.Module) -> Any:

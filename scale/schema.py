@@ -187,7 +187,9 @@ class TrainConfig:
     save_on_each_node: bool = _f(False, "Every node writes the checkpoint files it needs (nodes without shared "
                                         "storage); false: shared storage, written once.")
     resume_from: str | None = _f(None, "Resume: 'latest' (newest complete checkpoint in `<output_dir>/checkpoints`, "
-                                       "or a fresh start if there is none) or a checkpoint directory.")
+                                       "or a fresh start if there is none), 'auto' (as latest, and a checkpoint or "
+                                       "config.yaml of another run there is refused in one line: the launch "
+                                       "scripts' default) or a checkpoint directory.")
     overwrite_output_dir: bool = _f(False, "Start a fresh run in an `output_dir` that holds another run's "
                                            "artefacts (adapter/, metrics.jsonl, config.yaml, checkpoints/), deleting "
                                            "them first; false refuses to start there.")
@@ -195,6 +197,10 @@ class TrainConfig:
                                     "(no checkpoint is written after it); 'skip' drops that optimizer step.")
     collective_timeout_s: float = _f(1800.0, "Seconds a rank waits in a collective before the job fails (a lost "
                                              "rank on another node); torch's default is 1800.")
+    # -- restarts (issue 21) --
+    rendezvous_retries: int = _f(3, "Start the process group again up to this many times (backoff 2, 4, 8 s) when "
+                                    "its rendezvous fails on the network (a restarted torchrun worker group), "
+                                    "instead of failing the attempt; 0: fail at once.")
 
 
 @dataclass
@@ -271,6 +277,8 @@ def _validate(cfg: Config) -> None:
     if peak is True or isinstance(peak, str) and peak != "measure" or isinstance(peak, float) and not 0 < peak < math.inf:
         raise ConfigError(f"log.peak_flops={peak!r} must be a positive number (FLOP/s), 'measure', false (no MFU) "
                           f"or null")
+    if cfg.train.rendezvous_retries < 0:
+        raise ConfigError(f"train.rendezvous_retries={cfg.train.rendezvous_retries} must be >= 0 (0: no retry)")
     if cfg.train.collective_timeout_s <= 0:
         raise ConfigError(f"train.collective_timeout_s={cfg.train.collective_timeout_s} must be > 0 (seconds)")
     if not cfg.data.template.endswith("{label}") or "{text}" not in cfg.data.template:

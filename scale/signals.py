@@ -1,9 +1,12 @@
 """Pre-emption: SIGTERM/SIGINT become a request the loop honours between optimizer steps. No torch.
 
-SLURM (``--signal=B:TERM@120``), Kubernetes and Ctrl-C all send a signal. The handler only records it; the
+SLURM (``--signal=B:TERM@120``), Kubernetes and Ctrl-C all send a signal. While the job starts up (process
+group, data, model, the step-0 evaluation) a signal raises :class:`Preempted` at once: nothing was trained, so
+nothing is evaluated or checkpointed, and a launcher waiting for its workers to stop (torch elastic gives them
+30 s) is not kept waiting. Once training runs (:meth:`Preemption.defer`), the handler only records it; the
 ranks agree on it at the next accumulation window (:func:`scale.train.windows`), finish the optimizer step
-in flight, write a checkpoint and raise :class:`Preempted`; ``scale-train`` then exits with
-:data:`EXIT_PREEMPTED`.
+in flight, write a checkpoint and raise :class:`Preempted`. ``scale-train`` exits with :data:`EXIT_PREEMPTED`
+either way.
 """
 
 from __future__ import annotations
@@ -34,7 +37,19 @@ class Preemption:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.immediate = True  # start-up: a signal raises Preempted at once (see defer)
         self._previous: dict[int, Any] = {}
+
+    def defer(self) -> None:
+        """Training starts: from now on a signal is honoured at the next optimizer-step boundary.
+
+        Raises:
+            Preempted: a signal arrived before (it was recorded while the handler could not raise).
+        """
+        self.immediate = False
+        if self.signum is not None:
+            raise Preempted(f"got signal {self.signum} before training started: nothing trained, no checkpoint "
+                            f"written")
 
     @property
     def requested(self) -> bool:
@@ -58,6 +73,26 @@ class Preemption:
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
-        # No logging here (not async-signal-safe); one line straight to stderr.
+        # No logging here (its lock may be held by the code interrupted); one line straight to stderr.
+        if self.immediate:
+            os.write(2, f"scale: got signal {signum} while starting up: stopping now, exit {EXIT_PREEMPTED}\n".encode())
+            raise Preempted(f"got signal {signum} while starting up: nothing trained, no checkpoint written")
         os.write(2, f"scale: got signal {signum}: finishing this optimizer step, then checkpoint and exit "
                     f"{EXIT_PREEMPTED}\n".encode())
+
+
+def exit_on_signal_while_importing() -> None:
+    """Until :meth:`Preemption.install` takes over, SIGTERM/SIGINT end the process at once with
+    :data:`EXIT_PREEMPTED`: call it first thing in an entry point, before the imports (torch, transformers,
+    DeepSpeed: seconds) that precede everything else. Nothing has been written yet, so ``os._exit`` loses
+    nothing, and a launcher stopping its workers (torch elastic waits 30 s for them) is not kept waiting.
+    Main thread only; a no-op elsewhere."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handle(signum: int, frame: Any) -> None:
+        os.write(2, f"scale: got signal {signum} while starting up: exit {EXIT_PREEMPTED}\n".encode())
+        os._exit(EXIT_PREEMPTED)
+
+    for s in Preemption.SIGNALS:
+        signal.signal(s, handle)

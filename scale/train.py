@@ -101,6 +101,8 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     """
     cfg, acc, state, t = job.cfg, job.acc, job.state, job.cfg.train
     last_eval = evaluate_and_log(job) if state.step == 0 else {}
+    if preemption is not None:
+        preemption.defer()  # until here a signal stopped the start-up at once; now it ends an optimizer step
     meter = StepMeter(acc.device, job.flops_fn, job.peak_flops, cfg.data.max_length)  # after the step-0 eval
     pbar = tqdm(total=job.max_steps, initial=state.step, disable=not acc.is_local_main_process, desc="optimizer steps")
     timer = SaveTimer(t.save_every_minutes)

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "train" / "tiny_cpu.yaml"
 JOB = ["data.max_train_examples=20", "train.max_steps=6", "train.log_every=1", "train.eval_every=0",
        "lora.dropout=0.0", "optim.warmup_steps=2", f"data.path={ROOT / 'configs' / 'data' / 'tiny_reviews.jsonl'}",
-       "log.trackers=[]", "optim.name=sgd", "optim.lr=0.5"]
+       "log.trackers=[]", "optim.name=sgd", "optim.lr=0.5",
+       "log.peak_flops=1e12"]  # measuring it costs minutes on a CPU without bf16 GEMM kernels (no avx512_bf16)
 # The same job on prompt/completion rows: tails of 2 to 12 tokens (a completion of 1-6 words + EOS), so the
 # micro-batches of a window hold tails of different lengths; 20 rows make windows of 8, 8 and 4 per epoch.
 COMPLETIONS = [f"data.path={ROOT / 'configs' / 'data' / 'tiny_completions.jsonl'}"]
@@ -46,8 +47,28 @@ def accelerate_cmd(config: str, extra: list[str] | None = None) -> list[str]:
             "--main_process_port", str(free_port()), *(extra or []), "-m", "scale.train"]
 
 
-def modes() -> dict[str, tuple[list[list[str]], list[str]]]:
-    """name -> (commands to start together, overrides). Micro-batch x GA x processes = 8 in every mode."""
+def save_tiny_directory(path: Path, *overrides: str) -> Path:
+    """The job's ``tiny-llama`` (tiny_cpu.yaml + ``overrides``, weights from ``train.seed``) written with
+    ``save_pretrained``: a real model directory holding the very weights the built-in name builds, so a run from it
+    must give the built-in run's numbers (``model.name_or_path=<path> model.tokenizer=smollm2-135m``)."""
+    from scale.config import load_config
+    from scale.modeling import load_base, load_tokenizer
+
+    cfg = load_config(str(TINY), list(overrides))
+    load_base(cfg.model, len(load_tokenizer(cfg.model)), cfg.train.seed).save_pretrained(path)
+    return path
+
+
+def from_directory(path: Path) -> list[str]:
+    """Overrides that load the model from ``path`` (:func:`save_tiny_directory`) instead of building it."""
+    return [f"model.name_or_path={path}", "model.tokenizer=smollm2-135m"]
+
+
+def modes(directory: Path | None = None) -> dict[str, tuple[list[list[str]], list[str]]]:
+    """name -> (commands to start together, overrides). Micro-batch x GA x processes = 8 in every mode.
+
+    With ``directory`` (:func:`save_tiny_directory`) a ZeRO-3 row loads the model from it: ``from_pretrained``
+    under ``zero.Init``, the path a real model takes (the built-in ``tiny-llama`` is built in memory)."""
     py = [sys.executable, "-m", "scale.train"]
     zero2 = str(ROOT / "configs" / "deepspeed" / "zero2.json")
     port = free_port()
@@ -56,7 +77,7 @@ def modes() -> dict[str, tuple[list[list[str]], list[str]]]:
               "--machine_rank", str(r), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
               "-m", "scale.train"] for r in (0, 1)]
     mb2 = ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]
-    return {
+    table = {
         "single 1x(8,1)": ([py], ["train.micro_batch_size=8", "train.gradient_accumulation_steps=1"]),
         "single 1x(2,4)": ([py], ["train.micro_batch_size=2", "train.gradient_accumulation_steps=4"]),
         "ddp 2x(2,2)": ([accelerate_cmd("cpu_ddp.yaml")], mb2),
@@ -68,6 +89,9 @@ def modes() -> dict[str, tuple[list[list[str]], list[str]]]:
             [deepspeed_cmd()],
             ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2", f"train.deepspeed_config={zero2}"]),
     }
+    if directory is not None:
+        table["zero3 from a directory 2x(2,2)"] = ([accelerate_cmd("cpu_zero3.yaml")], mb2 + from_directory(directory))
+    return table
 
 
 def run_mode(cmds: list[list[str]], overrides: list[str], out: Path, timeout: float = 600) -> dict:
@@ -105,3 +129,78 @@ def weight_dev(a: dict, b: dict) -> float:
     if a.keys() != b.keys():
         return float("inf")
     return max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-30)).item() for k in a)
+
+
+def torchrun_cmd(max_restarts: int, nproc: int = 2) -> list[str]:
+    """``torchrun`` with elastic restarts (c10d rendezvous on a free local port), as launch/elastic.sh runs it."""
+    return [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "1", "--nproc-per-node", str(nproc),
+            "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}", "--rdzv-id", "scale-elastic", "--monitor-interval", "0.5",
+            "-m", "scale.train"]
+
+
+def _logged_steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line being written
+            continue
+        if "train/loss" in row:
+            steps.append(row["step"])
+    return steps
+
+
+def run_elastic(out: Path, overrides: list[str], kill_at: list[int], max_restarts: int, seed: int = 0,
+                timeout: float = 900) -> dict:
+    """Run the tiny job under ``torchrun --max-restarts`` (``train.resume_from=auto``, a checkpoint every step)
+    and SIGKILL one worker, chosen at random, once the run has logged each step in ``kill_at``.
+
+    Returns:
+        ``returncode``, ``weights`` (the final adapter, when written), ``losses`` (step -> train/loss as finally
+        logged), ``recovery_s`` (per kill: seconds from the kill until the restarted group logged a new step),
+        ``log`` (the launcher's output).
+    """
+    import random
+    import time
+
+    import psutil
+    from safetensors.torch import load_file
+
+    rng = random.Random(seed)
+    args = ["--config", str(TINY), f"output_dir={out}", *JOB, "train.save_every=1", "train.resume_from=auto",
+            *overrides]
+    env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    log_path = out.with_name(out.name + ".log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(torchrun_cmd(max_restarts) + args, cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        recovery, deadline = [], time.time() + timeout
+        for step in kill_at:
+            while proc.poll() is None and time.time() < deadline and max(_logged_steps(out), default=0) < step:
+                time.sleep(0.05)
+            workers = [c for c in psutil.Process(proc.pid).children() if "scale.train" in " ".join(c.cmdline())]
+            if proc.poll() is not None or not workers:
+                break
+            at = max(_logged_steps(out), default=0)
+            killed = time.time()
+            rng.choice(workers).kill()  # SIGKILL: no handler, no checkpoint, no goodbye
+            while proc.poll() is None and time.time() < deadline and max(_logged_steps(out), default=0) <= at:
+                time.sleep(0.05)
+            recovery.append(time.time() - killed)
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for c in psutil.Process(proc.pid).children(recursive=True):
+                c.kill()
+            proc.kill()
+            proc.wait()
+    adapter = out / "adapter" / "adapter_model.safetensors"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
+        if (out / "metrics.jsonl").exists() else []
+    return {"returncode": proc.returncode, "weights": load_file(adapter) if adapter.exists() else None,
+            "losses": {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}, "recovery_s": recovery,
+            "log": log_path.read_text(errors="replace")}
