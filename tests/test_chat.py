@@ -258,3 +258,65 @@ def test_show_rows_prints_the_trained_tokens(tmp_path, capsys):
     assert code == 0 and not (tmp_path / "out").exists()
     assert out.startswith("format=messages; trained tokens between [[ and ]]\n--- data-file row ")
     assert out.count("--- data-file row") == 2 and "<|im_start|>assistant\n[[" in out and "<|im_end|>]]" in out
+
+
+# ---- resume on multi-turn chats (issue 17 acceptance) ----
+
+def _run_launch(out, *extra):
+    import os
+    import subprocess
+
+    from tests.launching import CHATS, TINY, accelerate_cmd
+
+    job = ["--config", str(TINY), *CHATS, "data.max_train_examples=20", "train.micro_batch_size=2",
+           "train.gradient_accumulation_steps=2", "train.max_steps=6", "train.log_every=1", "train.eval_every=0",
+           "lora.dropout=0.1", "log.trackers=[]", f"output_dir={out}", *extra]
+    proc = subprocess.run(accelerate_cmd("cpu_ddp.yaml") + job, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.launch
+def test_two_process_resume_on_multi_turn_chats_is_bit_exact(tmp_path):
+    """2 ranks, micro-batch 2, GA 2, 20 chats: 3 steps an epoch; resumed from step 4 (inside epoch 2), steps 5-6
+    and the adapter are bit-identical to the uninterrupted run."""
+    from safetensors.torch import load_file
+
+    from scale.metrics import read_jsonl
+
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    _run_launch(ref, "train.save_every=4")
+    _run_launch(resumed, f"train.resume_from={ref}/checkpoints/step_000004")
+    losses = [{r["step"]: r["train/loss"] for r in read_jsonl(d / "metrics.jsonl") if "train/loss" in r}
+              for d in (ref, resumed)]
+    assert sorted(losses[1]) == [5, 6] and all(losses[1][s] == losses[0][s] for s in (5, 6))
+    a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (ref, resumed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_resume_after_a_template_edit_is_refused(tmp_path):
+    """C37 in one process: the template's text is in the checkpoint; an edited template stops the resume."""
+    from scale.config import ConfigError
+    from scale.train import run
+    from tests.conftest import tiny_cfg
+
+    template = tmp_path / "t.jinja"
+    shutil.copy(CHATML, template)
+    path = _write(tmp_path / "c.jsonl", [{"messages": m} for m in CHATS] * 8)
+    job = [f"data.path={path}", f"data.chat_template={template}", "data.eval_size=4", "data.max_length=128",
+           "train.max_steps=2", "train.eval_every=0", "train.save_every=1"]
+    run(tiny_cfg(tmp_path / "a", *job))
+    _reset()
+    template.write_text(template.read_text() + "\n")
+    with pytest.raises(ConfigError, match=r"^data.chat_template changed since checkpoint .*step_000001"):
+        run(tiny_cfg(tmp_path / "a", *job, "train.resume_from=" + str(tmp_path / "a" / "checkpoints" / "step_000001"),
+                     "output_dir=" + str(tmp_path / "b")))
+    _reset()
+
+
+def _reset():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
