@@ -112,10 +112,10 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     hf_config = load_model_config(cfg.model, model_config)
     tail, tail_note = data_tail(cfg)
     user_cfg, cfg = cfg, with_tail(cfg, tail)  # the counts below see the data's tail as loss.threshold
-    gc_setting, gc = cfg.model.gradient_checkpointing, bool(cfg.model.gradient_checkpointing)
-    models = {gc: build_meta_model(cfg, hf_config, checkpointing=gc)}
-    params = census(cfg, models[gc])
-    other = not gc
+    gc_setting, on = cfg.model.gradient_checkpointing, bool(cfg.model.gradient_checkpointing)
+    models = {on: build_meta_model(cfg, hf_config, checkpointing=on)}
+    params = census(cfg, models[on])
+    other = not on
     models[other] = build_meta_model(cfg, hf_config, checkpointing=other)
     cast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
     acts_by_gc = {gc: {False: count_activations(cfg, mdl, params, padded=padded)} for gc, mdl in models.items()}
@@ -125,7 +125,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     for regime in (False, True):
         acts_by_gc[True][regime].recompute = acts_by_gc[False][regime].per_layer
     acts = {regime: checkpoint_variant(acts_by_gc[True][regime], acts_by_gc[False][regime], cfg.model)
-            for regime in (False, True)} if gc_setting in ("every_n", "offload") else acts_by_gc[gc]
+            for regime in (False, True)} if gc_setting in ("every_n", "offload") else acts_by_gc[on]
     ranks = [predict_mode(cfg, params, acts, mode, gpus, hf_config, root) for mode in MODES]
     limit = gpu_mem_gib * GIB
     # One GPU runs only the single-process mode; with several, one process would leave all but one idle, so the
