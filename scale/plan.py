@@ -147,7 +147,8 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         logits_tail_bytes=cfg.train.micro_batch_size * N * a_on.vocab * 4,
         logits_full_bytes=cfg.train.micro_batch_size * T * a_on.vocab * 4, ranks=ranks, fits=fits,
         recommended=recommended,
-        assumptions=[tail_note, *assumptions(user_cfg, gpus, nodes, padded), loss_note(cfg, a_on)])
+        assumptions=[tail_note, *assumptions(replace(user_cfg, train=cfg.train), gpus, nodes, padded),
+                     loss_note(cfg, a_on)])
 
 
 def data_tail(cfg: Config) -> tuple[int, str]:
@@ -175,8 +176,18 @@ def data_tail(cfg: Config) -> tuple[int, str]:
 
 
 def with_tail(cfg: Config, tail: int) -> Config:
-    """``cfg`` with ``loss.threshold = tail`` (the counts' ``N``); the target position stays inside it."""
-    return replace(cfg, loss=replace(cfg.loss, threshold=max(tail, -cfg.loss.target_position)))
+    """``cfg`` with ``loss.threshold = tail`` (the counts' ``N``; the target position stays inside it), and
+    ``train.mixed_precision: auto`` as it resolves on a bf16-capable GPU: bf16 (no for QLoRA computing in fp32)."""
+    precision = cfg.train.mixed_precision
+    if precision == "auto":
+        m = cfg.model
+        precision = "no" if m.quantize_4bit and m.bnb_4bit_compute_dtype == "float32" else "bf16"  # "auto": bf16
+    compute = cfg.model.bnb_4bit_compute_dtype
+    if compute == "auto":
+        compute = "bfloat16" if precision == "bf16" else "float32"
+    return replace(cfg, loss=replace(cfg.loss, threshold=max(tail, -cfg.loss.target_position)),
+                   train=replace(cfg.train, mixed_precision=precision),
+                   model=replace(cfg.model, bnb_4bit_compute_dtype=compute))
 
 
 def checkpoint_variant(on: Activations, off: Activations, m: ModelConfig) -> Activations:
