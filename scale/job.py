@@ -31,7 +31,8 @@ from scale.fileio import sha256_file
 from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.loss import LossSpec
-from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_peak_flops, start_trackers
+from scale.metrics import (JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops,
+                           start_trackers)
 from scale.modeling import build_model, check_packing, load_tokenizer, parameter_counts
 from scale.sampling import LengthGroupedSampler, PaddingFreeCollator
 from scale.schedule import lr_factor, steps_for_epochs
@@ -120,6 +121,8 @@ def setup(cfg: Config) -> Job:
         DataError, ConfigError, LaunchError, CheckpointError: bad input, before anything is written (except
             that an edited data file is detected when the checkpoint is loaded).
     """
+    # train.mixed_precision=auto resolved in place: config.yaml and the Accelerator get the choice
+    precision = resolve_mixed_precision(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     acc = build_accelerator(cfg)
     plan = plan_for_mode(cfg, acc)
     out = Path(cfg.output_dir)
@@ -192,7 +195,11 @@ def setup(cfg: Config) -> Job:
     sink = JsonlSink(out / "metrics.jsonl", acc.is_main_process, keep_until=state.step if resume else None)
     log = MetricsLog(acc, sink)
     if resume is None:
-        log.write(0, splits.stats)  # the data counts (data/*), once per run
+        log.write(0, {**splits.stats, **(precision.metrics() if precision else {})})  # once per run
+    if precision is not None and acc.is_main_process:
+        logger.info("train.mixed_precision=auto -> %s: %s%s", precision.choice, precision.reason,
+                    "" if precision.fp32_flops is None else
+                    f" (fp32 {precision.fp32_flops / 1e9:.3g} GFLOP/s, bf16 {precision.bf16_flops / 1e9:.3g} GFLOP/s)")
     peak = resolve_peak_flops(cfg, acc)  # collective when measured on several ranks
     if acc.is_main_process:
         logger.info("MFU peak: %s", peak.source)

@@ -192,10 +192,77 @@ class PeakFlops:
     source: str
 
 
+AUTO_BF16_RATIO = 1.3
+"""``train.mixed_precision: auto`` picks bf16 on CPU when bf16 GEMMs measure at least this many times fp32."""
+
+
+@dataclass
+class PrecisionChoice:
+    """What ``train.mixed_precision: auto`` resolved to, and why.
+
+    Attributes:
+        choice: ``"bf16"`` or ``"no"``.
+        fp32_flops: measured fp32 GEMM FLOP/s (``None`` where not measured).
+        bf16_flops: measured bf16 GEMM FLOP/s (``None`` where not measured).
+        reason: one sentence for the log.
+    """
+
+    choice: str
+    fp32_flops: float | None
+    bf16_flops: float | None
+    reason: str
+
+    def metrics(self) -> dict[str, float]:
+        """``precision/*`` figures for ``metrics.jsonl``: bf16 (1/0) and both measurements in GFLOP/s."""
+        out = {"precision/bf16": 1.0 if self.choice == "bf16" else 0.0}
+        for key, v in (("precision/fp32_gflops", self.fp32_flops), ("precision/bf16_gflops", self.bf16_flops)):
+            if v is not None:
+                out[key] = v / 1e9
+        return out
+
+
+def resolve_mixed_precision(cfg: Config, device: torch.device) -> PrecisionChoice | None:
+    """Resolve ``train.mixed_precision: auto`` for ``device`` (and ``model.bnb_4bit_compute_dtype: auto`` with it),
+    in place on ``cfg``'s sections; return the choice, or None when the precision was set explicitly.
+
+    - QLoRA with ``model.bnb_4bit_compute_dtype: float32``: ``no`` (autocast needs a matching compute dtype);
+    - a CUDA GPU: ``bf16`` when ``torch.cuda.is_bf16_supported()`` (tensor cores run it at 2x+ fp32), else ``no``;
+    - CPU: both GEMMs timed (:func:`measure_peak_flops`, bounded in time); ``bf16`` when bf16 measures at least
+      :data:`AUTO_BF16_RATIO` x fp32 (AMX CPUs: ~7x), else ``no`` (AVX2 CPUs have no bf16 kernel: ~0.5x).
+
+    Each process decides on its own measurement: ranks on one machine measure the same hardware; a ratio within
+    noise of 1.3 could split them (the log of each rank says what it chose).
+    """
+    if cfg.train.mixed_precision != "auto":
+        if cfg.model.bnb_4bit_compute_dtype == "auto":
+            cfg.model.bnb_4bit_compute_dtype = "bfloat16" if cfg.train.mixed_precision == "bf16" else "float32"
+        return None
+    choice = _auto_precision(cfg, device)
+    cfg.train.mixed_precision = choice.choice
+    if cfg.model.bnb_4bit_compute_dtype == "auto":
+        cfg.model.bnb_4bit_compute_dtype = "bfloat16" if choice.choice == "bf16" else "float32"
+    return choice
+
+
+def _auto_precision(cfg: Config, device: torch.device) -> PrecisionChoice:
+    m = cfg.model
+    if m.quantize_4bit and m.bnb_4bit_compute_dtype == "float32":
+        return PrecisionChoice("no", None, None, "QLoRA computes in model.bnb_4bit_compute_dtype=float32")
+    if device.type == "cuda":
+        ok = torch.cuda.is_bf16_supported()
+        return PrecisionChoice("bf16" if ok else "no", None, None,
+                               f"{torch.cuda.get_device_name(device)} {'supports' if ok else 'lacks'} bf16")
+    fp32, bf16 = measure_peak_flops(device, torch.float32), measure_peak_flops(device, torch.bfloat16)
+    ratio = bf16 / fp32
+    choice = "bf16" if ratio >= AUTO_BF16_RATIO else "no"
+    return PrecisionChoice(choice, fp32, bf16, f"bf16 GEMMs measure {ratio:.2f}x fp32 on this {device.type} "
+                                               f"({'>=' if choice == 'bf16' else '<'} {AUTO_BF16_RATIO}x)")
+
+
 def compute_dtype(cfg: Config) -> torch.dtype:
     """The dtype the run's matmuls compute in: the autocast dtype under ``train.mixed_precision``, else the
     4-bit compute dtype for QLoRA, else ``model.dtype``."""
-    if cfg.train.mixed_precision != "no":
+    if cfg.train.mixed_precision in ("bf16", "fp16"):  # "auto" is resolved at start-up (resolve_mixed_precision)
         return torch.bfloat16 if cfg.train.mixed_precision == "bf16" else torch.float16
     return getattr(torch, cfg.model.bnb_4bit_compute_dtype if cfg.model.quantize_4bit else cfg.model.dtype)
 

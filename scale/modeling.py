@@ -80,7 +80,8 @@ def bnb_config(cfg: ModelConfig) -> Any:
         load_in_4bit=True,
         bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=cfg.bnb_4bit_use_double_quant,
-        bnb_4bit_compute_dtype=_DTYPES[cfg.bnb_4bit_compute_dtype],
+        # "auto" is resolved at start-up (scale.metrics.resolve_mixed_precision); unresolved it computes in fp32
+        bnb_4bit_compute_dtype=_DTYPES.get(cfg.bnb_4bit_compute_dtype, torch.float32),
         bnb_4bit_quant_storage=getattr(torch, cfg.bnb_4bit_quant_storage),
     )
 

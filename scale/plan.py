@@ -112,10 +112,10 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     hf_config = load_model_config(cfg.model, model_config)
     tail, tail_note = data_tail(cfg)
     user_cfg, cfg = cfg, with_tail(cfg, tail)  # the counts below see the data's tail as loss.threshold
-    gc_setting, gc = cfg.model.gradient_checkpointing, bool(cfg.model.gradient_checkpointing)
-    models = {gc: build_meta_model(cfg, hf_config, checkpointing=gc)}
-    params = census(cfg, models[gc])
-    other = not gc
+    gc_setting, on = cfg.model.gradient_checkpointing, bool(cfg.model.gradient_checkpointing)
+    models = {on: build_meta_model(cfg, hf_config, checkpointing=on)}
+    params = census(cfg, models[on])
+    other = not on
     models[other] = build_meta_model(cfg, hf_config, checkpointing=other)
     cast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
     acts_by_gc = {gc: {False: count_activations(cfg, mdl, params, padded=padded)} for gc, mdl in models.items()}
@@ -125,7 +125,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     for regime in (False, True):
         acts_by_gc[True][regime].recompute = acts_by_gc[False][regime].per_layer
     acts = {regime: checkpoint_variant(acts_by_gc[True][regime], acts_by_gc[False][regime], cfg.model)
-            for regime in (False, True)} if gc_setting in ("every_n", "offload") else acts_by_gc[gc]
+            for regime in (False, True)} if gc_setting in ("every_n", "offload") else acts_by_gc[on]
     ranks = [predict_mode(cfg, params, acts, mode, gpus, hf_config, root) for mode in MODES]
     limit = gpu_mem_gib * GIB
     # One GPU runs only the single-process mode; with several, one process would leave all but one idle, so the
@@ -147,7 +147,8 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         logits_tail_bytes=cfg.train.micro_batch_size * N * a_on.vocab * 4,
         logits_full_bytes=cfg.train.micro_batch_size * T * a_on.vocab * 4, ranks=ranks, fits=fits,
         recommended=recommended,
-        assumptions=[tail_note, *assumptions(user_cfg, gpus, nodes, padded), loss_note(cfg, a_on)])
+        assumptions=[tail_note, *assumptions(replace(user_cfg, train=cfg.train), gpus, nodes, padded),
+                     loss_note(cfg, a_on)])
 
 
 def data_tail(cfg: Config) -> tuple[int, str]:
@@ -175,8 +176,18 @@ def data_tail(cfg: Config) -> tuple[int, str]:
 
 
 def with_tail(cfg: Config, tail: int) -> Config:
-    """``cfg`` with ``loss.threshold = tail`` (the counts' ``N``); the target position stays inside it."""
-    return replace(cfg, loss=replace(cfg.loss, threshold=max(tail, -cfg.loss.target_position)))
+    """``cfg`` with ``loss.threshold = tail`` (the counts' ``N``; the target position stays inside it), and
+    ``train.mixed_precision: auto`` as it resolves on a bf16-capable GPU: bf16 (no for QLoRA computing in fp32)."""
+    precision = cfg.train.mixed_precision
+    if precision == "auto":
+        m = cfg.model
+        precision = "no" if m.quantize_4bit and m.bnb_4bit_compute_dtype == "float32" else "bf16"  # "auto": bf16
+    compute = cfg.model.bnb_4bit_compute_dtype
+    if compute == "auto":
+        compute = "bfloat16" if precision == "bf16" else "float32"
+    return replace(cfg, loss=replace(cfg.loss, threshold=max(tail, -cfg.loss.target_position)),
+                   train=replace(cfg.train, mixed_precision=precision),
+                   model=replace(cfg.model, bnb_4bit_compute_dtype=compute))
 
 
 def checkpoint_variant(on: Activations, off: Activations, m: ModelConfig) -> Activations:

@@ -39,7 +39,9 @@ class ModelConfig:
     quantize_4bit: bool = _f(False, "QLoRA: load the base as bitsandbytes NF4 4-bit weights.")
     bnb_4bit_quant_type: str = _f("nf4", "4-bit data type: nf4 | fp4.")
     bnb_4bit_use_double_quant: bool = _f(True, "Quantize the quantization constants too (~0.4 bit/param saved).")
-    bnb_4bit_compute_dtype: str = _f("float32", "Dtype the 4-bit GEMMs compute in: float32 | bfloat16 | float16.")
+    bnb_4bit_compute_dtype: str = _f("float32", "Dtype the 4-bit GEMMs compute in: float32 | bfloat16 | float16 | "
+                                                "auto (bfloat16 when train.mixed_precision resolves to bf16, else "
+                                                "float32).")
     bnb_4bit_quant_storage: str = _f("uint8", "Storage dtype of packed 4-bit weights (uint8; a float dtype "
                                               "for ZeRO-3/FSDP sharding).")
     gradient_checkpointing: bool | str = _f(True, "Recompute activations in backward (-memory, -speed): true (every "
@@ -171,7 +173,9 @@ class TrainConfig:
     log_every: int = _f(10, "Log training metrics every this many optimizer steps.")
     eval_every: int = _f(50, "Evaluate every this many optimizer steps (also at step 0 and at the end); 0: ends only.")
     seed: int = _f(1234, "Seed for the split, shuffling, LoRA init and dropout.")
-    mixed_precision: str = _f("no", "Autocast: no | bf16 | fp16.")
+    mixed_precision: str = _f("auto", "Autocast: auto | no | bf16 | fp16. auto: bf16 on a bf16-capable GPU; on CPU "
+                                      "bf16 when the start-up probe measures bf16 GEMMs >= 1.3x fp32, else no "
+                                      "(no as well for QLoRA with a float32 4-bit compute dtype).")
     deepspeed_config: str | None = _f(None, "DeepSpeed JSON to use without `accelerate launch` (the `deepspeed` "
                                             "launcher, torchrun); null: the accelerate config decides.")
     check_invariants: bool = _f(False, "After training, check base weights bit-identical, LoRA weights equal on "
@@ -237,7 +241,7 @@ class Config:
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.bnb_4bit_quant_type": ("nf4", "fp4"),
-    "model.bnb_4bit_compute_dtype": ("float32", "bfloat16", "float16"),
+    "model.bnb_4bit_compute_dtype": ("float32", "bfloat16", "float16", "auto"),
     "model.bnb_4bit_quant_storage": ("uint8", "float32", "bfloat16", "float16"),
     "data.padding_side": ("left", "right"),
     "data.train_on": ("all_assistant", "last_assistant"),
@@ -247,7 +251,7 @@ _CHOICES = {
     "loss.criterion_mode": ("plain", "input"),
     "optim.name": ("adamw", "sgd"),
     "optim.schedule": ("cosine", "linear", "constant"),
-    "train.mixed_precision": ("no", "bf16", "fp16"),
+    "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
     "train.on_nonfinite": ("error", "skip"),
 }
 _POSITIVE = ("train.micro_batch_size", "train.gradient_accumulation_steps",
@@ -325,7 +329,8 @@ def _validate(cfg: Config) -> None:
                           ("lora.alpha", 0 < cfg.lora.alpha < math.inf, "must be > 0 and finite")):
         if not ok:
             raise ConfigError(f"{key}={get_key(cfg, key)} {rule}")
-    if cfg.train.mixed_precision != "no" and cfg.model.quantize_4bit and cfg.model.bnb_4bit_compute_dtype == "float32":
+    if cfg.train.mixed_precision in ("bf16", "fp16") and cfg.model.quantize_4bit and \
+            cfg.model.bnb_4bit_compute_dtype == "float32":
         raise ConfigError("train.mixed_precision needs model.bnb_4bit_compute_dtype to match (bfloat16/float16)")
 
 

@@ -95,3 +95,37 @@ def test_bad_peak_flops_setting(tmp_path):
     for bad in ("fast", "-1", "0", "true"):
         with pytest.raises(ConfigError, match="log.peak_flops=.* must be a positive number"):
             tiny_cfg(tmp_path, f"log.peak_flops={bad}")
+
+
+@pytest.mark.parametrize("bf16_rate,choice", [(2.12e12, "bf16"), (0.2e9, "no"), (0.36e12, "no")])
+def test_auto_precision_follows_the_probe(monkeypatch, tmp_path, bf16_rate, choice):
+    """fp32 at 290 GFLOP/s: AMX-like bf16 (2.12 TFLOP/s, 7.3x) -> bf16, 4-bit compute dtype bf16 as well; an AVX2 CPU
+    (0.2 GFLOP/s) or a ratio under 1.3x (1.24x) -> fp32."""
+    from scale import metrics
+    from tests.conftest import tiny_cfg
+
+    monkeypatch.setattr(metrics, "_MEASURED", {})
+    monkeypatch.setattr(metrics, "_time_gemm", lambda device, dtype, seconds, n, reps=3:
+                        bf16_rate if dtype == torch.bfloat16 else 290e9)
+    cfg = tiny_cfg(tmp_path, "train.mixed_precision=auto", "model.bnb_4bit_compute_dtype=auto")
+    got = metrics.resolve_mixed_precision(cfg, torch.device("cpu"))
+    assert got.choice == choice and cfg.train.mixed_precision == choice
+    assert cfg.model.bnb_4bit_compute_dtype == ("bfloat16" if choice == "bf16" else "float32")
+    assert got.fp32_flops == 290e9 and got.bf16_flops == bf16_rate
+    assert f"bf16 GEMMs measure {bf16_rate / 290e9:.2f}x fp32" in got.reason
+    assert got.metrics() == {"precision/bf16": float(choice == "bf16"), "precision/fp32_gflops": 290.0,
+                             "precision/bf16_gflops": bf16_rate / 1e9}
+
+
+def test_auto_precision_pinned_and_qlora_fp32(tmp_path):
+    from scale import metrics
+    from tests.conftest import tiny_cfg
+
+    pinned = tiny_cfg(tmp_path)                                   # tiny_cpu pins "no": tests stay fp32 on any CPU
+    assert pinned.train.mixed_precision == "no" and metrics.resolve_mixed_precision(pinned, torch.device("cpu")) is None
+    qlora = tiny_cfg(tmp_path, "train.mixed_precision=auto", "model.quantize_4bit=true")
+    got = metrics.resolve_mixed_precision(qlora, torch.device("cpu"))
+    assert got.choice == "no" and "bnb_4bit_compute_dtype=float32" in got.reason and got.fp32_flops is None
+    from scale.config import load_config
+
+    assert load_config().train.mixed_precision == "auto" and load_config().model.bnb_4bit_compute_dtype == "auto"
