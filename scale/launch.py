@@ -302,8 +302,11 @@ def build_accelerator(cfg: Config) -> Accelerator:
     on_cpu = not torch.cuda.is_available()
     # DeepSpeed on CPU needs gloo (cpu=True would silently drop DeepSpeed); otherwise accelerate picks.
     # The timeout bounds how long a rank waits for a peer that died on another node.
+    # Starting the group gets train.rendezvous_timeout_s per try (a restarted torchrun group's gloo connect was seen
+    # to hang, issue 21); its collectives then get train.collective_timeout_s (set below).
     handlers = [InitProcessGroupKwargs(backend="gloo" if on_cpu and use_deepspeed else None,
-                                       timeout=timedelta(seconds=cfg.train.collective_timeout_s))]
+                                       timeout=timedelta(seconds=min(cfg.train.rendezvous_timeout_s,
+                                                                     cfg.train.collective_timeout_s)))]
     if use_deepspeed and on_cpu:
         skip_deepspeed_shm_op()
     plugin = None
@@ -324,6 +327,10 @@ def build_accelerator(cfg: Config) -> Accelerator:
                                             save_on_each_node=cfg.train.save_on_each_node),
         kwargs_handlers=handlers,
     ), cfg.train.rendezvous_retries)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from torch.distributed.distributed_c10d import _set_pg_timeout  # torch >= 2.2
+
+        _set_pg_timeout(timedelta(seconds=cfg.train.collective_timeout_s))
     cpu_threads_per_rank(dict(os.environ))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and acc.distributed_type == DistributedType.NO:
