@@ -262,7 +262,7 @@ def with_rendezvous_retries(make: Callable[[], T], retries: int, backoff_s: floa
     for attempt in range(retries + 1):
         try:
             return make()
-        except Exception as e:  # noqa: BLE001 - only rendezvous failures are retried
+        except Exception as e:  # only rendezvous failures are retried
             if attempt == retries or not is_rendezvous_failure(e):
                 raise
             wait = backoff_s * 2**attempt
