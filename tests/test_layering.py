@@ -31,7 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     "layouts": {"census", "config"},
     "plan": {"census", "config", "layouts"},
     # the loop side: may import accelerate / torch.distributed
-    "launch": {"config"},
+    "rendezvous": set(),
+    "launch": {"config", "rendezvous"},
     "metrics": {"config", "fileio", "flops"},
     "checks": {"modeling"},
     "checkpoint": {"config", "fileio", "launch", "modeling"},
@@ -42,7 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"checkpoint", "config", "data", "launch", "signals", "train"},
     "report": {"config", "metrics", "schedule"},
 }
-DISTRIBUTED = {"launch", "metrics", "checks", "checkpoint", "evaluate", "job", "train", "cli"}
+DISTRIBUTED = {"launch", "rendezvous", "metrics", "checks", "checkpoint", "evaluate", "job", "train", "cli"}
 
 
 def _imports(name: str) -> set[str]:
