@@ -24,6 +24,7 @@ from accelerate.utils import (DistributedType, GradientAccumulationPlugin, InitP
                                broadcast_object_list)
 
 from scale.config import Config, ConfigError, configs_dir, get_key
+from scale.rendezvous import init_elastic_process_group, with_rendezvous_retries
 
 
 T = TypeVar("T")
@@ -230,61 +231,6 @@ def deepspeed_op_notice(ds: dict[str, Any]) -> str | None:
             f"DS_BUILD_CPU_ADAM=1 pip install deepspeed)")
 
 
-_RENDEZVOUS_FAILURES = ("Connection refused", "Connection reset", "Connection closed", "Broken pipe",
-                        "Socket Timeout", "timed out", "Timed out", "DistNetworkError", "DistStoreError",
-                        "failed to recv", "failed to send")
-
-
-def is_rendezvous_failure(error: BaseException) -> bool:
-    """Whether ``error`` (raised while the process group starts) is a network failure worth another try:
-    torch's ``DistNetworkError``/``DistStoreError``, or gloo's connection errors (refused, reset, timed out)."""
-    dist_errors = tuple(getattr(torch.distributed, n) for n in ("DistNetworkError", "DistStoreError")
-                        if hasattr(torch.distributed, n))
-    text = f"{type(error).__name__}: {error}"
-    return isinstance(error, dist_errors) or (isinstance(error, RuntimeError)
-                                              and any(s in text for s in _RENDEZVOUS_FAILURES))
-
-
-def with_rendezvous_retries(make: Callable[[], T], retries: int, backoff_s: float = 2.0,
-                            sleep: Callable[[float], None] | None = None) -> T:
-    """``make()`` (which starts the process group), tried again up to ``retries`` times with exponential backoff
-    (``backoff_s``, 2x, 4x... seconds) when the rendezvous fails on the network (:func:`is_rendezvous_failure`).
-
-    After a torchrun ``--max-restarts`` restart the new workers' gloo rendezvous was sometimes refused (3 of 12
-    trials in issue 21 spent all their restarts on it): a restart of the whole worker group costs tens of seconds
-    and one of the few restarts, a retry here costs the backoff. Between tries the half-made process group and
-    accelerate's shared state are discarded.
-
-    Raises:
-        The last failure once ``retries`` are spent; any other error at once.
-    """
-    sleep = sleep or __import__("time").sleep
-    for attempt in range(retries + 1):
-        try:
-            return make()
-        except Exception as e:  # noqa: BLE001 - only rendezvous failures are retried
-            if attempt == retries or not is_rendezvous_failure(e):
-                raise
-            wait = backoff_s * 2**attempt
-            logging.getLogger(__name__).warning("process group rendezvous failed (%s: %s); retry %d of %d in "
-                                                "%.0f s", type(e).__name__, str(e)[:200], attempt + 1, retries, wait)
-            reset_process_group()
-            sleep(wait)
-    raise AssertionError("unreachable")
-
-
-def reset_process_group() -> None:
-    """Forget a half-made process group and accelerate's shared state, so that the next ``Accelerator()``
-    starts them again."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    AcceleratorState._reset_state(True)
-    PartialState._reset_state()
-    GradientState._reset_state()
-
-
 def build_accelerator(cfg: Config) -> Accelerator:
     """Create the Accelerator for the launch mode found in the environment, with start-up guards.
 
@@ -302,8 +248,11 @@ def build_accelerator(cfg: Config) -> Accelerator:
     on_cpu = not torch.cuda.is_available()
     # DeepSpeed on CPU needs gloo (cpu=True would silently drop DeepSpeed); otherwise accelerate picks.
     # The timeout bounds how long a rank waits for a peer that died on another node.
+    # Starting the group gets train.rendezvous_timeout_s per try (a restarted torchrun group's gloo connect was seen
+    # to hang, issue 21); its collectives then get train.collective_timeout_s (set below).
     handlers = [InitProcessGroupKwargs(backend="gloo" if on_cpu and use_deepspeed else None,
-                                       timeout=timedelta(seconds=cfg.train.collective_timeout_s))]
+                                       timeout=timedelta(seconds=min(cfg.train.rendezvous_timeout_s,
+                                                                     cfg.train.collective_timeout_s)))]
     if use_deepspeed and on_cpu:
         skip_deepspeed_shm_op()
     plugin = None
@@ -311,7 +260,14 @@ def build_accelerator(cfg: Config) -> Accelerator:
         from accelerate.utils import DeepSpeedPlugin
 
         plugin = DeepSpeedPlugin(hf_ds_config=cfg.train.deepspeed_config)
-    acc = with_rendezvous_retries(lambda: Accelerator(
+    tries = iter(range(cfg.train.rendezvous_retries + 1))
+
+    def start() -> Accelerator:
+        init_elastic_process_group(next(tries), timedelta(seconds=min(cfg.train.rendezvous_timeout_s,
+                                                                      cfg.train.collective_timeout_s)))
+        return make()
+
+    make = lambda: Accelerator(
         cpu=on_cpu and not use_deepspeed,
         mixed_precision=cfg.train.mixed_precision,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
@@ -323,7 +279,12 @@ def build_accelerator(cfg: Config) -> Accelerator:
         project_config=ProjectConfiguration(project_dir=cfg.output_dir,
                                             save_on_each_node=cfg.train.save_on_each_node),
         kwargs_handlers=handlers,
-    ), cfg.train.rendezvous_retries)
+    )
+    acc = with_rendezvous_retries(start, cfg.train.rendezvous_retries)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from torch.distributed.distributed_c10d import _set_pg_timeout  # torch >= 2.2
+
+        _set_pg_timeout(timedelta(seconds=cfg.train.collective_timeout_s))
     cpu_threads_per_rank(dict(os.environ))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and acc.distributed_type == DistributedType.NO:

@@ -227,9 +227,11 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
         for p in params:  # transformers' order, which is DeepSpeed's module walk order
             shardable, unshardable, dtype = _weight_bytes(p, cfg, cast)
             elems = shardable // nbytes(dtype)
-            persistent = (p.numel <= ds["stage3_param_persistence_threshold"]
-                          and persisted + p.numel <= ds["stage3_model_persistence_threshold"])
-            persisted += p.numel if persistent else 0
+            # DeepSpeed compares the stored tensor's elements (ds_numel): a packed 4-bit weight stores
+            # ceil(numel / 2) bytes, i.e. fewer elements than its logical numel (issue 21: 1.156x under-predicted).
+            persistent = (elems <= ds["stage3_param_persistence_threshold"]
+                          and persisted + elems <= ds["stage3_model_persistence_threshold"])
+            persisted += elems if persistent else 0
             part = _shard_elems(elems, w) * nbytes(dtype)
             if persistent:  # kept whole (gathered at the padded size) on every rank besides its partition
                 held = part + _shard_elems(elems, w) * w * nbytes(dtype)

@@ -205,6 +205,9 @@ class TrainConfig:
     rendezvous_retries: int = _f(3, "Start the process group again up to this many times (backoff 2, 4, 8 s) when "
                                     "its rendezvous fails on the network (a restarted torchrun worker group), "
                                     "instead of failing the attempt; 0: fail at once.")
+    rendezvous_timeout_s: float = _f(300.0, "Seconds one try at starting the process group may take before it counts "
+                                            "as failed (then retried, train.rendezvous_retries); collectives then "
+                                            "wait train.collective_timeout_s.")
 
 
 @dataclass
@@ -281,6 +284,8 @@ def _validate(cfg: Config) -> None:
     if peak is True or isinstance(peak, str) and peak != "measure" or isinstance(peak, float) and not 0 < peak < math.inf:
         raise ConfigError(f"log.peak_flops={peak!r} must be a positive number (FLOP/s), 'measure', false (no MFU) "
                           f"or null")
+    if cfg.train.rendezvous_timeout_s <= 0:
+        raise ConfigError(f"train.rendezvous_timeout_s={cfg.train.rendezvous_timeout_s} must be > 0 (seconds)")
     if cfg.train.rendezvous_retries < 0:
         raise ConfigError(f"train.rendezvous_retries={cfg.train.rendezvous_retries} must be >= 0 (0: no retry)")
     if cfg.train.collective_timeout_s <= 0:

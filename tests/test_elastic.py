@@ -10,7 +10,8 @@ import torch
 
 from tests.launching import run_elastic
 
-JOB = ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2", "train.max_steps=6"]
+JOB = ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2", "train.max_steps=6",
+       "train.rendezvous_timeout_s=30"]  # a restarted group's gloo connect that hangs is retried after 30 s
 
 
 @pytest.mark.launch

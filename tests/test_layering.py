@@ -33,7 +33,8 @@ ALLOWED: dict[str, set[str]] = {
     "layouts": {"census", "config"},
     "plan": {"census", "config", "layouts", "assets", "data", "modeling"},  # data: the tails to plan for
     # the loop side: may import accelerate / torch.distributed
-    "launch": {"config"},
+    "rendezvous": set(),
+    "launch": {"config", "rendezvous"},
     "metrics": {"config", "fileio", "flops"},
     "checks": {"modeling"},
     "checkpoint": {"config", "fileio", "launch", "modeling"},
@@ -44,7 +45,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"assets", "checkpoint", "config", "data", "launch", "modeling", "signals", "train"},
     "report": {"config", "metrics", "schedule"},
 }
-DISTRIBUTED = {"launch", "metrics", "checks", "checkpoint", "evaluate", "job", "train", "cli"}
+DISTRIBUTED = {"launch", "rendezvous", "metrics", "checks", "checkpoint", "evaluate", "job", "train", "cli"}
 
 
 def _sources(name: str) -> list:

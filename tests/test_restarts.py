@@ -13,7 +13,7 @@ import pytest
 
 from scale.checkpoint import CheckpointError, check_fresh_start, list_checkpoints
 from scale.config import dump_config
-from scale.launch import is_rendezvous_failure, with_rendezvous_retries
+from scale.rendezvous import is_rendezvous_failure, with_rendezvous_retries
 from scale.signals import EXIT_PREEMPTED, Preempted, Preemption
 from scale.train import run
 from tests.conftest import tiny_cfg

@@ -38,7 +38,7 @@ def test_zero3_from_a_saved_directory_equals_one_device(tmp_path):
     assert rel_dev(ref["loss"], z3["loss"]) < 1e-5
     assert rel_dev(ref["grad_norm"], z3["grad_norm"]) < 1e-5
     assert weight_dev(ref["weights"], z3["weights"]) < 1e-5
-    checks = [r for r in read_jsonl(tmp_path / "zero3" / "metrics.jsonl") if "check/base_unchanged" in r][0]
+    checks = next(r for r in read_jsonl(tmp_path / "zero3" / "metrics.jsonl") if "check/base_unchanged" in r)
     assert checks["check/base_unchanged"] and checks["check/lora_B_nonzero"]
     assert 0.45 < checks["check/param_elements_local_fraction"] < 0.55  # really partitioned over the 2 ranks
 
@@ -56,6 +56,6 @@ def test_zero3_qlora_bf16_from_a_smollm2_shaped_directory(tmp_path):
     assert len(res["loss"]) == 2 and all(torch.isfinite(torch.tensor(res["loss"])))
     assert len(res["weights"]) == 28 and all(t.numel() > 0 for t in res["weights"].values())  # gathered, not shards
     assert {t.shape for k, t in res["weights"].items() if "q_proj.lora_A" in k} == {torch.Size([8, 576])}
-    checks = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "check/base_unchanged" in r][0]
+    checks = next(r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "check/base_unchanged" in r)
     assert checks["check/base_unchanged"] and checks["check/lora_B_nonzero"] and checks["check/lora_B_tensors"] == 14
     assert 0.45 < checks["check/param_elements_local_fraction"] < 0.55
