@@ -859,7 +859,7 @@ def test_training_windows_check_rows_inside_their_all_gather():
     from scale.train import windows
 
     spec = LossSpec(threshold=2, padding_side="left", type_weights=None, criterion=None, criterion_mode="plain",
-                    target_position=-2, label_token_ids=None)
+                    target_position=-2)
     good = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4, dtype=torch.long),
             "tail_mask": torch.ones(2, 2, dtype=torch.long), "type_indicator": torch.zeros(2, dtype=torch.long),
             "row": torch.tensor([3, 4])}

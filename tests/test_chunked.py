@@ -54,7 +54,7 @@ def _run(model, batch, spec, chunk):
 
 def _spec(side="left", type_weights=None, criterion=None, mode="plain"):
     return scale_loss.LossSpec(threshold=2, padding_side=side, type_weights=type_weights, criterion=criterion,
-                               criterion_mode=mode, target_position=-2, label_token_ids=None, format="messages")
+                               criterion_mode=mode, target_position=-2, task={"format": "messages"})
 
 
 def _assert_same(a, b, tol=1e-6):

@@ -177,7 +177,7 @@ def _spec():
     from scale.loss import LossSpec
 
     return LossSpec(threshold=2, padding_side="left", type_weights=None, criterion=None, criterion_mode="plain",
-                    target_position=-2, label_token_ids=torch.tensor([7, 8]))
+                    target_position=-2, task={"label_token_ids": [7, 8]})
 
 
 @pytest.mark.parametrize("data", ["tiny_reviews", "tiny_completions"])
