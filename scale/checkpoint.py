@@ -75,6 +75,7 @@ class TrainerState:
     data_sha256: str = ""     # of the data file: an edited file would silently change the split
     config: dict[str, Any] = field(default_factory=dict)
     saved_at: float = 0.0
+    wandb_run_id: str = ""    # the job's W&B run, continued by every attempt (scale.tracking)
 
     def with_reason(self, reason: str) -> TrainerState:
         """Set why the next checkpoint is written (``interval``, ``end`` or ``preempted``); return ``self``."""
@@ -253,7 +254,7 @@ def save_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, state: Traine
     return final
 
 
-RUN_ARTEFACTS = ("adapter", "metrics.jsonl", "config.yaml")  # what a run writes besides checkpoints/
+RUN_ARTEFACTS = ("adapter", "metrics.jsonl", "config.yaml", "wandb_run.json")  # what a run writes besides checkpoints/
 _REPLACE = "use another output_dir, or set train.overwrite_output_dir=true to replace it"
 
 

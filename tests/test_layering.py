@@ -33,16 +33,18 @@ ALLOWED: dict[str, set[str]] = {
     # the loop side: may import accelerate / torch.distributed
     "launch": {"config"},
     "metrics": {"config", "fileio", "flops"},
+    "tracking": {"config", "fileio", "metrics"},
     "checks": {"modeling"},
     "checkpoint": {"config", "fileio", "launch", "modeling"},
     "evaluate": {"data", "loss"},
     "job": {"assets", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss", "metrics",
-            "modeling", "sampling", "schedule"},
-    "train": {"checkpoint", "checks", "config", "evaluate", "job", "loss", "metrics", "signals"},
+            "modeling", "sampling", "schedule", "tracking"},
+    "train": {"checkpoint", "checks", "config", "evaluate", "job", "loss", "metrics", "signals",
+              "tracking"},
     "cli": {"checkpoint", "config", "data", "launch", "signals", "train"},
     "report": {"config", "metrics", "schedule"},
 }
-DISTRIBUTED = {"launch", "metrics", "checks", "checkpoint", "evaluate", "job", "train", "cli"}
+DISTRIBUTED = {"launch", "metrics", "tracking", "checks", "checkpoint", "evaluate", "job", "train", "cli"}
 
 
 def _imports(name: str) -> set[str]:
