@@ -36,6 +36,7 @@ from scale.checkpoint import ADAPTER_FILE, STATE_FILE, SaveTimer, save_adapter, 
 from scale.checks import check_invariants, fingerprints
 from scale.config import Config
 from scale.evaluate import evaluate
+from scale.export import save_serving_files, serving_tokenizer
 from scale.job import Job, setup
 from scale.loss import LossSpec, batch_bad_rows, describe_batch_row, loss_step
 from scale.metrics import StepMeter, bar_text
@@ -328,6 +329,8 @@ def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
             logger.info("invariants: %s", checks)
     if cfg.train.save_adapter:
         save_adapter(acc, job.plan, job.model, Path(cfg.output_dir) / "adapter")  # collective
+        if acc.is_main_process:  # the tokenizer as trained (chat template) and where generation stops
+            save_serving_files(*serving_tokenizer(cfg)[:2], Path(cfg.output_dir) / "adapter")
         if cfg.log.wandb_log_model:
             log_model(acc, cfg, Path(cfg.output_dir) / "adapter", "adapter", job.max_steps, ["final", "latest"])
     finish_trackers(acc, final)  # the W&B summary is the final evaluation

@@ -26,7 +26,8 @@ ALLOWED: dict[str, set[str]] = {
     "loss": {"config"},
     "modeling": {"config", "assets"},
     "sampling": {"data"},
-    "export": {"config", "fileio", "modeling"},
+    "export": {"config", "data", "fileio", "modeling"},
+    "generate": {"config", "export", "modeling"},
     "census": {"config", "loss", "modeling"},  # scale-plan's counts: meta/fake tensors only, no process group
     "layouts": {"census", "config"},
     "plan": {"census", "config", "layouts"},
@@ -39,8 +40,8 @@ ALLOWED: dict[str, set[str]] = {
     "evaluate": {"data", "loss"},
     "job": {"assets", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss", "metrics",
             "modeling", "sampling", "schedule", "tracking"},
-    "train": {"checkpoint", "checks", "config", "evaluate", "job", "loss", "metrics", "signals",
-              "tracking"},
+    "train": {"checkpoint", "checks", "config", "evaluate", "export", "job", "loss", "metrics",
+              "signals", "tracking"},
     "cli": {"checkpoint", "config", "data", "launch", "signals", "train"},
     "report": {"config", "metrics", "schedule"},
 }
