@@ -77,6 +77,7 @@ class TrainerState:
     rows_sha256: str = ""     # of every tokenized row and its trained flags: what the run trains (issue 17)
     config: dict[str, Any] = field(default_factory=dict)
     saved_at: float = 0.0
+    wandb_run_id: str = ""    # the job's W&B run, continued by every attempt (scale.tracking)
 
     def with_reason(self, reason: str) -> TrainerState:
         """Set why the next checkpoint is written (``interval``, ``end`` or ``preempted``); return ``self``."""
@@ -171,11 +172,12 @@ def compare_configs(saved: dict[str, Any], current: dict[str, Any]) -> tuple[lis
         if key != "train.resume_from" and not same:
             line = f"{key}: checkpoint {a.get(key)!r} -> now {b.get(key)!r}"
             harmless = key.startswith(HARMLESS)
-            if key == "train.max_steps":
+            if key in ("train.max_steps", "train.num_epochs"):  # a longer (or shorter) run: same maths per step
                 harmless = b.get("optim.schedule") == "constant"
                 if not harmless:
-                    line += (f" (the {b.get('optim.schedule')} LR schedule is a function of max_steps: the "
-                             f"remaining steps would follow another curve)")
+                    line += (f" (the {b.get('optim.schedule')} LR schedule is a function of {key.split('.')[1]}: "
+                             f"the remaining steps would follow another curve; a run trained with "
+                             f"optim.schedule=constant can be extended by train.max_steps or train.num_epochs)")
             (warnings if harmless else errors).append(line)
     return errors, warnings
 
@@ -257,7 +259,7 @@ def save_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, state: Traine
     return final
 
 
-RUN_ARTEFACTS = ("adapter", "metrics.jsonl", "config.yaml")  # what a run writes besides checkpoints/
+RUN_ARTEFACTS = ("adapter", "metrics.jsonl", "config.yaml", "wandb_run.json")  # what a run writes besides checkpoints/
 _REPLACE = "use another output_dir, or set train.overwrite_output_dir=true to replace it"
 
 
@@ -342,7 +344,7 @@ def clear_previous_run(acc: Accelerator, cfg: Config, resume: Path | None) -> No
 
 
 def _needed_files(acc: Accelerator, plan: ModePlan, path: Path) -> list[Path]:
-    files = [path / STATE_FILE, path / f"random_states_{acc.process_index}.pkl"]
+    files = [path / STATE_FILE, path / f"random_states_{acc.process_index}.pkl", path / "custom_checkpoint_0.pkl"]
     if plan.deepspeed:
         files.append(path / "pytorch_model")
     else:
@@ -375,6 +377,12 @@ def check_resume(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path | Non
         check_fresh_start(cfg)
         return None
     bad = [r for r in report if r[3]]
+    shared = [f for f in (bad[0][3] if bad else []) if "random_states_" not in f]  # files every rank reads
+    if shared and len(bad) == len(report) and len({h for _, h, _, _ in report}) == 1:  # damaged, not unshared
+        others = [str(p) for p in list_checkpoints(cfg.output_dir) if p != path]
+        raise CheckpointError(f"checkpoint {path} is incomplete: missing {[Path(f).name for f in shared]} "
+                              f"(half deleted by a killed rotation, or copied in part); resume from a complete one "
+                              f"({others[-1] if others else 'none left'}), e.g. train.resume_from=latest")
     if bad:
         rank, host, _, files = bad[0]
         raise CheckpointError(f"rank {rank} on {host} cannot read checkpoint {path}: missing {files[:3]}. "

@@ -1,6 +1,6 @@
 """``scale-train``: parse the command line, train, and turn the outcome into an exit code.
 
-    scale-train [--config NAME|PATH] [section.key=value ...]
+    scale-train [--config NAME|PATH] [section.key=value ...]        # or --section.key=value (W&B sweeps)
     scale-train --accelerate-config cpu_zero2 --config tiny_cpu          # 2 processes through accelerate launch
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml -m scale.train --config tiny_cpu
 
@@ -125,8 +125,17 @@ def configure_logging(env: dict[str, str], uses_deepspeed: bool = False) -> None
         warnings.filterwarnings("ignore")  # python warnings come from libraries; rank 0 shows them
 
 
+OWN_OPTIONS = ("--config", "--accelerate-config", "--local_rank", "--local-rank", "--help")
+
+
+def override_form(argv: list[str]) -> list[str]:
+    """``--section.key=value`` (what ``wandb agent``'s default command passes: ``${args}``) as
+    ``section.key=value``; the CLI's own options and every other argument are left as they are."""
+    return [a[2:] if a.startswith("--") and "=" in a and a.split("=", 1)[0] not in OWN_OPTIONS else a for a in argv]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """``--config PATH`` and the dotted overrides, which may come before and after it."""
+    """``--config PATH`` and the dotted overrides (``key=value`` or ``--key=value``), before and after it."""
     parser = argparse.ArgumentParser(prog="scale-train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="training YAML, or a shipped config's name such as tiny_cpu "
@@ -141,6 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=50")
     # The `deepspeed` launcher appends --local_rank=N; the rank is read from LOCAL_RANK in the environment.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    argv = override_form(sys.argv[1:] if argv is None else list(argv))
     return parser.parse_intermixed_args(argv)  # overrides may come before and after --config
 
 

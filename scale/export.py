@@ -1,6 +1,12 @@
-"""Export a run as one merged model for inference: LoRA folded into a (dequantized) base.
+"""Export a run as one merged model for inference: LoRA folded into a (dequantized) base, served as it trained.
 
-    python -m scale.export runs/default            # writes runs/default/merged/
+    scale-export runs/default                      # = python -m scale.export; writes runs/default/merged/
+
+``merged/`` (and ``adapter/``, written by the training run) carry the tokenizer with the chat template the run
+trained with (``data.chat_template``, not the tokenizer's own) and a ``generation_config.json`` whose
+``eos_token_id`` lists the trained end-of-turn marker (``<|im_end|>`` for ChatML) as well as EOS: a base model
+whose EOS is not the template's end of turn then stops where training taught it to (LLaMA-Factory#7454).
+Evaluate it with any harness, e.g. ``lm_eval --model hf --model_args pretrained=runs/sft/merged --tasks ...``.
 
 For a QLoRA run the base's 4-bit weights are dequantized first (to ``model.dtype``), so the merged model
 computes what the trained 4-bit model + adapter computed, without bitsandbytes. No accelerate import.
@@ -13,10 +19,12 @@ import dataclasses
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from scale.config import load_config
+from scale.config import Config, load_config
+from scale.data import chat_template, render_chat
 from scale.fileio import replace_dir, temp_dir_for
 from scale.modeling import load_base, load_tokenizer
 
@@ -39,6 +47,51 @@ def dequantized_base(model_cfg, vocab_size: int, seed: int) -> torch.nn.Module:
     return plain
 
 
+PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "OK"}]
+
+
+def serving_tokenizer(cfg: Config, run_dir: str | Path | None = None) -> tuple[Any, list[int], str]:
+    """The run's tokenizer as it trained, the token ids generation must stop at, and a note for the log.
+
+    ``<run_dir>/adapter/`` holds the tokenizer the run saved (its template included) and is read first; else the
+    config's tokenizer gets ``data.chat_template``'s text. The stops are EOS plus, for chat data, the end-of-turn
+    marker the template closes an assistant turn with (what the trained tails end with: :func:`scale.data.
+    render_chat`), found by rendering a probe conversation.
+
+    Returns:
+        ``(tokenizer, stop_ids, note)``.
+    """
+    from transformers import AutoTokenizer
+
+    saved = Path(run_dir) / "adapter" if run_dir is not None else None
+    if saved is not None and (saved / "tokenizer_config.json").exists():
+        tokenizer, note = AutoTokenizer.from_pretrained(saved), f"the tokenizer and chat template saved in {saved}"
+    else:
+        tokenizer, note = load_tokenizer(cfg.model), "the model's tokenizer"
+        if cfg.data.chat_template is not None:
+            tokenizer.chat_template = chat_template(tokenizer, cfg.data)
+            note += f" with the run's chat template data.chat_template={cfg.data.chat_template}"
+    stops = [tokenizer.eos_token_id]
+    if cfg.data.format == "messages" or cfg.data.chat_template is not None:
+        _, tail, appends_eos = render_chat(tokenizer, tokenizer.chat_template, PROBE, 0)
+        if not appends_eos:  # the tail ends with the template's end-of-turn marker, one special token
+            marker = tokenizer(tail, add_special_tokens=False)["input_ids"][-1]
+            stops += [marker] if marker not in stops else []
+            note += f"; generation stops at {[tokenizer.decode([t]) for t in stops]}"
+    return tokenizer, stops, note
+
+
+def save_serving_files(tokenizer: Any, stops: list[int], out: Path, generation_config: Any = None) -> None:
+    """Write the tokenizer and a ``generation_config.json`` stopping at ``stops`` into ``out``."""
+    from transformers import GenerationConfig
+
+    tokenizer.save_pretrained(out)
+    gen = generation_config if generation_config is not None else GenerationConfig()
+    gen.eos_token_id = stops if len(stops) > 1 else stops[0]
+    gen.pad_token_id = tokenizer.pad_token_id
+    gen.save_pretrained(out)
+
+
 def merge_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     """Fold ``<run_dir>/adapter`` into the run's base and save a plain HF model + tokenizer.
 
@@ -59,14 +112,15 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     cfg = load_config(run_dir / "config.yaml")
     if not (run_dir / "adapter" / "adapter_config.json").exists():
         raise FileNotFoundError(f"{run_dir}/adapter has no adapter_config.json: train with train.save_adapter=true")
-    tokenizer = load_tokenizer(cfg.model)
-    base = dequantized_base(cfg.model, len(tokenizer), cfg.train.seed)
+    tokenizer, stops, note = serving_tokenizer(cfg, run_dir)
+    base = dequantized_base(cfg.model, len(load_tokenizer(cfg.model)), cfg.train.seed)
     merged = PeftModel.from_pretrained(base, run_dir / "adapter").merge_and_unload()
     merged.config.use_cache = True
     tmp = temp_dir_for(out)
     merged.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    save_serving_files(tokenizer, stops, tmp, merged.generation_config)
     replace_dir(tmp, out)
+    logger.info("%s: %s", out, note)
     return out
 
 
@@ -78,8 +132,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    logger.info("merged model written to %s", merge_run(args.run_dir, args.out))
+    out = merge_run(args.run_dir, args.out)
+    logger.info("merged model written to %s", out)
+    log_merged(Path(args.run_dir), out)
     return 0
+
+
+def log_merged(run_dir: Path, out: Path) -> None:
+    """With ``log.wandb_log_model`` set and W&B online, add ``out`` to the training run as the artifact
+    ``merged-<run id>``. Offline it is not: a second offline directory of the run would replace its history
+    when synced (wandb#3841); ``wandb artifact put`` uploads it."""
+    import os
+
+    cfg = load_config(run_dir / "config.yaml")
+    record = run_dir / "wandb_run.json"
+    if not cfg.log.wandb_log_model or "wandb" not in cfg.log.trackers or not record.exists():
+        return
+    if os.environ.get("WANDB_MODE", "offline" if not os.environ.get("WANDB_API_KEY") else "") in ("offline",
+                                                                                                  "disabled"):
+        logger.info("W&B offline: %s not logged as an artifact; upload it with `wandb artifact put --type model "
+                    "%s`", out, out)
+        return
+    import json
+
+    import wandb
+
+    run_id = json.loads(record.read_text(encoding="utf-8"))["id"]
+    run = wandb.init(project=cfg.log.project, entity=cfg.log.entity, id=run_id, resume="must", dir=str(run_dir))
+    artifact = wandb.Artifact(f"merged-{run_id}", type="model")
+    artifact.add_dir(str(out))
+    run.log_artifact(artifact, aliases=["final", "latest"])
+    run.finish()
 
 
 if __name__ == "__main__":

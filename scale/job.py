@@ -31,11 +31,11 @@ from scale.fileio import sha256_file
 from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.loss import LossSpec
-from scale.metrics import (JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops,
-                           start_trackers)
+from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
 from scale.modeling import build_model, check_packing, load_tokenizer, parameter_counts
 from scale.sampling import LengthGroupedSampler, PaddingFreeCollator
 from scale.schedule import lr_factor, steps_for_epochs
+from scale.tracking import start_trackers
 
 logger = get_logger(__name__)
 
@@ -190,10 +190,10 @@ def setup(cfg: Config) -> Job:
     elif cfg.train.resume_from in ("latest", "auto") and acc.is_main_process:
         logger.info("resume_from=%s: no checkpoint in %s yet, starting fresh", cfg.train.resume_from,
                     out / "checkpoints")
-    start_trackers(cfg, acc)
-    # A resumed run keeps the history up to its checkpoint and drops what was logged after it.
+    # A resumed run keeps the history up to its checkpoint and drops what was logged after it; the trackers
+    # then continue the job's run and get the rows they lack (scale.tracking).
     sink = JsonlSink(out / "metrics.jsonl", acc.is_main_process, keep_until=state.step if resume else None)
-    log = MetricsLog(acc, sink)
+    log = MetricsLog(acc, sink, skip_below=start_trackers(cfg, acc, state))
     if resume is None:
         log.write(0, {**splits.stats, **(precision.metrics() if precision else {})})  # once per run
     if precision is not None and acc.is_main_process:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 import time
 from collections.abc import Callable
@@ -394,31 +393,6 @@ def model_flops(cfg: Config, model_config: Any, trainable: int) -> Callable[...,
     return flops_fn
 
 
-def start_trackers(cfg: Config, acc: Accelerator) -> None:
-    """Start the trackers on the main process. W&B without an API key runs offline (one-line notice).
-
-    A tracker that cannot start (W&B unreachable, a bad key, the package missing) costs one warning:
-    training goes on and ``metrics.jsonl`` still gets every figure.
-    """
-    from scale.config import to_dict
-
-    trackers = [t for t in cfg.log.trackers if t != "none"]
-    if not trackers:
-        return
-    init_kwargs: dict[str, Any] = {}
-    if "wandb" in trackers:
-        if not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
-            os.environ["WANDB_MODE"] = "offline"
-            if acc.is_main_process:
-                logger.info("W&B: no API key configured, logging offline to %s/wandb (upload later with "
-                            "`wandb sync`)", cfg.output_dir)
-        init_kwargs["wandb"] = {"dir": cfg.output_dir, "name": cfg.log.run_name}
-    try:
-        acc.init_trackers(cfg.log.project, config=to_dict(cfg), init_kwargs=init_kwargs)  # main process only
-    except Exception as e:  # noqa: BLE001 - any tracker failure must not stop training
-        drop_trackers(acc, e, trackers)
-
-
 def drop_trackers(acc: Accelerator, error: BaseException, names: list[str] | None = None) -> None:
     """Stop logging to the trackers after ``error``, with one warning; ``metrics.jsonl`` goes on."""
     names = names or [getattr(t, "name", type(t).__name__) for t in acc.trackers]
@@ -432,17 +406,22 @@ class MetricsLog:
     """The one place figures are logged: ``metrics.jsonl`` (main process) and the trackers.
 
     Args:
-        acc: the run's Accelerator (its trackers were started by :func:`start_trackers`).
+        acc: the run's Accelerator (its trackers were started by :func:`scale.tracking.start_trackers`).
         sink: the ``metrics.jsonl`` writer.
+        skip_below: rows of steps below it go to ``metrics.jsonl`` only (a resumed online W&B run already
+            holds them: :mod:`scale.tracking`).
     """
 
-    def __init__(self, acc: Accelerator, sink: JsonlSink) -> None:
+    def __init__(self, acc: Accelerator, sink: JsonlSink, skip_below: int = 0) -> None:
         self.acc = acc
         self.sink = sink
+        self.skip_below = skip_below  # steps the trackers already hold (scale.tracking.start_trackers)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Log ``metrics`` at optimizer step ``step``; a tracker that fails is dropped with one warning."""
         self.sink.write(step, metrics)
+        if step < self.skip_below:
+            return
         try:
             self.acc.log(metrics, step=step)  # main process only
         except Exception as e:  # noqa: BLE001 - a tracker that fails mid-run must not stop training

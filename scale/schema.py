@@ -217,6 +217,12 @@ class LogConfig:
     trackers: list[str] = _f(["wandb"], "Trackers: [wandb], [] or [none]. W&B runs offline without an API key.")
     project: str = _f("scale", "Tracker project name.")
     run_name: str | None = _f(None, "Tracker run name; null lets the tracker choose.")
+    entity: str | None = _f(None, "W&B entity (team or user); null: the API key's default.")
+    group: str | None = _f(None, "W&B run group (e.g. one sweep or one experiment of several runs).")
+    tags: list[str] = _f([], "W&B run tags.")
+    wandb_log_model: bool | str = _f(False, "Log the adapter as a W&B artifact (type model): false, 'end' (the "
+                                            "final adapter/), 'checkpoint' (every checkpoint's adapter too). "
+                                            "`scale-export` adds merged/ when online.")
     peak_flops: float | bool | str | None = _f(None, "Peak FLOP/s of one device for train/mfu: a number (e.g. 989e12 "
                                                      "for an H100 SXM in bf16), 'measure' (time a dense GEMM at the "
                                                      "run's compute dtype at start-up, ~1 s), false (no MFU), or "
@@ -288,6 +294,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"train.rendezvous_timeout_s={cfg.train.rendezvous_timeout_s} must be > 0 (seconds)")
     if cfg.train.rendezvous_retries < 0:
         raise ConfigError(f"train.rendezvous_retries={cfg.train.rendezvous_retries} must be >= 0 (0: no retry)")
+    if cfg.log.wandb_log_model not in (False, "end", "checkpoint"):
+        raise ConfigError(f"log.wandb_log_model={cfg.log.wandb_log_model!r} must be false, 'end' or 'checkpoint'")
     if cfg.train.collective_timeout_s <= 0:
         raise ConfigError(f"train.collective_timeout_s={cfg.train.collective_timeout_s} must be > 0 (seconds)")
     if not cfg.data.template.endswith("{label}") or "{text}" not in cfg.data.template:

@@ -32,14 +32,16 @@ from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from scale.checkpoint import SaveTimer, save_adapter, save_checkpoint
+from scale.checkpoint import ADAPTER_FILE, STATE_FILE, SaveTimer, save_adapter, save_checkpoint
 from scale.checks import check_invariants, fingerprints
 from scale.config import Config
 from scale.evaluate import evaluate
+from scale.export import save_serving_files, serving_tokenizer
 from scale.job import Job, setup
 from scale.loss import LossSpec, batch_bad_rows, describe_batch_row, loss_step
 from scale.metrics import StepMeter, bar_text
 from scale.signals import Preempted, Preemption
+from scale.tracking import finish_trackers, log_model
 
 logger = get_logger(__name__)
 
@@ -137,7 +139,9 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
                 last_eval = evaluate_and_log(job)
             interval = t.save_every and state.step % t.save_every == 0
             if interval or window.save_due or (done and (t.save_every or t.save_every_minutes)):
-                save_checkpoint(acc, cfg, job.plan, state.with_reason("end" if done else "interval"))
+                path = save_checkpoint(acc, cfg, job.plan, state.with_reason("end" if done else "interval"))
+                if cfg.log.wandb_log_model == "checkpoint":
+                    log_model(acc, cfg, path, "adapter", state.step, [path.name], (ADAPTER_FILE, STATE_FILE))
                 timer.reset()
             if done:
                 break
@@ -327,6 +331,11 @@ def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
             logger.info("invariants: %s", checks)
     if cfg.train.save_adapter:
         save_adapter(acc, job.plan, job.model, Path(cfg.output_dir) / "adapter")  # collective
+        if acc.is_main_process:  # the tokenizer as trained (chat template) and where generation stops
+            save_serving_files(*serving_tokenizer(cfg)[:2], Path(cfg.output_dir) / "adapter")
+        if cfg.log.wandb_log_model:
+            log_model(acc, cfg, Path(cfg.output_dir) / "adapter", "adapter", job.max_steps, ["final", "latest"])
+    finish_trackers(acc, final)  # the W&B summary is the final evaluation
     if acc.is_main_process:
         logger.info("final: %s", json.dumps(final))
     acc.end_training()

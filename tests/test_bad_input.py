@@ -869,3 +869,14 @@ def test_training_windows_check_rows_inside_their_all_gather():
     assert _message(ValueError, lambda: list(windows(acc, [good, bad], 2, spec))) == (
         "row 1 of the batch (data-file row 6) has 2 real tokens; its tail of 2 tokens needs at least 3 (each tail "
         "token is predicted from the token before it). Lower loss.threshold or drop short rows.")
+
+
+@pytest.mark.parametrize("gone", ["custom_checkpoint_0.pkl", "adapter_model.safetensors"])
+def test_resume_from_a_half_deleted_checkpoint(checkpoint, tmp_path, gone):
+    """C48: a checkpoint a killed rotation left half deleted is one line naming the missing file."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, ckpt)
+    (ckpt / gone).unlink()
+    msg = _message(CheckpointError, run, tiny_cfg(tmp_path, "train.max_steps=2", f"train.resume_from={ckpt}"))
+    assert msg == (f"checkpoint {ckpt} is incomplete: missing ['{gone}'] (half deleted by a killed rotation, or "
+                   f"copied in part); resume from a complete one (none left), e.g. train.resume_from=latest")

@@ -28,7 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "chunked": {"loss"},
     "modeling": {"config", "assets"},
     "sampling": {"data"},
-    "export": {"config", "fileio", "modeling"},
+    "export": {"config", "data", "fileio", "modeling"},
+    "generate": {"config", "export", "modeling"},
     "census": {"config", "loss", "modeling", "chunked"},  # scale-plan's counts: meta/fake tensors only, no process group
     "layouts": {"census", "config"},
     "plan": {"census", "config", "layouts", "assets", "data", "modeling"},  # data: the tails to plan for
@@ -36,16 +37,18 @@ ALLOWED: dict[str, set[str]] = {
     "rendezvous": set(),
     "launch": {"config", "rendezvous"},
     "metrics": {"config", "fileio", "flops"},
+    "tracking": {"config", "fileio", "metrics"},
     "checks": {"modeling"},
     "checkpoint": {"config", "fileio", "launch", "modeling"},
     "evaluate": {"loss", "tasks"},
     "job": {"assets", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss", "metrics",
-            "modeling", "sampling", "schedule"},
-    "train": {"checkpoint", "checks", "config", "evaluate", "job", "loss", "metrics", "signals"},
+            "modeling", "sampling", "schedule", "tracking"},
+    "train": {"checkpoint", "checks", "config", "evaluate", "export", "job", "loss", "metrics",
+              "signals", "tracking"},
     "cli": {"assets", "checkpoint", "config", "data", "launch", "modeling", "signals", "train"},
     "report": {"config", "metrics", "schedule"},
 }
-DISTRIBUTED = {"launch", "rendezvous", "metrics", "checks", "checkpoint", "evaluate", "job", "train", "cli"}
+DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpoint", "evaluate", "job", "train", "cli"}
 
 
 def _sources(name: str) -> list:

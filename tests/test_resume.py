@@ -184,3 +184,16 @@ def test_edited_data_file_is_detected_on_resume(reference, tmp_path):
     with pytest.raises(ConfigError, match=r"the data file changed since checkpoint .* \(sha256 [0-9a-f]{12}\.\.\. "
                                           r"-> [0-9a-f]{12}\.\.\.\): the split and the sample order would differ"):
         run(tiny_cfg(tmp_path / "out", *JOB, f"data.path={data}", f"train.resume_from={ckpt}"))
+
+
+def test_epoch_extension_is_handled_like_a_step_extension():
+    """C47: num_epochs 1 -> 2 under a constant schedule is a warning, as max_steps 8 -> 16 is; under cosine an
+    error that names both ways to extend."""
+    saved = {"train": {"max_steps": None, "num_epochs": 1}, "optim": {"schedule": "constant"}}
+    now = {"train": {"max_steps": None, "num_epochs": 2}, "optim": {"schedule": "constant"}}
+    assert compare_configs(saved, now) == ([], ["train.num_epochs: checkpoint 1 -> now 2"])
+    cosine = {"train": {"max_steps": None, "num_epochs": 2}, "optim": {"schedule": "cosine"}}
+    errors, _ = compare_configs({**saved, "optim": {"schedule": "cosine"}}, cosine)
+    assert errors == ["train.num_epochs: checkpoint 1 -> now 2 (the cosine LR schedule is a function of num_epochs: "
+                      "the remaining steps would follow another curve; a run trained with optim.schedule=constant "
+                      "can be extended by train.max_steps or train.num_epochs)"]
