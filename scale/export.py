@@ -72,7 +72,7 @@ def serving_tokenizer(cfg: Config, run_dir: str | Path | None = None) -> tuple[A
             tokenizer.chat_template = chat_template(tokenizer, cfg.data)
             note += f" with the run's chat template data.chat_template={cfg.data.chat_template}"
     stops = [tokenizer.eos_token_id]
-    if cfg.data.format == "messages" or cfg.data.chat_template is not None:
+    if getattr(tokenizer, "chat_template", None):  # a chat model also stops at its end-of-turn marker
         _, tail, appends_eos = render_chat(tokenizer, tokenizer.chat_template, PROBE, 0)
         if not appends_eos:  # the tail ends with the template's end-of-turn marker, one special token
             marker = tokenizer(tail, add_special_tokens=False)["input_ids"][-1]
