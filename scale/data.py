@@ -39,6 +39,7 @@ from torch import Tensor
 
 from scale.config import DataConfig, LossConfig
 from scale.formats import DataError, load_rows, normalize_label, row_format, row_key
+from scale.sources import eval_source_of
 
 __all__ = ["Collator", "DataError", "Example", "Splits", "build_splits", "label_candidates", "label_sequences",
            "label_token_ids", "load_rows", "render_template", "split_rows", "tokenize_rows"]
@@ -392,8 +393,14 @@ def deduplicate(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
     return kept, len(rows) - len(kept)
 
 
-def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, path: str, seed: int) -> Splits:
+def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, path: str, seed: int,
+                 tokenize: Any = None) -> Splits:
     """Load, de-duplicate (optionally), filter, split and tokenize: the whole data pipeline up to the DataLoader.
+
+    Args:
+        tokenize: ``tokenize(name, rows, builder) -> Sequence[Example]`` for ``name`` in ``("train", "eval")``,
+            appending dropped rows to ``builder.dropped``; default: in memory (:func:`tokenize_rows`).
+            :mod:`scale.cache` passes one that writes the memory-mapped token cache [issue 18].
 
     Raises:
         DataError: see :func:`scale.formats.load_rows`, :func:`split_rows`, :func:`tokenize_rows`.
@@ -409,13 +416,26 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
         rows, removed = deduplicate(rows)
     if data_cfg.max_text_chars is not None and fmt in ("text", "classification"):
         rows = [r for r in rows if len(r["text"]) <= data_cfg.max_text_chars]
-    train_rows, eval_rows = split_rows(rows, data_cfg.eval_size, seed)
+    # [issue 18] data.eval_path / data.eval_split: eval rows from their own source, none carved out of `path`.
+    eval_source = eval_source_of(data_cfg, path)
+    if eval_source is None:
+        train_rows, eval_rows = split_rows(rows, data_cfg.eval_size, seed)
+    else:
+        (train_rows, _), eval_rows = split_rows(rows, 0, seed), load_rows(*eval_source)
+        if row_format(eval_rows[0]) != fmt:
+            raise DataError(f"the eval rows of {eval_source[1]} are {row_format(eval_rows[0])} rows, the train rows "
+                            f"of {path} {fmt} rows; give both sources the same columns (or set data.format)")
+        eval_rows, dropped = deduplicate(eval_rows) if data_cfg.deduplicate else (eval_rows, 0)
+        removed += dropped
+        if data_cfg.max_text_chars is not None and fmt in ("text", "classification"):
+            eval_rows = [r for r in eval_rows if len(r["text"]) <= data_cfg.max_text_chars]
     if data_cfg.max_train_examples is not None:
         train_rows = train_rows[: data_cfg.max_train_examples]
     in_train = {row_key(r) for r in train_rows}
     overlap = sum(row_key(r) in in_train for r in eval_rows)
     builder = _Builder(tokenizer, data_cfg)
-    train, held = _tokenize(train_rows, builder, loss_cfg), _tokenize(eval_rows, builder, loss_cfg)
+    tokenize = tokenize or (lambda name, part, b: _tokenize(part, b, loss_cfg))  # [issue 18] the cache's seam
+    train, held = tokenize("train", train_rows, builder), tokenize("eval", eval_rows, builder)
     if not train or not held:
         raise DataError(f"data.drop_long_completions dropped every {'train' if not train else 'eval'} row; raise "
                         f"data.max_length")

@@ -21,10 +21,12 @@ from __future__ import annotations
 import csv
 import io
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from scale.config import DataConfig
+from scale.sources import read_source
 
 EXTENSIONS = (".csv", ".json", ".jsonl", ".tsv")
 FORMATS = ("text", "classification", "prompt_completion", "messages")
@@ -147,6 +149,9 @@ def _read_delimited(text: str, path: str, tsv: bool, names: list[str] | None) ->
     reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t" if tsv else ",", quoting=quoting,
                         strict=True)
     records, line = [], 0
+    # [issue 18] csv refuses a cell over 131,072 characters by default ("field larger than field limit"),
+    # which read as an unclosed quote; a cell is as long as the file allows.
+    limit = csv.field_size_limit(sys.maxsize)
     try:
         for cells in reader:
             start, line = line + 1, reader.line_num
@@ -163,6 +168,8 @@ def _read_delimited(text: str, path: str, tsv: bool, names: list[str] | None) ->
         raise DataError(f"{what} of {path} (line {line + 1}) cannot be parsed as CSV ({e}): a quote opened in it "
                         f"does not close where its cell ends. Double a literal quote inside a quoted cell (\"\"), "
                         f"or write the data as .jsonl") from e
+    finally:
+        csv.field_size_limit(limit)
     if names is None:
         if not records:
             raise DataError(f"data.path={path!r} has no rows")
@@ -199,7 +206,7 @@ def load_rows(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
             label outside ``data.labels``, a non-integer type, or a conversation that does not end with an
             assistant turn.
     """
-    table, columns = read_table(cfg, path)
+    table, columns = read_source(cfg, path)  # [issue 18] any source: scale.sources (tables: read_table below)
     fmt = detect_format(cfg, columns, path)
     type_column = cfg.type_column or ("type" if fmt == "text" and "type" in columns else None)
     if cfg.type_column is not None and cfg.type_column not in columns:

@@ -21,8 +21,10 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"fileio", "schema"},
     "assets": {"fileio"},
     "schedule": {"config"},
-    "formats": {"config"},
-    "data": {"config", "formats"},
+    "sources": {"assets", "fileio", "formats"},  # formats/assets imported inside functions (issue 18)
+    "formats": {"config", "sources"},
+    "data": {"config", "formats", "sources"},
+    "cache": {"data", "fileio", "sources"},  # the token cache (issue 18): numpy/pyarrow, no process group
     "loss": {"config"},
     "modeling": {"config", "assets"},
     "sampling": {"data"},
@@ -36,11 +38,12 @@ ALLOWED: dict[str, set[str]] = {
     "checks": {"modeling"},
     "checkpoint": {"config", "fileio", "launch", "modeling"},
     "evaluate": {"data", "loss"},
-    "job": {"assets", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss", "metrics",
-            "modeling", "sampling", "schedule"},
+    "job": {"assets", "cache", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss",
+            "metrics", "modeling", "sampling", "schedule", "sources"},
     "train": {"checkpoint", "checks", "config", "evaluate", "job", "loss", "metrics", "signals"},
     "cli": {"checkpoint", "config", "data", "launch", "signals", "train"},
     "report": {"config", "metrics", "schedule"},
+    "prepare": {"assets", "cache", "config", "data", "modeling"},  # scale-prepare (issue 18)
 }
 DISTRIBUTED = {"launch", "metrics", "checks", "checkpoint", "evaluate", "job", "train", "cli"}
 
