@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import fcntl
 import hashlib
+import itertools
 import json
 import logging
 import multiprocessing
@@ -129,8 +130,7 @@ class TokenTable(Sequence):
         for k in range(self._reader.num_record_batches):
             batch = self._reader.get_batch(k)
             ids = batch.column("input_ids")
-            self._chunks.append((ids.offsets.to_numpy(), ids.values.to_numpy(),
-                                 {c: batch.column(c).to_numpy() for c in SCALARS}))
+            self._chunks.append((_numpy(ids.offsets), _numpy(ids.values), {c: _numpy(batch.column(c)) for c in SCALARS}))
             starts.append(starts[-1] + batch.num_rows)
         self._starts = starts
 
@@ -162,6 +162,13 @@ class TokenTable(Sequence):
         """One per-row column over the whole split (``length``, ``tail_len``, ``type_indicator``, ...): ``[N]``."""
         parts = [s[name] for _, _, s in self._chunks]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _numpy(arr: pa.Array) -> np.ndarray:
+    """A primitive Arrow array (no nulls) as a read-only numpy view of its buffer: no copy, and no pandas import
+    (``to_numpy`` imports it)."""
+    dtype = np.dtype(str(arr.type))
+    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
 
 
 class Reordered(Sequence):
@@ -204,7 +211,16 @@ class _BatchEncoded:
     def __init__(self, tokenizer: Any, texts: list[str]) -> None:
         self._tok = tokenizer
         unique = list(dict.fromkeys(texts))
-        encoded = tokenizer(unique, add_special_tokens=False)["input_ids"] if unique else []
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if not unique:
+            encoded = []
+        elif backend is not None and backend.truncation is None and backend.padding is None \
+                and hasattr(backend, "encode_batch_fast"):
+            # What tokenizer(text, add_special_tokens=False) runs, minus transformers' per-text Python
+            # (offsets, BatchEncoding): the same Rust encode, so the same ids (tests/test_data_scale.py).
+            encoded = [e.ids for e in backend.encode_batch_fast(unique, add_special_tokens=False)]
+        else:
+            encoded = tokenizer(unique, add_special_tokens=False)["input_ids"]
         self._memo = dict(zip(unique, encoded))
 
     def __call__(self, text: Any, *args: Any, add_special_tokens: bool = True, **kw: Any) -> Any:
@@ -240,7 +256,8 @@ def _tokenize_span(span: tuple[int, int]) -> tuple[dict[str, np.ndarray], list[i
     builder.tokenizer = _BatchEncoded(_WORK["builder"].tokenizer, _texts(rows, builder.cfg))
     examples = _tokenize(rows, builder, _WORK["loss"])
     lengths = np.fromiter((len(e.input_ids) for e in examples), dtype=np.int32, count=len(examples))
-    values = np.fromiter((t for e in examples for t in e.input_ids), dtype=_WORK["dtype"], count=int(lengths.sum()))
+    values = np.fromiter(itertools.chain.from_iterable(e.input_ids for e in examples), dtype=_WORK["dtype"],
+                         count=int(lengths.sum()))
     cols = {"values": values, "length": lengths}
     for name, attr, dtype in (("tail_len", "tail_len", np.int32), ("type_indicator", "type_indicator", np.int64),
                               ("target_token", "target_token", np.int64), ("label", "label", np.int32),
@@ -249,11 +266,17 @@ def _tokenize_span(span: tuple[int, int]) -> tuple[dict[str, np.ndarray], list[i
     return cols, builder.dropped
 
 
+def _arrow(a: np.ndarray) -> pa.Array:
+    """A 1-D numpy array as an Arrow array, zero-copy (``pa.array(ndarray)`` would import pandas: seconds)."""
+    a = np.ascontiguousarray(a)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), len(a), [None, pa.py_buffer(a)])
+
+
 def _record_batch(cols: dict[str, np.ndarray]) -> pa.RecordBatch:
     offsets = np.zeros(len(cols["length"]) + 1, dtype=np.int32)
     np.cumsum(cols["length"], out=offsets[1:])
-    ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(cols["values"]))
-    return pa.RecordBatch.from_arrays([ids, *(pa.array(cols[c]) for c in SCALARS)], ["input_ids", *SCALARS])
+    ids = pa.ListArray.from_arrays(_arrow(offsets), _arrow(cols["values"]))
+    return pa.RecordBatch.from_arrays([ids, *(_arrow(cols[c]) for c in SCALARS)], ["input_ids", *SCALARS])
 
 
 def write_table(path: Path, rows: list[dict[str, Any]], builder: _Builder, loss_cfg: Any, num_proc: int,
