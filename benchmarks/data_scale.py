@@ -9,9 +9,9 @@ SmolLM2 tokenizer) under ``--work``, then measures, each in a fresh process:
 - **today**: ``scale.data.build_splits`` (what every rank ran at every start before the cache) on the first
   ``--today-rows`` rows, single process; wall time, tokens/s and the anonymous memory it keeps per token,
   scaled to ``--rows``;
-- **cold**: the 2-rank start with an empty cache (``torchrun``, gloo, the job's own ``main_process_first`` and
-  ``make_loaders``): rank 0 builds the cache with ``data.num_proc`` workers, rank 1 waits and memory-maps it;
-- **warm**: the same 2-rank start again (a resume or requeue): both ranks memory-map it.
+- **cold**: ``scale-prepare``'s work (one process, ``data.num_proc`` tokenizer workers) into an empty cache;
+- **warm**: a 2-rank start (``torchrun``, gloo, the job's own ``main_process_first`` and ``make_loaders``), as
+  a resume or requeue starts: both ranks memory-map the cache, and ``builds.jsonl`` shows nobody tokenized.
 
 Per rank: seconds until the splits are there, anonymous (private) memory added by the data and the loaders
 after 200 batches, and file-backed pages mapped (shared by the ranks through the page cache). The cache's
@@ -91,6 +91,22 @@ def today(data: Path) -> dict[str, float]:
             "anon_bytes": after["anon"] - before["anon"]}
 
 
+def prepare(data: Path, cache: Path, num_proc: int) -> dict[str, float]:
+    """Worker: what ``scale-prepare`` does (one process, ``num_proc`` tokenizer workers), timed."""
+    import resource
+
+    from scale.cache import column, load_splits
+    from scale.modeling import load_tokenizer
+
+    cfg = config(data, cache, num_proc)
+    tok = load_tokenizer(cfg.model)
+    start = time.perf_counter()
+    splits = load_splits(cfg, tok, str(data))
+    seconds = time.perf_counter() - start
+    tokens = int(column(splits.train, "length").sum() + column(splits.eval, "length").sum())
+    return {"seconds": seconds, "tokens": tokens, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
 def rank_probe(data: Path, cache: Path, num_proc: int) -> None:
     """Worker under torchrun: the job's data start on each rank; prints one JSON line per rank."""
     import torch
@@ -149,12 +165,16 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/scale_data_scale"))
     parser.add_argument("--rank-probe", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--today", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--prepare", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_probe:
         return rank_probe(args.rank_probe, args.cache, args.num_proc)
     if args.today:
         print("TODAY " + json.dumps(today(args.today)))
+        return None
+    if args.prepare:
+        print("PREPARE " + json.dumps(prepare(args.prepare, args.cache, args.num_proc)))
         return None
     args.work.mkdir(parents=True, exist_ok=True)
     data = args.work / f"pc_{args.rows}.jsonl"
@@ -175,13 +195,20 @@ def main() -> None:
     now = json.loads(lines[0][6:])
     cache = args.work / "cache"
     shutil.rmtree(cache, ignore_errors=True)
-    cold_wall, cold = launch(data, cache, args.num_proc)
+    # Cold: scale-prepare's work in one process. (A cold build inside a multi-rank job keeps the other ranks in
+    # a collective until it is done, bounded by its timeout: build big data sets with scale-prepare first.)
+    out = subprocess.run([sys.executable, __file__, "--prepare", str(data), "--cache", str(cache), "--num-proc",
+                          str(args.num_proc)], env=env, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("PREPARE ")]
+    if not lines:
+        raise SystemExit(f"prepare failed:\n{out.stderr[-3000:]}")
+    cold = json.loads(lines[0][8:])
     warm_wall, warm = launch(data, cache, args.num_proc)
     builds = [json.loads(line) for line in (cache / "builds.jsonl").read_text().splitlines()]
-    tokens = cold[0]["tokens"]
+    tokens = cold["tokens"]
     scale = args.rows / prefix_rows
     today_tps = now["tokens"] / now["seconds"]
-    cold_s = cold[0]["data_s"]
+    cold_s = cold["seconds"]
     tps = tokens / cold_s
     per_rank = max(r["anon_bytes"] for r in warm) / 2**20
     today_bpt = now["anon_bytes"] / now["tokens"]
@@ -189,8 +216,9 @@ def main() -> None:
         ("tokenize (cold prepare), s", f"{now['seconds'] * scale:.1f} (x{scale:g} of {now['seconds']:.1f})",
          f"{cold_s:.1f}"),
         ("tokens/s (2 cores)", f"{today_tps:,.0f}", f"{tps:,.0f}"),
-        ("who tokenizes", "every rank, every start", f"{len(builds)} process(es) (builds.jsonl: "
-                                                     f"rank {', '.join(str(b['rank']) for b in builds)})"),
+        ("who tokenizes", "every rank, every start", f"{len(builds)} process in all (builds.jsonl: scale-prepare; "
+                                                     f"the 2-rank start added none)"),
+        ("builder peak RSS, MiB", "-", f"{cold['peak_rss'] / 2**20:,.0f}"),
         ("warm start, data ready on both ranks, s", f"{now['seconds'] * scale:.1f} (every start)",
          f"{max(r['data_s'] for r in warm):.1f}"),
         ("warm start, launch to first batch, s", "-", f"{max(r['start_to_first_batch_s'] for r in warm):.1f} "
@@ -200,7 +228,7 @@ def main() -> None:
         ("mapped file pages per rank (shared), MiB", "-", f"{max(r['file_bytes'] for r in warm) / 2**20:.0f}"),
     ]
     print(f"\n{args.rows:,} prompt/completion rows, {tokens:,} tokens; today's path measured on {prefix_rows:,} "
-          f"rows; cache built with data.num_proc={args.num_proc}; cold launch {cold_wall:.1f} s")
+          f"rows; cache built with data.num_proc={args.num_proc}")
     width = max(len(r[0]) for r in rows)
     print(f"| {'':{width}} | today (main) | token cache |")
     print(f"|{'-' * (width + 2)}|---|---|")
