@@ -225,7 +225,7 @@ def main() -> None:
                                                       f"(whole launch {warm_wall:.1f})"),
         ("private memory per rank, MiB", f"{now['anon_bytes'] * scale / 2**20:,.0f}", f"{per_rank:.1f}"),
         ("private bytes per token per rank", f"{today_bpt:.1f}", f"{max(r['anon_bytes'] for r in warm) / tokens:.3f}"),
-        ("mapped file pages per rank (shared), MiB", "-", f"{max(r['file_bytes'] for r in warm) / 2**20:.0f}"),
+        ("file-backed resident per rank (libraries + cache pages, shared), MiB", "-", f"{max(r['file_bytes'] for r in warm) / 2**20:.0f}"),
     ]
     print(f"\n{args.rows:,} prompt/completion rows, {tokens:,} tokens; today's path measured on {prefix_rows:,} "
           f"rows; cache built with data.num_proc={args.num_proc}")
