@@ -398,9 +398,8 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
     """Load, de-duplicate (optionally), filter, split and tokenize: the whole data pipeline up to the DataLoader.
 
     Args:
-        tokenize: ``tokenize(name, rows, builder) -> Sequence[Example]`` for ``name`` in ``("train", "eval")``,
-            appending dropped rows to ``builder.dropped``; default: in memory (:func:`tokenize_rows`).
-            :mod:`scale.cache` passes one that writes the memory-mapped token cache [issue 18].
+        tokenize: ``tokenize(name, rows, builder) -> Sequence[Example]`` (``name``: train/eval; dropped rows go to
+            ``builder.dropped``); default in memory. :mod:`scale.cache` writes the token cache with it [issue 18].
 
     Raises:
         DataError: see :func:`scale.formats.load_rows`, :func:`split_rows`, :func:`tokenize_rows`.
