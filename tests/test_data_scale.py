@@ -160,7 +160,9 @@ def test_multi_turn_chats_round_trip_the_cache_exactly(tmp_path, tokenizer, monk
                "data.max_length=128", f"data.chat_template={ROOT / 'configs' / 'chat' / 'chatml.jinja'}")
     ref = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed)
     built = cache.load_splits(cfg, tokenizer, cfg.data.path)
-    hit = cache.load_splits(cfg, tokenizer, cfg.data.path)
+    with monkeypatch.context() as m:  # a hit reads no token: rows_sha256 and the template hash come from meta.json
+        m.setattr(cache.TokenTable, "__getitem__", lambda *a: pytest.fail("a hit read a token"))
+        hit = cache.load_splits(cfg, tokenizer, cfg.data.path)
     assert isinstance(hit.train, cache.TokenTable) and _same(ref, built) and _same(ref, hit)
     assert len(_builds(tmp_path / "cache")) == 1
     # Not vacuous: some tails hold untrained (user-turn) tokens between two assistant turns.
