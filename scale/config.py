@@ -37,7 +37,7 @@ def configs_dir() -> Path:
 
 DEFAULT_CONFIG = configs_dir() / "train" / "default.yaml"
 # Keys naming input files: a relative path in a config file is read relative to that file (when it exists there).
-FILE_KEYS = ("data.path", "data.chat_template", "model.name_or_path", "model.tokenizer", "train.deepspeed_config")
+FILE_KEYS = ("data.path", "data.eval_path", "data.chat_template", "model.name_or_path", "model.tokenizer", "train.deepspeed_config")
 
 
 def named_config(name_or_path: str | Path, kind: str = "train", suffix: str = ".yaml") -> Path:
@@ -229,7 +229,7 @@ _SECRET_PATTERNS = (
 )
 _SECRET_ENV = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 # Fields that hold a path (or hub id): only a value that IS a secret, or a URL's password, is redacted there.
-PATH_KEYS = ("output_dir", "model.name_or_path", "model.tokenizer", "data.path", "data.chat_template",
+PATH_KEYS = ("output_dir", "model.name_or_path", "model.tokenizer", "data.path", "data.eval_path", "data.chat_template",
              "train.deepspeed_config", "train.resume_from")
 
 

@@ -23,8 +23,10 @@ that front, so the tail and a BOS survive; a tail that cannot fit is an error na
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,7 @@ from torch import Tensor
 from scale import tasks
 from scale.config import DataConfig, LossConfig
 from scale.formats import DataError, row_key
+from scale.sources import eval_source_of
 from scale.tasks import load_rows, row_format
 from scale.tasks.base import Builder, Example, special_affixes
 from scale.tasks.classification import label_candidates, label_sequences, label_token_ids, render_template
@@ -169,7 +172,7 @@ def deduplicate(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
     return kept, len(rows) - len(kept)
 
 
-def token_fingerprint(examples: list[Example]) -> str:
+def token_fingerprint(examples: Iterable[Example]) -> str:
     """sha256 over every example's token ids, tail length and trained flags (in order)."""
     digest = hashlib.sha256()
     for e in examples:
@@ -177,8 +180,14 @@ def token_fingerprint(examples: list[Example]) -> str:
     return digest.hexdigest()
 
 
-def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, path: str, seed: int) -> Splits:
+def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, path: str, seed: int,
+                 tokenize: Any = None) -> Splits:
     """Load, de-duplicate (optionally), filter, split and tokenize: the whole data pipeline up to the DataLoader.
+
+    Args:
+        tokenize: ``tokenize(name, rows, task, builder) -> Sequence[Example]`` (``name``: train/eval; ``task``: the
+            prepared :class:`scale.tasks.base.Task`; dropped rows go to ``builder.dropped``); default in memory.
+            :mod:`scale.cache` writes the token cache with it [issue 18].
 
     Raises:
         DataError: see :func:`scale.tasks.load_rows`, :func:`split_rows` and the format's :meth:`Task.encode`.
@@ -195,7 +204,21 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
         rows, removed = deduplicate(rows)
     if data_cfg.max_text_chars is not None:
         rows = [r for r in rows if len(r.get("text", "")) <= data_cfg.max_text_chars]
-    train_rows, eval_rows = split_rows(rows, data_cfg.eval_size, seed)
+    # [issue 18] data.eval_path / data.eval_split: eval rows from their own source, none carved out of `path`;
+    # read by the format's row checks (Task.read in load_rows), checked with the train rows (Task.check) below.
+    eval_source = eval_source_of(data_cfg, path)
+    if eval_source is None:
+        train_rows, eval_rows = split_rows(rows, data_cfg.eval_size, seed)
+    else:
+        eval_cfg, eval_path = eval_source
+        (train_rows, _), eval_rows = split_rows(rows, 0, seed), load_rows(eval_cfg, eval_path)
+        if row_format(eval_rows[0]) != fmt:
+            raise DataError(f"the eval rows of {eval_path} are {row_format(eval_rows[0])} rows, the train rows "
+                            f"of {path} {fmt} rows; give both sources the same columns (or set data.format)")
+        eval_rows, dropped = deduplicate(eval_rows) if data_cfg.deduplicate else (eval_rows, 0)
+        removed += dropped
+        if data_cfg.max_text_chars is not None:
+            eval_rows = [r for r in eval_rows if len(r.get("text", "")) <= data_cfg.max_text_chars]
     if data_cfg.max_train_examples is not None:
         train_rows = train_rows[: data_cfg.max_train_examples]
     in_train = {row_key(r) for r in train_rows}
@@ -203,7 +226,8 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
     task.prepare(tokenizer, data_cfg, loss_cfg)
     task.check(tokenizer, train_rows + eval_rows)
     builder = Builder(tokenizer, data_cfg)
-    train, held = _tokenize(train_rows, task, builder, loss_cfg), _tokenize(eval_rows, task, builder, loss_cfg)
+    tokenize = tokenize or (lambda name, part, t, b: _tokenize(part, t, b, loss_cfg))  # [issue 18] the cache's seam
+    train, held = tokenize("train", train_rows, task, builder), tokenize("eval", eval_rows, task, builder)
     if not train or not held:
         raise DataError(f"data.drop_long_completions dropped every {'train' if not train else 'eval'} row; raise "
                         f"data.max_length")
@@ -219,7 +243,7 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
     extra = task.fingerprint()
     return Splits(train=train, eval=held, label_token_ids=info.get("label_token_ids"), format=fmt,
                   label_seqs=info.get("label_seqs", []), has_target=info.get("has_target", False), stats=stats,
-                  types_are_labels=task.types_are_labels, fingerprint=token_fingerprint(train + held),
+                  types_are_labels=task.types_are_labels, fingerprint=token_fingerprint(itertools.chain(train, held)),
                   template_sha256=hashlib.sha256(extra.encode()).hexdigest() if extra else "")
 
 

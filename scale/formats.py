@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import sys
 import unicodedata
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,9 @@ def _read_delimited(text: str, path: str, tsv: bool, names: list[str] | None) ->
     reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t" if tsv else ",", quoting=quoting,
                         strict=True)
     records, line = [], 0
+    # [issue 18] csv refuses a cell over 131,072 characters by default ("field larger than field limit"),
+    # which read as an unclosed quote; a cell is as long as the file allows.
+    limit = csv.field_size_limit(sys.maxsize)
     try:
         for cells in reader:
             start, line = line + 1, reader.line_num
@@ -112,6 +116,8 @@ def _read_delimited(text: str, path: str, tsv: bool, names: list[str] | None) ->
         raise DataError(f"{what} of {path} (line {line + 1}) cannot be parsed as CSV ({e}): a quote opened in it "
                         f"does not close where its cell ends. Double a literal quote inside a quoted cell (\"\"), "
                         f"or write the data as .jsonl") from e
+    finally:
+        csv.field_size_limit(limit)
     if names is None:
         if not records:
             raise DataError(f"data.path={path!r} has no rows")

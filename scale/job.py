@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
@@ -26,8 +28,8 @@ from scale.checkpoint import (TrainerState, check_resume, clear_previous_run, lo
                               resolve_resume)
 from scale.checks import dtype_census
 from scale.config import Config, ConfigError, dump_config
-from scale.data import Collator, DataError, Splits, build_splits, show_example, show_legend
-from scale.fileio import sha256_file
+from scale.cache import column, load_splits, longest_first
+from scale.data import Collator, DataError, Splits, show_example, show_legend
 from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.loss import LossSpec
@@ -35,6 +37,7 @@ from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_prec
 from scale.modeling import build_model, check_packing, load_tokenizer, parameter_counts
 from scale.sampling import LengthGroupedSampler, PaddingFreeCollator
 from scale.schedule import lr_factor, steps_for_epochs
+from scale.sources import data_digest
 from scale.tracking import start_trackers
 
 logger = get_logger(__name__)
@@ -79,7 +82,7 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, num_processes: 
     train_collate = PaddingFreeCollator() if cfg.data.padding_free else collate
     t = cfg.train
     if cfg.data.group_by_length:
-        sampler = LengthGroupedSampler([len(e.input_ids) for e in splits.train],
+        sampler = LengthGroupedSampler(column(splits.train, "length").tolist(),  # [issue 18] no token read
                                        t.micro_batch_size * t.gradient_accumulation_steps * num_processes,
                                        cfg.data.mega_batch_steps, t.seed)
         # A generator of its own: each iter() of a DataLoader draws a base seed from it, else from the global
@@ -90,7 +93,7 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, num_processes: 
         train_dl = DataLoader(splits.train, batch_size=t.micro_batch_size, shuffle=True, collate_fn=train_collate,
                               generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
     # Evaluation order does not change its sums; longest first keeps padding (and peak memory) low.
-    eval_dl = DataLoader(sorted(splits.eval, key=lambda e: -len(e.input_ids)),
+    eval_dl = DataLoader(longest_first(splits.eval),  # [issue 18] a view of a cached split
                          batch_size=t.eval_micro_batch_size, shuffle=False, collate_fn=collate,
                          num_workers=cfg.data.num_workers)
     return train_dl, eval_dl
@@ -134,7 +137,7 @@ def setup(cfg: Config) -> Job:
     def prepare() -> tuple[Any, str, Splits, torch.nn.Module | None]:
         tokenizer = load_tokenizer(cfg.model)
         data_path = resolve_data(cfg.data.path)
-        splits = build_splits(cfg.data, cfg.loss, tokenizer, data_path, cfg.train.seed)
+        splits = load_splits(cfg, tokenizer, data_path)  # [issue 18] the token cache (build_splits inside)
         if together:
             resolve_model(cfg.model.name_or_path)  # the asset (SmolLM2's conversion), prepared once
             return tokenizer, data_path, splits, None
@@ -171,8 +174,8 @@ def setup(cfg: Config) -> Job:
     register_hooks(acc)
 
     trainable, total = parameter_counts(model)
-    mean_len = sum(len(e.input_ids) for e in splits.train) / len(splits.train)
-    mean_tail = sum(e.tail_len for e in splits.train) / len(splits.train)
+    mean_len = float(column(splits.train, "length").mean())  # [issue 18] per-row columns, no token read
+    mean_tail = float(column(splits.train, "tail_len").mean())
     if acc.is_main_process:
         logger.info("start: mode=%s world_size=%d micro_batch_size=%d gradient_accumulation_steps=%d "
                     "global_batch_size=%d tokens_per_step~%d (mean %.1f tokens/row) tail_tokens_per_step~%d "
@@ -182,7 +185,7 @@ def setup(cfg: Config) -> Job:
         log_data_stats(splits.stats)
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))
         logger.info("mode plan: %s; parameter dtypes: %s", "; ".join(plan.notes) or "defaults", dtype_census(model))
-    state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=world, data_sha256=sha256_file(data_path),
+    state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=world, data_sha256=data_digest(cfg, data_path),
                          template_sha256=splits.template_sha256, rows_sha256=splits.fingerprint)
     if resume is not None:
         state = load_checkpoint(acc, plan, resume, saved_state, state.data_sha256, state.template_sha256,
@@ -266,7 +269,12 @@ def check_type_weights(cfg: Config, splits: Splits) -> None:
         raise ConfigError(f"loss.type_weights={weights} has {len(weights)} weight(s) but data.labels has "
                           f"{len(labels)} labels, whose indices are the type ids (data.type_column is null); give "
                           f"one weight per label")
-    unweighted = next((e for e in splits.train + splits.eval if not 0 <= e.type_indicator < len(weights)), None)
+    unweighted = None
+    for part in (splits.train, splits.eval):  # [issue 18] per-row columns, no token read
+        types = column(part, "type_indicator")
+        bad = np.flatnonzero((types < 0) | (types >= len(weights)))
+        if unweighted is None and len(bad):
+            unweighted = SimpleNamespace(row=int(column(part, "row")[bad[0]]), type_indicator=int(types[bad[0]]))
     if unweighted is not None:
         raise DataError(f"row {unweighted.row} has type id {unweighted.type_indicator} (data.type_column="
                         f"{cfg.data.type_column!r}) but loss.type_weights={weights} has weights for ids 0.."

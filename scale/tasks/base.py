@@ -163,6 +163,12 @@ class Task:
         """
         raise NotImplementedError
 
+    def texts(self, row: dict[str, Any], cfg: DataConfig) -> list[str]:
+        """The texts :meth:`encode` passes to ``tokenizer(text, add_special_tokens=False)`` for ``row``, so
+        :mod:`scale.cache` can encode a chunk of rows in one batched call [issue 18]; ``[]``: none known (each
+        text is then encoded on its own, with the same ids)."""
+        return []
+
     def info(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """What the loss and evaluation need to know (:class:`scale.data.Splits` fields and eval context)."""
         return {}

@@ -170,6 +170,9 @@ class Classification(Task):
         self.seqs = label_sequences(tokenizer, data_cfg)
         self.labels = [normalize_label(x) for x in data_cfg.labels]
 
+    def texts(self, row: dict[str, Any], cfg: DataConfig) -> list[str]:
+        return [render_template(cfg.template, row["text"], row["label"])]
+
     def encode(self, row: dict[str, Any], b: Builder, loss_cfg: LossConfig) -> Example | None:
         i, tok = row.get("row", -1), b.tokenizer
         label = self.labels.index(row["label"])

@@ -325,6 +325,9 @@ class Messages(PromptCompletion):
             logger.warning("data: the chat template never reads %s, so that part of the rows is not rendered (nor "
                            "trained); use a template that renders it (data.chat_template)", unused)
 
+    def texts(self, row: dict[str, Any], cfg: DataConfig) -> list[str]:
+        return []  # rendered per row, encoded in pieces
+
     def encode(self, row: dict[str, Any], b: Builder, loss_cfg: LossConfig) -> Example | None:
         i, tok = row.get("row", -1), b.tokenizer
         full, cut, add_eos = spans(tok, self.template, row["messages"], i, self.train_on,

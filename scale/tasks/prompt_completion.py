@@ -43,6 +43,9 @@ class PromptCompletion(Task):
         return {"prompt": text_cell(raw, cfg.prompt_column, i, path, strip=False),
                 "completion": text_cell(raw, cfg.completion_column, i, path, strip=False)}
 
+    def texts(self, row: dict[str, Any], cfg: DataConfig) -> list[str]:
+        return [row["prompt"], row["completion"]]
+
     def encode(self, row: dict[str, Any], b: Builder, loss_cfg: LossConfig) -> Example | None:
         completion = b.with_eos(encode(b.tokenizer, row["completion"]))
         prefix, prompt = b.front(encode(b.tokenizer, row["prompt"]))

@@ -47,6 +47,9 @@ class Text(Task):
             row["target"] = target_cell(raw.get(cfg.target_column), cfg.target_column, i, path)
         return row
 
+    def texts(self, row: dict[str, Any], cfg: DataConfig) -> list[str]:
+        return [row["text"]]
+
     def encode(self, row: dict[str, Any], b: Builder, loss_cfg: LossConfig) -> Example | None:
         i, cfg = row.get("row", -1), b.cfg
         prefix, body = b.front(encode(b.tokenizer, row["text"]))

@@ -1,0 +1,449 @@
+"""Tokenize once: the tokenized splits in a memory-mapped Arrow cache, keyed by everything that changes tokens.
+
+    splits = load_splits(cfg, tokenizer, data_path)   # a hit memory-maps; a miss builds (one process, num_proc workers)
+
+A cache entry is ``<data.cache_dir>/<fingerprint>/`` holding ``train.arrow`` and ``eval.arrow`` (Arrow IPC files,
+one record batch per chunk of rows: ``input_ids`` (uint16/uint32) and ``trained`` (uint8 tail flags; empty: all)
+as lists, per row ``length``, ``tail_len``, ``type_indicator``, ``target_token``, ``label``, ``row``), ``meta.json``
+(every other :class:`Splits` field: format, label tokens, counts, token fingerprint) and ``build.json``: the build
+record (fingerprint inputs, host, pid, rank, seconds, rows, tokens, size and sha256 of every file).
+
+``builds.jsonl`` beside the entries gets one line per build.
+
+- **Fingerprint** (:func:`fingerprint`): the sha256 of each source (a file's bytes, a directory's file hashes, a
+  hub id's revision), the tokenizer (serialized ``tokenizer.json``, special tokens, chat template, ids of a probe),
+  the ``data.chat_template`` file, every ``data.*`` key that shapes tokens or the split (``chat_template_kwargs``,
+  ``train_on``...), ``loss.threshold``, ``train.seed``, the source of data/formats/sources/cache and scale/tasks/.
+- **One builder**: the entry is built under an exclusive ``flock`` on ``<fingerprint>.lock`` (one process per
+  node builds; the others wait, then memory-map; on a shared filesystem one node builds for all), in
+  ``<fingerprint>.tmp`` and renamed into place; ``build.json`` is written last. An entry whose files do not match
+  its build record (half-written, truncated, edited) is deleted and rebuilt, never read.
+- **Memory**: :class:`TokenTable` is a sequence of :class:`scale.data.Example` read from the memory map on
+  access; a rank holds the pages it touches (shared with the other ranks through the page cache), not the data set.
+
+No torch.distributed, no accelerate.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import dataclasses
+import fcntl
+import hashlib
+import itertools
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from scale.data import Splits, _tokenize, build_splits
+from scale.fileio import sha256_file, temp_dir_for, write_text_atomic
+from scale.sources import eval_source_of, source_digest
+from scale.tasks.base import Builder, Example
+
+logger = logging.getLogger(__name__)
+
+CACHE_VERSION = 2  # bump when the cache layout changes (2: the trained flags, every Splits field in meta.json)
+# data.* keys that do not change the tokens or the split: batching and the cache itself.
+RUNTIME_KEYS = ("num_workers", "group_by_length", "mega_batch_steps", "padding_free", "padding_side", "cache",
+                "cache_dir", "cache_max_gib", "num_proc", "path", "eval_path", "chat_template")
+# their source is part of the fingerprint (scale/tasks/: every format module)
+TOKEN_MODULES = ("data.py", "formats.py", "sources.py", "cache.py", "tasks/*.py")
+CHUNK_ROWS = 4096  # rows per tokenizer task and per record batch
+SCALARS = ("length", "tail_len", "type_indicator", "target_token", "label", "row")
+# Example fields stored as lists beside input_ids: ``trained`` (the tail's 0/1 flags; an empty list is ``None``)
+LISTS = ("trained",)
+
+
+def default_cache_dir(cfg: Any) -> Path:
+    """``data.cache_dir``, else ``$SCALE_CACHE/data`` or ``~/.cache/scale/data``."""
+    if cfg.data.cache_dir is not None:
+        return Path(cfg.data.cache_dir).expanduser()
+    return Path(os.environ.get("SCALE_CACHE", Path.home() / ".cache" / "scale")) / "data"
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """A sha256 of everything about ``tokenizer`` that changes token ids: its serialized fast tokenizer (or its
+    vocabulary), special tokens, chat template and the ids it gives a probe with special tokens."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None else
+             json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    probe = tokenizer("a b\n c", add_special_tokens=True)["input_ids"]
+    h.update(json.dumps({"class": type(tokenizer).__name__, "len": len(tokenizer), "probe": list(probe),
+                         "eos": tokenizer.eos_token_id, "bos": tokenizer.bos_token_id,
+                         "specials": sorted(map(str, tokenizer.all_special_tokens)),
+                         "chat_template": getattr(tokenizer, "chat_template", None)}, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def fingerprint(cfg: Any, tokenizer: Any, path: str) -> tuple[str, dict[str, Any]]:
+    """The cache key of ``cfg``'s splits and what went into it (see the module docstring).
+
+    Returns:
+        ``(hex sha256, inputs)``; ``inputs`` is stored in the build record.
+
+    Raises:
+        DataError: a source that cannot be hashed (see :func:`scale.sources.source_digest`).
+    """
+    here = Path(__file__).resolve().parent
+    code = hashlib.sha256(b"".join(f.read_bytes() for m in TOKEN_MODULES for f in sorted(here.glob(m))))
+    eval_source = eval_source_of(cfg.data, path)
+    template = cfg.data.chat_template
+    inputs = {
+        "cache_version": CACHE_VERSION,
+        "code": code.hexdigest(),
+        "source": source_digest(cfg.data, path),
+        "eval_source": source_digest(*eval_source) if eval_source is not None else None,
+        "tokenizer": tokenizer_digest(tokenizer),
+        "chat_template": sha256_file(template) if template is not None and Path(template).is_file() else template,
+        "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in RUNTIME_KEYS},
+        "loss.threshold": cfg.loss.threshold,
+        "train.seed": cfg.train.seed,
+    }
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+    return key, inputs
+
+
+class TokenTable(Sequence):
+    """The examples of one split, read from a memory-mapped Arrow file: ``table[i]`` is an :class:`Example`.
+
+    Only the record batches' buffers are mapped; nothing is copied until an item (or :meth:`column`) is read.
+    Pickles as its path (DataLoader workers map the file again).
+
+    Args:
+        path: an ``.arrow`` file written by :func:`write_table`.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self._open()
+
+    def _open(self) -> None:
+        self._reader = pa.ipc.open_file(pa.memory_map(self.path, "r"))
+        self._chunks, starts = [], [0]
+        for k in range(self._reader.num_record_batches):
+            batch = self._reader.get_batch(k)
+            ids = batch.column("input_ids")
+            lists = {c: (_numpy(batch.column(c).offsets), _numpy(batch.column(c).values)) for c in LISTS}
+            self._chunks.append((_numpy(ids.offsets), _numpy(ids.values), {c: _numpy(batch.column(c)) for c in SCALARS},
+                                 lists))
+            starts.append(starts[-1] + batch.num_rows)
+        self._starts = starts
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.path = state["path"]
+        self._open()
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, i: int) -> Example:  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"row {i} of a {n}-row split")
+        k = bisect.bisect_right(self._starts, i) - 1
+        offsets, values, s, lists = self._chunks[k]
+        j = i - self._starts[k]
+        flag_offsets, flags = lists["trained"]
+        trained = flags[flag_offsets[j]:flag_offsets[j + 1]].tolist() or None
+        return Example(values[offsets[j]:offsets[j + 1]].tolist(), int(s["tail_len"][j]), int(s["type_indicator"][j]),
+                       int(s["target_token"][j]), int(s["label"][j]), int(s["row"][j]), trained)
+
+    def column(self, name: str) -> np.ndarray:
+        """One per-row column over the whole split (``length``, ``tail_len``, ``type_indicator``, ...): ``[N]``."""
+        parts = [s[name] for _, _, s, _ in self._chunks]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _numpy(arr: pa.Array) -> np.ndarray:
+    """A primitive Arrow array (no nulls) as a read-only numpy view of its buffer: no copy, and no pandas import
+    (``to_numpy`` imports it)."""
+    dtype = np.dtype(str(arr.type))
+    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
+
+
+class Reordered(Sequence):
+    """``base`` read in the order ``order`` (a view, nothing copied but the index)."""
+
+    def __init__(self, base: Sequence, order: Sequence[int]) -> None:
+        self.base, self.order = base, np.asarray(order, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i: int) -> Example:  # type: ignore[override]
+        return self.base[int(self.order[i])]
+
+
+def column(examples: Sequence, name: str) -> np.ndarray:
+    """A per-row column of a split, in memory or cached: ``length`` (tokens), ``tail_len``, ``type_indicator``,
+    ``target_token``, ``label`` or ``row``; ``[N]`` int64. Reads no token of a :class:`TokenTable`."""
+    if isinstance(examples, TokenTable):
+        return examples.column(name).astype(np.int64)
+    if name == "length":
+        return np.array([len(e.input_ids) for e in examples], dtype=np.int64)
+    return np.array([getattr(e, name) for e in examples], dtype=np.int64)
+
+
+def longest_first(examples: Sequence) -> Sequence:
+    """The examples longest first, equal lengths in their order: ``sorted(examples, key=-len)`` without
+    reading the tokens of a cached split (the evaluation order)."""
+    if not isinstance(examples, TokenTable):
+        return sorted(examples, key=lambda e: -len(e.input_ids))
+    return Reordered(examples, np.argsort(-column(examples, "length"), kind="stable"))
+
+
+# ---- building ----
+
+class _BatchEncoded:
+    """The tokenizer, except that ``tokenizer(text, add_special_tokens=False)`` for a text of ``texts`` is
+    answered from one batched encode (Rust, no per-call Python overhead). The ids are those of one call each."""
+
+    def __init__(self, tokenizer: Any, texts: list[str]) -> None:
+        self._tok = tokenizer
+        unique = list(dict.fromkeys(texts))
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if not unique:
+            encoded = []
+        elif backend is not None and backend.truncation is None and backend.padding is None \
+                and hasattr(backend, "encode_batch_fast"):
+            # What tokenizer(text, add_special_tokens=False) runs, minus transformers' per-text Python
+            # (offsets, BatchEncoding): the same Rust encode, so the same ids (tests/test_data_scale.py).
+            encoded = [e.ids for e in backend.encode_batch_fast(unique, add_special_tokens=False)]
+        else:
+            encoded = tokenizer(unique, add_special_tokens=False)["input_ids"]
+        self._memo = dict(zip(unique, encoded))
+
+    def __call__(self, text: Any, *args: Any, add_special_tokens: bool = True, **kw: Any) -> Any:
+        if not args and not kw and not add_special_tokens and isinstance(text, str) and text in self._memo:
+            return {"input_ids": self._memo[text]}
+        return self._tok(text, *args, add_special_tokens=add_special_tokens, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+    def __len__(self) -> int:
+        return len(self._tok)
+
+
+_WORK: dict[str, Any] = {}  # set before the pool forks: the rows, task, builder and loss config the workers read
+
+
+def _tokenize_span(span: tuple[int, int]) -> tuple[dict[str, np.ndarray], list[int], dict[str, int]]:
+    """Tokenize rows ``[start, end)`` of ``_WORK["rows"]``; return packed columns, the dropped rows and the
+    builder's notes (counts the format reports once)."""
+    rows, builder, task = _WORK["rows"][span[0]:span[1]], copy.copy(_WORK["builder"]), _WORK["task"]
+    builder.dropped, builder.notes = [], {}
+    texts = [t for r in rows for t in task.texts(r, builder.cfg)]  # what the format's encode() will encode
+    builder.tokenizer = _BatchEncoded(_WORK["builder"].tokenizer, texts)
+    examples = _tokenize(rows, task, builder, _WORK["loss"])
+    lengths = np.fromiter((len(e.input_ids) for e in examples), dtype=np.int32, count=len(examples))
+    values = np.fromiter(itertools.chain.from_iterable(e.input_ids for e in examples), dtype=_WORK["dtype"],
+                         count=int(lengths.sum()))
+    cols = {"values": values, "length": lengths}
+    for name, attr, dtype in (("tail_len", "tail_len", np.int32), ("type_indicator", "type_indicator", np.int64),
+                              ("target_token", "target_token", np.int64), ("label", "label", np.int32),
+                              ("row", "row", np.int64)):
+        cols[name] = np.fromiter((getattr(e, attr) for e in examples), dtype=dtype, count=len(examples))
+    flags = [e.trained or [] for e in examples]  # None -> [] (a tail is never empty)
+    cols["trained_length"] = np.fromiter(map(len, flags), dtype=np.int32, count=len(examples))
+    cols["trained"] = np.fromiter(itertools.chain.from_iterable(flags), dtype=np.uint8,
+                                  count=int(cols["trained_length"].sum()))
+    return cols, builder.dropped, builder.notes
+
+
+def _arrow(a: np.ndarray) -> pa.Array:
+    """A 1-D numpy array as an Arrow array, zero-copy (``pa.array(ndarray)`` would import pandas: seconds)."""
+    a = np.ascontiguousarray(a)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), len(a), [None, pa.py_buffer(a)])
+
+
+def _list_array(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(_arrow(offsets), _arrow(values))
+
+
+def _record_batch(cols: dict[str, np.ndarray]) -> pa.RecordBatch:
+    ids = _list_array(cols["length"], cols["values"])
+    lists = [_list_array(cols[f"{c}_length"], cols[c]) for c in LISTS]
+    return pa.RecordBatch.from_arrays([ids, *(_arrow(cols[c]) for c in SCALARS), *lists],
+                                      ["input_ids", *SCALARS, *LISTS])
+
+
+def write_table(path: Path, rows: list[dict[str, Any]], task: Any, builder: Builder, loss_cfg: Any, num_proc: int,
+                dtype: Any) -> dict[str, int]:
+    """Tokenize ``rows`` in chunks (``num_proc`` forked workers, batched encoding) and stream them to ``path``.
+
+    Returns:
+        ``{"rows": written, "tokens": total}``.
+
+    Raises:
+        DataError: the first bad row in row order, as :func:`scale.data.tokenize_rows` would raise it.
+    """
+    _WORK.update(rows=rows, task=task, builder=builder, loss=loss_cfg, dtype=dtype)
+    spans = [(s, min(s + CHUNK_ROWS, len(rows))) for s in range(0, len(rows), CHUNK_ROWS)]
+    schema = _record_batch({"values": np.zeros(0, dtype), "length": np.zeros(0, np.int32),
+                            **{c: np.zeros(0, np.int64) for c in SCALARS if c != "length"},
+                            **{c: np.zeros(0, np.uint8) for c in LISTS}, **{f"{c}_length": np.zeros(0, np.int32)
+                                                                           for c in LISTS}}).schema
+    written = tokens = 0
+    pool = multiprocessing.get_context("fork").Pool(num_proc) if num_proc > 1 and len(spans) > 1 else None
+    try:
+        results: Iterator = pool.imap(_tokenize_span, spans) if pool is not None else map(_tokenize_span, spans)
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            for cols, dropped, notes in results:
+                builder.dropped.extend(dropped)
+                for note, n in notes.items():
+                    builder.notes[note] = builder.notes.get(note, 0) + n
+                if len(cols["length"]):
+                    batch = _record_batch(cols)
+                    writer.write_batch(batch.cast(schema) if batch.schema != schema else batch)
+                written += len(cols["length"])
+                tokens += int(cols["length"].sum())
+    finally:
+        if pool is not None:
+            pool.terminate()
+        _WORK.clear()
+    return {"rows": written, "tokens": tokens}
+
+
+def _build(final: Path, cfg: Any, tokenizer: Any, path: str, key: str, inputs: dict[str, Any]) -> None:
+    start = time.perf_counter()
+    tmp = temp_dir_for(final)  # debris of an interrupted build goes
+    num_proc = cfg.data.num_proc or len(os.sched_getaffinity(0))
+    dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
+    counts: dict[str, dict[str, int]] = {}
+
+    def tokenize(name: str, rows: list[dict[str, Any]], task: Any, builder: Builder) -> TokenTable:
+        counts[name] = write_table(tmp / f"{name}.arrow", rows, task, builder, cfg.loss, num_proc, dtype)
+        return TokenTable(tmp / f"{name}.arrow")
+
+    try:
+        splits = build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed, tokenize=tokenize)
+        # Every Splits field but the examples, so a hit reads the token fingerprint (rows_sha256 of the resume
+        # check) and the template hash from here, without reading a token.
+        meta = {f.name: getattr(splits, f.name) for f in dataclasses.fields(Splits) if f.name not in ("train", "eval")}
+        write_text_atomic(tmp / "meta.json", json.dumps(meta))
+        del splits  # unmap before the rename
+        files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(tmp.iterdir())}
+        record = {"fingerprint": key, "host": socket.gethostname(), "pid": os.getpid(),
+                  "rank": int(os.environ.get("RANK", "0")), "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+                  "built_at": time.time(), "seconds": round(time.perf_counter() - start, 3), "num_proc": num_proc,
+                  "splits": counts, "files": files, "inputs": inputs}
+        write_text_atomic(tmp / "build.json", json.dumps(record, indent=1, default=str))  # the completion marker
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    with open(final.parent / "builds.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({k: record[k] for k in ("fingerprint", "host", "pid", "rank", "local_rank", "built_at",
+                                                     "seconds", "num_proc", "splits")}) + "\n")
+    logger.info("data cache: built %s in %.1f s with %d process(es): train %d rows, eval %d rows, %d tokens",
+                final, record["seconds"], num_proc, counts["train"]["rows"], counts["eval"]["rows"],
+                counts["train"]["tokens"] + counts["eval"]["tokens"])
+
+
+def check_entry(final: Path) -> str | None:
+    """Why the entry ``final`` cannot be read (no build record, a file missing, of another size or sha256), or
+    ``None`` when every file matches its build record."""
+    try:
+        record = json.loads((final / "build.json").read_text(encoding="utf-8"))
+        files = record["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"no readable build record ({type(e).__name__})"
+    for name in ("train.arrow", "eval.arrow", "meta.json"):
+        if name not in files:
+            return f"the build record lists no {name}"
+    for name, want in files.items():
+        f = final / name
+        if not f.is_file() or f.stat().st_size != want["bytes"]:
+            return f"{name} is missing or has another size than its build record says"
+        if sha256_file(f) != want["sha256"]:
+            return f"{name} differs from its build record (sha256)"
+    return None
+
+
+@contextmanager
+def _locked(lock: Path) -> Iterator[None]:
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # blocks while another process builds this entry
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def open_entry(final: Path) -> Splits:
+    """The splits of a complete entry, memory-mapped."""
+    meta = json.loads((final / "meta.json").read_text(encoding="utf-8"))
+    os.utime(final / "meta.json")  # last use, for pruning
+    return Splits(train=TokenTable(final / "train.arrow"), eval=TokenTable(final / "eval.arrow"), **meta)
+
+
+def load_splits(cfg: Any, tokenizer: Any, path: str) -> Splits:
+    """The tokenized splits of ``cfg``: memory-mapped from the cache, built there first when missing or corrupt.
+    With ``data.cache=false``, :func:`scale.data.build_splits` in memory.
+
+    Raises:
+        DataError: see :func:`scale.data.build_splits`; nothing is left in the cache then.
+    """
+    if not cfg.data.cache:
+        return build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed)
+    key, inputs = fingerprint(cfg, tokenizer, path)
+    root = default_cache_dir(cfg)
+    final = root / key[:32]
+    with _locked(root / f"{key[:32]}.lock"):
+        if final.exists():
+            why = check_entry(final)
+            if why is None:
+                logger.info("data cache: hit %s", final)
+                return open_entry(final)
+            logger.warning("data cache %s is incomplete or corrupt (%s): rebuilding it", final, why)
+            shutil.rmtree(final)
+        _build(final, cfg, tokenizer, path, key, inputs)
+        prune(root, cfg.data.cache_max_gib, keep=final)
+        return open_entry(final)
+
+
+def prune(root: Path, max_gib: float, keep: Path) -> list[Path]:
+    """Delete the least recently used entries of ``root`` until it holds at most ``max_gib`` GiB (``keep``
+    stays). A process that has an entry mapped keeps reading it (POSIX unlink semantics)."""
+    entries = []
+    for d in root.iterdir():
+        if d.is_dir() and (d / "build.json").is_file() and d != keep:
+            size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+            used = (d / "meta.json").stat().st_mtime if (d / "meta.json").exists() else 0.0
+            entries.append((used, size, d))
+    total = sum(size for _, size, _ in entries) + sum(f.stat().st_size for f in keep.iterdir())
+    removed = []
+    for _, size, d in sorted(entries):
+        if total <= max_gib * 2**30:
+            break
+        shutil.rmtree(d, ignore_errors=True)
+        total -= size
+        removed.append(d)
+    if removed:
+        logger.info("data cache: removed %d least recently used entries (data.cache_max_gib=%s)", len(removed),
+                    max_gib)
+    return removed

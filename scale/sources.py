@@ -1,0 +1,262 @@
+"""Any data source -> rows (dicts) and their column names. No tokenizer, no torch.
+
+``data.path`` (and ``data.eval_path``) may name:
+
+| source | read by |
+|---|---|
+| a ``.jsonl/.json/.csv/.tsv`` file | the strict readers of :mod:`scale.formats` (row-numbered errors, ``NA`` stays text) |
+| a ``.parquet`` or ``.arrow`` file | Hugging Face ``datasets`` (``load_dataset("parquet"/"arrow")``) |
+| a ``save_to_disk`` directory | ``datasets.load_from_disk``; a ``DatasetDict`` gives ``data.split`` |
+| a directory of shards, or a glob (``shards/*.parquet``) | every matching file in sorted order, one format |
+| a hub id ``org/name`` | ``datasets.load_dataset(id, data.subset, split=data.split)``; offline: one line saying so |
+
+Rows are numbered from 0 across the shards in sorted order (the row number names a row in error messages).
+:func:`source_digest` hashes what a source holds (the data-changed guard on resume, the token cache's key).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from scale.fileio import sha256_file
+
+TABLE_EXTENSIONS = (".csv", ".json", ".jsonl", ".tsv")   # scale.formats' strict readers
+ARROW_EXTENSIONS = (".parquet", ".arrow")                 # read through datasets
+_HUB_ID = re.compile(r"^[\w\-.]{1,96}/[\w\-.]{1,96}$")     # huggingface_hub's repo-id shape
+_GLOB = re.compile(r"[*?\[]")
+
+
+def is_save_to_disk(path: Path) -> bool:
+    """A directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def source_kind(path: str) -> str:
+    """What ``path`` names: ``table`` (a strict-reader file), ``arrow`` (a .parquet/.arrow file), ``disk`` (a
+    ``save_to_disk`` directory), ``shards`` (a directory or glob of files), ``hub`` or ``missing``."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return "arrow" if p.suffix.lower() in ARROW_EXTENSIONS else "table"
+    if is_save_to_disk(p):
+        return "disk"
+    if p.is_dir() or _GLOB.search(path):
+        return "shards"
+    if _HUB_ID.match(path) and not path.startswith((".", "~", "/")) and not p.suffix.lower() in \
+            TABLE_EXTENSIONS + ARROW_EXTENSIONS:
+        return "hub"
+    return "missing"
+
+
+def shard_files(path: str) -> list[Path]:
+    """The data files of a directory (recursively) or a glob, sorted by path; hidden files are skipped.
+
+    Raises:
+        DataError: no file matches, or the files mix extensions.
+    """
+    from scale.formats import DataError
+
+    p = Path(path).expanduser()
+    found = sorted(p.rglob("*")) if p.is_dir() else sorted(Path(f) for f in glob.glob(str(p), recursive=True))
+    files = [f for f in found if f.is_file() and not any(part.startswith((".", "_")) for part in f.parts[-1:])
+             and f.suffix.lower() in TABLE_EXTENSIONS + ARROW_EXTENSIONS]
+    if not files:
+        raise DataError(f"data.path={path!r} holds no {'/'.join(TABLE_EXTENSIONS + ARROW_EXTENSIONS)} file; point "
+                        f"it at a data file, a directory or glob of shards, a save_to_disk directory or a hub id")
+    kinds = sorted({f.suffix.lower() for f in files})
+    if len(kinds) > 1:
+        raise DataError(f"data.path={path!r} mixes file types {kinds}; give one type of shard (a glob such as "
+                        f"{path.rstrip('/')}/*{kinds[0]}), or list them as data.datasets")
+    return files
+
+
+def read_source(cfg: Any, path: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Read any source (see the module docstring) into rows and column names.
+
+    Args:
+        cfg: the data section (``split``, ``subset``, ``column_names``).
+        path: file, directory, glob or hub id.
+
+    Returns:
+        ``(rows, columns)``: rows as dicts in source order, the columns of the first row.
+
+    Raises:
+        DataError: a missing source, an unreadable file, a split that does not exist, or an unreachable hub
+            (one line, no traceback).
+    """
+    from scale.formats import DataError, read_table
+
+    kind = source_kind(path)
+    if kind == "table":
+        return read_table(cfg, path)
+    if cfg.column_names is not None and kind != "shards":
+        raise DataError("data.column_names applies to header-less .csv/.tsv files only; remove it")
+    if kind == "arrow":
+        rows = _rows(_load_files([Path(path).expanduser()], path))
+    elif kind == "disk":
+        rows = _rows(_load_disk(cfg, path))
+    elif kind == "shards":
+        files = shard_files(path)
+        if files[0].suffix.lower() in TABLE_EXTENSIONS:
+            rows = []
+            for f in files:
+                rows.extend(read_table(cfg, str(f))[0])
+        else:
+            rows = _rows(_load_files(files, path))
+    elif kind == "hub":
+        rows = _rows(_load_hub(cfg, path))
+    elif Path(path).suffix.lower() in TABLE_EXTENSIONS:
+        return read_table(cfg, path)  # its own message for a missing file
+    else:
+        raise DataError(f"data.path={path!r} does not exist; point it at a .jsonl/.json/.csv/.tsv/.parquet file, a "
+                        f"directory or glob of shards, a save_to_disk directory or a hub id org/name (a relative "
+                        f"path is read from the current directory, {os.getcwd()})")
+    if not rows:
+        raise DataError(f"data.path={path!r} has no rows")
+    return rows, list(rows[0])
+
+
+def _rows(ds: Any) -> list[dict[str, Any]]:
+    """A ``datasets.Dataset`` as a list of dicts, read column-wise (one pass per column, not one per row)."""
+    columns = ds.column_names
+    data = ds.to_dict() if len(ds) else {c: [] for c in columns}
+    return [dict(zip(columns, values)) for values in zip(*(data[c] for c in columns))]
+
+
+def _load_files(files: list[Path], path: str) -> Any:
+    from scale.formats import DataError
+
+    datasets = _datasets()
+    builder = "parquet" if files[0].suffix.lower() == ".parquet" else "arrow"
+    try:
+        return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                     cache_dir=str(Path(_hf_cache()) / "sources"))
+    except Exception as e:  # noqa: BLE001 - datasets/pyarrow raise many types for one unreadable file
+        raise DataError(f"data.path={path!r} cannot be read as {builder} ({type(e).__name__}: "
+                        f"{_first_line(e)})") from e
+
+
+def _load_disk(cfg: Any, path: str) -> Any:
+    from scale.formats import DataError
+
+    datasets = _datasets()
+    try:
+        ds = datasets.load_from_disk(str(Path(path).expanduser()))
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"data.path={path!r} cannot be read as a save_to_disk directory ({type(e).__name__}: "
+                        f"{_first_line(e)})") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if cfg.split not in ds:
+            raise DataError(f"data.split={cfg.split!r} is not a split of {path}; its splits are {list(ds)}")
+        ds = ds[cfg.split]
+    return ds
+
+
+def _load_hub(cfg: Any, path: str) -> Any:
+    from scale.formats import DataError
+
+    datasets = _datasets()
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on") or \
+            os.environ.get("HF_DATASETS_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        where = "offline (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)"
+    else:
+        where = "unreachable"
+    try:
+        return datasets.load_dataset(path, cfg.subset, split=cfg.split, cache_dir=_hf_cache())
+    except Exception as e:  # noqa: BLE001 - connection, auth and missing-split errors all become one line
+        raise DataError(f"data.path={path!r} is not a local file or directory, so it was read as a hub data set, "
+                        f"and that failed: {type(e).__name__}: {_first_line(e)} (the hub is {where}"
+                        f"{'' if where != 'unreachable' else ' or the id, data.subset or data.split is wrong'}). "
+                        f"Download it where the hub is reachable (datasets' save_to_disk) and point data.path "
+                        f"at that directory") from e
+
+
+def _datasets() -> Any:
+    import datasets
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    return datasets
+
+
+def _hf_cache() -> str:
+    return os.environ.get("HF_DATASETS_CACHE", str(Path.home() / ".cache" / "huggingface" / "datasets"))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+def eval_source_of(data_cfg: Any, path: str) -> tuple[Any, str] | None:
+    """``(config, source)`` of the eval rows when ``data.eval_path`` or ``data.eval_split`` is set, else ``None``
+    (the eval rows are carved out of ``path``) [issue 18]."""
+    if data_cfg.eval_path is None and data_cfg.eval_split is None:
+        return None
+    from scale.assets import resolve_data
+
+    cfg = replace(data_cfg, split=data_cfg.eval_split or data_cfg.split)
+    return cfg, resolve_data(data_cfg.eval_path) if data_cfg.eval_path is not None else path
+
+
+def source_digest(cfg: Any, path: str) -> str:
+    """A hex sha256 of what ``path`` holds: a file's own sha256 (as :func:`scale.fileio.sha256_file`, so the
+    data-changed guard of checkpoints written before sources existed still matches), a directory's or glob's
+    relative paths and file hashes, or a hub id with its subset, split and resolved revision.
+
+    Raises:
+        DataError: see :func:`shard_files`.
+    """
+    kind = source_kind(path)
+    p = Path(path).expanduser()
+    if kind in ("table", "arrow"):
+        return file_sha256(p)
+    h = hashlib.sha256()
+    if kind in ("disk", "shards"):
+        files = sorted(f for f in p.rglob("*") if f.is_file()) if kind == "disk" else shard_files(path)
+        base = p if p.is_dir() else Path(os.path.commonpath([str(f.parent) for f in files]))
+        for f in files:
+            h.update(f"{f.relative_to(base).as_posix()}\0{file_sha256(f)}\n".encode())
+        return h.hexdigest()
+    h.update(json.dumps({"hub": path, "subset": cfg.subset, "split": cfg.split, "revision": _hub_revision(path)},
+                        sort_keys=True).encode())
+    return h.hexdigest()
+
+
+_DIGESTS: dict[tuple[str, int, int, int], str] = {}
+
+
+def file_sha256(path: Path) -> str:
+    """``sha256_file``, remembered in this process per (path, inode, size, mtime): the fingerprint and the
+    resume guard hash each data file once per start, not twice."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        _DIGESTS[key] = sha256_file(path)
+    return _DIGESTS[key]
+
+
+def _hub_revision(path: str) -> str:
+    """The commit the hub id resolves to now, or ``"unknown"`` offline (then the cache key is the id alone)."""
+    try:
+        from huggingface_hub import HfApi
+
+        return HfApi().dataset_info(path).sha or "unknown"
+    except Exception:  # noqa: BLE001 - offline or private
+        return "unknown"
+
+
+def data_digest(cfg: Any, path: str) -> str:
+    """The data-changed guard of a checkpoint (``TrainerState.data_sha256``): :func:`source_digest` of
+    ``path``, combined with the eval source's when ``data.eval_path``/``data.eval_split`` is set."""
+    digest = source_digest(cfg.data, path)
+    eval_source = eval_source_of(cfg.data, path)
+    if eval_source is None:
+        return digest
+    return hashlib.sha256(f"{digest}\0{source_digest(*eval_source)}".encode()).hexdigest()
