@@ -10,9 +10,8 @@ Layout of one checkpoint ``<output_dir>/checkpoints/step_000040/``:
     random_states_<rank>.pkl    Python, NumPy and torch RNG states of every rank
     pytorch_model/              DeepSpeed only: its own files (frozen parameters excluded), read by DeepSpeed
 
-Atomicity: every rank writes into ``step_000040.tmp/``; after a barrier the directory is renamed (one
-``os.replace``). A crash or kill at any point before the rename leaves ``*.tmp`` behind, which
-:func:`list_checkpoints` ignores, so ``resume_from=latest`` picks the previous complete checkpoint.
+Atomicity: every rank writes into ``step_000040.tmp/``; after a barrier the directory is renamed (one ``os.replace``).
+A crash before the rename leaves ``*.tmp``, which :func:`list_checkpoints` ignores (``latest`` takes the previous one).
 
 Security: weights are safetensors; accelerate reads its ``.bin``/``.pkl`` files with ``weights_only=True``.
 DeepSpeed reads its own ``pytorch_model/`` files with full pickle: resume only from checkpoints you wrote.
@@ -50,7 +49,8 @@ _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 HARMLESS = ("output_dir", "log.", "train.log_every", "train.eval_every", "train.eval_micro_batch_size",
             "train.save_every", "train.save_total_limit", "train.save_on_each_node",
             "train.check_invariants", "train.save_adapter", "train.collective_timeout_s", "data.num_workers",
-            "train.on_nonfinite", "train.save_every_minutes", "train.overwrite_output_dir")
+            "train.on_nonfinite", "train.save_every_minutes", "train.overwrite_output_dir", "train.rendezvous_",
+            "data.cache", "data.num_proc")  # data.cache*: where the same tokens are kept (scale.cache)
 
 
 class CheckpointError(RuntimeError):
@@ -175,9 +175,9 @@ def compare_configs(saved: dict[str, Any], current: dict[str, Any]) -> tuple[lis
             if key in ("train.max_steps", "train.num_epochs"):  # a longer (or shorter) run: same maths per step
                 harmless = b.get("optim.schedule") == "constant"
                 if not harmless:
-                    line += (f" (the {b.get('optim.schedule')} LR schedule is a function of {key.split('.')[1]}: "
-                             f"the remaining steps would follow another curve; a run trained with "
-                             f"optim.schedule=constant can be extended by train.max_steps or train.num_epochs)")
+                    line += (f" (the {b.get('optim.schedule')} LR schedule is a function of {key.split('.')[1]}: the "
+                             f"remaining steps would follow another curve; a run trained with optim.schedule="
+                             f"constant can be extended by train.max_steps or train.num_epochs)")
             (warnings if harmless else errors).append(line)
     return errors, warnings
 
@@ -333,11 +333,8 @@ def clear_previous_run(acc: Accelerator, cfg: Config, resume: Path | None) -> No
         shutil.rmtree(checkpoint_root(out), ignore_errors=True)
     if acc.is_main_process:
         found = [name for name in RUN_ARTEFACTS if (out / name).exists()]
-        for name in found:
-            if (out / name).is_dir():
-                shutil.rmtree(out / name)
-            else:
-                (out / name).unlink()
+        for path in (out / name for name in found):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
         if found:
             logger.warning("train.overwrite_output_dir=true: deleted the previous run's %s in %s", found, out)
     acc.wait_for_everyone()  # collective: nobody writes before the old files are gone
