@@ -79,6 +79,10 @@ def _error(e: BaseException, code: int = EXIT_BAD_INPUT, echo: bool = True) -> N
     if echo and mine and not outcome and not error_file:
         sys.stderr.write(line + "\n")
     if not mine and (error_file or outcome):
+        # The launcher stops this rank once rank 0 exits: leave at once with the same code, no second traceback
+        # (the start-up SIGTERM handler of scale.signals would raise Preempted in the middle of this sleep).
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, lambda *_: os._exit(code))
         time.sleep(1.0)  # let rank 0 exit first with its code: the launcher then stops the others
 
 
