@@ -148,15 +148,7 @@ def test_conversational_prompt_completion_trains_the_completion_turns(tmp_path, 
     assert e.input_ids[-e.tail_len:] == _enc(tokenizer, "Paris.<|im_end|>") and e.trained is None
 
 
-def _cli(tmp_path, capsys, *overrides):
-    from scale.cli import main
-
-    out = tmp_path / "out"
-    code = main(["--config", str(TINY_YAML), f"output_dir={out}", *overrides])
-    err = capsys.readouterr().err
-    assert not out.exists(), "a rejected run must write nothing"
-    assert err.count("\n") == 1 and "Traceback" not in err
-    return code, err.removeprefix("scale-train: error: DataError: ").rstrip("\n")
+from tests.test_bad_input import _cli  # noqa: E402  one rejected run: exit code, one line, nothing written
 
 
 def test_a_template_that_raises_is_one_line_naming_the_row(tmp_path, capsys):
