@@ -74,7 +74,7 @@ def start_trackers(cfg: Config, acc: Accelerator, state: Any) -> int:
     Returns:
         ``skip_below``: steps below it are not sent to the trackers (an online run that already holds them).
     """
-    from scale.config import to_dict
+    from scale.config import redact, to_dict
 
     trackers = [t for t in cfg.log.trackers if t != "none"]
     if not trackers:
@@ -91,7 +91,8 @@ def start_trackers(cfg: Config, acc: Accelerator, state: Any) -> int:
         if acc.is_main_process:
             out.mkdir(parents=True, exist_ok=True)
             write_text_atomic(out / RUN_FILE, json.dumps({"id": state.wandb_run_id, "project": cfg.log.project}))
-        init_kwargs["wandb"] = {"dir": cfg.output_dir, "name": cfg.log.run_name, "id": state.wandb_run_id,
+        name = redact(cfg.log.run_name) if cfg.log.run_name else None  # a secret pasted into the name stays out
+        init_kwargs["wandb"] = {"dir": cfg.output_dir, "name": name, "id": state.wandb_run_id,
                                 "resume": "allow", "tags": list(cfg.log.tags) or None, "group": cfg.log.group,
                                 "entity": cfg.log.entity}
     try:
