@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 EXTRAS ?= qlora,wandb,report,deepspeed,test
 BIN := $(VENV)/bin
 
-.PHONY: setup train test test-unit test-launch
+.PHONY: setup train test test-unit test-launch test-heavy
 
 $(BIN)/scale-train: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ test-unit: setup
 	$(BIN)/python -m pytest -q
 
 test-launch: setup
-	$(BIN)/python -m pytest -q -m 'launch or slow'      # multi-process launches, whole jobs, W&B
+	$(BIN)/python -m pytest -q -m '(launch or slow) and not heavy'   # multi-process launches, whole jobs, W&B
+
+test-heavy: setup      # not in `make test`: the planner against counts on the real SmolLM2-135M shape (~10 min)
+	$(BIN)/python -m pytest -q -m heavy
 
 test: test-unit test-launch

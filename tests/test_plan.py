@@ -97,7 +97,8 @@ CASES += [("odd", "zero1"), ("odd", "zero2"), ("odd", "zero3"), ("tiny-qlora", "
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("shape,mode", CASES, ids=[f"{s}-{m}" for s, m in CASES])
+@pytest.mark.parametrize("shape,mode", [
+    pytest.param(s, m, marks=[pytest.mark.heavy] if s == "smollm2-135m" else [], id=f"{s}-{m}") for s, m in CASES])
 def test_predicted_model_states_equal_what_each_rank_holds(shape, mode, tmp_path):
     pytest.importorskip("deepspeed") if mode.startswith("zero") else None
     overrides = SHAPES[shape]
@@ -160,7 +161,7 @@ ACTIVATION_CASES += [("tiny-bf16", False, True), ("tiny-bf16", True, True)]
 
 
 @pytest.mark.parametrize("shape,checkpointing,padded", [
-    pytest.param(s, c, p, marks=[pytest.mark.slow] if s == "smollm2-135m" else [],
+    pytest.param(s, c, p, marks=[pytest.mark.slow, pytest.mark.heavy] if s == "smollm2-135m" else [],
                  id=f"{s}-checkpointing-{'on' if c else 'off'}-{'padded' if p else 'full-rows'}")
     for s, c, p in ACTIVATION_CASES])
 def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, checkpointing, padded, tmp_path,
@@ -223,7 +224,7 @@ PEAK_CASES += [("smollm2-135m", True)]
 
 
 @pytest.mark.parametrize("shape,checkpointing", [
-    pytest.param(s, c, marks=[pytest.mark.slow] if s == "smollm2-135m" else [],
+    pytest.param(s, c, marks=[pytest.mark.slow, pytest.mark.heavy] if s == "smollm2-135m" else [],
                  id=f"{s}-checkpointing-{'on' if c else 'off'}") for s, c in PEAK_CASES])
 def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(shape, checkpointing, tmp_path,
                                                                              request):
