@@ -39,6 +39,7 @@ from scale.config import Config, ConfigError, redact_field, to_dict, yaml_load
 from scale.fileio import replace_dir, temp_dir_for
 from scale.launch import ModePlan
 from scale.modeling import restore_inference_config
+from scale.schedule import SaveTimer  # noqa: F401 - moved to scale.schedule; importable from here as before
 
 logger = get_logger(__name__)
 
@@ -84,29 +85,6 @@ class TrainerState:
         """Set why the next checkpoint is written (``interval``, ``end`` or ``preempted``); return ``self``."""
         self.reason = reason
         return self
-
-
-class SaveTimer:
-    """The wall-clock checkpoint interval (``train.save_every_minutes``): due once that many minutes passed since
-    the last checkpoint (or the start). Each rank reads its own clock; the loop's per-window all-gather makes
-    every rank save when any is due (:func:`scale.train.windows`), so no collective is added.
-
-    Args:
-        minutes: the interval; ``None`` is never due.
-    """
-
-    def __init__(self, minutes: float | None) -> None:
-        self.seconds = None if minutes is None else 60.0 * minutes
-        self.reset()
-
-    def reset(self) -> None:
-        """Start the interval again (after a checkpoint)."""
-        self.start = time.monotonic()
-
-    @property
-    def due(self) -> bool:
-        """Whether the interval has passed on this rank."""
-        return self.seconds is not None and time.monotonic() - self.start >= self.seconds
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:

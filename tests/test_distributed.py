@@ -110,6 +110,22 @@ def test_guard_deepspeed_dropped(monkeypatch, tmp_path):
         launch.build_accelerator(load_config(TINY, [f"output_dir={tmp_path}"]))
 
 
+def test_guard_fsdp_dropped(monkeypatch, tmp_path):
+    import scale.launch as launch
+    from accelerate.utils import DistributedType
+
+    class FakeAccelerator:
+        distributed_type = DistributedType.MULTI_CPU   # what an FSDP config gives on CPU (accelerate 1.15)
+
+        def __init__(self, **kwargs):
+            pass
+
+    monkeypatch.setattr(launch, "Accelerator", FakeAccelerator)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(LaunchError, match=r"an FSDP launch ended up as .*MULTI_CPU.*enters FSDP only on GPUs"):
+        launch.build_accelerator(load_config(TINY, [f"output_dir={tmp_path}"]))
+
+
 def test_guard_deepspeed_json_contradicting_training_config():
     cfg = load_config(TINY, ["train.gradient_accumulation_steps=2", "optim.max_grad_norm=0.5"])
     ds = {"gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto"}
