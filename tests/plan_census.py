@@ -144,8 +144,11 @@ def main() -> None:
         add(getattr(p, "ds_tensor", None), kind)
         add(p.data, kind)
         add(p.grad, "gradients")
-        qs = getattr(p, "quant_state", None)
-        if qs is not None:
+    # A 4-bit weight's quant state, on the parameter; under FSDP2 (whose DTensor parameter drops it) on its
+    # Linear4bit module, from which bitsandbytes restores it in forward (fix_4bit_weight_quant_state_from_module).
+    for qs in [getattr(p, "quant_state", None) for p in inner.parameters()] + \
+            [getattr(m, "quant_state", None) for m in inner.modules()]:
+        if qs is not None and not isinstance(qs, torch.Tensor):
             for t in (qs.absmax, qs.code, qs.offset, getattr(qs.state2, "absmax", None),
                       getattr(qs.state2, "code", None)):
                 add(t, "weights")
