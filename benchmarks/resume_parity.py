@@ -7,7 +7,8 @@ with AdamW, LoRA dropout 0.1 (so the RNG state matters) and 8 optimizer steps, c
 checkpoint at step 4 sits mid-way through the second epoch. For each mode it runs the 8 steps once, then
 resumes a fresh output directory from the step-4 checkpoint, and compares the per-step losses of steps 5-8
 and the final LoRA weights. Exits 1 unless every mode is bit-exact. ``tests/test_resume.py`` and
-``tests/test_faults.py`` check single process and DDP on every CI run; this adds the DeepSpeed stages.
+``tests/test_faults.py`` check single process and DDP on every CI run; this adds the DeepSpeed stages and FSDP2
+(on CPU through the test-only shim ``tests/fsdp_cpu.py``).
 """
 
 from __future__ import annotations
