@@ -32,7 +32,7 @@ from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from scale.checkpoint import ADAPTER_FILE, STATE_FILE, save_adapter, save_checkpoint
+from scale.checkpoint import ADAPTER_FILE, STATE_FILE, SaveTimer, save_adapter, save_checkpoint
 from scale.checks import check_invariants, fingerprints
 from scale.config import Config
 from scale.evaluate import evaluate
@@ -40,7 +40,6 @@ from scale.export import save_serving_files, serving_tokenizer
 from scale.job import Job, setup
 from scale.loss import LossSpec, batch_bad_rows, describe_batch_row, loss_step
 from scale.metrics import StepMeter, bar_text
-from scale.schedule import SaveTimer
 from scale.signals import Preempted, Preemption
 from scale.tracking import finish_trackers, log_model
 
