@@ -292,7 +292,8 @@ def build_accelerator(cfg: Config) -> Accelerator:
                           f"train unsynced replicas. Launch with a MULTI_GPU/DEEPSPEED accelerate config.")
     if use_deepspeed and acc.distributed_type != DistributedType.DEEPSPEED:
         raise LaunchError(f"a DeepSpeed launch ended up as {acc.distributed_type}: DeepSpeed was dropped")
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and acc.distributed_type != DistributedType.FSDP:
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if fsdp and acc.distributed_type != DistributedType.FSDP:
         raise LaunchError(f"an FSDP launch ended up as {acc.distributed_type}: accelerate enters FSDP only on GPUs (it "
                           f"would train unsharded replicas here); on CPU shard with configs/accelerate/cpu_zero3.yaml")
     if acc.distributed_type == DistributedType.DEEPSPEED:

@@ -10,6 +10,12 @@ the device to ``cpu`` (its ``MULTI_CPU`` path, unchanged), it relabels the distr
 the launch asked for FSDP (``ACCELERATE_USE_FSDP=true``), which is what a GPU machine's ``PartialState`` reports.
 ``AcceleratorState`` then turns it into ``FSDP`` as on GPUs, and everything after (``fsdp2_prepare_model``,
 ``fully_shard``, ``get_state_dict``, ``save_state``, the harness's loop) is the GPU path's code, on CPU tensors.
+
+Why after ``__init__`` and not in ``_prepare_backend``: returning ``MULTI_GPU`` from there would skip accelerate's
+``MULTI_CPU`` branch that starts the gloo process group (with ``cpu=True`` the GPU branch does not start one either)
+and ``set_device`` would index ``torch.cuda.device_count()`` (0 here). Relabelling afterwards changes nothing else.
+Checked against accelerate 1.15 (``accelerate/state.py``); ``scale-train`` refuses an FSDP launch that did not
+become FSDP, so a shim that stopped working fails loudly (``scale.launch.build_accelerator``).
 """
 
 from __future__ import annotations

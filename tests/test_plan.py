@@ -78,7 +78,7 @@ def run_census(mode: str, overrides: list[str], out: Path) -> list[dict]:
     if mode == "single":
         cmd = [sys.executable, *script]
     else:  # FSDP2 on CPU needs the test-only shim (tests/fsdp_cpu.py), which plan_census.py enables under its YAML
-        yaml = ROOT / "tests" / "cpu_fsdp2.yaml" if mode == "fsdp2" else ROOT / "configs" / "accelerate" / f"cpu_{mode}.yaml"
+        yaml = ROOT / ("tests/cpu_fsdp2.yaml" if mode == "fsdp2" else f"configs/accelerate/cpu_{mode}.yaml")
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml),
                "--main_process_port", str(free_port()), *script]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
