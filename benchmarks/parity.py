@@ -12,6 +12,7 @@ every assistant turn trained: tails up to ~90 tokens, weight-0 user turns inside
 ``metrics.jsonl`` (per-step ``train/loss`` and ``train/grad_norm``) and the saved adapter, and prints the max relative deviation from
 the job's first row; exits 1 if any row exceeds the tolerance. The ``zero3 from a directory`` row loads the same
 tiny model from a ``save_pretrained`` directory (``from_pretrained`` under ZeRO-3's ``zero.Init``, as a real model).
+The ``fsdp2`` row is accelerate's FSDP2 preparation on 2 CPU processes through the test-only shim ``tests/fsdp_cpu.py``.
 """
 
 from __future__ import annotations

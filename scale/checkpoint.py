@@ -9,6 +9,7 @@ Layout of one checkpoint ``<output_dir>/checkpoints/step_000040/``:
     custom_checkpoint_0.pkl     the LR scheduler (registered for checkpointing: it is not ``prepare``d)
     random_states_<rank>.pkl    Python, NumPy and torch RNG states of every rank
     pytorch_model/              DeepSpeed only: its own files (frozen parameters excluded), read by DeepSpeed
+    pytorch_model_fsdp_0/ optimizer_0/   FSDP2 only: accelerate's sharded DCP files (the whole model; read back)
 
 Atomicity: every rank writes into ``step_000040.tmp/``; after a barrier the directory is renamed (one ``os.replace``).
 A crash before the rename leaves ``*.tmp``, which :func:`list_checkpoints` ignores (``latest`` takes the previous one).
@@ -38,6 +39,7 @@ from scale.config import Config, ConfigError, redact_field, to_dict, yaml_load
 from scale.fileio import replace_dir, temp_dir_for
 from scale.launch import ModePlan
 from scale.modeling import restore_inference_config
+from scale.schedule import SaveTimer  # noqa: F401 - moved to scale.schedule; importable from here as before
 
 logger = get_logger(__name__)
 
@@ -83,29 +85,6 @@ class TrainerState:
         """Set why the next checkpoint is written (``interval``, ``end`` or ``preempted``); return ``self``."""
         self.reason = reason
         return self
-
-
-class SaveTimer:
-    """The wall-clock checkpoint interval (``train.save_every_minutes``): due once that many minutes passed since
-    the last checkpoint (or the start). Each rank reads its own clock; the loop's per-window all-gather makes
-    every rank save when any is due (:func:`scale.train.windows`), so no collective is added.
-
-    Args:
-        minutes: the interval; ``None`` is never due.
-    """
-
-    def __init__(self, minutes: float | None) -> None:
-        self.seconds = None if minutes is None else 60.0 * minutes
-        self.reset()
-
-    def reset(self) -> None:
-        """Start the interval again (after a checkpoint)."""
-        self.start = time.monotonic()
-
-    @property
-    def due(self) -> bool:
-        """Whether the interval has passed on this rank."""
-        return self.seconds is not None and time.monotonic() - self.start >= self.seconds
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -203,7 +182,9 @@ def unwrap(acc: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    """Full trainable tensors on CPU; an FSDP2 shard (``DTensor``) is gathered first: a collective, every rank calls."""
+    full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p  # noqa: E731
+    return {n: full(p.detach()).cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def register_hooks(acc: Accelerator) -> None:
@@ -213,9 +194,11 @@ def register_hooks(acc: Accelerator) -> None:
 
     def save_hook(models: list[torch.nn.Module], weights: list[dict], output_dir: str) -> None:
         weights.clear()  # accelerate would write the full state dict, 4-bit base included
-        if _is_writer(acc):
-            for model in models:
-                save_file(_trainable_state(unwrap(acc, model)), os.path.join(output_dir, ADAPTER_FILE))
+        fsdp = acc.distributed_type == DistributedType.FSDP  # then every rank gathers the shards (collective)
+        for model in models if fsdp or _is_writer(acc) else []:
+            state = _trainable_state(unwrap(acc, model))
+            if _is_writer(acc):
+                save_file(state, os.path.join(output_dir, ADAPTER_FILE))
 
     def load_hook(models: list[torch.nn.Module], input_dir: str) -> None:
         for model in models:
@@ -344,6 +327,8 @@ def _needed_files(acc: Accelerator, plan: ModePlan, path: Path) -> list[Path]:
     files = [path / STATE_FILE, path / f"random_states_{acc.process_index}.pkl", path / "custom_checkpoint_0.pkl"]
     if plan.deepspeed:
         files.append(path / "pytorch_model")
+    elif plan.mode == "fsdp":  # accelerate's DCP directories (the whole sharded model, and the optimizer)
+        files += [path / ADAPTER_FILE, path / "pytorch_model_fsdp_0", path / "optimizer_0"]
     else:
         files += [path / ADAPTER_FILE, path / "optimizer.bin"]
     return files
@@ -439,8 +424,9 @@ def save_adapter(acc: Accelerator, plan: ModePlan, model: torch.nn.Module, out: 
     Under ZeRO-3/FSDP (``plan.partitioned``) the LoRA weights are gathered from every rank first; saving the
     local shards instead writes empty adapters (peft#453, peft#2892). Collective: every rank calls.
     """
-    # collective under ZeRO-3: gathers the shards; elsewhere the local (full) copy
-    state_dict = acc.get_state_dict(model) if plan.partitioned else None
+    # Collective when partitioned: ZeRO-3 gathers the whole model on rank 0; FSDP2 only the trainable tensors.
+    state_dict = None if not plan.partitioned else (_trainable_state(unwrap(acc, model)) if plan.mode == "fsdp"
+                                                    else acc.get_state_dict(model))
     if acc.is_main_process:
         unwrapped = unwrap(acc, model)
         restore_inference_config(unwrapped)

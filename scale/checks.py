@@ -65,10 +65,11 @@ def check_invariants(acc: Accelerator, model: torch.nn.Module, before: dict[str,
     """
     after = fingerprints(acc, model)
     pairs = [p for p in gather_object([(before, after)]) if p[1] is not None]  # collective: every rank
-    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in model.parameters())
+    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.to_local().numel() if hasattr(p, "to_local")
+                else p.numel() for p in model.parameters())  # ZeRO-3's partition; FSDP2's DTensor shard
     full = sum(full_numel(p) for p in model.parameters())
     return {"check/base_unchanged": all(b is not None and b["base"] == a["base"] for b, a in pairs),
-            "check/param_elements_local_fraction": local / full,  # < 1 where ZeRO-3 partitions weights
+            "check/param_elements_local_fraction": local / full,  # < 1 where ZeRO-3/FSDP2 partition weights
             "check/ranks_agree": len({a["lora"] for _, a in pairs}) == 1,
             "check/ranks_compared": len(pairs),
             "check/lora_B_nonzero": all(a["lora_B_nonzero"] == a["lora_B"] for _, a in pairs),

@@ -292,6 +292,10 @@ def build_accelerator(cfg: Config) -> Accelerator:
                           f"train unsynced replicas. Launch with a MULTI_GPU/DEEPSPEED accelerate config.")
     if use_deepspeed and acc.distributed_type != DistributedType.DEEPSPEED:
         raise LaunchError(f"a DeepSpeed launch ended up as {acc.distributed_type}: DeepSpeed was dropped")
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if fsdp and acc.distributed_type != DistributedType.FSDP:
+        raise LaunchError(f"an FSDP launch ended up as {acc.distributed_type}: accelerate enters FSDP only on GPUs (it "
+                          f"would train unsharded replicas here); on CPU shard with configs/accelerate/cpu_zero3.yaml")
     if acc.distributed_type == DistributedType.DEEPSPEED:
         reconcile_deepspeed(cfg, acc.state.deepspeed_plugin.deepspeed_config)
         notice = deepspeed_op_notice(acc.state.deepspeed_plugin.deepspeed_config)

@@ -29,8 +29,8 @@ from scale.config import Config, configs_dir
 # Launch modes, cheapest first: bytes moved between ranks per optimizer step (W = all weights, G = trainable
 # gradients): single 0; DDP all-reduce of G; ZeRO-1/2 reduce-scatter of G + all-gather of the updated trainable
 # weights (the same volume as DDP, two collectives); ZeRO-3 and FSDP2 also all-gather W in forward and in
-# backward (with a frozen base, W >> G); FSDP2 moves what ZeRO-3 moves and comes after it because the harness's
-# FSDP2 path runs on GPUs only and is not covered by the CPU tests; ZeRO-3 offload adds host<->device copies.
+# backward (with a frozen base, W >> G); FSDP2 moves what ZeRO-3 moves and comes after it because on CPU its path
+# is proven only through a test shim (tests/fsdp_cpu.py), not on GPUs; ZeRO-3 offload adds host<->device copies.
 MODES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp2", "zero3_offload")
 MODE_LABELS = {"single": "single", "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
                "zero3_offload": "ZeRO-3 offload", "fsdp2": "FSDP2"}
@@ -268,19 +268,22 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
             shardable, unshardable, dtype = _weight_bytes(p, cfg, None)
             if p.quantized:  # packed 4-bit storage is one flat column: sharded by elements
                 part = _shard_elems(shardable // nbytes(dtype), w) * nbytes(dtype)
-            else:  # dim-0 shards, padded to a multiple of the world size
+                own = part
+            else:  # torch.chunk of dim 0: rank r holds rows [r*c, (r+1)*c), c = ceil(rows / world)
                 rows = p.shape[0] if p.shape else 1
-                part = _shard_elems(rows, w) * (p.numel // max(rows, 1)) * nbytes(dtype)
+                c, row_bytes = _shard_elems(rows, w), (p.numel // max(rows, 1)) * nbytes(dtype)
+                part = c * row_bytes  # the parameter and its gradient live in storage padded to c rows
+                own = max(0, min(c, rows - rank * c)) * row_bytes  # the optimizer's zeros_like: unpadded
             if p.trainable:
                 r.trainable += part
                 r.gradients += part
-                r.optimizer += 2 * part if adam else 0
+                r.optimizer += 2 * own if adam else 0
             else:
                 r.weights += part + unshardable
         layer_bytes = max((sum(_weight_bytes(p, cfg, None)[0] for p in params if f".{i}." in p.name)
                            for i in range(act.layers)), default=0)
         transient += 2 * layer_bytes  # one decoder layer gathered, the next prefetched
-        r.notes.append("dim-0 shards of every parameter; not checked against a count (GPU only here)")
+        r.notes.append("dim-0 shards of every parameter (padded to equal rows; optimizer state unpadded)")
     r.transient = transient
     r.overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * r.allocated)
     return r

@@ -179,7 +179,7 @@ def train_window(job: Job, window: Window, meter: StepMeter) -> None:
             # sum(weighted token CE) / den for the whole window on every rank. A stand-in backpropagates 0.
             acc.backward(num * ((ga * world) / window.den if mb.real else 0.0))
             if acc.sync_gradients:
-                meter.grad_norm = acc.clip_grad_norm_(job.model.parameters(), max_norm)
+                meter.grad_norm = full_norm(acc.clip_grad_norm_(job.model.parameters(), max_norm))
                 finite = all_finite(acc, meter.grad_norm, nums)  # collective + host sync, once per step
                 if not finite:
                     report_nonfinite(job, window, nums, meter.grad_norm)  # raises unless on_nonfinite=skip
@@ -261,6 +261,17 @@ def epoch_loader(job: Job) -> DataLoader:
     dl = job.acc.skip_first_batches(job.train_dl, job.state.windows_in_epoch * ga)
     dl.set_epoch(job.state.epoch)  # the copy must be told the epoch too (accelerate#2016)
     return dl
+
+
+def full_norm(grad_norm: Any) -> Any:
+    """The gradient norm as a plain tensor: under FSDP2 ``clip_grad_norm_`` returns a ``DTensor`` (a partial
+    reduction over the shards); ``full_tensor()`` finishes it (a collective, every rank calls it). Else unchanged."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(grad_norm, DTensor):
+            return grad_norm.full_tensor()
+    return grad_norm
 
 
 def all_finite(acc: Accelerator, grad_norm: Any, nums: list[torch.Tensor]) -> bool:

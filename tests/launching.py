@@ -47,6 +47,13 @@ def accelerate_cmd(config: str, extra: list[str] | None = None) -> list[str]:
             "--main_process_port", str(free_port()), *(extra or []), "-m", "scale.train"]
 
 
+def fsdp2_cmd(extra: list[str] | None = None) -> list[str]:
+    """FSDP2 on 2 CPU processes: ``tests/cpu_fsdp2.yaml`` (configs/accelerate/fsdp2.yaml with 2 processes) and the
+    test-only shim :mod:`tests.fsdp_cpu` in front of ``scale.train`` (accelerate 1.15 never enters FSDP on CPU)."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "tests" / "cpu_fsdp2.yaml"),
+            "--main_process_port", str(free_port()), *(extra or []), "-m", "tests.fsdp_cpu"]
+
+
 def save_tiny_directory(path: Path, *overrides: str) -> Path:
     """The job's ``tiny-llama`` (tiny_cpu.yaml + ``overrides``, weights from ``train.seed``) written with
     ``save_pretrained``: a real model directory holding the very weights the built-in name builds, so a run from it
@@ -84,6 +91,7 @@ def modes(directory: Path | None = None) -> dict[str, tuple[list[list[str]], lis
         "zero1 2x(2,2)": ([accelerate_cmd("cpu_zero1.yaml")], mb2),
         "zero2 2x(2,2)": ([accelerate_cmd("cpu_zero2.yaml")], mb2),
         "zero3 2x(2,2)": ([accelerate_cmd("cpu_zero3.yaml")], mb2),
+        "fsdp2 2x(2,2)": ([fsdp2_cmd()], mb2),
         "2 nodes x 1 proc (2,2)": (nodes, mb2),
         "deepspeed launcher 2x(2,2)": (
             [deepspeed_cmd()],

@@ -59,6 +59,11 @@ def main() -> None:
         if os.environ.get("PLAN_CENSUS_TIMES"):
             sys.stderr.write(f"census {what}: {time.perf_counter() - t0:.1f} s\n")
 
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":  # tests/cpu_fsdp2.yaml: the CPU shim
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tests.fsdp_cpu import enable
+
+        enable()
     out, args = sys.argv[1], sys.argv[2:]
     config = args[args.index("--config") + 1]
     overrides = [a for i, a in enumerate(args) if a != "--config" and (i == 0 or args[i - 1] != "--config")]
@@ -91,8 +96,9 @@ def main() -> None:
                    if isinstance(b, torch.Tensor))
 
     def grad_bytes() -> int:
-        storages = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
-                    for p in inner.parameters() if p.grad is not None and p.grad.numel()}
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in inner.parameters()
+                 if p.grad is not None and p.grad.numel()]
+        storages = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}
         return sum(storages.values())
 
     def embed_hook(module, args, output):  # its gradient is the last one backward computes
@@ -128,6 +134,7 @@ def main() -> None:
     kinds: dict[int, tuple[str, int]] = {}   # storage pointer -> (kind, bytes)
 
     def add(t, kind: str) -> None:
+        t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: a DTensor's local shard (padded storage)
         if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr():
             s = t.untyped_storage()
             kinds.setdefault(s.data_ptr(), (kind, s.nbytes()))
@@ -137,8 +144,11 @@ def main() -> None:
         add(getattr(p, "ds_tensor", None), kind)
         add(p.data, kind)
         add(p.grad, "gradients")
-        qs = getattr(p, "quant_state", None)
-        if qs is not None:
+    # A 4-bit weight's quant state, on the parameter; under FSDP2 (whose DTensor parameter drops it) on its
+    # Linear4bit module, from which bitsandbytes restores it in forward (fix_4bit_weight_quant_state_from_module).
+    for qs in [getattr(p, "quant_state", None) for p in inner.parameters()] + \
+            [getattr(m, "quant_state", None) for m in inner.modules()]:
+        if qs is not None and not isinstance(qs, torch.Tensor):
             for t in (qs.absmax, qs.code, qs.offset, getattr(qs.state2, "absmax", None),
                       getattr(qs.state2, "code", None)):
                 add(t, "weights")
@@ -172,6 +182,8 @@ def main() -> None:
     others = []
     for o in gc.get_objects():
         try:
+            if isinstance(o, torch.Tensor) and hasattr(o, "to_local"):  # a DTensor: its local tensor is seen apart
+                continue
             if isinstance(o, torch.Tensor) and o.numel() and o.untyped_storage().data_ptr() not in kinds:
                 s = o.untyped_storage()
                 kinds[s.data_ptr()] = ("other", s.nbytes())

@@ -55,6 +55,23 @@ def test_mode_matches_single_device(mode, reference, tmp_path):
     assert rel_dev(_expected_lrs(6), got["lr"]) < 1e-12   # the scheduler steps once per optimizer step
 
 
+@pytest.mark.launch
+def test_fsdp2_shards_and_matches_single_device(reference, tmp_path):
+    """accelerate's own FSDP2 preparation (``fully_shard`` per decoder layer) on 2 CPU processes through the test-only
+    shim (tests/fsdp_cpu.py, which only relabels the device type): the weights are really sharded, the numbers are
+    one device's, and the gathered adapter is whole."""
+    from scale.metrics import read_jsonl
+
+    cmds, overrides = modes()["fsdp2 2x(2,2)"]
+    got = run_mode(cmds, overrides + ["train.check_invariants=true"], tmp_path)
+    assert rel_dev(reference["loss"], got["loss"]) < TOL
+    assert rel_dev(reference["grad_norm"], got["grad_norm"]) < TOL
+    assert weight_dev(reference["weights"], got["weights"]) < TOL   # same 28 LoRA tensors, full shapes
+    checks = next(r for r in read_jsonl(tmp_path / "metrics.jsonl") if "check/base_unchanged" in r)
+    assert 0.45 < checks["check/param_elements_local_fraction"] < 0.55   # each rank holds half of every weight
+    assert checks["check/base_unchanged"] and checks["check/lora_B_nonzero"] and checks["check/lora_B_tensors"] == 14
+
+
 # ---- guards: each fails loudly at start-up ----
 
 def test_guard_multi_cpu_launch_that_starts_one_process():
@@ -107,6 +124,22 @@ def test_guard_deepspeed_dropped(monkeypatch, tmp_path):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(LaunchError, match=r"a DeepSpeed launch ended up as .*MULTI_CPU.*DeepSpeed was dropped"):
+        launch.build_accelerator(load_config(TINY, [f"output_dir={tmp_path}"]))
+
+
+def test_guard_fsdp_dropped(monkeypatch, tmp_path):
+    import scale.launch as launch
+    from accelerate.utils import DistributedType
+
+    class FakeAccelerator:
+        distributed_type = DistributedType.MULTI_CPU   # what an FSDP config gives on CPU (accelerate 1.15)
+
+        def __init__(self, **kwargs):
+            pass
+
+    monkeypatch.setattr(launch, "Accelerator", FakeAccelerator)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(LaunchError, match=r"an FSDP launch ended up as .*MULTI_CPU.*enters FSDP only on GPUs"):
         launch.build_accelerator(load_config(TINY, [f"output_dir={tmp_path}"]))
 
 

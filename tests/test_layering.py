@@ -41,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     "metrics": {"config", "fileio", "flops"},
     "tracking": {"config", "fileio", "metrics"},
     "checks": {"modeling"},
-    "checkpoint": {"config", "fileio", "launch", "modeling"},
+    "checkpoint": {"config", "fileio", "launch", "modeling", "schedule"},  # schedule: SaveTimer (issue 21)
     "evaluate": {"loss", "tasks"},
     "job": {"assets", "cache", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss",
             "metrics", "modeling", "sampling", "schedule", "sources", "tracking"},

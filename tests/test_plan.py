@@ -3,7 +3,7 @@
 - Model states (weights, trainable weights, fp32 master, gradients, optimizer state) in single, DDP and
   ZeRO-1/2/3 with 2 processes: ``tests/plan_census.py`` runs under ``accelerate launch`` with
   ``configs/accelerate/cpu_*.yaml`` and counts every storage each rank holds before its second optimizer step;
-  the prediction must equal it to the byte, on both ranks.
+  the prediction must equal it to the byte, on both ranks (FSDP2: ``python benchmarks/plan_fsdp2.py``).
 - Saved activations: within 10% of the bytes ``saved_tensors_hooks`` count on a real CPU forward of the same
   job (checkpointing on and off, padded and full rows).
 - The single-device total without overhead: within 10% of the peak of live tensor bytes over a real CPU optimizer
@@ -77,10 +77,10 @@ def run_census(mode: str, overrides: list[str], out: Path) -> list[dict]:
     script = [str(ROOT / "tests" / "plan_census.py"), str(out), "--config", str(TINY_YAML), *BASE, *overrides]
     if mode == "single":
         cmd = [sys.executable, *script]
-    else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "configs" / "accelerate" / f"cpu_{mode}.yaml"), "--main_process_port", str(free_port()),
-               *script]
+    else:  # FSDP2 on CPU needs the test-only shim (tests/fsdp_cpu.py), which plan_census.py enables under its YAML
+        yaml = ROOT / ("tests/cpu_fsdp2.yaml" if mode == "fsdp2" else f"configs/accelerate/cpu_{mode}.yaml")
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml),
+               "--main_process_port", str(free_port()), *script]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return [json.loads(p.read_text()) for p in sorted(out.parent.glob(out.name + ".*"))]
