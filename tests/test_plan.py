@@ -91,19 +91,21 @@ def run_census(mode: str, overrides: list[str], out: Path) -> list[dict]:
 # 262,144 are not, so ZeRO-3 keeps it whole on every rank (issue 21: the planner decided on logical elements).
 QLORA32 = ["model.quantize_4bit=true", "model.bnb_4bit_compute_dtype=float32", "model.bnb_4bit_quant_storage=float32",
            "model.tiny_hidden_size=512", "model.tiny_intermediate_size=1024"]
-SHAPES = {"tiny": [], "smollm2-135m": None, "odd": ODD, "tiny-qlora": QLORA32}
+SHAPES = {"tiny": [], "smollm2-135m": None, "odd": ODD, "tiny-qlora": QLORA32, "smollm2-qlora": QLORA32[:3]}
 CASES = [(s, m) for s in ("tiny", "smollm2-135m") for m in ("single", "ddp", "zero1", "zero2", "zero3")]
-CASES += [("odd", "zero1"), ("odd", "zero2"), ("odd", "zero3"), ("tiny-qlora", "zero3")]
+CASES += [("odd", "zero1"), ("odd", "zero2"), ("odd", "zero3"), ("tiny-qlora", "zero3"), ("smollm2-qlora", "zero3")]
 
 
 @pytest.mark.launch
 @pytest.mark.parametrize("shape,mode", [
-    pytest.param(s, m, marks=[pytest.mark.heavy] if s == "smollm2-135m" else [], id=f"{s}-{m}") for s, m in CASES])
+    pytest.param(s, m, marks=[pytest.mark.heavy] if s.startswith("smollm2") else [], id=f"{s}-{m}") for s, m in CASES])
 def test_predicted_model_states_equal_what_each_rank_holds(shape, mode, tmp_path):
     pytest.importorskip("deepspeed") if mode.startswith("zero") else None
     overrides = SHAPES[shape]
-    if overrides is None:  # SmolLM2 shape: random weights from its config; one short row keeps the run short
-        overrides = [f"model.name_or_path={smollm2_dir(tmp_path)}", "train.micro_batch_size=1", "data.max_length=16"]
+    if overrides is None or shape.startswith("smollm2"):  # SmolLM2 shape: random weights from its config; one
+        # short row keeps the run short (QLoRA: NF4 with fp32 storage, which ZeRO-3 partitions)
+        overrides = [f"model.name_or_path={smollm2_dir(tmp_path)}", "train.micro_batch_size=1", "data.max_length=16",
+                     *(overrides or [])]
     counts = run_census(mode, overrides, tmp_path / "census.json")
     assert len(counts) == (1 if mode == "single" else 2)
     cfg, hf, params = planned(overrides)
