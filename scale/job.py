@@ -166,11 +166,12 @@ def setup(cfg: Config) -> Job:
                        "larger than the train split (%d rows): every optimizer step sees at most one epoch",
                        mb * ga * world, len(splits.train))
     clear_previous_run(acc, cfg, resume)  # train.overwrite_output_dir=true: the old run's artefacts go
-    max_steps = cfg.train.max_steps or steps_for_epochs(len(splits.train), mb * ga * world, cfg.train.num_epochs)
+    train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id, world)
+    # With data.packing an epoch is len(bins) items, not len(rows)
+    max_steps = cfg.train.max_steps or steps_for_epochs(len(train_dl.dataset), mb * ga * world, cfg.train.num_epochs)
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, out / "config.yaml")
-    train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id, world)
     optimizer, scheduler = make_optimizer(cfg, model, max_steps)
     shape = flops_shape(model)  # before prepare: acc.unwrap_model imports deepspeed whenever it is installed
     model, optimizer, train_dl = acc.prepare(model, optimizer, train_dl)

@@ -262,3 +262,26 @@ def test_packed_loader_trains_every_row_once_and_matches_padded(tmp_path, tokeni
     assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0])
     worst = max(float((grads[0][n] - grads[1][n]).abs().max() / grads[0][n].abs().max()) for n in grads[0])
     assert worst < 1e-5, worst
+
+
+def test_packed_epoch_job_counts_its_steps_in_bins(tmp_path):
+    """`train.num_epochs` with `data.packing`: one epoch is ceil(bins / global batch) optimizer steps (not rows),
+    every step trains a padding-free micro-batch, and the run ends after exactly that many steps."""
+    from scale.metrics import read_jsonl
+    from scale.sampling import pack_bfd
+    from scale.train import run
+    from tests.conftest import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, "data.packing=true", "data.max_length=96", "data.max_train_examples=48",
+                   "train.max_steps=null", "train.num_epochs=1", "train.micro_batch_size=2", "train.gradient_accumulation_steps=1", "train.log_every=1",
+                   "train.eval_every=0", "train.save_adapter=false", "data.cache=false")
+    run(cfg)
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    from scale.data import build_splits
+    from scale.modeling import load_tokenizer
+
+    splits = build_splits(cfg.data, cfg.loss, load_tokenizer(cfg.model), cfg.data.path, cfg.train.seed)
+    bins = pack_bfd([len(e.input_ids) for e in splits.train], 96)
+    G = 2 * cfg.train.gradient_accumulation_steps
+    assert len(bins) < 48 / 3 and [r["step"] for r in rows] == list(range(1, -(-len(bins) // G) + 1))
+    assert all(r["train/pad_fraction"] == 0.0 for r in rows)
