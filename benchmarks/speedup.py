@@ -14,6 +14,10 @@ double quantization, LoRA r=16 all-linear, micro-batch 8, the review data):
   ``train.mixed_precision=bf16``), for CPUs whose bf16 GEMM is faster than fp32 (the start-up log of a run
   names both figures);
 - ``after+padding_free``: the new defaults with padding-free micro-batches (``data.padding_free=true``).
+- ``auto`` / ``fp32``: the default job with the dtype the start-up probe picks (``train.mixed_precision:
+  auto``, the default: bf16 where the probe's bf16 GEMMs measure >= 1.3x fp32) against fp32 forced
+  (``--contestants fp32,auto``: the speedup line is then auto over fp32; each MFU is against the peak of the
+  dtype that run used). On a CPU without fast bf16 both run fp32 and the ratio is ~1.
 
 Each run is a fresh process (``--worker``) that builds the job with ``scale.job.setup`` and trains it with
 ``scale.train.fit`` for ``--steps`` optimizer steps (``train.log_every=1``; the evaluations at step 0 and at
@@ -59,6 +63,9 @@ CONTESTANTS: dict[str, list[str]] = {
     "after": [],
     "after+bf16": ["model.bnb_4bit_compute_dtype=bfloat16", "train.mixed_precision=bf16"],
     "after+padding_free": ["data.padding_free=true"],
+    # issue 19: the dtype the start-up probe picks (bf16 where its GEMMs measure >= 1.3x fp32) against fp32
+    "auto": ["train.mixed_precision=auto", "model.bnb_4bit_compute_dtype=auto"],
+    "fp32": ["train.mixed_precision='no'", "model.bnb_4bit_compute_dtype=float32"],
 }
 
 

@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 CACHE_VERSION = 2  # bump when the cache layout changes (2: the trained flags, every Splits field in meta.json)
 # data.* keys that do not change the tokens or the split: batching and the cache itself.
-RUNTIME_KEYS = ("num_workers", "group_by_length", "mega_batch_steps", "padding_free", "padding_side", "cache",
+RUNTIME_KEYS = ("num_workers", "group_by_length", "mega_batch_steps", "padding_free", "packing", "padding_side", "cache",
                 "cache_dir", "cache_max_gib", "num_proc", "path", "eval_path", "chat_template")
 # their source is part of the fingerprint (scale/tasks/: every format module)
 TOKEN_MODULES = ("data.py", "formats.py", "sources.py", "cache.py", "tasks/*.py")

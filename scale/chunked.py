@@ -203,11 +203,18 @@ def chunked_tail_loss(model: torch.nn.Module, tail_hidden: Tensor, targets: Tens
     head = output_head(model)
     flat_h, flat_t = tail_hidden.reshape(B * N, H), targets.reshape(B * N)
     w = weights.reshape(B * N).float()
+    types = (type_indicator[:, None].expand(B, N).reshape(B * N) if type_indicator is not None
+             else torch.zeros(B * N, dtype=torch.long, device=flat_t.device))
+    # Only positions of non-zero weight go through the head: the columns left of a short row's tail (the tail is
+    # as wide as the longest row's; packed rows repeat a position there) and untrained chat turns add nothing.
+    # One host sync per micro-batch (nonzero), small next to a loss big enough to be chunked. A micro-batch of
+    # weight 0 only (a stand-in at an epoch's end) keeps every position, so that backward still reaches the head.
+    keep = (w != 0).nonzero().squeeze(1)
+    if keep.numel():
+        flat_h, flat_t, w, types = flat_h[keep], flat_t[keep], w[keep], types[keep]
     if criterion is None and _fusable(head):
         num = _FusedLinearCE.apply(flat_h, head.weight, head.bias, flat_t, w, chunk)
         return num, w.sum()
-    types = (type_indicator[:, None].expand(B, N).reshape(B * N) if type_indicator is not None
-             else torch.zeros(B * N, dtype=torch.long, device=flat_t.device))
 
     def one(h: Tensor, t: Tensor, wc: Tensor, ty: Tensor) -> Tensor:
         # A chunk of C positions as C rows of one position: tail_loss (and a criterion) see per-token types.
@@ -215,7 +222,7 @@ def chunked_tail_loss(model: torch.nn.Module, tail_hidden: Tensor, targets: Tens
         return num
 
     num = torch.zeros((), dtype=torch.float32, device=flat_h.device)
-    for s in range(0, B * N, chunk):
+    for s in range(0, w.shape[0], chunk):
         args = (flat_h[s:s + chunk], flat_t[s:s + chunk], w[s:s + chunk], types[s:s + chunk])
         if criterion is not None and not bool((args[2] > 0).any()):  # host sync (a criterion syncs anyway)
             continue  # no tail token in this chunk: a criterion's mean of nothing would be NaN

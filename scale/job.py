@@ -35,7 +35,7 @@ from scale.launch import ModePlan, build_accelerator, main_process_first, plan_f
 from scale.loss import LossSpec
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
 from scale.modeling import build_model, check_packing, load_tokenizer, parameter_counts
-from scale.sampling import LengthGroupedSampler, PaddingFreeCollator
+from scale.sampling import LengthGroupedSampler, PackedCollator, PackedRows, PaddingFreeCollator, pack_bfd
 from scale.schedule import lr_factor, steps_for_epochs
 from scale.sources import data_digest
 from scale.tracking import start_trackers
@@ -76,21 +76,27 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, num_processes: 
     every launch mode with the same global batch sees the same rows in every optimizer step. With
     ``data.group_by_length`` the order comes from :class:`scale.sampling.LengthGroupedSampler`, built from the
     global batch (``num_processes`` ranks) before sharding, so that still holds. With ``data.padding_free``
-    train micro-batches are packed rows (:class:`scale.sampling.PaddingFreeCollator`).
+    train micro-batches are packed rows (:class:`scale.sampling.PaddingFreeCollator`); with ``data.packing`` the
+    rows are first packed into bins of ``data.max_length`` tokens (:func:`scale.sampling.pack_bfd`), built from
+    the stored lengths alone (the same bins on every rank), and the loader shuffles and shards bins.
     """
     collate = Collator(pad_token_id, cfg.data.padding_side)
     train_collate = PaddingFreeCollator() if cfg.data.padding_free else collate
     t = cfg.train
+    train, lengths = splits.train, column(splits.train, "length").tolist()  # [issue 18] no token read
+    if cfg.data.packing:  # [issue 19] the loader deals in bins of rows (scale.sampling.pack_bfd)
+        train = PackedRows(splits.train, pack_bfd(lengths, cfg.data.max_length))
+        lengths, train_collate = train.lengths(lengths), PackedCollator()
     if cfg.data.group_by_length:
-        sampler = LengthGroupedSampler(column(splits.train, "length").tolist(),  # [issue 18] no token read
+        sampler = LengthGroupedSampler(lengths,
                                        t.micro_batch_size * t.gradient_accumulation_steps * num_processes,
                                        cfg.data.mega_batch_steps, t.seed)
         # A generator of its own: each iter() of a DataLoader draws a base seed from it, else from the global
         # RNG, and a resumed run (one iter() more) would then draw other dropout masks.
-        train_dl = DataLoader(splits.train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=train_collate,
+        train_dl = DataLoader(train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=train_collate,
                               generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
     else:
-        train_dl = DataLoader(splits.train, batch_size=t.micro_batch_size, shuffle=True, collate_fn=train_collate,
+        train_dl = DataLoader(train, batch_size=t.micro_batch_size, shuffle=True, collate_fn=train_collate,
                               generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
     # Evaluation order does not change its sums; longest first keeps padding (and peak memory) low.
     eval_dl = DataLoader(longest_first(splits.eval),  # [issue 18] a view of a cached split
@@ -142,7 +148,7 @@ def setup(cfg: Config) -> Job:
             resolve_model(cfg.model.name_or_path)  # the asset (SmolLM2's conversion), prepared once
             return tokenizer, data_path, splits, None
         model = build_model(cfg.model, cfg.lora, len(tokenizer), cfg.train.seed, device_map=plan.device_map)
-        check_packing(model, cfg.data.padding_free)  # before anything is written
+        check_packing(model, cfg.data.padding_free, cfg.data.packing)  # before anything is written
         return tokenizer, data_path, splits, model
 
     # One process prepares the cached assets, the others then read them; an error there stops every rank.
@@ -160,11 +166,12 @@ def setup(cfg: Config) -> Job:
                        "larger than the train split (%d rows): every optimizer step sees at most one epoch",
                        mb * ga * world, len(splits.train))
     clear_previous_run(acc, cfg, resume)  # train.overwrite_output_dir=true: the old run's artefacts go
-    max_steps = cfg.train.max_steps or steps_for_epochs(len(splits.train), mb * ga * world, cfg.train.num_epochs)
+    train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id, world)
+    # With data.packing an epoch is len(bins) items, not len(rows)
+    max_steps = cfg.train.max_steps or steps_for_epochs(len(train_dl.dataset), mb * ga * world, cfg.train.num_epochs)
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, out / "config.yaml")
-    train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id, world)
     optimizer, scheduler = make_optimizer(cfg, model, max_steps)
     shape = flops_shape(model)  # before prepare: acc.unwrap_model imports deepspeed whenever it is installed
     model, optimizer, train_dl = acc.prepare(model, optimizer, train_dl)

@@ -236,18 +236,19 @@ def packing_leak(config: Any) -> str | None:
             f"would see the end of the previous one")
 
 
-def check_packing(model: torch.nn.Module, padding_free: bool) -> None:
-    """Refuse ``data.padding_free`` on a model family whose layers leak across packed examples.
+def check_packing(model: torch.nn.Module, padding_free: bool, packing: bool = False) -> None:
+    """Refuse ``data.padding_free`` (or ``data.packing``) on a model family whose layers leak across packed examples.
 
     Raises:
         ConfigError: one line naming the family and the layer types (:func:`packing_leak`).
     """
-    if not padding_free:
+    if not (padding_free or packing):
         return
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     why = packing_leak(base.config)
     if why:
-        raise ConfigError(f"data.padding_free=true cannot be exact here: {why}. Set data.padding_free=false "
+        key = "data.padding_free" if padding_free else "data.packing"
+        raise ConfigError(f"{key}=true cannot be exact here: {why}. Set {key}=false "
                           f"(padded batches; data.group_by_length=true keeps padding low)")
 
 

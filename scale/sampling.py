@@ -25,6 +25,9 @@ loss does not see padding.
 
 :class:`PaddingFreeCollator` goes further: a micro-batch becomes one packed row with position ids that restart
 at every example, which transformers' attention masks treat as separate sequences (no padding at all).
+With ``data.packing`` (:func:`pack_bfd`, :class:`PackedRows`) the rows are first packed, best-fit-decreasing,
+into bins of at most ``data.max_length`` tokens; the sampler and the loader then deal in bins, so a micro-batch
+holds ``micro_batch_size`` bins (about ``micro_batch_size x max_length`` tokens), whatever the row lengths.
 
 No accelerate, no torch.distributed: a plain ``torch.utils.data.Sampler``. It has no ``generator``
 attribute, so ``accelerate.prepare`` leaves it as it is (it only swaps a ``RandomSampler``), and
@@ -34,12 +37,13 @@ the same batch sampler, so a resumed epoch continues the same order.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
 from scale.data import per_example_fields
 
@@ -154,3 +158,83 @@ class PaddingFreeCollator:
             "tail_mask": tail,
             **per_example_fields(examples),
         }
+
+
+def pack_bfd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Pack rows into bins of at most ``capacity`` tokens, best-fit-decreasing; no row is split.
+
+    Rows are taken longest first (ties: lower index first); each goes into the open bin with the least room
+    that still fits it, else a new bin. Deterministic (a function of ``lengths`` and ``capacity`` only), so
+    every rank and every resume builds the same bins. The bins' room is kept as a sorted list of the distinct
+    free sizes (at most ``capacity`` of them) with a stack of bins per size: O(rows x log capacity) lookups.
+    BFD is the strategy of TRL's ``pack_dataset(strategy="bfd")`` (trl/data_utils.py), without its truncation.
+
+    Args:
+        lengths: tokens of each row (``len(example.input_ids)``), each in ``1..capacity``.
+        capacity: tokens per bin (``data.max_length``).
+
+    Returns:
+        Bins of row indices; every row in exactly one bin, each bin's rows longest first. Bins are listed in
+        the order they were opened (the first holds the longest row).
+
+    Raises:
+        ValueError: ``capacity`` < 1, or a row is empty or longer than ``capacity`` (names the row).
+    """
+    if capacity < 1:
+        raise ValueError(f"capacity={capacity} must be >= 1 token")
+    bins: list[list[int]] = []
+    room: list[int] = []                   # free tokens of each bin
+    sizes: list[int] = []                  # sorted distinct free sizes that some bin has
+    by_size: dict[int, list[int]] = {}     # free size -> bins with that room (a stack: deterministic)
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        n = int(lengths[i])
+        if not 1 <= n <= capacity:
+            raise ValueError(f"row {i} has {n} tokens; packing needs 1..{capacity} (data.max_length)")
+        k = bisect.bisect_left(sizes, n)
+        if k < len(sizes):  # best fit: the smallest room that holds the row
+            free = sizes[k]
+            b = by_size[free].pop()
+            if not by_size[free]:
+                del by_size[free], sizes[k]
+        else:
+            b, free = len(bins), capacity
+            bins.append([])
+            room.append(capacity)
+        bins[b].append(i)
+        room[b] = left = free - n
+        if left > 0:
+            if left not in by_size:
+                by_size[left] = []
+                bisect.insort(sizes, left)
+            by_size[left].append(b)
+    return bins
+
+
+class PackedRows(Dataset):
+    """A split seen as bins of rows (:func:`pack_bfd`): item ``i`` is the list of examples of bin ``i``.
+
+    Args:
+        rows: the train split (any sequence of examples; a memory-mapped cached split stays one).
+        bins: row indices per bin.
+    """
+
+    def __init__(self, rows: Any, bins: list[list[int]]) -> None:
+        self.rows, self.bins = rows, bins
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, i: int) -> list[Any]:
+        return [self.rows[j] for j in self.bins[i]]
+
+    def lengths(self, row_lengths: Sequence[int]) -> list[int]:
+        """Tokens of each bin, from the rows' lengths."""
+        return [sum(int(row_lengths[j]) for j in b) for b in self.bins]
+
+
+class PackedCollator(PaddingFreeCollator):
+    """:class:`PaddingFreeCollator` for micro-batches of bins (:class:`PackedRows`): the bins' examples, in
+    order, become one packed row ``[1, L]`` (``L`` <= ``micro_batch_size x data.max_length``)."""
+
+    def __call__(self, bins: list[list[Any]]) -> dict[str, Tensor]:  # type: ignore[override]
+        return super().__call__([e for b in bins for e in b])

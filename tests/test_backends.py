@@ -88,3 +88,5 @@ def test_padding_free_refused_on_families_whose_layers_leak(config_class, kw, na
     check_packing(model, padding_free=False)
     with pytest.raises(ConfigError, match=f"data.padding_free=true cannot be exact here: model type {named}"):
         check_packing(model, padding_free=True)
+    with pytest.raises(ConfigError, match=f"data.packing=true cannot be exact here: model type {named}"):
+        check_packing(model, padding_free=False, packing=True)
