@@ -102,10 +102,10 @@ CASES += [("odd", "zero1"), ("odd", "zero2"), ("odd", "zero3"), ("tiny-qlora", "
 def test_predicted_model_states_equal_what_each_rank_holds(shape, mode, tmp_path):
     pytest.importorskip("deepspeed") if mode.startswith("zero") else None
     overrides = SHAPES[shape]
-    if overrides is None or shape.startswith("smollm2"):  # SmolLM2 shape: random weights from its config; one
-        # short row keeps the run short (QLoRA: NF4 with fp32 storage, which ZeRO-3 partitions)
-        overrides = [f"model.name_or_path={smollm2_dir(tmp_path)}", "train.micro_batch_size=1", "data.max_length=16",
-                     *(overrides or [])]
+    if overrides is None:  # SmolLM2 shape: random weights from its config; one short row keeps the run short
+        overrides = [f"model.name_or_path={smollm2_dir(tmp_path)}", "train.micro_batch_size=1", "data.max_length=16"]
+    elif shape == "smollm2-qlora":  # the real SmolLM2-135M directory, quantized at load (NF4, fp32 storage)
+        overrides = ["model.name_or_path=smollm2-135m", "train.micro_batch_size=1", "data.max_length=16", *overrides]
     counts = run_census(mode, overrides, tmp_path / "census.json")
     assert len(counts) == (1 if mode == "single" else 2)
     cfg, hf, params = planned(overrides)
