@@ -1,5 +1,6 @@
 """Throughput of the SFT job in our loop vs TRL's ``SFTTrainer`` at its best, one pass over the same rows.
 
+    pip install -e ".[bench]"                      # trl
     python benchmarks/vs_trl.py                    # the SFT job (configs/train/sft.yaml), ours packed vs TRL best
     python benchmarks/vs_trl.py --repeats 2 --max-rows 400
 
