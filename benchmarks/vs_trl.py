@@ -46,14 +46,17 @@ from benchmarks.common import TimedLambdaLR, machine_line, reset_accelerate, tim
 
 
 class CountingCollator:
-    """Wraps a collator; records the real (non-pad) tokens of every micro-batch it builds, in order."""
+    """Wraps a collator; records the real (non-pad) tokens of every train micro-batch it builds, in order.
+
+    Evaluation batches are collated under ``torch.no_grad()`` (``scale.evaluate.evaluate``) and not counted."""
 
     def __init__(self, inner: Any, count: Any) -> None:
         self.inner, self.count, self.tokens = inner, count, []
 
     def __call__(self, items: Any) -> Any:
         batch = self.inner(items)
-        self.tokens.append(int(self.count(batch)))
+        if torch.is_grad_enabled():
+            self.tokens.append(int(self.count(batch)))
         return batch
 
 
@@ -69,14 +72,26 @@ def sft_config(out: str, packing: bool, max_rows: int | None) -> Any:
 
 def run_ours(packing: bool, warmup: int, max_rows: int | None) -> tuple[float, int, int]:
     """One epoch of the SFT job in ``scale.train.fit``; returns (seconds, real tokens, steps) of the timed span."""
+    import scale.job
     from scale.job import setup
     from scale.train import fit
 
     reset_accelerate()
+    name = "PackedCollator" if packing else "Collator"
+    original = getattr(scale.job, name)
+    count = (lambda b: b["seq_lens"].sum()) if packing else (lambda b: b["attention_mask"].sum())
+    counter = CountingCollator(None, count)
+
+    def counted(*args: Any) -> CountingCollator:  # the train loader's collator, built inside setup()
+        counter.inner = original(*args)
+        return counter
+
+    setattr(scale.job, name, counted)
     with tempfile.TemporaryDirectory() as out:
-        job = setup(sft_config(out, packing, max_rows))
-        count = (lambda b: b["seq_lens"].sum()) if packing else (lambda b: b["attention_mask"].sum())
-        job.train_dl.collate_fn = counter = CountingCollator(job.train_dl.collate_fn, count)
+        try:
+            job = setup(sft_config(out, packing, max_rows))
+        finally:
+            setattr(scale.job, name, original)
         timed = TimedLambdaLR(job.scheduler.optimizer, job.scheduler.lr_lambdas[0])
         job.scheduler = timed
         fit(job)
