@@ -26,7 +26,6 @@ No torch.distributed, no accelerate.
 
 from __future__ import annotations
 
-import bisect
 import copy
 import dataclasses
 import fcntl
@@ -39,7 +38,7 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,8 @@ import pyarrow as pa
 from scale.data import Splits, _tokenize, build_splits
 from scale.fileio import sha256_file, temp_dir_for, write_text_atomic
 from scale.sources import eval_source_of, source_digest
-from scale.tasks.base import Builder, Example
+from scale.tasks.base import Builder
+from scale.token_table import LISTS, SCALARS, Reordered, TokenTable, column, longest_first  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +59,8 @@ CACHE_VERSION = 2  # bump when the cache layout changes (2: the trained flags, e
 RUNTIME_KEYS = ("num_workers", "group_by_length", "mega_batch_steps", "padding_free", "padding_side", "cache",
                 "cache_dir", "cache_max_gib", "num_proc", "path", "eval_path", "chat_template")
 # their source is part of the fingerprint (scale/tasks/: every format module)
-TOKEN_MODULES = ("data.py", "formats.py", "sources.py", "cache.py", "tasks/*.py")
+TOKEN_MODULES = ("data.py", "formats.py", "sources.py", "cache.py", "token_table.py", "mixing.py", "tasks/*.py")
 CHUNK_ROWS = 4096  # rows per tokenizer task and per record batch
-SCALARS = ("length", "tail_len", "type_indicator", "target_token", "label", "row")
-# Example fields stored as lists beside input_ids: ``trained`` (the tail's 0/1 flags; an empty list is ``None``)
-LISTS = ("trained",)
 
 
 def default_cache_dir(cfg: Any) -> Path:
@@ -114,102 +111,6 @@ def fingerprint(cfg: Any, tokenizer: Any, path: str) -> tuple[str, dict[str, Any
     }
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
     return key, inputs
-
-
-class TokenTable(Sequence):
-    """The examples of one split, read from a memory-mapped Arrow file: ``table[i]`` is an :class:`Example`.
-
-    Only the record batches' buffers are mapped; nothing is copied until an item (or :meth:`column`) is read.
-    Pickles as its path (DataLoader workers map the file again).
-
-    Args:
-        path: an ``.arrow`` file written by :func:`write_table`.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = str(path)
-        self._open()
-
-    def _open(self) -> None:
-        self._reader = pa.ipc.open_file(pa.memory_map(self.path, "r"))
-        self._chunks, starts = [], [0]
-        for k in range(self._reader.num_record_batches):
-            batch = self._reader.get_batch(k)
-            ids = batch.column("input_ids")
-            lists = {c: (_numpy(batch.column(c).offsets), _numpy(batch.column(c).values)) for c in LISTS}
-            self._chunks.append((_numpy(ids.offsets), _numpy(ids.values), {c: _numpy(batch.column(c)) for c in SCALARS},
-                                 lists))
-            starts.append(starts[-1] + batch.num_rows)
-        self._starts = starts
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.path = state["path"]
-        self._open()
-
-    def __len__(self) -> int:
-        return self._starts[-1]
-
-    def __getitem__(self, i: int) -> Example:  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"row {i} of a {n}-row split")
-        k = bisect.bisect_right(self._starts, i) - 1
-        offsets, values, s, lists = self._chunks[k]
-        j = i - self._starts[k]
-        flag_offsets, flags = lists["trained"]
-        trained = flags[flag_offsets[j]:flag_offsets[j + 1]].tolist() or None
-        return Example(values[offsets[j]:offsets[j + 1]].tolist(), int(s["tail_len"][j]), int(s["type_indicator"][j]),
-                       int(s["target_token"][j]), int(s["label"][j]), int(s["row"][j]), trained)
-
-    def column(self, name: str) -> np.ndarray:
-        """One per-row column over the whole split (``length``, ``tail_len``, ``type_indicator``, ...): ``[N]``."""
-        parts = [s[name] for _, _, s, _ in self._chunks]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
-def _numpy(arr: pa.Array) -> np.ndarray:
-    """A primitive Arrow array (no nulls) as a read-only numpy view of its buffer: no copy, and no pandas import
-    (``to_numpy`` imports it)."""
-    dtype = np.dtype(str(arr.type))
-    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
-
-
-class Reordered(Sequence):
-    """``base`` read in the order ``order`` (a view, nothing copied but the index)."""
-
-    def __init__(self, base: Sequence, order: Sequence[int]) -> None:
-        self.base, self.order = base, np.asarray(order, dtype=np.int64)
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-    def __getitem__(self, i: int) -> Example:  # type: ignore[override]
-        return self.base[int(self.order[i])]
-
-
-def column(examples: Sequence, name: str) -> np.ndarray:
-    """A per-row column of a split, in memory or cached: ``length`` (tokens), ``tail_len``, ``type_indicator``,
-    ``target_token``, ``label`` or ``row``; ``[N]`` int64. Reads no token of a :class:`TokenTable`."""
-    if isinstance(examples, TokenTable):
-        return examples.column(name).astype(np.int64)
-    if name == "length":
-        return np.array([len(e.input_ids) for e in examples], dtype=np.int64)
-    return np.array([getattr(e, name) for e in examples], dtype=np.int64)
-
-
-def longest_first(examples: Sequence) -> Sequence:
-    """The examples longest first, equal lengths in their order: ``sorted(examples, key=-len)`` without
-    reading the tokens of a cached split (the evaluation order)."""
-    if not isinstance(examples, TokenTable):
-        return sorted(examples, key=lambda e: -len(e.input_ids))
-    return Reordered(examples, np.argsort(-column(examples, "length"), kind="stable"))
 
 
 # ---- building ----
