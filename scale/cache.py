@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from scale.data import Splits, _tokenize, build_splits
+from scale.data import DataError, Splits, _tokenize, build_splits
 from scale.fileio import sha256_file, temp_dir_for, write_text_atomic
-from scale.sources import eval_source_of, source_digest
+from scale.sources import sources_digests
 from scale.tasks.base import Builder
 from scale.token_table import LISTS, SCALARS, Reordered, TokenTable, column, longest_first  # noqa: F401
 
@@ -96,13 +96,11 @@ def fingerprint(cfg: Any, tokenizer: Any, path: str) -> tuple[str, dict[str, Any
     """
     here = Path(__file__).resolve().parent
     code = hashlib.sha256(b"".join(f.read_bytes() for m in TOKEN_MODULES for f in sorted(here.glob(m))))
-    eval_source = eval_source_of(cfg.data, path)
     template = cfg.data.chat_template
     inputs = {
         "cache_version": CACHE_VERSION,
         "code": code.hexdigest(),
-        "source": source_digest(cfg.data, path),
-        "eval_source": source_digest(*eval_source) if eval_source is not None else None,
+        **sources_digests(cfg.data, path),
         "tokenizer": tokenizer_digest(tokenizer),
         "chat_template": sha256_file(template) if template is not None and Path(template).is_file() else template,
         "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in RUNTIME_KEYS},
@@ -192,8 +190,9 @@ def _record_batch(cols: dict[str, np.ndarray]) -> pa.RecordBatch:
 
 
 def write_table(path: Path, rows: list[dict[str, Any]], task: Any, builder: Builder, loss_cfg: Any, num_proc: int,
-                dtype: Any) -> dict[str, int]:
-    """Tokenize ``rows`` in chunks (``num_proc`` forked workers, batched encoding) and stream them to ``path``.
+                dtype: Any, progress: Path | None = None) -> dict[str, int]:
+    """Tokenize ``rows`` in chunks (``num_proc`` forked workers, batched encoding) and stream them to ``path``;
+    after each chunk, ``progress`` (a JSON file) says how many rows are done (what waiting ranks log).
 
     Returns:
         ``{"rows": written, "tokens": total}``.
@@ -207,7 +206,7 @@ def write_table(path: Path, rows: list[dict[str, Any]], task: Any, builder: Buil
                             **{c: np.zeros(0, np.int64) for c in SCALARS if c != "length"},
                             **{c: np.zeros(0, np.uint8) for c in LISTS}, **{f"{c}_length": np.zeros(0, np.int32)
                                                                            for c in LISTS}}).schema
-    written = tokens = 0
+    written = tokens = done = 0
     pool = multiprocessing.get_context("fork").Pool(num_proc) if num_proc > 1 and len(spans) > 1 else None
     try:
         results: Iterator = pool.imap(_tokenize_span, spans) if pool is not None else map(_tokenize_span, spans)
@@ -221,6 +220,10 @@ def write_table(path: Path, rows: list[dict[str, Any]], task: Any, builder: Buil
                     writer.write_batch(batch.cast(schema) if batch.schema != schema else batch)
                 written += len(cols["length"])
                 tokens += int(cols["length"].sum())
+                done += CHUNK_ROWS
+                if progress is not None:
+                    write_text_atomic(progress, json.dumps({"split": path.stem, "rows_done": min(done, len(rows)),
+                                                            "rows_total": len(rows), "pid": os.getpid()}))
     finally:
         if pool is not None:
             pool.terminate()
@@ -236,7 +239,8 @@ def _build(final: Path, cfg: Any, tokenizer: Any, path: str, key: str, inputs: d
     counts: dict[str, dict[str, int]] = {}
 
     def tokenize(name: str, rows: list[dict[str, Any]], task: Any, builder: Builder) -> TokenTable:
-        counts[name] = write_table(tmp / f"{name}.arrow", rows, task, builder, cfg.loss, num_proc, dtype)
+        counts[name] = write_table(tmp / f"{name}.arrow", rows, task, builder, cfg.loss, num_proc, dtype,
+                                   progress=_marker(final, "progress"))
         return TokenTable(tmp / f"{name}.arrow")
 
     try:
@@ -256,6 +260,8 @@ def _build(final: Path, cfg: Any, tokenizer: Any, path: str, key: str, inputs: d
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        _marker(final, "progress").unlink(missing_ok=True)
     with open(final.parent / "builds.jsonl", "a", encoding="utf-8") as fh:
         fh.write(json.dumps({k: record[k] for k in ("fingerprint", "host", "pid", "rank", "local_rank", "built_at",
                                                      "seconds", "num_proc", "splits")}) + "\n")
@@ -302,9 +308,18 @@ def open_entry(final: Path) -> Splits:
     return Splits(train=TokenTable(final / "train.arrow"), eval=TokenTable(final / "eval.arrow"), **meta)
 
 
-def load_splits(cfg: Any, tokenizer: Any, path: str) -> Splits:
+def _marker(final: Path, kind: str) -> Path:
+    """``<entry>.progress`` (rows done by the builder) or ``<entry>.failed`` (its error, for the waiting ranks)."""
+    return final.with_name(f"{final.name}.{kind}")
+
+
+def load_splits(cfg: Any, tokenizer: Any, path: str, run_id: str | None = None) -> Splits:
     """The tokenized splits of ``cfg``: memory-mapped from the cache, built there first when missing or corrupt.
     With ``data.cache=false``, :func:`scale.data.build_splits` in memory.
+
+    Args:
+        run_id: the job's id, on the process the node's other ranks wait for (:func:`wait_for_splits`): an error
+            is then written to ``<entry>.failed`` with it, so that they raise it too instead of waiting.
 
     Raises:
         DataError: see :func:`scale.data.build_splits`; nothing is left in the cache then.
@@ -312,8 +327,20 @@ def load_splits(cfg: Any, tokenizer: Any, path: str) -> Splits:
     if not cfg.data.cache:
         return build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed)
     key, inputs = fingerprint(cfg, tokenizer, path)
-    root = default_cache_dir(cfg)
-    final = root / key[:32]
+    final = default_cache_dir(cfg) / key[:32]
+    try:
+        splits = _load_or_build(cfg, tokenizer, path, key, inputs, final)
+    except Exception as e:
+        if run_id is not None:
+            write_text_atomic(_marker(final, "failed"), json.dumps({"run_id": run_id, "type": type(e).__name__,
+                                                                    "message": str(e)}))
+        raise
+    _marker(final, "failed").unlink(missing_ok=True)  # an earlier run's
+    return splits
+
+
+def _load_or_build(cfg: Any, tokenizer: Any, path: str, key: str, inputs: dict[str, Any], final: Path) -> Splits:
+    root = final.parent
     with _locked(root / f"{key[:32]}.lock"):
         if final.exists():
             why = check_entry(final)
@@ -325,6 +352,62 @@ def load_splits(cfg: Any, tokenizer: Any, path: str) -> Splits:
         _build(final, cfg, tokenizer, path, key, inputs)
         prune(root, cfg.data.cache_max_gib, keep=final)
         return open_entry(final)
+
+
+def wait_for_splits(cfg: Any, tokenizer: Any, path: str, run_id: str, poll_s: float = 2.0,
+                    log_every_s: float = 60.0) -> Splits:
+    """The splits the node's building process (:func:`load_splits` with the same ``run_id``) finds or builds,
+    memory-mapped once complete: polls for the entry's build record, not a collective, so a build of any length
+    is waited for (a collective is bounded by ``train.collective_timeout_s``). Logs what it waits for, then
+    every ``log_every_s`` seconds the builder's progress (rows done of the split it tokenizes).
+
+    Raises:
+        DataError: the builder's error (``<entry>.failed`` with this ``run_id``), with its message; another type
+            of error as a RuntimeError naming it.
+    """
+    if not cfg.data.cache:
+        return build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed)
+    key, _ = fingerprint(cfg, tokenizer, path)
+    final = default_cache_dir(cfg) / key[:32]
+    start, last = time.monotonic(), None
+    rank = os.environ.get("RANK", "?")
+    while True:
+        if (final / "build.json").is_file():
+            with _locked(final.with_name(f"{key[:32]}.lock")):  # the builder holds it until the entry is whole
+                if check_entry(final) is None:
+                    if time.monotonic() - start > poll_s:
+                        logger.info("data cache: rank %s waited %.0f s; mapping %s", rank, time.monotonic() - start,
+                                    final)
+                    return open_entry(final)
+        failed = _failure(final, run_id)
+        if failed is not None:
+            if failed["type"] == "DataError":
+                raise DataError(failed["message"])
+            raise RuntimeError(f"building the data cache failed on the node's main process: {failed['type']}: "
+                               f"{failed['message']}")
+        now = time.monotonic()
+        if last is None or now - last >= log_every_s:
+            last = now
+            logger.info("data cache: rank %s waits for the node's main process to tokenize into %s (%.0f s so far%s;"
+                        " polling the build record, no collective timeout applies)", rank, final, now - start,
+                        _progress_text(final))
+        time.sleep(poll_s)
+
+
+def _failure(final: Path, run_id: str) -> dict[str, str] | None:
+    try:
+        failed = json.loads(_marker(final, "failed").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return failed if isinstance(failed, dict) and failed.get("run_id") == run_id else None
+
+
+def _progress_text(final: Path) -> str:
+    try:
+        p = json.loads(_marker(final, "progress").read_text(encoding="utf-8"))
+        return f"; {p['split']}: {p['rows_done']:,} of {p['rows_total']:,} rows tokenized"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def prune(root: Path, max_gib: float, keep: Path) -> list[Path]:
