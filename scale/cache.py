@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from scale.data import DataError, Splits, _tokenize, build_splits
+from scale.data import DataError, Splits, _tokenize, build_splits, fingerprint_bytes
 from scale.fileio import sha256_file, temp_dir_for, write_text_atomic
 from scale.sources import sources_digests
 from scale.tasks.base import Builder
@@ -167,6 +167,7 @@ def _tokenize_span(span: tuple[int, int]) -> tuple[dict[str, np.ndarray], list[i
     cols["trained_length"] = np.fromiter(map(len, flags), dtype=np.int32, count=len(examples))
     cols["trained"] = np.fromiter(itertools.chain.from_iterable(flags), dtype=np.uint8,
                                   count=int(cols["trained_length"].sum()))
+    cols["fingerprint"] = b"".join(map(fingerprint_bytes, examples))  # hashed in row order by the writer
     return cols, builder.dropped, builder.notes
 
 
@@ -190,9 +191,10 @@ def _record_batch(cols: dict[str, np.ndarray]) -> pa.RecordBatch:
 
 
 def write_table(path: Path, rows: list[dict[str, Any]], task: Any, builder: Builder, loss_cfg: Any, num_proc: int,
-                dtype: Any, progress: Path | None = None) -> dict[str, int]:
+                dtype: Any, progress: Path | None = None, digest: Any = None) -> dict[str, int]:
     """Tokenize ``rows`` in chunks (``num_proc`` forked workers, batched encoding) and stream them to ``path``;
-    after each chunk, ``progress`` (a JSON file) says how many rows are done (what waiting ranks log).
+    after each chunk, ``progress`` (a JSON file) says how many rows are done (what waiting ranks log), and
+    ``digest`` (a ``hashlib`` object) is updated with the chunk's :func:`scale.data.fingerprint_bytes`.
 
     Returns:
         ``{"rows": written, "tokens": total}``.
@@ -215,6 +217,8 @@ def write_table(path: Path, rows: list[dict[str, Any]], task: Any, builder: Buil
                 builder.dropped.extend(dropped)
                 for note, n in notes.items():
                     builder.notes[note] = builder.notes.get(note, 0) + n
+                if digest is not None:
+                    digest.update(cols["fingerprint"])
                 if len(cols["length"]):
                     batch = _record_batch(cols)
                     writer.write_batch(batch.cast(schema) if batch.schema != schema else batch)
@@ -237,14 +241,16 @@ def _build(final: Path, cfg: Any, tokenizer: Any, path: str, key: str, inputs: d
     num_proc = cfg.data.num_proc or len(os.sched_getaffinity(0))
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     counts: dict[str, dict[str, int]] = {}
+    digest = hashlib.sha256()  # the token fingerprint, train then eval, as build_splits would compute it
 
     def tokenize(name: str, rows: list[dict[str, Any]], task: Any, builder: Builder) -> TokenTable:
         counts[name] = write_table(tmp / f"{name}.arrow", rows, task, builder, cfg.loss, num_proc, dtype,
-                                   progress=_marker(final, "progress"))
+                                   progress=_marker(final, "progress"), digest=digest)
         return TokenTable(tmp / f"{name}.arrow")
 
     try:
-        splits = build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed, tokenize=tokenize)
+        splits = build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed, tokenize=tokenize,
+                              fingerprint_of=lambda train, held: digest.hexdigest())
         # Every Splits field but the examples, so a hit reads the token fingerprint (rows_sha256 of the resume
         # check) and the template hash from here, without reading a token.
         meta = {f.name: getattr(splits, f.name) for f in dataclasses.fields(Splits) if f.name not in ("train", "eval")}
@@ -355,11 +361,12 @@ def _load_or_build(cfg: Any, tokenizer: Any, path: str, key: str, inputs: dict[s
 
 
 def wait_for_splits(cfg: Any, tokenizer: Any, path: str, run_id: str, poll_s: float = 2.0,
-                    log_every_s: float = 60.0) -> Splits:
+                    log_every_s: float = 60.0, give_up_s: float | None = None) -> Splits:
     """The splits the node's building process (:func:`load_splits` with the same ``run_id``) finds or builds,
     memory-mapped once complete: polls for the entry's build record, not a collective, so a build of any length
     is waited for (a collective is bounded by ``train.collective_timeout_s``). Logs what it waits for, then
-    every ``log_every_s`` seconds the builder's progress (rows done of the split it tokenizes).
+    every ``log_every_s`` seconds the builder's progress (rows done of the split it tokenizes). ``give_up_s``:
+    raise TimeoutError after that many seconds (``None``, the job's: never; a dead builder ends the launch).
 
     Raises:
         DataError: the builder's error (``<entry>.failed`` with this ``run_id``), with its message; another type
@@ -386,6 +393,8 @@ def wait_for_splits(cfg: Any, tokenizer: Any, path: str, run_id: str, poll_s: fl
             raise RuntimeError(f"building the data cache failed on the node's main process: {failed['type']}: "
                                f"{failed['message']}")
         now = time.monotonic()
+        if give_up_s is not None and now - start > give_up_s:
+            raise TimeoutError(f"no complete data cache entry {final} after {give_up_s} s")
         if last is None or now - last >= log_every_s:
             last = now
             logger.info("data cache: rank %s waits for the node's main process to tokenize into %s (%.0f s so far%s;"

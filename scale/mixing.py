@@ -37,9 +37,6 @@ from scale.formats import DataError
 from scale.schema import dataset_name
 from scale.tasks.base import Builder, Example, Task
 
-# Formats that may share a mixture besides one format alone: both train every assistant completion and their
-# evaluation (eval/exact_match over the trained tail) means the same for either.
-SFT_FORMATS = {"prompt_completion", "messages"}
 READ_KEYS = ("format", "split", "subset", "text_column", "label_column", "prompt_column", "completion_column",
              "messages_column", "tools_column", "target_column", "type_column", "column_names")
 
@@ -110,18 +107,24 @@ def take(rows: list[Any], k: int) -> list[Any]:
     return rows * whole + rows[:rest]
 
 
+def _evaluated(kinds: set[str]) -> str | None:
+    from scale.tasks import MIXABLE
+
+    if len(kinds) == 1:
+        return next(iter(kinds))
+    return next((fmt for allowed, fmt in MIXABLE.items() if kinds <= allowed), None)
+
+
 def mixture_format(found: dict[int, str], srcs: list[Source]) -> str:
-    """The format of the mixture (its evaluation): the one format of every source, or ``prompt_completion``
-    when the sources mix it with ``messages``.
+    """The format of the mixture (its evaluation): the one format of every source, or the evaluating format of
+    a combination :data:`scale.tasks.MIXABLE` allows (prompt/completion rows with chats).
 
     Raises:
         DataError: sources of formats that cannot be trained and evaluated together.
     """
-    kinds = set(found.values())
-    if len(kinds) == 1:
-        return kinds.pop()
-    if kinds <= SFT_FORMATS:
-        return "prompt_completion"
+    evaluated = _evaluated(set(found.values()))
+    if evaluated is not None:
+        return evaluated
     first = srcs[0]
     other = next(s for s in srcs if found[s.index] != found[first.index])
     raise DataError(f"data.datasets[{other.index}] ({other.path}) holds {found[other.index]} rows but "
@@ -245,7 +248,7 @@ def read_mixture(data_cfg: DataConfig, seed: int) -> Mixture:
         for r in eval_rows:
             r["source"] = -1
         found[-1] = row_format(eval_rows[0])
-        if found[-1] != fmt and not {found[-1], fmt} <= SFT_FORMATS:
+        if _evaluated({found[-1], fmt}) != fmt:
             raise DataError(f"the eval rows of {eval_path} are {found[-1]} rows, the mixture's {fmt} rows; give "
                             f"data.eval_path the columns of the sources (or set data.format)")
     for s, k, held in zip(srcs, counts, evals):

@@ -160,13 +160,9 @@ def test_waiting_ranks_poll_the_build_record_and_share_the_builders_error(tmp_pa
         load_splits(bad, tokenizer, bad.data.path, "run-b")
     with pytest.raises(DataError, match="row 1 of .*label 'meh' is not in data.labels"):
         wait_for_splits(bad, tokenizer, bad.data.path, "run-b", poll_s=0.05)
-    # another run's failure is not this run's: it keeps waiting (until the builder of its own run is done)
-    late = threading.Thread(target=lambda: (time.sleep(0.5), (tmp_path / "bad.jsonl").write_text(
-        '{"text": "fine", "label": "positive"}\n{"text": "x", "label": "negative"}\n'),
-        load_splits(bad, tokenizer, bad.data.path, "run-c")))
-    late.start()
-    assert len(wait_for_splits(bad, tokenizer, bad.data.path, "run-b-other", poll_s=0.05).train) == 1
-    late.join()
+    # another launch's failure marker is not this launch's: its ranks keep waiting for their own builder
+    with pytest.raises(TimeoutError):
+        wait_for_splits(bad, tokenizer, bad.data.path, "run-c", poll_s=0.05, give_up_s=0.5)
 
 
 def test_overrides_index_entries_and_paths_resolve_beside_the_config(tmp_path):
@@ -179,3 +175,24 @@ def test_overrides_index_entries_and_paths_resolve_beside_the_config(tmp_path):
         (str(tmp_path / "data" / "a.jsonl"), 2.0, None), ("org/name", 0.5, "en")]
     with pytest.raises(ConfigError, match=r"data.datasets has 2 entries; index it with 0..1"):
         load_config(tmp_path / "job.yaml", ["data.datasets.2.weight=1"])
+
+
+@pytest.mark.slow
+def test_the_tiny_job_trains_a_mixture_and_logs_per_source_counts(tmp_path, mixture):
+    """scale-train on the three-source mixture: step 0 of metrics.jsonl holds the per-source counts; a rerun
+    with the same seed trains the same losses from the cache (one build)."""
+    from scale.train import run
+
+    def losses(out: Path) -> tuple[list[float], dict]:
+        run(tiny_cfg(out, *mixture, f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=4",
+                     "train.eval_every=0", "log.peak_flops=false"))
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["train/loss"] for r in rows if "train/loss" in r], next(r for r in rows if "data/train_rows" in r)
+
+    first, step0 = losses(tmp_path / "a")
+    assert {k: step0[k] for k in ("data/tiny_completions/train_rows", "data/qa/train_rows", "data/chats/train_rows",
+                                  "data/train_rows")} == {"data/tiny_completions/train_rows": 116,
+                                                          "data/qa/train_rows": 38, "data/chats/train_rows": 77,
+                                                          "data/train_rows": 231}
+    assert losses(tmp_path / "b")[0] == first and len(first) == 2  # log_every=2
+    assert len((tmp_path / "cache" / "builds.jsonl").read_text().splitlines()) == 1
