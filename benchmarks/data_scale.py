@@ -16,8 +16,12 @@ SmolLM2 tokenizer) under ``--work``, then measures, each in a fresh process:
 
 Per rank: seconds until the splits are there, anonymous (private) memory added by the data and the loaders
 after 200 batches, and file-backed pages mapped (shared by the ranks through the page cache). The cache's
-``builds.jsonl`` shows how many processes tokenized. Last line:
-``data_scale: rows=N cold_s=X warm_s=Y rss_mib_per_rank=Z tokens_per_s=T speedup=S``.
+``builds.jsonl`` shows how many processes tokenized. Then the line
+``data_scale: rows=N cold_s=X warm_s=Y rss_mib_per_rank=Z tokens_per_s=T speedup=S`` (wall clock), and, since the
+machine may be shared, ``data_scale_cpu: ...``: tokens per CPU second (user + system, the build's tokenizer workers
+included) of both paths, which do not depend on the load, the wall time they imply on ``--num-proc`` idle cores
+(today's path is one thread; the build's parent work counted as if it never overlapped the workers) and the
+1-minute load average at the start and the end.
 """
 
 from __future__ import annotations
