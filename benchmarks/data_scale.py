@@ -156,9 +156,9 @@ def rank_probe(data: Path, cache: Path, num_proc: int) -> None:
     after = rss()
     tokens = int(column(splits.train, "length").sum() + column(splits.eval, "length").sum())
     acc.wait_for_everyone()
-    print("RANK " + json.dumps({"rank": acc.process_index, "data_s": data_s, "start_to_first_batch_s": first_s,
+    sys.stdout.write("RANK " + json.dumps({"rank": acc.process_index, "data_s": data_s, "start_to_first_batch_s": first_s,
                                 "anon_bytes": after["anon"] - before["anon"], "file_bytes": after["file"],
-                                "tokens": tokens, "batch": list(first["input_ids"].shape)}), flush=True)
+                                "tokens": tokens, "batch": list(first["input_ids"].shape)}) + "\n")
     acc.end_training()
     sys.stdout.flush()
     os._exit(0)  # the gloo exit crash (../shared/STACK.md)
@@ -171,7 +171,10 @@ def launch(data: Path, cache: Path, num_proc: int) -> tuple[float, list[dict]]:
                            "--master_port", str(29500 + os.getpid() % 1000), __file__, "--rank-probe", str(data),
                            "--cache", str(cache), "--num-proc", str(num_proc)], env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    ranks = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("RANK ")]
+    # the two ranks print at once: their lines may interleave, so every "RANK {...}" is decoded where it starts
+    decoder = json.JSONDecoder()
+    ranks = [decoder.raw_decode(proc.stdout, i + 5)[0] for i in range(len(proc.stdout))
+             if proc.stdout.startswith("RANK {", i)]
     if proc.returncode != 0 or len(ranks) != 2:
         raise SystemExit(f"2-rank launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return wall, sorted(ranks, key=lambda r: r["rank"])
@@ -214,6 +217,7 @@ def main() -> None:
     if not lines:
         raise SystemExit(f"today's path failed:\n{out.stderr[-3000:]}")
     now = json.loads(lines[0][6:])
+    (args.work / "today.json").write_text(json.dumps(now))  # each phase's figures survive a later failure
     cache = args.work / "cache"
     shutil.rmtree(cache, ignore_errors=True)
     # Cold: scale-prepare's work in one process (inside a job the node's main process does the same while the
@@ -224,6 +228,7 @@ def main() -> None:
     if not lines:
         raise SystemExit(f"prepare failed:\n{out.stderr[-3000:]}")
     cold = json.loads(lines[0][8:])
+    (args.work / "cold.json").write_text(json.dumps(cold))
     warm_wall, warm = launch(data, cache, args.num_proc)
     builds = [json.loads(line) for line in (cache / "builds.jsonl").read_text().splitlines()]
     tokens = cold["tokens"]
