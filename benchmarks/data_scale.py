@@ -10,13 +10,18 @@ SmolLM2 tokenizer) under ``--work``, then measures, each in a fresh process:
   ``--today-rows`` rows, single process; wall time, tokens/s and the anonymous memory it keeps per token,
   scaled to ``--rows``;
 - **cold**: ``scale-prepare``'s work (one process, ``data.num_proc`` tokenizer workers) into an empty cache;
-- **warm**: a 2-rank start (``torchrun``, gloo, the job's own ``main_process_first`` and ``make_loaders``), as
-  a resume or requeue starts: both ranks memory-map the cache, and ``builds.jsonl`` shows nobody tokenized.
+- **warm**: a 2-rank start (``torchrun``, gloo, the job's own data start: the node's main process looks the entry
+  up, the other rank polls its build record, then ``make_loaders``), as a resume or requeue starts: both ranks
+  memory-map the cache, and ``builds.jsonl`` shows nobody tokenized.
 
 Per rank: seconds until the splits are there, anonymous (private) memory added by the data and the loaders
 after 200 batches, and file-backed pages mapped (shared by the ranks through the page cache). The cache's
-``builds.jsonl`` shows how many processes tokenized. Last line:
-``data_scale: rows=N cold_s=X warm_s=Y rss_mib_per_rank=Z tokens_per_s=T speedup=S``.
+``builds.jsonl`` shows how many processes tokenized. Then the line
+``data_scale: rows=N cold_s=X warm_s=Y rss_mib_per_rank=Z tokens_per_s=T speedup=S`` (wall clock), and, since the
+machine may be shared, ``data_scale_cpu: ...``: tokens per CPU second (user + system, the build's tokenizer workers
+included) of both paths, which do not depend on the load, the wall time they imply on ``--num-proc`` idle cores
+(today's path is one thread; the build's parent work counted as if it never overlapped the workers) and the
+1-minute load average at the start and the end.
 """
 
 from __future__ import annotations
@@ -52,6 +57,15 @@ def rss() -> dict[str, int]:
     return {"anon": fields["RssAnon"], "file": fields["RssFile"], "total": fields["VmRSS"]}
 
 
+def cpu_seconds(who: int) -> float:
+    """User + system CPU seconds of this process (``resource.RUSAGE_SELF``) or its reaped children (the build's
+    tokenizer workers, ``RUSAGE_CHILDREN``)."""
+    import resource
+
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
 def generate(path: Path, rows: int, seed: int = 0) -> None:
     """``rows`` prompt/completion rows of random common words (~60 + ~25 words), written through a temp name."""
     rng = random.Random(seed)
@@ -82,13 +96,13 @@ def today(data: Path) -> dict[str, float]:
     cfg = config(data, Path("/nonexistent"), 1, ["data.cache=false"])
     tok = load_tokenizer(cfg.model)
     before = rss()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds(0)
     splits = build_splits(cfg.data, cfg.loss, tok, resolve_data(str(data)), cfg.train.seed)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, cpu_seconds(0) - cpu
     tokens = sum(len(e.input_ids) for part in (splits.train, splits.eval) for e in part)
     after = rss()
     return {"seconds": seconds, "tokens": tokens, "rows": len(splits.train) + len(splits.eval),
-            "anon_bytes": after["anon"] - before["anon"]}
+            "anon_bytes": after["anon"] - before["anon"], "cpu_s": cpu}
 
 
 def prepare(data: Path, cache: Path, num_proc: int) -> dict[str, float]:
@@ -100,11 +114,15 @@ def prepare(data: Path, cache: Path, num_proc: int) -> dict[str, float]:
 
     cfg = config(data, cache, num_proc)
     tok = load_tokenizer(cfg.model)
-    start = time.perf_counter()
+    start, parent, workers = time.perf_counter(), cpu_seconds(resource.RUSAGE_SELF), \
+        cpu_seconds(resource.RUSAGE_CHILDREN)
     splits = load_splits(cfg, tok, str(data))
     seconds = time.perf_counter() - start
+    parent = cpu_seconds(resource.RUSAGE_SELF) - parent
+    workers = cpu_seconds(resource.RUSAGE_CHILDREN) - workers
     tokens = int(column(splits.train, "length").sum() + column(splits.eval, "length").sum())
-    return {"seconds": seconds, "tokens": tokens, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {"seconds": seconds, "tokens": tokens, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "parent_cpu_s": parent, "workers_cpu_s": workers}
 
 
 def rank_probe(data: Path, cache: Path, num_proc: int) -> None:
@@ -112,9 +130,8 @@ def rank_probe(data: Path, cache: Path, num_proc: int) -> None:
     import torch
     from accelerate import Accelerator
 
-    from scale.cache import column, load_splits
-    from scale.job import make_loaders
-    from scale.launch import main_process_first
+    from scale.cache import column, load_splits, wait_for_splits
+    from scale.job import make_loaders, on_every_rank, shared_run_id
     from scale.modeling import load_tokenizer
 
     t0 = time.perf_counter()
@@ -124,7 +141,10 @@ def rank_probe(data: Path, cache: Path, num_proc: int) -> None:
     tok = load_tokenizer(cfg.model)
     before = rss()
     start = time.perf_counter()
-    splits = main_process_first(acc, lambda: load_splits(cfg, tok, str(data)))
+    run_id = shared_run_id(acc)
+    # as scale.job.setup: the node's main process finds (or builds) the entry, the other rank polls its build record
+    splits = on_every_rank(acc, lambda: load_splits(cfg, tok, str(data), run_id) if acc.is_local_main_process
+                           else wait_for_splits(cfg, tok, str(data), run_id))
     data_s = time.perf_counter() - start
     train_dl, _ = make_loaders(cfg, splits, tok.pad_token_id, acc.num_processes)
     train_dl = acc.prepare(train_dl)
@@ -136,9 +156,9 @@ def rank_probe(data: Path, cache: Path, num_proc: int) -> None:
     after = rss()
     tokens = int(column(splits.train, "length").sum() + column(splits.eval, "length").sum())
     acc.wait_for_everyone()
-    print("RANK " + json.dumps({"rank": acc.process_index, "data_s": data_s, "start_to_first_batch_s": first_s,
+    sys.stdout.write("RANK " + json.dumps({"rank": acc.process_index, "data_s": data_s, "start_to_first_batch_s": first_s,
                                 "anon_bytes": after["anon"] - before["anon"], "file_bytes": after["file"],
-                                "tokens": tokens, "batch": list(first["input_ids"].shape)}), flush=True)
+                                "tokens": tokens, "batch": list(first["input_ids"].shape)}) + "\n")
     acc.end_training()
     sys.stdout.flush()
     os._exit(0)  # the gloo exit crash (../shared/STACK.md)
@@ -151,7 +171,10 @@ def launch(data: Path, cache: Path, num_proc: int) -> tuple[float, list[dict]]:
                            "--master_port", str(29500 + os.getpid() % 1000), __file__, "--rank-probe", str(data),
                            "--cache", str(cache), "--num-proc", str(num_proc)], env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    ranks = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("RANK ")]
+    # the two ranks print at once: their lines may interleave, so every "RANK {...}" is decoded where it starts
+    decoder = json.JSONDecoder()
+    ranks = [decoder.raw_decode(proc.stdout, i + 5)[0] for i in range(len(proc.stdout))
+             if proc.stdout.startswith("RANK {", i)]
     if proc.returncode != 0 or len(ranks) != 2:
         raise SystemExit(f"2-rank launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return wall, sorted(ranks, key=lambda r: r["rank"])
@@ -176,6 +199,7 @@ def main() -> None:
     if args.prepare:
         print("PREPARE " + json.dumps(prepare(args.prepare, args.cache, args.num_proc)))
         return None
+    load_start = os.getloadavg()[0]  # the machine may be shared: the 1-minute load average, start and end
     args.work.mkdir(parents=True, exist_ok=True)
     data = args.work / f"pc_{args.rows}.jsonl"
     prefix_rows = min(args.today_rows, args.rows)
@@ -193,16 +217,18 @@ def main() -> None:
     if not lines:
         raise SystemExit(f"today's path failed:\n{out.stderr[-3000:]}")
     now = json.loads(lines[0][6:])
+    (args.work / "today.json").write_text(json.dumps(now))  # each phase's figures survive a later failure
     cache = args.work / "cache"
     shutil.rmtree(cache, ignore_errors=True)
-    # Cold: scale-prepare's work in one process. (A cold build inside a multi-rank job keeps the other ranks in
-    # a collective until it is done, bounded by its timeout: build big data sets with scale-prepare first.)
+    # Cold: scale-prepare's work in one process (inside a job the node's main process does the same while the
+    # other ranks poll the entry's build record: tests/test_data_scale.py's 2-process test).
     out = subprocess.run([sys.executable, __file__, "--prepare", str(data), "--cache", str(cache), "--num-proc",
                           str(args.num_proc)], env=env, capture_output=True, text=True)
     lines = [line for line in out.stdout.splitlines() if line.startswith("PREPARE ")]
     if not lines:
         raise SystemExit(f"prepare failed:\n{out.stderr[-3000:]}")
     cold = json.loads(lines[0][8:])
+    (args.work / "cold.json").write_text(json.dumps(cold))
     warm_wall, warm = launch(data, cache, args.num_proc)
     builds = [json.loads(line) for line in (cache / "builds.jsonl").read_text().splitlines()]
     tokens = cold["tokens"]
@@ -211,6 +237,13 @@ def main() -> None:
     cold_s = cold["seconds"]
     tps = tokens / cold_s
     per_rank = max(r["anon_bytes"] for r in warm) / 2**20
+    # CPU time does not depend on what else runs on the machine (wall time does): tokens per CPU second, and the
+    # wall time on idle cores it implies: today's path is one thread; the build is its parent's work (counted as
+    # if none of it overlapped the workers) plus the workers' work shared by data.num_proc cores.
+    today_cpu_tps = now["tokens"] / now["cpu_s"]
+    cold_cpu = cold["parent_cpu_s"] + cold["workers_cpu_s"]
+    idle_cold_s = cold["parent_cpu_s"] + cold["workers_cpu_s"] / args.num_proc
+    idle_today_s = now["cpu_s"] * scale
     today_bpt = now["anon_bytes"] / now["tokens"]
     rows = [
         ("tokenize (cold prepare), s", f"{now['seconds'] * scale:.1f} (x{scale:g} of {now['seconds']:.1f})",
@@ -218,6 +251,11 @@ def main() -> None:
         ("tokens/s (2 cores)", f"{today_tps:,.0f}", f"{tps:,.0f}"),
         ("who tokenizes", "every rank, every start", f"{len(builds)} process in all (builds.jsonl: scale-prepare; "
                                                      f"the 2-rank start added none)"),
+        ("CPU seconds (user+sys; build: parent + workers)", f"{now['cpu_s'] * scale:.1f} (x{scale:g})",
+         f"{cold_cpu:.1f} ({cold['parent_cpu_s']:.1f} + {cold['workers_cpu_s']:.1f})"),
+        ("tokens per CPU second", f"{today_cpu_tps:,.0f}", f"{tokens / cold_cpu:,.0f}"),
+        (f"idle estimate from CPU time, {args.num_proc} cores, s (tokens/s)",
+         f"{idle_today_s:.1f} ({today_cpu_tps:,.0f})", f"{idle_cold_s:.1f} ({tokens / idle_cold_s:,.0f})"),
         ("builder peak RSS, MiB", "-", f"{cold['peak_rss'] / 2**20:,.0f}"),
         ("warm start, data ready on both ranks, s", f"{now['seconds'] * scale:.1f} (every start)",
          f"{max(r['data_s'] for r in warm):.1f}"),
@@ -236,6 +274,10 @@ def main() -> None:
         print(f"| {name:{width}} | {a} | {b} |")
     print(f"data_scale: rows={args.rows} cold_s={cold_s:.1f} warm_s={max(r['data_s'] for r in warm):.1f} "
           f"rss_mib_per_rank={per_rank:.1f} tokens_per_s={tps:.0f} speedup={tps / today_tps:.1f}")
+    print(f"data_scale_cpu: today_tokens_per_cpu_s={today_cpu_tps:.0f} cache_tokens_per_cpu_s={tokens / cold_cpu:.0f} "
+          f"idle_cold_s={idle_cold_s:.1f} idle_tokens_per_s={tokens / idle_cold_s:.0f} "
+          f"idle_speedup={tokens / idle_cold_s / today_cpu_tps:.1f} bytes_per_token_per_rank="
+          f"{max(r['anon_bytes'] for r in warm) / tokens:.3f} load_start={load_start:.1f} load_end={os.getloadavg()[0]:.1f}")
     return None
 
 

@@ -26,7 +26,6 @@ No torch.distributed, no accelerate.
 
 from __future__ import annotations
 
-import bisect
 import copy
 import dataclasses
 import fcntl
@@ -39,7 +38,7 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -47,10 +46,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from scale.data import Splits, _tokenize, build_splits
+from scale.data import DataError, Splits, _tokenize, build_splits, fingerprint_bytes
 from scale.fileio import sha256_file, temp_dir_for, write_text_atomic
-from scale.sources import eval_source_of, source_digest
-from scale.tasks.base import Builder, Example
+from scale.sources import sources_digests
+from scale.tasks.base import Builder
+from scale.token_table import LISTS, SCALARS, Reordered, TokenTable, column, longest_first  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +59,8 @@ CACHE_VERSION = 2  # bump when the cache layout changes (2: the trained flags, e
 RUNTIME_KEYS = ("num_workers", "group_by_length", "mega_batch_steps", "padding_free", "packing", "padding_side", "cache",
                 "cache_dir", "cache_max_gib", "num_proc", "path", "eval_path", "chat_template")
 # their source is part of the fingerprint (scale/tasks/: every format module)
-TOKEN_MODULES = ("data.py", "formats.py", "sources.py", "cache.py", "tasks/*.py")
+TOKEN_MODULES = ("data.py", "formats.py", "sources.py", "cache.py", "token_table.py", "mixing.py", "tasks/*.py")
 CHUNK_ROWS = 4096  # rows per tokenizer task and per record batch
-SCALARS = ("length", "tail_len", "type_indicator", "target_token", "label", "row")
-# Example fields stored as lists beside input_ids: ``trained`` (the tail's 0/1 flags; an empty list is ``None``)
-LISTS = ("trained",)
 
 
 def default_cache_dir(cfg: Any) -> Path:
@@ -99,13 +96,11 @@ def fingerprint(cfg: Any, tokenizer: Any, path: str) -> tuple[str, dict[str, Any
     """
     here = Path(__file__).resolve().parent
     code = hashlib.sha256(b"".join(f.read_bytes() for m in TOKEN_MODULES for f in sorted(here.glob(m))))
-    eval_source = eval_source_of(cfg.data, path)
     template = cfg.data.chat_template
     inputs = {
         "cache_version": CACHE_VERSION,
         "code": code.hexdigest(),
-        "source": source_digest(cfg.data, path),
-        "eval_source": source_digest(*eval_source) if eval_source is not None else None,
+        **sources_digests(cfg.data, path),
         "tokenizer": tokenizer_digest(tokenizer),
         "chat_template": sha256_file(template) if template is not None and Path(template).is_file() else template,
         "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in RUNTIME_KEYS},
@@ -114,102 +109,6 @@ def fingerprint(cfg: Any, tokenizer: Any, path: str) -> tuple[str, dict[str, Any
     }
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
     return key, inputs
-
-
-class TokenTable(Sequence):
-    """The examples of one split, read from a memory-mapped Arrow file: ``table[i]`` is an :class:`Example`.
-
-    Only the record batches' buffers are mapped; nothing is copied until an item (or :meth:`column`) is read.
-    Pickles as its path (DataLoader workers map the file again).
-
-    Args:
-        path: an ``.arrow`` file written by :func:`write_table`.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = str(path)
-        self._open()
-
-    def _open(self) -> None:
-        self._reader = pa.ipc.open_file(pa.memory_map(self.path, "r"))
-        self._chunks, starts = [], [0]
-        for k in range(self._reader.num_record_batches):
-            batch = self._reader.get_batch(k)
-            ids = batch.column("input_ids")
-            lists = {c: (_numpy(batch.column(c).offsets), _numpy(batch.column(c).values)) for c in LISTS}
-            self._chunks.append((_numpy(ids.offsets), _numpy(ids.values), {c: _numpy(batch.column(c)) for c in SCALARS},
-                                 lists))
-            starts.append(starts[-1] + batch.num_rows)
-        self._starts = starts
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.path = state["path"]
-        self._open()
-
-    def __len__(self) -> int:
-        return self._starts[-1]
-
-    def __getitem__(self, i: int) -> Example:  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"row {i} of a {n}-row split")
-        k = bisect.bisect_right(self._starts, i) - 1
-        offsets, values, s, lists = self._chunks[k]
-        j = i - self._starts[k]
-        flag_offsets, flags = lists["trained"]
-        trained = flags[flag_offsets[j]:flag_offsets[j + 1]].tolist() or None
-        return Example(values[offsets[j]:offsets[j + 1]].tolist(), int(s["tail_len"][j]), int(s["type_indicator"][j]),
-                       int(s["target_token"][j]), int(s["label"][j]), int(s["row"][j]), trained)
-
-    def column(self, name: str) -> np.ndarray:
-        """One per-row column over the whole split (``length``, ``tail_len``, ``type_indicator``, ...): ``[N]``."""
-        parts = [s[name] for _, _, s, _ in self._chunks]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
-def _numpy(arr: pa.Array) -> np.ndarray:
-    """A primitive Arrow array (no nulls) as a read-only numpy view of its buffer: no copy, and no pandas import
-    (``to_numpy`` imports it)."""
-    dtype = np.dtype(str(arr.type))
-    return np.frombuffer(arr.buffers()[1], dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize)
-
-
-class Reordered(Sequence):
-    """``base`` read in the order ``order`` (a view, nothing copied but the index)."""
-
-    def __init__(self, base: Sequence, order: Sequence[int]) -> None:
-        self.base, self.order = base, np.asarray(order, dtype=np.int64)
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-    def __getitem__(self, i: int) -> Example:  # type: ignore[override]
-        return self.base[int(self.order[i])]
-
-
-def column(examples: Sequence, name: str) -> np.ndarray:
-    """A per-row column of a split, in memory or cached: ``length`` (tokens), ``tail_len``, ``type_indicator``,
-    ``target_token``, ``label`` or ``row``; ``[N]`` int64. Reads no token of a :class:`TokenTable`."""
-    if isinstance(examples, TokenTable):
-        return examples.column(name).astype(np.int64)
-    if name == "length":
-        return np.array([len(e.input_ids) for e in examples], dtype=np.int64)
-    return np.array([getattr(e, name) for e in examples], dtype=np.int64)
-
-
-def longest_first(examples: Sequence) -> Sequence:
-    """The examples longest first, equal lengths in their order: ``sorted(examples, key=-len)`` without
-    reading the tokens of a cached split (the evaluation order)."""
-    if not isinstance(examples, TokenTable):
-        return sorted(examples, key=lambda e: -len(e.input_ids))
-    return Reordered(examples, np.argsort(-column(examples, "length"), kind="stable"))
 
 
 # ---- building ----
@@ -268,6 +167,7 @@ def _tokenize_span(span: tuple[int, int]) -> tuple[dict[str, np.ndarray], list[i
     cols["trained_length"] = np.fromiter(map(len, flags), dtype=np.int32, count=len(examples))
     cols["trained"] = np.fromiter(itertools.chain.from_iterable(flags), dtype=np.uint8,
                                   count=int(cols["trained_length"].sum()))
+    cols["fingerprint"] = b"".join(map(fingerprint_bytes, examples))  # hashed in row order by the writer
     return cols, builder.dropped, builder.notes
 
 
@@ -291,8 +191,10 @@ def _record_batch(cols: dict[str, np.ndarray]) -> pa.RecordBatch:
 
 
 def write_table(path: Path, rows: list[dict[str, Any]], task: Any, builder: Builder, loss_cfg: Any, num_proc: int,
-                dtype: Any) -> dict[str, int]:
-    """Tokenize ``rows`` in chunks (``num_proc`` forked workers, batched encoding) and stream them to ``path``.
+                dtype: Any, progress: Path | None = None, digest: Any = None) -> dict[str, int]:
+    """Tokenize ``rows`` in chunks (``num_proc`` forked workers, batched encoding) and stream them to ``path``;
+    after each chunk, ``progress`` (a JSON file) says how many rows are done (what waiting ranks log), and
+    ``digest`` (a ``hashlib`` object) is updated with the chunk's :func:`scale.data.fingerprint_bytes`.
 
     Returns:
         ``{"rows": written, "tokens": total}``.
@@ -306,7 +208,7 @@ def write_table(path: Path, rows: list[dict[str, Any]], task: Any, builder: Buil
                             **{c: np.zeros(0, np.int64) for c in SCALARS if c != "length"},
                             **{c: np.zeros(0, np.uint8) for c in LISTS}, **{f"{c}_length": np.zeros(0, np.int32)
                                                                            for c in LISTS}}).schema
-    written = tokens = 0
+    written = tokens = done = 0
     pool = multiprocessing.get_context("fork").Pool(num_proc) if num_proc > 1 and len(spans) > 1 else None
     try:
         results: Iterator = pool.imap(_tokenize_span, spans) if pool is not None else map(_tokenize_span, spans)
@@ -315,11 +217,17 @@ def write_table(path: Path, rows: list[dict[str, Any]], task: Any, builder: Buil
                 builder.dropped.extend(dropped)
                 for note, n in notes.items():
                     builder.notes[note] = builder.notes.get(note, 0) + n
+                if digest is not None:
+                    digest.update(cols["fingerprint"])
                 if len(cols["length"]):
                     batch = _record_batch(cols)
                     writer.write_batch(batch.cast(schema) if batch.schema != schema else batch)
                 written += len(cols["length"])
                 tokens += int(cols["length"].sum())
+                done += CHUNK_ROWS
+                if progress is not None:
+                    write_text_atomic(progress, json.dumps({"split": path.stem, "rows_done": min(done, len(rows)),
+                                                            "rows_total": len(rows), "pid": os.getpid()}))
     finally:
         if pool is not None:
             pool.terminate()
@@ -333,13 +241,16 @@ def _build(final: Path, cfg: Any, tokenizer: Any, path: str, key: str, inputs: d
     num_proc = cfg.data.num_proc or len(os.sched_getaffinity(0))
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     counts: dict[str, dict[str, int]] = {}
+    digest = hashlib.sha256()  # the token fingerprint, train then eval, as build_splits would compute it
 
     def tokenize(name: str, rows: list[dict[str, Any]], task: Any, builder: Builder) -> TokenTable:
-        counts[name] = write_table(tmp / f"{name}.arrow", rows, task, builder, cfg.loss, num_proc, dtype)
+        counts[name] = write_table(tmp / f"{name}.arrow", rows, task, builder, cfg.loss, num_proc, dtype,
+                                   progress=_marker(final, "progress"), digest=digest)
         return TokenTable(tmp / f"{name}.arrow")
 
     try:
-        splits = build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed, tokenize=tokenize)
+        splits = build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed, tokenize=tokenize,
+                              fingerprint_of=lambda train, held: digest.hexdigest())
         # Every Splits field but the examples, so a hit reads the token fingerprint (rows_sha256 of the resume
         # check) and the template hash from here, without reading a token.
         meta = {f.name: getattr(splits, f.name) for f in dataclasses.fields(Splits) if f.name not in ("train", "eval")}
@@ -355,6 +266,8 @@ def _build(final: Path, cfg: Any, tokenizer: Any, path: str, key: str, inputs: d
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        _marker(final, "progress").unlink(missing_ok=True)
     with open(final.parent / "builds.jsonl", "a", encoding="utf-8") as fh:
         fh.write(json.dumps({k: record[k] for k in ("fingerprint", "host", "pid", "rank", "local_rank", "built_at",
                                                      "seconds", "num_proc", "splits")}) + "\n")
@@ -401,9 +314,18 @@ def open_entry(final: Path) -> Splits:
     return Splits(train=TokenTable(final / "train.arrow"), eval=TokenTable(final / "eval.arrow"), **meta)
 
 
-def load_splits(cfg: Any, tokenizer: Any, path: str) -> Splits:
+def _marker(final: Path, kind: str) -> Path:
+    """``<entry>.progress`` (rows done by the builder) or ``<entry>.failed`` (its error, for the waiting ranks)."""
+    return final.with_name(f"{final.name}.{kind}")
+
+
+def load_splits(cfg: Any, tokenizer: Any, path: str, run_id: str | None = None) -> Splits:
     """The tokenized splits of ``cfg``: memory-mapped from the cache, built there first when missing or corrupt.
     With ``data.cache=false``, :func:`scale.data.build_splits` in memory.
+
+    Args:
+        run_id: the job's id, on the process the node's other ranks wait for (:func:`wait_for_splits`): an error
+            is then written to ``<entry>.failed`` with it, so that they raise it too instead of waiting.
 
     Raises:
         DataError: see :func:`scale.data.build_splits`; nothing is left in the cache then.
@@ -411,8 +333,20 @@ def load_splits(cfg: Any, tokenizer: Any, path: str) -> Splits:
     if not cfg.data.cache:
         return build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed)
     key, inputs = fingerprint(cfg, tokenizer, path)
-    root = default_cache_dir(cfg)
-    final = root / key[:32]
+    final = default_cache_dir(cfg) / key[:32]
+    try:
+        splits = _load_or_build(cfg, tokenizer, path, key, inputs, final)
+    except Exception as e:
+        if run_id is not None:
+            write_text_atomic(_marker(final, "failed"), json.dumps({"run_id": run_id, "type": type(e).__name__,
+                                                                    "message": str(e)}))
+        raise
+    _marker(final, "failed").unlink(missing_ok=True)  # an earlier run's
+    return splits
+
+
+def _load_or_build(cfg: Any, tokenizer: Any, path: str, key: str, inputs: dict[str, Any], final: Path) -> Splits:
+    root = final.parent
     with _locked(root / f"{key[:32]}.lock"):
         if final.exists():
             why = check_entry(final)
@@ -424,6 +358,65 @@ def load_splits(cfg: Any, tokenizer: Any, path: str) -> Splits:
         _build(final, cfg, tokenizer, path, key, inputs)
         prune(root, cfg.data.cache_max_gib, keep=final)
         return open_entry(final)
+
+
+def wait_for_splits(cfg: Any, tokenizer: Any, path: str, run_id: str, poll_s: float = 2.0,
+                    log_every_s: float = 60.0, give_up_s: float | None = None) -> Splits:
+    """The splits the node's building process (:func:`load_splits` with the same ``run_id``) finds or builds,
+    memory-mapped once complete: polls for the entry's build record, not a collective, so a build of any length
+    is waited for (a collective is bounded by ``train.collective_timeout_s``). Logs what it waits for, then
+    every ``log_every_s`` seconds the builder's progress (rows done of the split it tokenizes). ``give_up_s``:
+    raise TimeoutError after that many seconds (``None``, the job's: never; a dead builder ends the launch).
+
+    Raises:
+        DataError: the builder's error (``<entry>.failed`` with this ``run_id``), with its message; another type
+            of error as a RuntimeError naming it.
+    """
+    if not cfg.data.cache:
+        return build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed)
+    key, _ = fingerprint(cfg, tokenizer, path)
+    final = default_cache_dir(cfg) / key[:32]
+    start, last = time.monotonic(), None
+    rank = os.environ.get("RANK", "?")
+    while True:
+        if (final / "build.json").is_file():
+            with _locked(final.with_name(f"{key[:32]}.lock")):  # the builder holds it until the entry is whole
+                if check_entry(final) is None:
+                    if time.monotonic() - start > poll_s:
+                        logger.info("data cache: rank %s waited %.0f s; mapping %s", rank, time.monotonic() - start,
+                                    final)
+                    return open_entry(final)
+        failed = _failure(final, run_id)
+        if failed is not None:
+            if failed["type"] == "DataError":
+                raise DataError(failed["message"])
+            raise RuntimeError(f"building the data cache failed on the node's main process: {failed['type']}: "
+                               f"{failed['message']}")
+        now = time.monotonic()
+        if give_up_s is not None and now - start > give_up_s:
+            raise TimeoutError(f"no complete data cache entry {final} after {give_up_s} s")
+        if last is None or now - last >= log_every_s:
+            last = now
+            logger.info("data cache: rank %s waits for the node's main process to tokenize into %s (%.0f s so far%s;"
+                        " polling the build record, no collective timeout applies)", rank, final, now - start,
+                        _progress_text(final))
+        time.sleep(poll_s)
+
+
+def _failure(final: Path, run_id: str) -> dict[str, str] | None:
+    try:
+        failed = json.loads(_marker(final, "failed").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return failed if isinstance(failed, dict) and failed.get("run_id") == run_id else None
+
+
+def _progress_text(final: Path) -> str:
+    try:
+        p = json.loads(_marker(final, "progress").read_text(encoding="utf-8"))
+        return f"; {p['split']}: {p['rows_done']:,} of {p['rows_total']:,} rows tokenized"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def prune(root: Path, max_gib: float, keep: Path) -> list[Path]:

@@ -22,8 +22,8 @@ from typing import Any
 import yaml
 
 from scale.fileio import write_text_atomic
-from scale.schema import (Config, ConfigError, DataConfig, LogConfig, LoraConfig, LossConfig, ModelConfig,  # noqa: F401
-                          OptimConfig, TrainConfig, get_key)
+from scale.schema import (Config, ConfigError, DataConfig, DatasetConfig, LogConfig, LoraConfig,  # noqa: F401
+                          LossConfig, ModelConfig, OptimConfig, TrainConfig, get_key)
 
 
 
@@ -65,6 +65,8 @@ def named_config(name_or_path: str | Path, kind: str = "train", suffix: str = ".
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; return it (ints widened to float where a float is asked)."""
     origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):  # an entry of data.datasets [issue 18]
+        return _build(tp, value, f"{key}.")
     if origin in (typing.Union, types.UnionType):
         for arm in typing.get_args(tp):
             if arm is type(None):
@@ -136,12 +138,15 @@ def yaml_load(text: Any) -> Any:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_args(tp) and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+        return "a list of mappings such as [{path: data/a.jsonl, weight: 1}]"
     return getattr(tp, "__name__", None) if not typing.get_args(tp) else str(tp).replace("typing.", "")
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+        example = " (e.g. {path: data/a.jsonl, weight: 1})" if cls is DatasetConfig else ""
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping{example}, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -159,13 +164,25 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """``tree[a][b] = value`` for ``a.b``; a number indexes a list (``data.datasets.1.weight=2``)."""
     parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {dotted}: {part} is not a section")
-    node[parts[-1]] = value
+    node: Any = tree
+    for k, part in enumerate(parts):
+        last = k == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"override {dotted}: {'.'.join(parts[:k])} has {len(node)} entries; index it "
+                                  f"with 0..{len(node) - 1}")
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {parts[k - 1]} is not a section")
+        if last:
+            node[part] = value
+        elif isinstance(node, dict) and part not in node and parts[k + 1].isdigit():
+            raise ConfigError(f"override {dotted}: {'.'.join(parts[:k + 1])} has no entry {parts[k + 1]}; set the "
+                              f"whole list first ({'.'.join(parts[:k + 1])}=[{{path: a.jsonl}}, ...])")
+        else:
+            node = node.setdefault(part, {}) if isinstance(node, dict) else node[part]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -197,6 +214,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if isinstance(value, str) and not Path(value).expanduser().is_absolute() \
                 and (path.parent / value).exists():
             tree[section][name] = str((path.parent / value).resolve())
+    mixture = tree.get("data", {}).get("datasets") if isinstance(tree.get("data"), dict) else None
+    for entry in mixture if isinstance(mixture, list) else []:  # data.datasets[i].path: as data.path [issue 18]
+        value = entry.get("path") if isinstance(entry, dict) else None
+        if isinstance(value, str) and not Path(value).expanduser().is_absolute() and (path.parent / value).exists():
+            entry["path"] = str((path.parent / value).resolve())
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
@@ -300,6 +322,8 @@ def help_table() -> str:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             help_text = f.metadata.get("help", "").replace("|", "\\|")
             rows.append(f"| `{prefix}{f.name}` | `{default!r}` | {help_text} |")
+            if f.name == "datasets":  # the keys of one entry [issue 18]
+                walk(DatasetConfig, f"{prefix}{f.name}[i].")
 
     walk(Config, "")
     return "\n".join(rows)

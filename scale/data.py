@@ -176,36 +176,37 @@ def token_fingerprint(examples: Iterable[Example]) -> str:
     """sha256 over every example's token ids, tail length and trained flags (in order)."""
     digest = hashlib.sha256()
     for e in examples:
-        digest.update(repr((e.input_ids, e.tail_len, e.trained)).encode())
+        digest.update(fingerprint_bytes(e))
     return digest.hexdigest()
 
 
-def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, path: str, seed: int,
-                 tokenize: Any = None) -> Splits:
-    """Load, de-duplicate (optionally), filter, split and tokenize: the whole data pipeline up to the DataLoader.
+def fingerprint_bytes(e: Example) -> bytes:
+    """What :func:`token_fingerprint` hashes of one example (:mod:`scale.cache`'s workers make it per chunk)."""
+    return repr((e.input_ids, e.tail_len, e.trained)).encode()
 
-    Args:
-        tokenize: ``tokenize(name, rows, task, builder) -> Sequence[Example]`` (``name``: train/eval; ``task``: the
-            prepared :class:`scale.tasks.base.Task`; dropped rows go to ``builder.dropped``); default in memory.
-            :mod:`scale.cache` writes the token cache with it [issue 18].
 
-    Raises:
-        DataError: see :func:`scale.tasks.load_rows`, :func:`split_rows` and the format's :meth:`Task.encode`.
-    """
-    rows = load_rows(data_cfg, path)
-    fmt = row_format(rows[0])
-    task = tasks.get(fmt)
-    if not task.uses_threshold and (loss_cfg.threshold, loss_cfg.target_position) != (2, -2):
-        logger.warning("loss.threshold=%d and loss.target_position=%d apply to the text format only; the %s format "
-                       "trains each row's own tail (see scale/data.py)", loss_cfg.threshold, loss_cfg.target_position,
-                       fmt)
+def count_copies(eval_rows: list[dict[str, Any]], train_rows: list[dict[str, Any]]) -> int:
+    """How many eval rows are exact copies of a train row (:func:`scale.formats.row_key`). Only the train rows
+    whose text cells match an eval row's are keyed (a row_key is a JSON dump: ~30 us a row) [issue 18]."""
+    def cells(r: dict[str, Any]) -> tuple:
+        return tuple(v for k, v in sorted(r.items()) if isinstance(v, str))
+
+    probe = {cells(r) for r in eval_rows}
+    in_train = {row_key(r) for r in train_rows if cells(r) in probe}
+    return sum(row_key(r) in in_train for r in eval_rows)
+
+
+def _split(data_cfg: DataConfig, rows: list[dict[str, Any]], fmt: str, path: str, seed: int
+           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]], int]:
+    """One source: de-duplicate, filter, split (or read ``data.eval_path``/``data.eval_split``), cap the train
+    rows at ``data.max_train_examples``. Returns ``(rows kept, train_rows, eval_rows, duplicates_removed)``."""
     removed = 0
     if data_cfg.deduplicate:
         rows, removed = deduplicate(rows)
     if data_cfg.max_text_chars is not None:
         rows = [r for r in rows if len(r.get("text", "")) <= data_cfg.max_text_chars]
     # [issue 18] data.eval_path / data.eval_split: eval rows from their own source, none carved out of `path`;
-    # read by the format's row checks (Task.read in load_rows), checked with the train rows (Task.check) below.
+    # read by the format's row checks (Task.read in load_rows), checked with the train rows (Task.check) later.
     eval_source = eval_source_of(data_cfg, path)
     if eval_source is None:
         train_rows, eval_rows = split_rows(rows, data_cfg.eval_size, seed)
@@ -221,8 +222,40 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
             eval_rows = [r for r in eval_rows if len(r.get("text", "")) <= data_cfg.max_text_chars]
     if data_cfg.max_train_examples is not None:
         train_rows = train_rows[: data_cfg.max_train_examples]
-    in_train = {row_key(r) for r in train_rows}
-    overlap = sum(row_key(r) in in_train for r in eval_rows)
+    return rows, train_rows, eval_rows, removed
+
+
+def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, path: str, seed: int,
+                 tokenize: Any = None, fingerprint_of: Any = None) -> Splits:
+    """Load, de-duplicate (optionally), filter, split and tokenize: the whole data pipeline up to the DataLoader.
+
+    Args:
+        tokenize: ``tokenize(name, rows, task, builder) -> Sequence[Example]`` (``name``: train/eval; ``task``: the
+            prepared :class:`scale.tasks.base.Task`; dropped rows go to ``builder.dropped``); default in memory.
+            :mod:`scale.cache` writes the token cache with it [issue 18].
+        fingerprint_of: ``fingerprint_of(train, eval) -> str``, :func:`token_fingerprint` of both splits in order
+            (default: computed here; the cache's workers hash their chunks as they tokenize).
+
+    Raises:
+        DataError: see :func:`scale.tasks.load_rows`, :func:`split_rows` and the format's :meth:`Task.encode`.
+    """
+    if data_cfg.datasets:  # [issue 18] several sources mixed by weight (scale/mixing.py); `path` is not read
+        from scale.mixing import read_mixture
+
+        mix = read_mixture(data_cfg, seed)
+        rows, fmt, task, removed, train_rows, eval_rows = mix.rows, mix.format, mix.task, mix.removed, mix.train, \
+            mix.eval
+    else:
+        mix = None
+        rows = load_rows(data_cfg, path)
+        fmt = row_format(rows[0])
+        task = tasks.get(fmt)
+        rows, train_rows, eval_rows, removed = _split(data_cfg, rows, fmt, path, seed)
+    if not task.uses_threshold and (loss_cfg.threshold, loss_cfg.target_position) != (2, -2):
+        logger.warning("loss.threshold=%d and loss.target_position=%d apply to the text format only; the %s format "
+                       "trains each row's own tail (see scale/data.py)", loss_cfg.threshold, loss_cfg.target_position,
+                       fmt)
+    overlap = count_copies(eval_rows, train_rows)
     task.prepare(tokenizer, data_cfg, loss_cfg)
     task.check(tokenizer, train_rows + eval_rows)
     builder = Builder(tokenizer, data_cfg)
@@ -233,6 +266,11 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
                         f"data.max_length")
     stats = {"data/train_rows": len(train), "data/eval_rows": len(held), "data/duplicates_removed": removed,
              "data/eval_rows_in_train": overlap, "data/dropped_long_rows": len(builder.dropped)}
+    if mix is not None:  # per source: rows read, train rows mixed in, eval rows, rows dropped [issue 18]
+        from scale.mixing import dropped_per_source
+
+        stats.update(mix.stats)
+        stats.update(dropped_per_source(builder.notes, mix.names))
     if builder.dropped:
         logger.warning("data.drop_long_completions: dropped %d rows whose tail does not fit in data.max_length=%d "
                        "(data-file rows %s)", len(builder.dropped), data_cfg.max_length, builder.dropped[:20])
@@ -243,7 +281,8 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
     extra = task.fingerprint()
     return Splits(train=train, eval=held, label_token_ids=info.get("label_token_ids"), format=fmt,
                   label_seqs=info.get("label_seqs", []), has_target=info.get("has_target", False), stats=stats,
-                  types_are_labels=task.types_are_labels, fingerprint=token_fingerprint(itertools.chain(train, held)),
+                  types_are_labels=task.types_are_labels, fingerprint=(fingerprint_of or (
+                      lambda a, b: token_fingerprint(itertools.chain(a, b))))(train, held),
                   template_sha256=hashlib.sha256(extra.encode()).hexdigest() if extra else "")
 
 

@@ -140,8 +140,10 @@ def normalize_label(label: Any) -> str:
 
 
 def row_key(row: dict[str, Any]) -> str:
-    """The row's content (everything but its index) as canonical JSON: equal keys are exact duplicates."""
-    return json.dumps({k: v for k, v in row.items() if k != "row"}, sort_keys=True, ensure_ascii=False)
+    """The row's content (everything but its index and its mixture source) as canonical JSON: equal keys are
+    exact duplicates."""
+    return json.dumps({k: v for k, v in row.items() if k not in ("row", "source")}, sort_keys=True,
+                      ensure_ascii=False)
 
 
 def text_cell(raw: dict[str, Any], column: str, i: int, path: str, strip: bool = True) -> str:

@@ -10,6 +10,7 @@ the data and the model were accepted; the model is measured for MFU before ``pre
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 from torch.utils.data import DataLoader
 
 from scale.assets import resolve_data, resolve_model
@@ -28,11 +29,12 @@ from scale.checkpoint import (TrainerState, check_resume, clear_previous_run, lo
                               resolve_resume)
 from scale.checks import dtype_census
 from scale.config import Config, ConfigError, dump_config
-from scale.cache import column, load_splits, longest_first
+from scale.cache import column, load_splits, longest_first, wait_for_splits
 from scale.data import Collator, DataError, Splits, show_example, show_legend
 from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.loss import LossSpec
+from scale.mixing import sources as mixture_sources
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
 from scale.modeling import build_model, check_packing, load_tokenizer, parameter_counts
 from scale.sampling import LengthGroupedSampler, PackedCollator, PackedRows, PaddingFreeCollator, pack_bfd
@@ -140,19 +142,29 @@ def setup(cfg: Config) -> Job:
     set_seed(cfg.train.seed)
     together = plan.mode == "zero3"  # from_pretrained under ZeRO-3 runs collectives: every rank loads at once
 
-    def prepare() -> tuple[Any, str, Splits, torch.nn.Module | None]:
+    def assets() -> tuple[Any, str]:
         tokenizer = load_tokenizer(cfg.model)
-        data_path = resolve_data(cfg.data.path)
-        splits = load_splits(cfg, tokenizer, data_path)  # [issue 18] the token cache (build_splits inside)
+        if cfg.data.datasets:  # [issue 18] data.path is not read; the sources' embedded names are prepared
+            mixture_sources(cfg.data)
+            return tokenizer, cfg.data.path
+        return tokenizer, resolve_data(cfg.data.path)
+
+    def prepare_model() -> torch.nn.Module | None:
         if together:
             resolve_model(cfg.model.name_or_path)  # the asset (SmolLM2's conversion), prepared once
-            return tokenizer, data_path, splits, None
+            return None
         model = build_model(cfg.model, cfg.lora, len(tokenizer), cfg.train.seed, device_map=plan.device_map)
         check_packing(model, cfg.data.padding_free, cfg.data.packing)  # before anything is written
-        return tokenizer, data_path, splits, model
+        return model
 
     # One process prepares the cached assets, the others then read them; an error there stops every rank.
-    tokenizer, data_path, splits, model = main_process_first(acc, prepare)  # collective
+    run_id = shared_run_id(acc)  # collective
+    tokenizer, data_path = main_process_first(acc, assets)  # collective
+    # [issue 18] The token cache: the node's main process finds or builds it (build_splits inside) while the
+    # other ranks poll its build record: no collective is open during a build of any length. Then the ranks agree.
+    splits = on_every_rank(acc, lambda: load_splits(cfg, tokenizer, data_path, run_id) if acc.is_local_main_process
+                           else wait_for_splits(cfg, tokenizer, data_path, run_id))  # collective, after the build
+    model = main_process_first(acc, prepare_model)  # collective
     if model is None:
         model = build_model_on_every_rank(acc, cfg, plan, len(tokenizer))  # collective
     mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, acc.num_processes
@@ -233,20 +245,45 @@ def build_model_on_every_rank(acc: Accelerator, cfg: Config, plan: ModePlan, voc
     Raises:
         Whatever :func:`scale.modeling.build_model` raises, on every rank (``rank_local`` when only this one).
     """
+    return on_every_rank(acc, lambda: build_model(cfg.model, cfg.lora, vocab_size, cfg.train.seed,
+                                                  device_map=plan.device_map))
+
+
+def on_every_rank(acc: Accelerator, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on every rank, then the ranks agree on the outcome (collective): an error on one rank stops all
+    of them, with its message, instead of a hang in the next collective.
+
+    Raises:
+        What ``fn`` raised on this rank (``rank_local`` when rank 0 did not fail: the CLI prints it), else a
+        RuntimeError when ``fn`` failed on another rank only.
+    """
     error: BaseException | None = None
-    model = None
+    result = None
     try:
-        model = build_model(cfg.model, cfg.lora, vocab_size, cfg.train.seed, device_map=plan.device_map)
+        result = fn()
     except Exception as e:  # noqa: BLE001 - agreed on below, then raised
         error = e
+    if acc.num_processes == 1:
+        if error is not None:
+            raise error
+        return result
     mine = float(error is not None)
     failed = acc.reduce(torch.tensor([mine * acc.is_main_process, mine], device=acc.device), reduction="sum")
     if error is not None:  # printed by this rank when rank 0 (whose message the CLI prints) did not fail
         error.rank_local = not acc.is_main_process and float(failed[0]) == 0  # type: ignore[attr-defined]
         raise error
     if float(failed[1]) > 0:
-        raise RuntimeError("building the model failed on another rank (its message is in that rank's output)")
-    return model
+        raise RuntimeError("a step every rank runs failed on another rank (its message is in that rank's output)")
+    return result
+
+
+def shared_run_id(acc: Accelerator) -> str:
+    """A random id drawn on rank 0 and broadcast (collective): the ranks of one launch share it (the token
+    cache's failure marker names it, :func:`scale.cache.wait_for_splits`)."""
+    box = [uuid.uuid4().hex]
+    if acc.num_processes > 1:
+        broadcast_object_list(box, from_process=0)
+    return box[0]
 
 
 def flops_shape(model: torch.nn.Module) -> Any:

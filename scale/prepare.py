@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         if not cfg.data.cache:
             raise ConfigError("data.cache=false: there is no cache to prepare; drop the override")
         tokenizer = load_tokenizer(cfg.model)
-        path = resolve_data(cfg.data.path)
+        path = cfg.data.path if cfg.data.datasets else resolve_data(cfg.data.path)  # data.datasets: not read
         splits = load_splits(cfg, tokenizer, path)
     except (ConfigError, DataError) as e:
         sys.stderr.write(f"scale-prepare: error: {type(e).__name__}: {e}\n")

@@ -71,6 +71,31 @@ class LoraConfig:
 
 
 @dataclass
+class DatasetConfig:
+    """One data set of a mixture (``data.datasets``, issue 18): its source, its share and its own reading keys;
+    a null key takes the value of the same ``data.*`` key. Field names follow axolotl's ``datasets:`` list (path,
+    split) and ``datasets.interleave_datasets`` (a weight is a probability before normalization)."""
+
+    path: str | None = _f(None, "The source (required): any kind `data.path` accepts (file, directory or glob of "
+                                "shards, save_to_disk directory, hub id, embedded name).")
+    weight: float = _f(1.0, "Share of the mixed train split: weight / sum of weights (> 0); exact over an epoch.")
+    name: str | None = _f(None, "Name in the data/* metrics (data/<name>/train_rows); null: the file name without "
+                                "its extension (the last part of a hub id). Names must differ.")
+    format: str | None = _f(None, "Format of this source's rows (as `data.format`); null: `data.format`.")
+    split: str | None = _f(None, "Split of a hub id or a save_to_disk DatasetDict; null: `data.split`.")
+    subset: str | None = _f(None, "Hub data sets: the configuration name; null: `data.subset`.")
+    text_column: str | None = _f(None, "As `data.text_column`, for this source; null: `data.text_column`.")
+    label_column: str | None = _f(None, "As `data.label_column`, for this source.")
+    prompt_column: str | None = _f(None, "As `data.prompt_column`, for this source.")
+    completion_column: str | None = _f(None, "As `data.completion_column`, for this source.")
+    messages_column: str | None = _f(None, "As `data.messages_column`, for this source.")
+    tools_column: str | None = _f(None, "As `data.tools_column`, for this source.")
+    target_column: str | None = _f(None, "As `data.target_column`, for this source.")
+    type_column: str | None = _f(None, "As `data.type_column`, for this source.")
+    column_names: list[str] | None = _f(None, "As `data.column_names` (header-less csv/tsv), for this source.")
+
+
+@dataclass
 class DataConfig:
     """Where the labelled text comes from and how it becomes token sequences."""
 
@@ -143,6 +168,14 @@ class DataConfig:
                                     "build.")
     num_proc: int | None = _f(None, "Tokenizer worker processes when the cache is built; null: the CPUs this "
                                     "process may use.")
+    datasets: list[DatasetConfig] = _f([], "Several data sets mixed by weight instead of `path`: a list of {path, "
+                                           "weight, name, format, split, subset, *_column} (docs/data.md); the "
+                                           "train split holds exactly weight / sum of weights of its rows from each "
+                                           "source; [] reads `path`.")
+    stopping_strategy: str = _f("first_exhausted", "`datasets`: first_exhausted (no row repeats: the source that "
+                                                  "runs out first at its weight sets the size) | all_exhausted "
+                                                  "(every row once at least: smaller sources repeat), as "
+                                                  "datasets.interleave_datasets.")
 
 
 @dataclass
@@ -276,6 +309,7 @@ _CHOICES = {
     "model.gradient_checkpointing": (True, False, "every_n", "offload"),
     "model.attn_implementation": (None, "sdpa", "eager", "flash_attention_2", "flex_attention"),
     "data.format": ("auto", "text", "classification", "prompt_completion", "messages"),
+    "data.stopping_strategy": ("first_exhausted", "all_exhausted"),
     "loss.criterion_mode": ("plain", "input"),
     "optim.name": ("adamw", "sgd"),
     "optim.schedule": ("cosine", "linear", "constant"),
@@ -298,6 +332,7 @@ def _validate(cfg: Config) -> None:
     _validate_length(cfg.train)
     if cfg.data.num_proc is not None and cfg.data.num_proc < 1:  # [issue 18]
         raise ConfigError(f"data.num_proc={cfg.data.num_proc} must be >= 1, or null for the CPUs this process may use")
+    _validate_datasets(cfg.data)
     if cfg.train.eval_every < 0:
         raise ConfigError("train.eval_every must be >= 0 (0 evaluates only at step 0 and the end)")
     if cfg.train.save_every < 0:
@@ -366,6 +401,36 @@ def _validate(cfg: Config) -> None:
     if cfg.train.mixed_precision in ("bf16", "fp16") and cfg.model.quantize_4bit and \
             cfg.model.bnb_4bit_compute_dtype == "float32":
         raise ConfigError("train.mixed_precision needs model.bnb_4bit_compute_dtype to match (bfloat16/float16)")
+
+
+def _validate_datasets(d: DataConfig) -> None:
+    """Each ``data.datasets`` entry has a path, a weight > 0, a known format and a name of its own [issue 18]."""
+    names: dict[str, int] = {}
+    for i, ds in enumerate(d.datasets):
+        key = f"data.datasets[{i}]"
+        if not ds.path:
+            raise ConfigError(f"{key}.path is missing: give each data set a source, e.g. {{path: data/a.jsonl, "
+                              f"weight: 1}}")
+        if not 0 < ds.weight < math.inf:
+            raise ConfigError(f"{key}.weight={ds.weight} must be > 0 and finite (its share of the mixed train split "
+                              f"is weight / sum of weights); remove the entry to leave the source out")
+        if ds.format is not None and ds.format not in _CHOICES["data.format"]:
+            raise ConfigError(f"{key}.format={ds.format!r} is not one of {list(_CHOICES['data.format'])}")
+        name = dataset_name(ds)
+        if name in names:
+            raise ConfigError(f"{key} and data.datasets[{names[name]}] are both named {name!r} (data/{name}/* "
+                              f"metrics); set {key}.name")
+        names[name] = i
+
+
+def dataset_name(ds: DatasetConfig) -> str:
+    """``ds.name``, else the source's last path part without its extension (``data/a.jsonl`` -> ``a``)."""
+    if ds.name:
+        return ds.name
+    parts = [p for p in str(ds.path).replace("\\", "/").split("/") if p and not any(c in p for c in "*?[")]
+    last = parts[-1] if parts else str(ds.path)
+    stem, dot, ext = last.rpartition(".")
+    return stem if dot and ext.lower() in ("jsonl", "json", "csv", "tsv", "parquet", "arrow") else last
 
 
 def _validate_length(t: TrainConfig) -> None:

@@ -252,11 +252,27 @@ def _hub_revision(path: str) -> str:
         return "unknown"
 
 
+def sources_digests(data_cfg: Any, path: str) -> dict[str, str | None]:
+    """``{"source": ..., "eval_source": ...}``: :func:`source_digest` of ``path`` (with ``data.datasets``: of every
+    source, :func:`scale.mixing.mixture_digest`; ``path`` is not read) and of the eval source, ``None`` when the
+    eval rows are carved out of the train source(s)."""
+    if data_cfg.datasets:
+        from scale.mixing import mixture_digest
+
+        # each source's own data.eval_split rows are in its digest (a file, a directory, a hub revision)
+        eval_source = eval_source_of(data_cfg, path) if data_cfg.eval_path is not None else None
+        return {"source": mixture_digest(data_cfg),
+                "eval_source": source_digest(*eval_source) if eval_source is not None else None}
+    eval_source = eval_source_of(data_cfg, path)
+    return {"source": source_digest(data_cfg, path),
+            "eval_source": source_digest(*eval_source) if eval_source is not None else None}
+
+
 def data_digest(cfg: Any, path: str) -> str:
     """The data-changed guard of a checkpoint (``TrainerState.data_sha256``): :func:`source_digest` of
-    ``path``, combined with the eval source's when ``data.eval_path``/``data.eval_split`` is set."""
-    digest = source_digest(cfg.data, path)
-    eval_source = eval_source_of(cfg.data, path)
-    if eval_source is None:
-        return digest
-    return hashlib.sha256(f"{digest}\0{source_digest(*eval_source)}".encode()).hexdigest()
+    ``path`` (or every source of ``data.datasets``), combined with the eval source's when ``data.eval_path`` /
+    ``data.eval_split`` is set."""
+    digests = sources_digests(cfg.data, path)
+    if digests["eval_source"] is None:
+        return digests["source"]
+    return hashlib.sha256(f"{digests['source']}\0{digests['eval_source']}".encode()).hexdigest()

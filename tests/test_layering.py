@@ -21,11 +21,14 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"fileio", "schema"},
     "assets": {"fileio"},
     "schedule": {"config"},
-    "sources": {"assets", "fileio", "formats"},  # formats/assets imported inside functions (issue 18)
+    "sources": {"assets", "fileio", "formats", "mixing"},  # formats/assets/mixing imported inside functions (issue 18)
     "formats": {"config", "tasks"},  # tasks: the names that moved there, imported lazily (PEP 562)
     "tasks": {"config", "formats", "loss", "sources", "tasks"},  # scale/tasks/: one module per data format
-    "data": {"config", "formats", "sources", "tasks"},
-    "cache": {"data", "fileio", "sources", "tasks"},  # the token cache (issue 18): numpy/pyarrow, no process group
+    "data": {"config", "formats", "mixing", "sources", "tasks"},
+    # several data sets mixed by weight (issue 18); data/sources imported inside functions
+    "mixing": {"assets", "config", "data", "formats", "schema", "sources", "tasks"},
+    "token_table": {"tasks"},  # the cache's memory-mapped splits (issue 18)
+    "cache": {"data", "fileio", "sources", "tasks", "token_table"},  # the token cache (issue 18): numpy/pyarrow, no process group
     "loss": {"config", "chunked"},  # loss_step picks the chunked loss (imported lazily: chunked imports loss)
     "chunked": {"loss"},
     "modeling": {"config", "assets"},
@@ -44,7 +47,7 @@ ALLOWED: dict[str, set[str]] = {
     "checkpoint": {"config", "fileio", "launch", "modeling", "schedule"},  # schedule: SaveTimer (issue 21)
     "evaluate": {"loss", "tasks"},
     "job": {"assets", "cache", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss",
-            "metrics", "modeling", "sampling", "schedule", "sources", "tracking"},
+            "metrics", "mixing", "modeling", "sampling", "schedule", "sources", "tracking"},
     "train": {"checkpoint", "checks", "config", "evaluate", "export", "job", "loss", "metrics",
               "signals", "tracking"},
     "cli": {"assets", "checkpoint", "config", "data", "launch", "modeling", "signals", "train"},
