@@ -218,8 +218,8 @@ def rotate(output_dir: str | Path, limit: int | None, keep: int | None = None) -
     return gone
 
 
-RUN_ARTEFACTS = ("adapter", "metrics.jsonl", "config.yaml", "wandb_run.json", "samples.jsonl",  # besides checkpoints/
-                 "best.json")
+RUN_ARTEFACTS = ("adapter", "metrics.jsonl", "config.yaml", "wandb_run.json")  # what a run writes besides checkpoints/
+SIDE_FILES = ("samples.jsonl", "best.json")  # written beside metrics.jsonl (issue 20): deleted with the run, not named
 _REPLACE = "use another output_dir, or set train.overwrite_output_dir=true to replace it"
 
 
@@ -292,7 +292,7 @@ def clear_previous_run(acc: Accelerator, cfg: Config, resume: Path | None) -> No
     if _is_writer(acc):
         shutil.rmtree(checkpoint_root(out), ignore_errors=True)
     if acc.is_main_process:
-        found = [name for name in RUN_ARTEFACTS if (out / name).exists()]
+        found = [name for name in RUN_ARTEFACTS + SIDE_FILES if (out / name).exists()]
         for path in (out / name for name in found):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         if found:

@@ -90,7 +90,8 @@ class Window:
 def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     """Run optimizer steps from ``job.state.step`` to ``job.max_steps``; evaluate at step 0, every
     ``eval_every`` and at the end; checkpoint every ``save_every`` steps or ``save_every_minutes``, at the end
-    (when either is set), and when pre-empted.
+    (when either is set), when pre-empted (also during an evaluation), and at each new best of
+    ``train.keep_best``; stop early after ``train.early_stopping_patience`` evaluations without one.
 
     A resumed ``state`` continues mid-epoch: each rank skips the ``windows_in_epoch * GA`` micro-batches
     of its shard it already trained on, so the sample order equals an uninterrupted run's.
