@@ -25,7 +25,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +38,8 @@ from safetensors.torch import load_file, save_file
 from scale.config import Config, ConfigError, redact_field, to_dict, yaml_load
 from scale.fileio import replace_dir, temp_dir_for
 from scale.launch import ModePlan
+from scale.state import SaveTimer, TrainerState  # noqa: F401 - importable from here
 from scale.modeling import restore_inference_config
-from scale.schedule import SaveTimer  # noqa: F401 - moved to scale.schedule; importable from here as before
 
 logger = get_logger(__name__)
 
@@ -52,39 +52,12 @@ HARMLESS = ("output_dir", "log.", "train.log_every", "train.eval_every", "train.
             "train.save_every", "train.save_total_limit", "train.save_on_each_node",
             "train.check_invariants", "train.save_adapter", "train.collective_timeout_s", "data.num_workers",
             "train.on_nonfinite", "train.save_every_minutes", "train.overwrite_output_dir", "train.rendezvous_",
-            "data.cache", "data.num_proc")  # data.cache*: where the same tokens are kept (scale.cache)
+            "data.cache", "data.num_proc",  # data.cache*: where the same tokens are kept (scale.cache)
+            "eval.", "train.keep_best", "train.early_stopping_patience")  # what is evaluated/kept, not trained
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, unreadable on some rank, or does not match the run."""
-
-
-@dataclass
-class TrainerState:
-    """Our own counters, saved next to accelerate's state.
-
-    ``windows_in_epoch`` accumulation windows of epoch ``epoch`` are done; each rank skips
-    ``windows_in_epoch * gradient_accumulation_steps`` micro-batches of its shard to continue mid-epoch.
-    """
-
-    step: int
-    epoch: int
-    windows_in_epoch: int
-    world_size: int
-    skipped_steps: int = 0      # optimizer steps dropped for a non-finite loss (train.on_nonfinite=skip)
-    zero_weight_steps: int = 0  # windows whose loss weights summed to zero: no update, the step still counts
-    reason: str = "interval"  # interval | end | preempted
-    data_sha256: str = ""     # of the data file: an edited file would silently change the split
-    template_sha256: str = ""  # of the chat template's text and variables (issue 17)
-    rows_sha256: str = ""     # of every tokenized row and its trained flags: what the run trains (issue 17)
-    config: dict[str, Any] = field(default_factory=dict)
-    saved_at: float = 0.0
-    wandb_run_id: str = ""    # the job's W&B run, continued by every attempt (scale.tracking)
-
-    def with_reason(self, reason: str) -> TrainerState:
-        """Set why the next checkpoint is written (``interval``, ``end`` or ``preempted``); return ``self``."""
-        self.reason = reason
-        return self
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -234,15 +207,24 @@ def save_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, state: Traine
         state.config, state.saved_at = to_dict(cfg), time.time()
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1), encoding="utf-8")  # last: marks it whole
         replace_dir(tmp, final)  # the same step may be saved again (pre-empted right after an interval save)
-        limit = cfg.train.save_total_limit
-        for old in (list_checkpoints(cfg.output_dir)[:-limit] if limit else []):
-            shutil.rmtree(old, ignore_errors=True)
+        rotate(cfg.output_dir, cfg.train.save_total_limit, keep=state.best_step)
     acc.wait_for_everyone()  # collective: nobody runs ahead of the rename
     logger.info("checkpoint %s written (%s)", final, state.reason, main_process_only=True)
     return final
 
 
+def rotate(output_dir: str | Path, limit: int | None, keep: int | None = None) -> list[Path]:
+    """Delete all but the ``limit`` newest complete checkpoints, never step ``keep`` (``train.keep_best``'s
+    checkpoint, which does not count against ``limit``); ``limit=None`` keeps all. Returns the deleted ones."""
+    found = [p for p in list_checkpoints(output_dir) if keep is None or p.name != f"step_{keep:06d}"]
+    gone = found[:-limit] if limit else []
+    for old in gone:
+        shutil.rmtree(old, ignore_errors=True)
+    return gone
+
+
 RUN_ARTEFACTS = ("adapter", "metrics.jsonl", "config.yaml", "wandb_run.json")  # what a run writes besides checkpoints/
+SIDE_FILES = ("samples.jsonl", "best.json")  # written beside metrics.jsonl (issue 20): deleted with the run, not named
 _REPLACE = "use another output_dir, or set train.overwrite_output_dir=true to replace it"
 
 
@@ -315,7 +297,7 @@ def clear_previous_run(acc: Accelerator, cfg: Config, resume: Path | None) -> No
     if _is_writer(acc):
         shutil.rmtree(checkpoint_root(out), ignore_errors=True)
     if acc.is_main_process:
-        found = [name for name in RUN_ARTEFACTS if (out / name).exists()]
+        found = [name for name in RUN_ARTEFACTS + SIDE_FILES if (out / name).exists()]
         for path in (out / name for name in found):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         if found:

@@ -18,6 +18,7 @@ the host.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from accelerate import Accelerator
@@ -26,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from scale import tasks
 from scale.loss import LossSpec, forward_tail, tail_loss
+from scale.signals import EvalInterrupted
 from scale.tasks.classification import TargetStats, sequence_logprob, target_stats  # noqa: F401 - importable from here
 from scale.tasks.prompt_completion import exact_match  # noqa: F401 - importable from here
 
@@ -41,25 +43,38 @@ def _per_row_loss(tail_logits: Tensor, targets: Tensor, weights: Tensor, batch: 
 
 
 @torch.no_grad()
-def evaluate(acc: Accelerator, model: torch.nn.Module, eval_dl: DataLoader, spec: LossSpec) -> dict[str, float]:
+def evaluate(acc: Accelerator, model: torch.nn.Module, eval_dl: DataLoader, spec: LossSpec,
+             stop: Callable[[], bool] | None = None) -> dict[str, float]:
     """``eval/loss`` and the format's metrics (module docstring) over the whole eval split.
 
     Collective: every rank must call it (``gather_for_metrics``; under ZeRO-3 the forwards too).
+
+    Args:
+        stop: checked after every eval batch on every rank (a pre-emption request); its value rides in the
+            gathered table as one more column, so the ranks agree at the same batch without another collective.
+
+    Raises:
+        EvalInterrupted: ``stop()`` was true on some rank after some batch; nothing is returned.
     """
     task = tasks.get(spec.task.get("format"))
     was_training = model.training
     model.eval()
     rows = []
-    for batch in eval_dl:
-        tail_logits, targets = forward_tail(model, batch, padding_side=spec.padding_side)
-        num, den = _per_row_loss(tail_logits, targets, spec.weights(batch), batch, spec)
-        cols = [num, den, *task.eval_columns(model, batch, tail_logits, targets, spec)]
-        rows.append(acc.gather_for_metrics(torch.stack(cols, dim=1).float()))
-    table = torch.cat(rows).double()                                    # [n_eval, columns]
+    try:
+        for batch in eval_dl:
+            tail_logits, targets = forward_tail(model, batch, padding_side=spec.padding_side)
+            num, den = _per_row_loss(tail_logits, targets, spec.weights(batch), batch, spec)
+            flag = torch.full_like(num, float(stop is not None and stop()))
+            cols = [num, den, *task.eval_columns(model, batch, tail_logits, targets, spec), flag]
+            rows.append(acc.gather_for_metrics(torch.stack(cols, dim=1).float()))
+            if stop is not None and bool(rows[-1][:, -1].any()):  # host sync, only when a stop can be asked
+                raise EvalInterrupted("a stop was requested during evaluation")
+    finally:
+        if was_training:
+            model.train()
+    table = torch.cat(rows).double()[:, :-1]                            # [n_eval, columns]
     sums = table.sum(0).tolist()  # host sync (eval only)
     n = table.shape[0]
-    if was_training:
-        model.train()
     out = {"eval/loss": sums[0] / sums[1]} if sums[1] > 0 else {}
     if sums[1] == 0:  # loss.type_weights weighs every eval row 0: no eval loss (missing, as train/loss then)
         warnings.warn("eval/loss is missing: loss.type_weights gives every eval row weight 0", stacklevel=2)

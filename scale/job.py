@@ -37,6 +37,7 @@ from scale.loss import LossSpec
 from scale.mixing import sources as mixture_sources
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
 from scale.modeling import build_model, check_packing, load_tokenizer, parameter_counts
+from scale.samples import SAMPLES_FILE, Generation, pick_samples, start_samples_file
 from scale.sampling import LengthGroupedSampler, PackedCollator, PackedRows, PaddingFreeCollator, pack_bfd
 from scale.schedule import lr_factor, steps_for_epochs
 from scale.sources import data_digest
@@ -63,6 +64,7 @@ class Job:
     flops_fn: Callable[[int, int], float] | None = None
     peak_flops: float | None = None
     max_steps: int | None = None  # optimizer steps of the run; None: train.max_steps (see setup for num_epochs)
+    gen: Generation | None = None  # eval.generate_samples > 0: what every evaluation generates (scale.samples)
 
     def __post_init__(self) -> None:
         if self.max_steps is None:
@@ -228,8 +230,16 @@ def setup(cfg: Config) -> Job:
     flops_fn = model_flops(cfg, shape, trainable) if shape is not None else None
     spec = LossSpec.from_config(cfg, splits.label_token_ids, format=splits.format, label_seqs=splits.label_seqs,
                                 has_target=splits.has_target, pad_token_id=tokenizer.pad_token_id)
+    gen = None
+    if cfg.eval.generate_samples:
+        from scale.export import serving_tokenizer
+
+        serving, stops, _ = serving_tokenizer(cfg)  # the trained chat template's end-of-turn marker and EOS
+        gen = Generation(pick_samples(splits.eval, cfg.eval.generate_samples, cfg.data.labels), serving, stops,
+                         cfg.eval.max_new_tokens, plan.partitioned, out / SAMPLES_FILE)
+        start_samples_file(gen.path, acc.is_main_process, state.step if resume else None)
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
-               flops_fn, peak.flops, max_steps)
+               flops_fn, peak.flops, max_steps, gen)
 
 
 def build_model_on_every_rank(acc: Accelerator, cfg: Config, plan: ModePlan, vocab_size: int) -> torch.nn.Module:

@@ -1,5 +1,4 @@
-"""Learning-rate schedule as a pure function of the optimizer step, and the wall-clock checkpoint interval.
-No torch.distributed.
+"""Learning-rate schedule as a pure function of the optimizer step. No torch.distributed.
 
 ``lr_factor(step)`` is the multiplier of ``optim.lr`` used by optimizer step ``step`` (0-based):
 linear warmup ``(step + 1) / warmup_steps`` for ``step < warmup_steps``, then cosine or linear decay
@@ -9,7 +8,6 @@ from 1 to ``min_lr_ratio``, reaching ``min_lr_ratio`` at the last step ``max_ste
 from __future__ import annotations
 
 import math
-import time
 
 from scale.config import OptimConfig
 
@@ -35,26 +33,3 @@ def steps_for_epochs(train_rows: int, global_batch_size: int, num_epochs: int) -
     ``ceil(n / (mb * world * ga))`` for the micro-batches a rank's shard holds and the windows they fill.
     """
     return num_epochs * math.ceil(train_rows / global_batch_size)
-
-
-class SaveTimer:
-    """The wall-clock checkpoint interval (``train.save_every_minutes``): due once that many minutes passed since
-    the last checkpoint (or the start). Each rank reads its own clock; the loop's per-window all-gather makes
-    every rank save when any is due (:func:`scale.train.windows`), so no collective is added.
-
-    Args:
-        minutes: the interval; ``None`` is never due.
-    """
-
-    def __init__(self, minutes: float | None) -> None:
-        self.seconds = None if minutes is None else 60.0 * minutes
-        self.reset()
-
-    def reset(self) -> None:
-        """Start the interval again (after a checkpoint)."""
-        self.start = time.monotonic()
-
-    @property
-    def due(self) -> bool:
-        """Whether the interval has passed on this rank."""
-        return self.seconds is not None and time.monotonic() - self.start >= self.seconds

@@ -257,9 +257,28 @@ class TrainConfig:
     rendezvous_retries: int = _f(3, "Start the process group again up to this many times (backoff 2, 4, 8 s) when "
                                     "its rendezvous fails on the network (a restarted torchrun worker group), "
                                     "instead of failing the attempt; 0: fail at once.")
+    # -- the best checkpoint and early stopping (issue 20; scale/best.py) --
+    keep_best: str | None = _f(None, "Keep the checkpoint of the best evaluation of this metric (e.g. eval/loss, "
+                                     "eval/gen_exact_match) out of rotation, written when an evaluation improves it; "
+                                     "<output_dir>/best.json names it. null: no best checkpoint.")
+    keep_best_mode: str = _f("auto", "min | max | auto (min for *loss/*nll/*ppl, max for *accuracy/*exact_match).")
+    early_stopping_patience: int | None = _f(None, "Stop (final checkpoint, reason logged) after this many "
+                                                   "evaluations after step 0 without improving train.keep_best; "
+                                                   "null: never.")
     rendezvous_timeout_s: float = _f(300.0, "Seconds one try at starting the process group may take before it counts "
                                             "as failed (then retried, train.rendezvous_retries); collectives then "
                                             "wait train.collective_timeout_s.")
+
+
+@dataclass
+class EvalConfig:
+    """Generation at each evaluation: greedy completions of held-out prompts (scale/samples.py)."""
+
+    generate_samples: int = _f(4, "Held-out eval rows to complete greedily (model.generate) at every evaluation, "
+                                  "written to <output_dir>/samples.jsonl (and a W&B table) and scored as "
+                                  "eval/gen_exact_match (+ eval/gen_accuracy for classification); 0: none.")
+    max_new_tokens: int = _f(128, "At most this many generated tokens per sample; each is also bounded by its "
+                                  "reference answer's length (+ its stop token): a longer completion cannot match.")
 
 
 @dataclass
@@ -293,6 +312,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
@@ -315,6 +335,7 @@ _CHOICES = {
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
     "train.on_nonfinite": ("error", "skip"),
+    "train.keep_best_mode": ("auto", "min", "max"),
 }
 _POSITIVE = ("train.micro_batch_size", "train.gradient_accumulation_steps",
              "train.eval_micro_batch_size", "train.log_every", "loss.threshold", "data.max_length", "lora.r",
@@ -346,6 +367,7 @@ def _validate(cfg: Config) -> None:
     if peak is True or isinstance(peak, str) and peak != "measure" or isinstance(peak, float) and not 0 < peak < math.inf:
         raise ConfigError(f"log.peak_flops={peak!r} must be a positive number (FLOP/s), 'measure', false (no MFU) "
                           f"or null")
+    _validate_best(cfg)
     if cfg.train.rendezvous_timeout_s <= 0:
         raise ConfigError(f"train.rendezvous_timeout_s={cfg.train.rendezvous_timeout_s} must be > 0 (seconds)")
     if cfg.train.rendezvous_retries < 0:
@@ -431,6 +453,41 @@ def dataset_name(ds: DatasetConfig) -> str:
     last = parts[-1] if parts else str(ds.path)
     stem, dot, ext = last.rpartition(".")
     return stem if dot and ext.lower() in ("jsonl", "json", "csv", "tsv", "parquet", "arrow") else last
+
+
+def best_mode(metric: str, mode: str = "auto") -> str:
+    """``min`` or ``max``: how ``train.keep_best``'s metric improves (``mode`` unless it is ``auto``).
+
+    Raises:
+        ConfigError: ``auto`` and the name says neither (a loss/NLL/perplexity falls, an accuracy/match rises).
+    """
+    if mode in ("min", "max"):
+        return mode
+    name = metric.rsplit("/", 1)[-1]
+    if name.endswith(("loss", "nll", "ppl", "perplexity")):
+        return "min"
+    if name.endswith(("accuracy", "exact_match", "f1")):
+        return "max"
+    raise ConfigError(f"train.keep_best={metric!r}: cannot tell whether lower or higher is better; set "
+                      f"train.keep_best_mode=min or max")
+
+
+def _validate_best(cfg: Config) -> None:
+    t, e = cfg.train, cfg.eval
+    if e.generate_samples < 0 or e.max_new_tokens < 1:
+        raise ConfigError(f"eval.generate_samples={e.generate_samples} must be >= 0 (0: no generation) and "
+                          f"eval.max_new_tokens={e.max_new_tokens} >= 1")
+    if t.keep_best is not None:
+        if not t.keep_best.startswith("eval/"):
+            raise ConfigError(f"train.keep_best={t.keep_best!r} must name an evaluation metric such as eval/loss, "
+                              f"eval/accuracy or eval/gen_exact_match")
+        best_mode(t.keep_best, t.keep_best_mode)
+    if t.early_stopping_patience is not None:
+        if t.early_stopping_patience < 1:
+            raise ConfigError(f"train.early_stopping_patience={t.early_stopping_patience} must be >= 1, or null")
+        if t.keep_best is None:
+            raise ConfigError("train.early_stopping_patience needs train.keep_best: the metric whose improvement it "
+                              "waits for (e.g. train.keep_best=eval/loss)")
 
 
 def _validate_length(t: TrainConfig) -> None:

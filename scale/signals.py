@@ -5,7 +5,9 @@ group, data, model, the step-0 evaluation) a signal raises :class:`Preempted` at
 nothing is evaluated or checkpointed, and a launcher waiting for its workers to stop (torch elastic gives them
 30 s) is not kept waiting. Once training runs (:meth:`Preemption.defer`), the handler only records it; the
 ranks agree on it at the next accumulation window (:func:`scale.train.windows`), finish the optimizer step
-in flight, write a checkpoint and raise :class:`Preempted`. ``scale-train`` exits with :data:`EXIT_PREEMPTED`
+in flight, write a checkpoint and raise :class:`Preempted`. An evaluation in progress checks it between eval
+batches and between generated samples, stops (:class:`EvalInterrupted`) and the checkpoint of the last finished
+step follows within seconds, not after the whole evaluation. ``scale-train`` exits with :data:`EXIT_PREEMPTED`
 either way.
 """
 
@@ -21,6 +23,11 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): checkpoint written after SIGTER
 
 class Preempted(Exception):
     """A signal arrived and a checkpoint of the last finished optimizer step was written."""
+
+
+class EvalInterrupted(Exception):
+    """An evaluation (or its generation) stopped between two batches because a stop was requested; every rank
+    raises it at the same batch. The loop then checkpoints the last finished optimizer step (issue 20)."""
 
 
 class Preemption:

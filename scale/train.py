@@ -32,6 +32,7 @@ from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from scale.best import observe, out_of_patience, write_best
 from scale.checkpoint import ADAPTER_FILE, STATE_FILE, SaveTimer, save_adapter, save_checkpoint
 from scale.checks import check_invariants, fingerprints
 from scale.config import Config
@@ -40,7 +41,8 @@ from scale.export import save_serving_files, serving_tokenizer
 from scale.job import Job, setup
 from scale.loss import LossSpec, batch_bad_rows, describe_batch_row, loss_step
 from scale.metrics import StepMeter, bar_text
-from scale.signals import Preempted, Preemption
+from scale.samples import generate_samples, sample_metrics, write_samples
+from scale.signals import EvalInterrupted, Preempted, Preemption
 from scale.tracking import finish_trackers, log_model
 
 logger = get_logger(__name__)
@@ -88,7 +90,8 @@ class Window:
 def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     """Run optimizer steps from ``job.state.step`` to ``job.max_steps``; evaluate at step 0, every
     ``eval_every`` and at the end; checkpoint every ``save_every`` steps or ``save_every_minutes``, at the end
-    (when either is set), and when pre-empted.
+    (when either is set), when pre-empted (also during an evaluation), and at each new best of
+    ``train.keep_best``; stop early after ``train.early_stopping_patience`` evaluations without one.
 
     A resumed ``state`` continues mid-epoch: each rank skips the ``windows_in_epoch * GA`` micro-batches
     of its shard it already trained on, so the sample order equals an uninterrupted run's.
@@ -109,15 +112,12 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     pbar = tqdm(total=job.max_steps, initial=state.step, disable=not acc.is_local_main_process, desc="optimizer steps")
     timer = SaveTimer(t.save_every_minutes)
     job.model.train()
-    while state.step < job.max_steps:
+    while state.step < job.max_steps and state.reason != "early_stopped":  # an early-stopped run resumes stopped
         ready = time.perf_counter()
         for window in windows(acc, epoch_loader(job), t.gradient_accumulation_steps, job.spec, preemption, timer):
             meter.data_s += time.perf_counter() - ready  # host time waiting for batches (and the gather)
             if window.stop:
-                save_checkpoint(acc, cfg, job.plan, state.with_reason("preempted"))  # collective
-                pbar.close()
-                raise Preempted(f"pre-empted at step {state.step}: checkpoint written; rerun with "
-                                f"train.resume_from=latest to continue")
+                preempted(job, pbar)
             train_window(job, window, meter)
             lr = job.scheduler.get_last_lr()[0]
             job.scheduler.step()  # unprepared: exactly once per optimizer step, whatever num_processes is
@@ -135,15 +135,23 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
                 job.log.write(state.step, metrics)
                 pbar.set_postfix_str(bar_text(metrics), refresh=False)
             paused = time.perf_counter()
+            best = stopping = False
             if done or (t.eval_every and state.step % t.eval_every == 0):
-                last_eval = evaluate_and_log(job)
+                try:
+                    last_eval = evaluate_and_log(job, preemption)
+                except EvalInterrupted:  # a signal during the evaluation: this step's checkpoint, within seconds
+                    preempted(job, pbar)
+                best, stopping = judge(job, last_eval)
             interval = t.save_every and state.step % t.save_every == 0
-            if interval or window.save_due or (done and (t.save_every or t.save_every_minutes)):
-                path = save_checkpoint(acc, cfg, job.plan, state.with_reason("end" if done else "interval"))
+            if interval or window.save_due or best or stopping or (done and (t.save_every or t.save_every_minutes)):
+                why = "end" if done else "early_stopped" if stopping else "best" if best else "interval"
+                path = save_checkpoint(acc, cfg, job.plan, state.with_reason(why))
+                if best and acc.is_main_process:
+                    write_best(cfg.output_dir, state, t.keep_best)  # after the checkpoint it names is whole
                 if cfg.log.wandb_log_model == "checkpoint":
                     log_model(acc, cfg, path, "adapter", state.step, [path.name], (ADAPTER_FILE, STATE_FILE))
                 timer.reset()
-            if done:
+            if done or stopping:
                 break
             ready = time.perf_counter()
             meter.paused_s += ready - paused  # evaluation and checkpoints are not training time
@@ -153,6 +161,36 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     pbar.close()
     # Resumed from the last step's checkpoint: nothing was trained, the figures are already logged.
     return last_eval or evaluate(acc, job.model, job.eval_dl, job.spec)
+
+
+def preempted(job: Job, pbar: Any) -> None:
+    """Checkpoint the last finished optimizer step and raise :class:`Preempted`. Collective.
+
+    Raises:
+        Preempted: always.
+    """
+    save_checkpoint(job.acc, job.cfg, job.plan, job.state.with_reason("preempted"))  # collective
+    pbar.close()
+    raise Preempted(f"pre-empted at step {job.state.step}: checkpoint written; rerun with "
+                    f"train.resume_from=latest to continue")
+
+
+def judge(job: Job, metrics: dict[str, float]) -> tuple[bool, bool]:
+    """``(best, stop)`` after an evaluation: a new best of ``train.keep_best`` (checkpoint it, keep it), and
+    ``train.early_stopping_patience`` evaluations without one (stop now). Every rank decides alike (the figures
+    are reduced over all ranks)."""
+    t, state = job.cfg.train, job.state
+    if t.keep_best is None:
+        return False, False
+    best = observe(state, metrics, t.keep_best, t.keep_best_mode)
+    stop = out_of_patience(state, t.early_stopping_patience)
+    if stop:
+        job.log.write(state.step, {"train/early_stopped": 1.0})
+        if job.acc.is_main_process:
+            logger.info("early stopping at step %d: %s has not improved for %d evaluations (best %.6g at step %d; "
+                        "its checkpoint is kept, see best.json)", state.step, t.keep_best, state.evals_since_best,
+                        state.best_metric, state.best_step)
+    return best, stop
 
 
 def train_window(job: Job, window: Window, meter: StepMeter) -> None:
@@ -309,9 +347,19 @@ def report_nonfinite(job: Job, window: Window, nums: list[torch.Tensor], grad_no
                          f"or lower optim.lr, or set train.on_nonfinite=skip to drop such steps.")
 
 
-def evaluate_and_log(job: Job) -> dict[str, float]:
-    """:func:`evaluate` at the current step, logged and announced in one line. Collective."""
-    metrics = evaluate(job.acc, job.model, job.eval_dl, job.spec)
+def evaluate_and_log(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
+    """:func:`evaluate` at the current step, plus the generated samples (:mod:`scale.samples`), logged and
+    announced in one line. Collective.
+
+    Raises:
+        EvalInterrupted: ``preemption`` was requested during it (checked between eval batches and samples).
+    """
+    stop = (lambda: preemption.requested) if preemption is not None else None
+    metrics = evaluate(job.acc, job.model, job.eval_dl, job.spec, stop=stop)
+    if job.gen is not None and job.gen.samples:
+        records = generate_samples(job.acc, job.model, job.gen, stop)  # collective
+        metrics |= sample_metrics(records)
+        write_samples(job.acc, job.gen.path, job.state.step, records, job.state.step >= job.log.skip_below)
     job.log.write(job.state.step, metrics)
     if job.acc.is_main_process:
         logger.info("eval step %d: %s", job.state.step, "  ".join(

@@ -120,9 +120,12 @@ def run_mode(cmds: list[list[str]], overrides: list[str], out: Path, timeout: fl
             raise RuntimeError(f"{' '.join(p.args[:6])} ... exited {p.returncode}:\n{text[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "train/loss" in r]
+    samples = out / "samples.jsonl"  # eval.generate_samples (issue 20): (step, row, completion) of each sample
+    generated = [(r["step"], r["row"], r["completion"]) for r in map(json.loads, samples.read_text().splitlines())
+                 ] if samples.exists() else []
     return {"loss": [r["train/loss"] for r in train], "grad_norm": [r["train/grad_norm"] for r in train],
             "lr": [r["train/lr"] for r in train], "steps": [r["step"] for r in train],
-            "weights": load_file(out / "adapter" / "adapter_model.safetensors")}
+            "weights": load_file(out / "adapter" / "adapter_model.safetensors"), "samples": generated}
 
 
 def rel_dev(a: list[float], b: list[float]) -> float:

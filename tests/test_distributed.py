@@ -53,6 +53,9 @@ def test_mode_matches_single_device(mode, reference, tmp_path):
     assert rel_dev(reference["grad_norm"], got["grad_norm"]) < TOL
     assert weight_dev(reference["weights"], got["weights"]) < TOL
     assert rel_dev(_expected_lrs(6), got["lr"]) < 1e-12   # the scheduler steps once per optimizer step
+    # Greedy generation at steps 0 and 6 (eval.generate_samples=4; ZeRO-3: every rank generates every sample on
+    # the partitioned model, synced_gpus): the same text as one device, sample by sample.
+    assert len(reference["samples"]) == 8 and got["samples"] == reference["samples"]
 
 
 @pytest.mark.launch

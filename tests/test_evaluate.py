@@ -136,7 +136,12 @@ def test_prompt_completion_job_with_epochs(tmp_path):
                        "data/eval_rows_in_train": 4, "data/dropped_long_rows": 0}
     assert [r["step"] for r in train] == [2, 4, 6] and [r["step"] for r in evals] == [0, 6]
     assert train[-1]["train/lr"] == pytest.approx(5e-4)          # the cosine floor at the last step
-    assert set(evals[0]) == {"step", "eval/loss", "eval/exact_match", "eval/examples"}
+    assert set(evals[0]) == {"step", "eval/loss", "eval/exact_match", "eval/examples", "eval/gen_exact_match",
+                             "eval/gen_samples"}   # + the generated samples (issue 20: eval.generate_samples=4)
+    samples = read_jsonl(out / "samples.jsonl")
+    assert [r["step"] for r in samples] == [0] * 4 + [6] * 4 and evals[0]["eval/gen_samples"] == 4
+    for e in evals:  # the metric is the share of this evaluation's samples whose text equals the reference
+        assert e["eval/gen_exact_match"] == sum(r["exact"] for r in samples if r["step"] == e["step"]) / 4
     assert evals[-1]["eval/loss"] < evals[0]["eval/loss"] and final == {k: v for k, v in evals[-1].items()
                                                                         if k != "step"}
 

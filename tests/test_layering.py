@@ -17,6 +17,8 @@ ALLOWED: dict[str, set[str]] = {
     "fileio": set(),
     "flops": set(),
     "signals": set(),
+    "state": set(),  # TrainerState, SaveTimer (moved out of checkpoint, issue 20)
+    "best": {"config", "fileio", "schema", "state"},  # train.keep_best, early stopping (issue 20)
     "schema": set(),
     "config": {"fileio", "schema"},
     "assets": {"fileio"},
@@ -44,17 +46,19 @@ ALLOWED: dict[str, set[str]] = {
     "metrics": {"config", "fileio", "flops"},
     "tracking": {"config", "fileio", "metrics"},
     "checks": {"modeling"},
-    "checkpoint": {"config", "fileio", "launch", "modeling", "schedule"},  # schedule: SaveTimer (issue 21)
-    "evaluate": {"loss", "tasks"},
+    "checkpoint": {"config", "fileio", "launch", "modeling", "state"},
+    "evaluate": {"loss", "signals", "tasks"},
+    "samples": {"checkpoint", "signals", "tracking"},  # generation at each evaluation (issue 20)
     "job": {"assets", "cache", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss",
-            "metrics", "mixing", "modeling", "sampling", "schedule", "sources", "tracking"},
-    "train": {"checkpoint", "checks", "config", "evaluate", "export", "job", "loss", "metrics",
-              "signals", "tracking"},
+            "metrics", "mixing", "modeling", "sampling", "samples", "schedule", "sources", "tracking", "export"},
+    "train": {"best", "checkpoint", "checks", "config", "evaluate", "export", "job", "loss", "metrics",
+              "samples", "signals", "tracking"},
     "cli": {"assets", "checkpoint", "config", "data", "launch", "modeling", "signals", "train"},
     "report": {"config", "metrics", "schedule"},
     "prepare": {"assets", "cache", "config", "data", "modeling"},  # scale-prepare (issue 18)
 }
-DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpoint", "evaluate", "job", "train", "cli"}
+DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpoint", "evaluate", "job", "train", "cli",
+               "samples"}
 
 
 def _sources(name: str) -> list:

@@ -115,6 +115,12 @@ def test_one_wandb_run_across_sigterm_and_sigkill(tmp_path):
         logged = final["history"][r["step"]]
         assert {k: logged[k] for k in r if k != "step"} == {k: v for k, v in r.items() if k != "step"}
     assert f"adapter-{run_id}" in final["artifacts"]
+    # the final evaluation's generated samples are a W&B table at its step, row for row samples.jsonl's (issue 20)
+    table = final["history"][12]
+    assert table["eval/samples/_type"] == "table-file" and table["eval/samples/nrows"] == 4
+    data = json.loads((top[0] / "files" / table["eval/samples/path"]).read_text())["data"]
+    assert data == [[r["step"], r["row"], r["prompt"], r["reference"], r["completion"], r["exact"]]
+                    for r in read_jsonl(out / "samples.jsonl") if r["step"] == 12]
     evals = [r for r in rows if "eval/loss" in r]
     assert [r["step"] for r in evals] == [0, 6, 12] and final["summary"]["eval/loss"] == evals[-1]["eval/loss"]
 

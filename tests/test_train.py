@@ -98,7 +98,8 @@ def test_no_full_logits_in_a_training_step(tmp_path, monkeypatch):
     monkeypatch.setattr(scale.loss, "forward_tail", spy)   # training (loss_step)
     monkeypatch.setattr(scale.evaluate, "forward_tail", spy)   # evaluation
     monkeypatch.setattr(scale.job, "build_model", lambda *a, **k: modeling.build_model(*a, **k))
-    run(tiny_cfg(tmp_path, "train.max_steps=2", "train.save_adapter=false"))
+    # eval.generate_samples=0: model.generate's own forwards keep one position ([1, 1, V]) but skip forward_tail
+    run(tiny_cfg(tmp_path, "train.max_steps=2", "train.save_adapter=false", "eval.generate_samples=0"))
     assert len(seen) == len(T_seen) > 0
     for (kept, shape), T in zip(seen, T_seen):
         assert kept == 2 and shape[1] == 2 and T > 2, (kept, shape, T)   # [B, N=2, V], never [B, T, V]

@@ -1,0 +1,240 @@
+"""Generation at each evaluation: greedy completions of held-out prompts, scored on the generated text.
+
+``eval/exact_match`` is teacher forced (every answer token is the argmax *given the true prefix*), which flatters
+a model (transformers#26474). At every evaluation (step 0, every ``train.eval_every``, the end) the first
+``eval.generate_samples`` rows of the eval split are completed with ``model.generate`` (greedy, no sampling
+code of ours) and compared, as text, with the answer the row trains:
+
+| metric | meaning |
+|---|---|
+| ``eval/gen_exact_match`` | the generated text (special tokens dropped, stripped) equals the reference answer's |
+| ``eval/gen_accuracy`` | classification: the generated text equals the row's label |
+| ``eval/gen_samples`` | how many rows were generated |
+
+A row's *prompt* is its tokens as trained up to its last trained answer (for a chat: every turn before the last
+assistant turn, rendered by the trained template, ending with the generation prompt) and its *reference* is that
+answer through its stop token (EOS or the template's end-of-turn marker: :func:`scale.export.serving_tokenizer`).
+Generation stops at those stops or after ``min(len(reference), eval.max_new_tokens)`` tokens: a longer
+completion cannot match. Each completion goes to ``<output_dir>/samples.jsonl`` (``step, row, prompt, reference,
+completion, exact``; main process, one append per evaluation) and to a W&B table ``eval/samples``.
+
+Launch modes: with whole weights on every rank (single, DDP, ZeRO-1/2) rank ``r`` generates rows ``r, r + W,
+...`` of the unwrapped model and the texts are all-gathered; with partitioned weights (ZeRO-3, FSDP) every rank
+generates every row in lock-step on accelerate's unwrapped model (``synced_gpus=True``, as transformers' own
+ZeRO-3 evaluation does), so each forward gathers its layers' shards and no rank ever holds the whole model.
+Greedy decoding of one row at a time has no padding: the text is the same in every launch mode.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import gather_object
+
+from scale.checkpoint import unwrap
+from scale.signals import EvalInterrupted
+
+logger = get_logger(__name__)
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+@dataclass
+class Sample:
+    """One held-out row to complete.
+
+    Attributes:
+        row: the row's index in the data file.
+        prompt_ids: the tokens before its last trained answer (as trained: template, BOS).
+        reference_ids: the last trained answer's tokens, through its stop token.
+        label: the row's label (classification), else ``None``.
+    """
+
+    row: int
+    prompt_ids: list[int]
+    reference_ids: list[int]
+    label: str | None = None
+
+
+def last_answer(input_ids: list[int], tail_len: int, flags: list[int]) -> tuple[list[int], list[int]]:
+    """``(prompt, reference)``: ``input_ids`` split before the last run of trained tail tokens (``flags``, one per
+    tail token); the reference is that run. A single answer (a label, a completion) is the whole trained tail."""
+    last = max(i for i, f in enumerate(flags) if f)
+    first = last
+    while first > 0 and flags[first - 1]:
+        first -= 1
+    start = len(input_ids) - tail_len
+    return input_ids[:start + first], input_ids[start + first:start + last + 1]
+
+
+def pick_samples(examples: Any, n: int, labels: list[str] | None = None) -> list[Sample]:
+    """The first ``n`` rows of the eval split (its order: the same in every launch mode) as :class:`Sample`; a row
+    with a label index (classification: ``Example.label >= 0``) gets its label from ``labels``."""
+    out = []
+    for i in range(min(n, len(examples))):
+        e = examples[i]
+        prompt, reference = last_answer(e.input_ids, e.tail_len, e.tail_flags())
+        label = labels[e.label] if labels and 0 <= e.label < len(labels) else None
+        out.append(Sample(e.row, prompt, reference, label))
+    return out
+
+
+@dataclass
+class Generation:
+    """What the evaluations generate and where it goes (built once by :func:`scale.job.setup`).
+
+    Attributes:
+        samples: the rows to complete.
+        tokenizer: decodes prompts, references and completions.
+        stops: token ids generation stops at (EOS and the trained end-of-turn marker).
+        max_new_tokens: ``eval.max_new_tokens``.
+        partitioned: the weights are sharded over ranks (ZeRO-3, FSDP): every rank generates every row.
+        path: ``<output_dir>/samples.jsonl``.
+    """
+
+    samples: list[Sample]
+    tokenizer: Any
+    stops: list[int]
+    max_new_tokens: int
+    partitioned: bool
+    path: Path
+    texts: dict[int, tuple[str, str]] = field(default_factory=dict)  # sample -> (prompt, reference), decoded once
+
+    def decoded(self, i: int) -> tuple[str, str]:
+        """``(prompt, reference)`` texts of sample ``i``: the prompt with its special tokens, the reference without."""
+        if i not in self.texts:
+            s = self.samples[i]
+            self.texts[i] = (self.tokenizer.decode(s.prompt_ids),
+                             self.tokenizer.decode(s.reference_ids, skip_special_tokens=True).strip())
+        return self.texts[i]
+
+
+@torch.no_grad()
+def generate_samples(acc: Accelerator, model: torch.nn.Module, gen: Generation,
+                     stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+    """Greedy completions of ``gen.samples`` (module docstring), in sample order, on every rank. Collective.
+
+    Args:
+        acc: the run's Accelerator.
+        model: the prepared model (DDP/DeepSpeed wrapper or not); generation runs on the unwrapped module.
+        gen: the samples, tokenizer and stops.
+        stop: checked before every sample on every rank; when it is true on any rank, every rank raises.
+
+    Returns:
+        One record per sample: ``row, prompt, reference, completion, exact`` (+ ``label`` for classification).
+
+    Raises:
+        EvalInterrupted: ``stop()`` became true on some rank (the ranks agree through a one-number all-reduce
+            per sample).
+    """
+    world, rank = acc.num_processes, acc.process_index
+    order = list(range(len(gen.samples)))
+    mine = order if gen.partitioned else order[rank::world]
+    rounds = len(order) if gen.partitioned else math.ceil(len(order) / world)
+    net = unwrap(acc, model)  # accelerate's unwrap_model outside single/DDP (DeepSpeed engine -> PeftModel)
+    was_training = net.training
+    net.eval()
+    records = []
+    try:
+        for k in range(rounds):
+            flag = torch.tensor(float(stop is not None and stop()), device=acc.device)
+            if world > 1:
+                flag = acc.reduce(flag, reduction="sum")  # collective: one number per sample, every rank
+            if float(flag) > 0:  # host sync (generation only)
+                raise EvalInterrupted("a stop was requested during generation")
+            if k >= len(mine):
+                continue
+            i = mine[k]
+            records.append(_complete(acc, net, gen, i))
+    finally:
+        if was_training:
+            net.train()
+    if world > 1 and not gen.partitioned:
+        records = sorted(gather_object(records), key=lambda r: r["sample"])  # collective: every rank gets all
+    return records
+
+
+def _complete(acc: Accelerator, net: torch.nn.Module, gen: Generation, i: int) -> dict[str, Any]:
+    s = gen.samples[i]
+    ids = torch.tensor([s.prompt_ids], dtype=torch.long, device=acc.device)
+    budget = min(len(s.reference_ids), gen.max_new_tokens)
+    with acc.autocast():  # the training's mixed precision (generate bypasses the prepared forward)
+        out = net.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
+                           min_new_tokens=0, do_sample=False, num_beams=1, eos_token_id=gen.stops,
+                           pad_token_id=gen.tokenizer.pad_token_id, use_cache=True,
+                           synced_gpus=gen.partitioned and acc.num_processes > 1)
+    new = out[0, ids.shape[1]:].tolist()  # host sync (generation only)
+    completion = gen.tokenizer.decode(new, skip_special_tokens=True).strip()
+    prompt, reference = gen.decoded(i)
+    record = {"sample": i, "row": s.row, "prompt": prompt, "reference": reference, "completion": completion,
+              "exact": completion == reference}
+    if s.label is not None:
+        record["label"] = s.label
+    return record
+
+
+def sample_metrics(records: list[dict[str, Any]]) -> dict[str, float]:
+    """``eval/gen_exact_match`` (and ``eval/gen_accuracy`` with labels) over ``records``; ``{}`` when empty."""
+    if not records:
+        return {}
+    out = {"eval/gen_exact_match": sum(r["exact"] for r in records) / len(records)}
+    if all("label" in r for r in records):
+        out["eval/gen_accuracy"] = sum(r["completion"] == r["label"].strip() for r in records) / len(records)
+    return out | {"eval/gen_samples": len(records)}
+
+
+def start_samples_file(path: Path, enabled: bool, keep_until: int | None) -> None:
+    """Start ``samples.jsonl`` for this attempt: empty for a fresh run; resumed from step ``keep_until``, its
+    lines of steps ``<= keep_until`` (a line cut by a crash is dropped). Main process (``enabled``)."""
+    if not enabled:
+        return
+    kept = []
+    if keep_until is not None and path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= keep_until:
+                    kept.append(line + "\n")
+            except ValueError:
+                continue
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def write_samples(acc: Accelerator, path: Path, step: int, records: list[dict[str, Any]],
+                  to_trackers: bool = True) -> None:
+    """Append one evaluation's ``records`` to ``path`` in one write (then fsync), and log them as the W&B table
+    ``eval/samples`` at ``step`` (``to_trackers``). Main process; a tracker failure costs one warning."""
+    if not acc.is_main_process or not records:
+        return
+    text = "".join(json.dumps({"step": step, **{k: v for k, v in r.items() if k != "sample"}}) + "\n"
+                   for r in records)
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    if not to_trackers:
+        return
+    from scale.tracking import wandb_run
+
+    run = wandb_run(acc)
+    if run is None:
+        return
+    try:
+        import wandb
+
+        columns = ["step", "row", "prompt", "reference", "completion", "exact"]
+        table = wandb.Table(columns=columns, data=[[step, *(r[c] for c in columns[1:])] for r in records])
+        run.log({"eval/samples": table}, step=step)
+    except Exception as e:  # noqa: BLE001 - a tracker must not stop training
+        logger.warning("W&B: could not log the samples table (%s: %s); samples.jsonl has them", type(e).__name__, e)

@@ -1,0 +1,102 @@
+"""train.keep_best and train.early_stopping_patience (issue 20): the comparison, the rotation that spares the best
+checkpoint, the config checks, and the tiny job stopping early with its best checkpoint kept."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scale.best import observe, out_of_patience, write_best
+from scale.checkpoint import list_checkpoints, rotate
+from scale.config import ConfigError
+from scale.metrics import read_jsonl
+from scale.schema import best_mode
+from scale.state import TrainerState
+from scale.train import run
+from tests.conftest import tiny_cfg
+
+
+def _state(step=0):
+    return TrainerState(step=step, epoch=0, windows_in_epoch=0, world_size=1)
+
+
+def test_observe_tracks_the_best_and_the_evaluations_since():
+    state = _state()
+    trace = []
+    for step, loss in [(2, 2.5), (4, 1.9), (6, 2.1), (8, 1.9), (10, float("nan")), (12, 1.7)]:
+        state.step = step
+        better = observe(state, {"eval/loss": loss, "eval/examples": 32}, "eval/loss")
+        trace.append((better, state.best_step, state.evals_since_best))
+    # a tie (1.9 at step 8) and a NaN never improve; 1.7 does
+    assert trace == [(True, 2, 0), (True, 4, 0), (False, 4, 1), (False, 4, 2), (False, 4, 3), (True, 12, 0)]
+    assert state.best_metric == 1.7
+    assert out_of_patience(_state(), None) is False
+    state.evals_since_best = 3
+    assert out_of_patience(state, 3) and not out_of_patience(state, 4)
+    acc = _state(2)   # a metric that rises
+    assert observe(acc, {"eval/accuracy": 0.5}, "eval/accuracy") and not observe(acc, {"eval/accuracy": 0.4},
+                                                                                  "eval/accuracy")
+    with pytest.raises(ConfigError, match=r"train.keep_best='eval/accuracy' is not an evaluation metric.*eval/loss"):
+        observe(_state(), {"eval/loss": 1.0}, "eval/accuracy")
+
+
+def test_best_mode_inferred_or_given():
+    assert [best_mode(m) for m in ("eval/loss", "eval/target_nll", "eval/accuracy", "eval/gen_exact_match")] == \
+        ["min", "min", "max", "max"]
+    assert best_mode("eval/custom", "max") == "max"
+    with pytest.raises(ConfigError, match="train.keep_best_mode=min or max"):
+        best_mode("eval/examples")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.early_stopping_patience=2"], "train.early_stopping_patience needs train.keep_best"),
+    (["train.keep_best=loss"], "must name an evaluation metric"),
+    (["train.keep_best=eval/examples"], "train.keep_best_mode=min or max"),
+    (["train.keep_best=eval/loss", "train.early_stopping_patience=0"], "must be >= 1"),
+    (["eval.generate_samples=-1"], "eval.generate_samples=-1 must be >= 0"),
+])
+def test_bad_best_settings_name_the_field(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_cfg(tmp_path, *overrides)
+
+
+def test_rotation_spares_the_best_checkpoint(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6, 8):
+        (root / f"step_{step:06d}").mkdir(parents=True)
+        (root / f"step_{step:06d}" / "trainer_state.json").write_text("{}")
+    gone = rotate(tmp_path, 1, keep=4)
+    assert [p.name for p in gone] == ["step_000002", "step_000006"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000004", "step_000008"]
+    state = _state(4)
+    state.best_metric, state.best_step = 1.25, 4
+    write_best(tmp_path, state, "eval/loss")
+    assert json.loads((tmp_path / "best.json").read_text()) == {
+        "metric": "eval/loss", "value": 1.25, "step": 4, "checkpoint": str(root / "step_000004")}
+
+
+@pytest.mark.slow
+def test_tiny_job_stops_early_and_keeps_its_best_checkpoint(tmp_path):
+    """eval/accuracy of the random tiny model stays at 0.625 for the first steps (measured): the first evaluation
+    after step 0 is the best, ties do not improve, so with patience 2 the run stops 2 evaluations later, at step 3
+    of 12, with the best (step 1) checkpoint kept beside the final one although save_total_limit=1."""
+    out = tmp_path / "run"
+    job = ["train.eval_every=1", "train.save_every=0", "train.save_total_limit=1", "train.keep_best=eval/accuracy",
+           "train.early_stopping_patience=2", "data.eval_size=16", "eval.generate_samples=0",
+           "data.max_train_examples=32", "train.save_adapter=false", "train.gradient_accumulation_steps=1",
+           "model.gradient_checkpointing=false", "log.peak_flops=false"]
+    final = run(tiny_cfg(out, *job))
+    rows = read_jsonl(out / "metrics.jsonl")
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2, 3] and len({r["eval/accuracy"] for r in evals[1:]}) == 1
+    assert [r for r in rows if "train/early_stopped" in r] == [{"step": 3, "train/early_stopped": 1.0}]
+    assert [p.name for p in list_checkpoints(out)] == ["step_000001", "step_000003"]
+    saved = json.loads((out / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+    assert (saved["reason"], saved["best_step"], saved["evals_since_best"]) == ("early_stopped", 1, 2)
+    assert json.loads((out / "best.json").read_text())["step"] == 1
+    assert final["eval/accuracy"] == evals[-1]["eval/accuracy"]
+    # resumed, an early-stopped run stays stopped: nothing is trained, nothing logged again
+    again = run(tiny_cfg(out, *job, "train.resume_from=latest"))
+    assert max(r["step"] for r in read_jsonl(out / "metrics.jsonl")) == 3
+    assert again["eval/accuracy"] == final["eval/accuracy"]
