@@ -70,10 +70,12 @@ def _error(e: BaseException, code: int = EXIT_BAD_INPUT, echo: bool = True) -> N
             Path(outcome, f"rank_{rank}.json").write_text(json.dumps({"code": code, "line": line, "rank": rank}))
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # set by torchrun and accelerate launch
     if error_file:  # shown as each rank's "traceback" in the summary the launcher prints last
-        # torch elastic names the failure with the earliest timestamp the root cause: rank 0's message, once.
+        # torch elastic names the failure with the earliest timestamp the root cause: rank 0's message, once. The
+        # timestamps are whole seconds and rank 0 can reach this a second or more after the others (a loaded
+        # machine): the other ranks' stamps lie a minute ahead so that rank 0's always comes first.
         text = line if mine else f"scale-train: error: the same as rank 0's (rank {rank})"
         data = {"message": {"message": text, "extraInfo": {"py_callstack": text,
-                                                           "timestamp": str(int(time.time()) + (not mine))}}}
+                                                           "timestamp": str(int(time.time()) + 60 * (not mine))}}}
         with contextlib.suppress(OSError):
             Path(error_file).write_text(json.dumps(data))
     if echo and mine and not outcome and not error_file:
