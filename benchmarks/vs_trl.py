@@ -64,7 +64,8 @@ def sft_config(out: str, packing: bool, max_rows: int | None) -> Any:
     from scale.config import load_config
 
     overrides = [f"output_dir={out}", f"data.packing={str(packing).lower()}", "train.eval_every=0",
-                 "train.save_adapter=false", "train.log_every=1000", "data.cache=false", "train.check_invariants=false"]
+                 "train.save_adapter=false", "train.log_every=1000", "data.cache=false", "train.check_invariants=false",
+                 "eval.generate_samples=0"]
     if max_rows:
         overrides.append(f"data.max_train_examples={max_rows}")
     return load_config("sft", overrides)
