@@ -20,7 +20,7 @@ from typing import Any
 
 from scale.config import ConfigError
 from scale.fileio import write_text_atomic
-from scale.schema import best_mode
+from scale.validation import best_mode
 from scale.state import TrainerState
 
 BEST_FILE = "best.json"

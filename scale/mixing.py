@@ -34,7 +34,7 @@ from typing import Any
 
 from scale.config import DataConfig, LossConfig
 from scale.formats import DataError
-from scale.schema import dataset_name
+from scale.validation import dataset_name
 from scale.tasks.base import Builder, Example, Task
 
 READ_KEYS = ("format", "split", "subset", "text_column", "label_column", "prompt_column", "completion_column",

@@ -11,7 +11,7 @@ from scale.best import observe, out_of_patience, write_best
 from scale.checkpoint import list_checkpoints, rotate
 from scale.config import ConfigError
 from scale.metrics import read_jsonl
-from scale.schema import best_mode
+from scale.validation import best_mode
 from scale.state import TrainerState
 from scale.train import run
 from tests.conftest import tiny_cfg
