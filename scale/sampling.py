@@ -183,7 +183,6 @@ def pack_bfd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     if capacity < 1:
         raise ValueError(f"capacity={capacity} must be >= 1 token")
     bins: list[list[int]] = []
-    room: list[int] = []                   # free tokens of each bin
     sizes: list[int] = []                  # sorted distinct free sizes that some bin has
     by_size: dict[int, list[int]] = {}     # free size -> bins with that room (a stack: deterministic)
     for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
@@ -199,9 +198,8 @@ def pack_bfd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
         else:
             b, free = len(bins), capacity
             bins.append([])
-            room.append(capacity)
         bins[b].append(i)
-        room[b] = left = free - n
+        left = free - n
         if left > 0:
             if left not in by_size:
                 by_size[left] = []
