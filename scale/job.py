@@ -24,7 +24,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list, set_seed
 from torch.utils.data import DataLoader
 
-from scale.assets import resolve_data, resolve_model
+from scale.assets import EMBEDDED_MODEL, resolve_data, resolve_model
 from scale.checkpoint import (TrainerState, check_resume, clear_previous_run, load_checkpoint, register_hooks,
                               resolve_resume)
 from scale.checks import dtype_census
@@ -36,7 +36,7 @@ from scale.launch import ModePlan, build_accelerator, main_process_first, plan_f
 from scale.loss import LossSpec
 from scale.mixing import sources as mixture_sources
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
-from scale.modeling import build_model, check_packing, load_tokenizer, parameter_counts
+from scale.modeling import TINY, build_model, check_packing, load_tokenizer, parameter_counts, tokenizer_source
 from scale.samples import SAMPLES_FILE, Generation, pick_samples, start_samples_file
 from scale.sampling import LengthGroupedSampler, PackedCollator, PackedRows, PaddingFreeCollator, pack_bfd
 from scale.schedule import lr_factor, steps_for_epochs
@@ -144,17 +144,23 @@ def setup(cfg: Config) -> Job:
     set_seed(cfg.train.seed)
     together = plan.mode == "zero3"  # from_pretrained under ZeRO-3 runs collectives: every rank loads at once
 
+    # What is on this machine (the built-in tiny-llama, an embedded asset, a directory) every rank reads at once,
+    # once the main process has prepared it; a hub id (a download) is loaded on the main process first.
+    tokenizer_here = on_this_machine(tokenizer_source(cfg.model))
+    model_here = on_this_machine(cfg.model.name_or_path)
+
     def assets() -> tuple[Any, str]:
-        tokenizer = load_tokenizer(cfg.model)
+        tokenizer = None if tokenizer_here else load_tokenizer(cfg.model)
+        if tokenizer_here:
+            resolve_model(tokenizer_source(cfg.model))  # an embedded asset, prepared once
+        if model_here or together:
+            resolve_model(cfg.model.name_or_path)  # the asset (SmolLM2's conversion), prepared once
         if cfg.data.datasets:  # [issue 18] data.path is not read; the sources' embedded names are prepared
             mixture_sources(cfg.data)
             return tokenizer, cfg.data.path
         return tokenizer, resolve_data(cfg.data.path)
 
-    def prepare_model() -> torch.nn.Module | None:
-        if together:
-            resolve_model(cfg.model.name_or_path)  # the asset (SmolLM2's conversion), prepared once
-            return None
+    def prepare_model() -> torch.nn.Module:
         model = build_model(cfg.model, cfg.lora, len(tokenizer), cfg.train.seed, device_map=plan.device_map)
         check_packing(model, cfg.data.padding_free, cfg.data.packing)  # before anything is written
         return model
@@ -162,13 +168,16 @@ def setup(cfg: Config) -> Job:
     # One process prepares the cached assets, the others then read them; an error there stops every rank.
     run_id = shared_run_id(acc)  # collective
     tokenizer, data_path = main_process_first(acc, assets)  # collective
+    if tokenizer is None:
+        tokenizer = on_every_rank(acc, lambda: load_tokenizer(cfg.model))  # collective
     # [issue 18] The token cache: the node's main process finds or builds it (build_splits inside) while the
     # other ranks poll its build record: no collective is open during a build of any length. Then the ranks agree.
     splits = on_every_rank(acc, lambda: load_splits(cfg, tokenizer, data_path, run_id) if acc.is_local_main_process
                            else wait_for_splits(cfg, tokenizer, data_path, run_id))  # collective, after the build
-    model = main_process_first(acc, prepare_model)  # collective
-    if model is None:
+    if together:
         model = build_model_on_every_rank(acc, cfg, plan, len(tokenizer))  # collective
+    else:
+        model = (on_every_rank if model_here else main_process_first)(acc, prepare_model)  # collective
     mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, acc.num_processes
     if mb * world > len(splits.train):
         raise DataError(f"train.micro_batch_size={mb} x num_processes={world} is larger than the train split "
@@ -285,6 +294,12 @@ def on_every_rank(acc: Accelerator, fn: Callable[[], Any]) -> Any:
     if float(failed[1]) > 0:
         raise RuntimeError("a step every rank runs failed on another rank (its message is in that rank's output)")
     return result
+
+
+def on_this_machine(name_or_path: str) -> bool:
+    """Whether a model or tokenizer source is read from this machine, not downloaded: the built-in ``tiny-llama``,
+    an embedded asset (:func:`scale.assets.resolve_model`) or a directory. Every rank then loads it at once."""
+    return name_or_path in (TINY, EMBEDDED_MODEL) or Path(name_or_path).is_dir()
 
 
 def shared_run_id(acc: Accelerator) -> str:
