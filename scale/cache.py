@@ -364,7 +364,8 @@ def wait_for_splits(cfg: Any, tokenizer: Any, path: str, run_id: str, poll_s: fl
                     log_every_s: float = 60.0, give_up_s: float | None = None) -> Splits:
     """The splits the node's building process (:func:`load_splits` with the same ``run_id``) finds or builds,
     memory-mapped once complete: polls for the entry's build record, not a collective, so a build of any length
-    is waited for (a collective is bounded by ``train.collective_timeout_s``). Logs what it waits for, then
+    is waited for (a collective is bounded by ``train.collective_timeout_s``); every ``poll_s`` seconds, the first
+    looks sooner (0.05 s, doubling). Logs what it waits for, then
     every ``log_every_s`` seconds the builder's progress (rows done of the split it tokenizes). ``give_up_s``:
     raise TimeoutError after that many seconds (``None``, the job's: never; a dead builder ends the launch).
 
@@ -376,7 +377,7 @@ def wait_for_splits(cfg: Any, tokenizer: Any, path: str, run_id: str, poll_s: fl
         return build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed)
     key, _ = fingerprint(cfg, tokenizer, path)
     final = default_cache_dir(cfg) / key[:32]
-    start, last = time.monotonic(), None
+    start, last, polls = time.monotonic(), None, 0
     rank = os.environ.get("RANK", "?")
     while True:
         if (final / "build.json").is_file():
@@ -400,7 +401,8 @@ def wait_for_splits(cfg: Any, tokenizer: Any, path: str, run_id: str, poll_s: fl
             logger.info("data cache: rank %s waits for the node's main process to tokenize into %s (%.0f s so far%s;"
                         " polling the build record, no collective timeout applies)", rank, final, now - start,
                         _progress_text(final))
-        time.sleep(poll_s)
+        time.sleep(min(poll_s, 0.05 * 2 ** polls))  # a quick first look: a small build or a hit is done in ~1 s
+        polls += 1
 
 
 def _failure(final: Path, run_id: str) -> dict[str, str] | None:
