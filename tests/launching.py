@@ -20,6 +20,9 @@ JOB = ["data.max_train_examples=20", "train.max_steps=6", "train.log_every=1", "
        "lora.dropout=0.0", "optim.warmup_steps=2", f"data.path={ROOT / 'configs' / 'data' / 'tiny_reviews.jsonl'}",
        "log.trackers=[]", "optim.name=sgd", "optim.lr=0.5",
        "log.peak_flops=1e12"]  # measuring it costs minutes on a CPU without bf16 GEMM kernels (no avx512_bf16)
+# Parity runs checkpoint every layer (as tiny_cpu.yaml does) and check the invariants after the last step
+# (scale.checks): they are also tests/test_modes.py's LoRA rows for their modes (:func:`assert_invariants`).
+CHECKED = ["model.gradient_checkpointing=true", "train.check_invariants=true"]
 # The same job on prompt/completion rows: tails of 2 to 12 tokens (a completion of 1-6 words + EOS), so the
 # micro-batches of a window hold tails of different lengths; 20 rows make windows of 8, 8 and 4 per epoch.
 COMPLETIONS = [f"data.path={ROOT / 'configs' / 'data' / 'tiny_completions.jsonl'}"]
@@ -125,7 +128,24 @@ def run_mode(cmds: list[list[str]], overrides: list[str], out: Path, timeout: fl
                  ] if samples.exists() else []
     return {"loss": [r["train/loss"] for r in train], "grad_norm": [r["train/grad_norm"] for r in train],
             "lr": [r["train/lr"] for r in train], "steps": [r["step"] for r in train],
-            "weights": load_file(out / "adapter" / "adapter_model.safetensors"), "samples": generated}
+            "weights": load_file(out / "adapter" / "adapter_model.safetensors"), "samples": generated,
+            "checks": [r for r in rows if "check/base_unchanged" in r]}  # train.check_invariants=true
+
+
+def assert_invariants(checks: list[dict], mode: str, step: int) -> None:
+    """The ``train.check_invariants`` row of a run of ``mode`` (a :func:`modes` name) that ended at ``step``: the
+    base bit-identical, the LoRA weights equal on every rank holding a full copy, all 14 ``lora_B`` moved; ZeRO-3
+    really partitions the weights (4-bit ones included) over 2 ranks, every other mode keeps them whole."""
+    checks = [dict(r) for r in checks]
+    assert len(checks) == 1, checks
+    fraction = checks[0].pop("check/param_elements_local_fraction")
+    compared = 1 if mode.startswith(("single", "zero3")) else 2  # ZeRO-3 gathers one full copy (rank 0)
+    assert checks == [{"step": step, "check/base_unchanged": True, "check/ranks_agree": True,
+                       "check/ranks_compared": compared, "check/lora_B_nonzero": True, "check/lora_B_tensors": 14}]
+    if mode.startswith("zero3"):
+        assert 0.45 < fraction < 0.55, fraction
+    else:
+        assert fraction == 1.0
 
 
 def rel_dev(a: list[float], b: list[float]) -> float:

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.launching import ROOT, TINY, modes, rel_dev, run_mode, weight_dev
+from tests.launching import CHECKED, ROOT, TINY, assert_invariants, modes, rel_dev, run_mode, weight_dev
 from scale.config import load_config
 from scale.schedule import lr_factor
 from scale.launch import LaunchError, check_launch_environment, cpu_threads_per_rank, reconcile_deepspeed
@@ -22,9 +22,9 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    cmds, overrides = modes()["single 1x(8,1)"]
-    return run_mode(cmds, overrides, tmp_path_factory.mktemp("single"))
+def reference(single_reference):
+    """The single-device run every mode must reproduce (tests/conftest.py: launched once per session)."""
+    return single_reference
 
 
 def _expected_lrs(n_steps):
@@ -36,6 +36,7 @@ def _expected_lrs(n_steps):
 def test_single_process_lr_follows_schedule(reference):
     assert reference["steps"] == [1, 2, 3, 4, 5, 6]
     assert rel_dev(_expected_lrs(6), reference["lr"]) < 1e-12
+    assert_invariants(reference["checks"], "single 1x(8,1)", step=6)  # checkpointed LoRA on one device
 
 
 MODES = ["single 1x(2,4)", "ddp 2x(2,2)"]
@@ -47,7 +48,8 @@ if __import__("importlib").util.find_spec("deepspeed") is not None:
 @pytest.mark.parametrize("mode", MODES)
 def test_mode_matches_single_device(mode, reference, tmp_path):
     cmds, overrides = modes()[mode]
-    got = run_mode(cmds, overrides, tmp_path)
+    got = run_mode(cmds, overrides + CHECKED, tmp_path)
+    assert_invariants(got["checks"], mode, step=6)  # checkpointed LoRA in this mode (tests/test_modes.py)
     # Every optimizer step, including the partial last window of each epoch (8, 8, 4 examples).
     assert rel_dev(reference["loss"], got["loss"]) < TOL
     assert rel_dev(reference["grad_norm"], got["grad_norm"]) < TOL
