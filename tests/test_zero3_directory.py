@@ -25,16 +25,15 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
                      rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
 
 
-def test_zero3_from_a_saved_directory_equals_one_device(tmp_path):
-    """A ``save_pretrained`` tiny Llama under ZeRO-3 (LoRA, fp32) gives the built-in model's single-device numbers."""
+def test_zero3_from_a_saved_directory_equals_one_device(tmp_path, single_reference):
+    """A ``save_pretrained`` tiny Llama under ZeRO-3 (LoRA, fp32) gives the built-in model's single-device numbers
+    (the session's single-device run of tests/conftest.py, 6 steps)."""
     directory = save_tiny_directory(tmp_path / "model")
-    table = modes(directory)
-    steps = ["train.max_steps=3"]
-    ref = run_mode(*table["single 1x(8,1)"][:1], table["single 1x(8,1)"][1] + steps, tmp_path / "single")
-    cmds, overrides = table["zero3 from a directory 2x(2,2)"]
+    cmds, overrides = modes(directory)["zero3 from a directory 2x(2,2)"]
     assert from_directory(directory)[0] in overrides
-    z3 = run_mode(cmds, overrides + steps + ["train.check_invariants=true"], tmp_path / "zero3")
-    assert len(ref["loss"]) == len(z3["loss"]) == 3
+    ref = single_reference
+    z3 = run_mode(cmds, overrides + ["train.check_invariants=true"], tmp_path / "zero3")
+    assert len(ref["loss"]) == len(z3["loss"]) == 6
     assert rel_dev(ref["loss"], z3["loss"]) < 1e-5
     assert rel_dev(ref["grad_norm"], z3["grad_norm"]) < 1e-5
     assert weight_dev(ref["weights"], z3["weights"]) < 1e-5
