@@ -3,6 +3,8 @@ and DDP equals one process."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -16,14 +18,25 @@ RESUME = [*COMPLETIONS, "train.max_steps=8", "train.save_every=4", "lora.dropout
 
 @pytest.mark.launch
 def test_prompt_completion_resume_is_bit_exact_under_ddp(tmp_path):
+    """Also issue 18's 2-process cache claims (formerly tests/test_data_scale.py::test_two_processes_tokenize_once_
+    and_resume_reads_the_cache): the run builds the token cache on rank 0 only, its resume tokenizes nothing."""
     cmds, overrides = modes()["ddp 2x(2,2)"]
-    ref = run_mode(cmds, [*overrides, *RESUME], tmp_path / "ref")
+    job = [*overrides, *RESUME, f"data.cache_dir={tmp_path / 'c'}", "log.peak_flops=false"]
+    ref = run_mode(cmds, job, tmp_path / "ref")
+    builds = _builds(tmp_path / "c")
+    assert [(b["rank"], b["splits"]["train"]["rows"]) for b in builds] == [(0, 20)]
     ckpt = tmp_path / "ref" / "checkpoints" / "step_000004"
-    got = run_mode(cmds, [*overrides, *RESUME, f"train.resume_from={ckpt}"], tmp_path / "resumed")
+    got = run_mode(cmds, [*job, f"train.resume_from={ckpt}"], tmp_path / "resumed")
+    assert _builds(tmp_path / "c") == builds  # no process tokenized again
     assert ref["steps"] == list(range(1, 9)) and got["steps"] == [5, 6, 7, 8]
     assert got["loss"] == ref["loss"][4:]                                       # identical, not close
     assert ref["weights"].keys() == got["weights"].keys()
     assert all(torch.equal(ref["weights"][k], got["weights"][k]) for k in ref["weights"])
+
+
+def _builds(cache):
+    path = cache / "builds.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @pytest.mark.launch
