@@ -150,11 +150,11 @@ class _FusedLinearCE(torch.autograd.Function):
                 chunk: int) -> Tensor:
         need_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(hidden) if need_grad else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         for s in range(0, hidden.shape[0], chunk):
             h, t, wc = hidden[s:s + chunk], targets[s:s + chunk], w[s:s + chunk]
             lin = F.linear(h, weight, bias)                                # [C, V] (autocast dtype if any)
-            logits = lin.float()
+            logits = lin if lin.dtype == torch.float64 else lin.float()   # fp64 kept (exactness checks)
             lse = torch.logsumexp(logits, dim=-1)                          # [C]
             token = lse - logits.gather(1, t[:, None])[:, 0]               # [C] CE in nats
             keep = wc != 0  # outside the tail: masked, never 0 * a possible inf/NaN
