@@ -89,7 +89,9 @@ def one(head: Head, n: int, chunk: int | str, fake: bool, dtype: torch.dtype = t
     live = LiveBytes()
     with (mode or torch.autocast("cpu", enabled=False)), live:
         if size:
-            num, den = chunked.chunked_tail_loss(head, hidden, targets, weights, size)
+            # Fake tensors have no nonzero(): the count keeps the masked positions too (an upper bound; the
+            # real run drops them before the head).
+            num, den = chunked.chunked_tail_loss(head, hidden, targets, weights, size, drop_zero_weights=not fake)
         else:
             num, den = scale_loss.tail_loss(head.lm_head(hidden), targets, weights)
         (num / den).backward()
