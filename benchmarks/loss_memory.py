@@ -15,6 +15,7 @@ Prints a table and ``loss_memory: ratio=X``, the smallest ratio at ``N >= 2048``
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import weakref
 
@@ -69,12 +70,14 @@ class Head(torch.nn.Module):
         return self.lm_head
 
 
-def one(head: Head, n: int, chunk: int | str, fake: bool) -> tuple[int, float, torch.Tensor]:
-    """(peak bytes, loss, hidden grad) of one forward + backward of the loss over ``n`` tail positions."""
+def one(head: Head, n: int, chunk: int | str, fake: bool, dtype: torch.dtype = torch.float32
+        ) -> tuple[int, float, torch.Tensor]:
+    """(peak bytes, loss, hidden grad) of one forward + backward of the loss over ``n`` tail positions
+    (``dtype``: of the hidden states; the head must have it too)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     g = torch.Generator().manual_seed(n)
-    hidden = torch.randn(ROWS, n // ROWS, H, generator=g)
+    hidden = torch.randn(ROWS, n // ROWS, H, generator=g).to(dtype)
     targets = torch.randint(0, V, (ROWS, n // ROWS), generator=g)
     weights = torch.ones(ROWS, n // ROWS)
     weights[0, : n // (2 * ROWS)] = 0  # one row's tail is half as long: masked positions, as in a real batch
@@ -86,7 +89,9 @@ def one(head: Head, n: int, chunk: int | str, fake: bool) -> tuple[int, float, t
     live = LiveBytes()
     with (mode or torch.autocast("cpu", enabled=False)), live:
         if size:
-            num, den = chunked.chunked_tail_loss(head, hidden, targets, weights, size)
+            # Fake tensors have no nonzero(): the count keeps the masked positions too (an upper bound; the
+            # real run drops them before the head).
+            num, den = chunked.chunked_tail_loss(head, hidden, targets, weights, size, drop_zero_weights=not fake)
         else:
             num, den = scale_loss.tail_loss(head.lm_head(hidden), targets, weights)
         (num / den).backward()
@@ -105,6 +110,11 @@ def main() -> int:
     real = [one(head, n0, c, fake=False) for c in (0, 128)]  # exactness at the smallest N, chunks of 128
     fake0 = one(head, n0, 128, fake=True)[0]
     gdiff = float((real[0][2] - real[1][2]).abs().max() / real[0][2].abs().max())
+    head64 = copy.deepcopy(head).double()  # the same check in float64: what is left of the difference is round-off
+    real64 = [one(head64, n0, c, fake=False, dtype=torch.float64) for c in (0, 128)]
+    gdiff64 = float((real64[0][2] - real64[1][2]).abs().max() / real64[0][2].abs().max())
+    sys.stdout.write(f"float64: loss rel diff {abs(real64[0][1] - real64[1][1]) / real64[0][1]:.1e}, hidden grad "
+                     f"max rel diff {gdiff64:.1e}\n")
     sys.stdout.write(f"check at N={n0}, chunks of 128: loss {real[0][1]:.7f} unchunked vs {real[1][1]:.7f} chunked (rel "
                      f"{abs(real[0][1] - real[1][1]) / real[0][1]:.1e}); hidden grad max rel diff {gdiff:.1e}; "
                      f"chunked peak real {real[1][0] / 2**20:.1f} MiB vs fake count {fake0 / 2**20:.1f} MiB\n")

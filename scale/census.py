@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -294,7 +294,7 @@ def _fake_parameters(model: torch.nn.Module, mode: Any, dtype_of: Callable[[torc
 
 
 def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInfo], cast: torch.dtype | None = None,
-                      padded: bool = True) -> Activations:
+                      padded: bool = True, packed: bool = False) -> Activations:
     """Count what autograd saves in one forward of the tail loss at ``micro_batch_size x max_length``.
 
     Args:
@@ -305,6 +305,10 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
         padded: the batch has padding, so attention gets a ``[B, 1, T, T]`` mask (each layer keeps its additive
             copy) and key/value are repeated to every query head; False: every row fills ``max_length``, the mask
             is skipped and SDPA attends with grouped key/value heads.
+        packed: ``data.packing`` (issue 19): the micro-batch is one padding-free row of ``B x T`` tokens (bins
+            that fill ``max_length``) whose block-diagonal ``[1, 1, BT, BT]`` mask transformers builds from the
+            restarting position ids, and the LM head and loss see ``B x N`` positions (``N = T`` from
+            :func:`scale.plan.make_plan`: every token trained, the worst case); ``padded`` is ignored.
 
     Returns:
         :class:`Activations` in bytes.
@@ -362,11 +366,26 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
             batch = {"input_ids": ids, "attention_mask": torch.ones(B, T, dtype=torch.long)}
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     torch.autocast("cpu", dtype=amp_dtype, enabled=autocast):
-                if padded and chunk:  # the chunked loss (scale.chunked): hidden states, then chunk by chunk
+                if packed:  # [issue 19] one row of B x T tokens; the mask comes from the (fake) segment ids
+                    from unittest import mock
+
+                    ids, keep = torch.zeros(1, B * T, dtype=torch.long), torch.arange(B * T - B * N, B * T) - 1
+                    keep = keep.clamp(min=0)
+                    segments = torch.zeros(1, B * T, dtype=torch.long)
+                    with mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda *a, **k: segments), \
+                            (chunked.head_returns_hidden(model) if chunk else nullcontext()):
+                        tail = model(input_ids=ids, position_ids=torch.zeros_like(ids), logits_to_keep=keep,
+                                     use_cache=False).logits
+                    targets = ids[:, : B * N]
+                    if chunk:
+                        chunked.chunked_tail_loss(model, tail, targets, torch.ones(1, B * N), chunk, drop_zero_weights=False)
+                    else:
+                        scale_loss.tail_loss(tail, targets, torch.ones(1, B * N))
+                elif padded and chunk:  # the chunked loss (scale.chunked): hidden states, then chunk by chunk
                     with torch.device("cpu"):
                         batch["tail_mask"] = torch.ones(B, N, dtype=torch.long)
                     hidden, targets = chunked.forward_tail_hidden(model, batch, padding_side="left", check=False)
-                    chunked.chunked_tail_loss(model, hidden, targets, torch.ones(B, N), chunk)
+                    chunked.chunked_tail_loss(model, hidden, targets, torch.ones(B, N), chunk, drop_zero_weights=False)
                 elif padded:
                     tail, targets = scale_loss.forward_tail(model, batch, N, padding_side="left", check=False)
                 else:  # forward_tail's call; transformers drops an all-ones mask, so none is passed. On fake
@@ -378,7 +397,7 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
                     with mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda *a, **k: None):
                         tail = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
                     targets = ids[:, T - N:]
-                if not (padded and chunk):
+                if not packed and not (padded and chunk):
                     scale_loss.tail_loss(tail, targets, torch.ones(B, N))
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         raise PlanError(f"cannot count activations of model type {model.config.model_type!r} on fake tensors "

@@ -150,11 +150,11 @@ class _FusedLinearCE(torch.autograd.Function):
                 chunk: int) -> Tensor:
         need_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(hidden) if need_grad else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         for s in range(0, hidden.shape[0], chunk):
             h, t, wc = hidden[s:s + chunk], targets[s:s + chunk], w[s:s + chunk]
             lin = F.linear(h, weight, bias)                                # [C, V] (autocast dtype if any)
-            logits = lin.float()
+            logits = lin if lin.dtype == torch.float64 else lin.float()   # fp64 kept (exactness checks)
             lse = torch.logsumexp(logits, dim=-1)                          # [C]
             token = lse - logits.gather(1, t[:, None])[:, 0]               # [C] CE in nats
             keep = wc != 0  # outside the tail: masked, never 0 * a possible inf/NaN
@@ -182,7 +182,7 @@ def _fusable(head: torch.nn.Module) -> bool:
 
 def chunked_tail_loss(model: torch.nn.Module, tail_hidden: Tensor, targets: Tensor, weights: Tensor, chunk: int,
                       type_indicator: Tensor | None = None, criterion: scale_loss.Criterion | None = None,
-                      criterion_mode: str = "plain") -> tuple[Tensor, Tensor]:
+                      criterion_mode: str = "plain", drop_zero_weights: bool = True) -> tuple[Tensor, Tensor]:
     """:func:`scale.loss.tail_loss` of ``lm_head(tail_hidden)``, ``chunk`` positions at a time.
 
     Args:
@@ -195,6 +195,8 @@ def chunked_tail_loss(model: torch.nn.Module, tail_hidden: Tensor, targets: Tens
         type_indicator: ``[B]``, for ``criterion_mode="input"``.
         criterion: a per-token user criterion (see :func:`scale.loss.tail_loss`).
         criterion_mode: ``"plain"`` or ``"input"``.
+        drop_zero_weights: positions of weight 0 skip the head (one host sync); False keeps every position (the
+            planner's count on fake tensors, whose ``nonzero`` has no size).
 
     Returns:
         ``(numerator, denominator)``, float32 scalars ``[]``, equal to the unchunked loss's up to round-off.
@@ -209,7 +211,7 @@ def chunked_tail_loss(model: torch.nn.Module, tail_hidden: Tensor, targets: Tens
     # as wide as the longest row's; packed rows repeat a position there) and untrained chat turns add nothing.
     # One host sync per micro-batch (nonzero), small next to a loss big enough to be chunked. A micro-batch of
     # weight 0 only (a stand-in at an epoch's end) keeps every position, so that backward still reaches the head.
-    keep = (w != 0).nonzero().squeeze(1)
+    keep = (w != 0).nonzero().squeeze(1) if drop_zero_weights else w[:0]
     if keep.numel():
         flat_h, flat_t, w, types = flat_h[keep], flat_t[keep], w[keep], types[keep]
     if criterion is None and _fusable(head):

@@ -179,17 +179,19 @@ def setup(cfg: Config) -> Job:
     else:
         model = (on_every_rank if model_here else main_process_first)(acc, prepare_model)  # collective
     mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, acc.num_processes
-    if mb * world > len(splits.train):
-        raise DataError(f"train.micro_batch_size={mb} x num_processes={world} is larger than the train split "
-                        f"({len(splits.train)} rows): a rank's shard would hold less than one micro-batch. "
-                        f"Lower train.micro_batch_size to at most {max(1, len(splits.train) // world)} or add data.")
-    check_type_weights(cfg, splits)
-    if mb * ga * world > len(splits.train) and acc.is_main_process:
-        logger.warning("global_batch_size=%d (micro_batch_size x gradient_accumulation_steps x num_processes) is "
-                       "larger than the train split (%d rows): every optimizer step sees at most one epoch",
-                       mb * ga * world, len(splits.train))
-    clear_previous_run(acc, cfg, resume)  # train.overwrite_output_dir=true: the old run's artefacts go
     train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id, world)
+    items = len(train_dl.dataset)  # rows, or with data.packing the bins of rows the loader deals in
+    unit = f"bins of up to data.max_length={cfg.data.max_length} tokens" if cfg.data.packing else "rows"
+    if mb * world > items:
+        raise DataError(f"train.micro_batch_size={mb} x num_processes={world} is larger than the train split "
+                        f"({items} {unit}): a rank's shard would hold less than one micro-batch. "
+                        f"Lower train.micro_batch_size to at most {max(1, items // world)} or add data.")
+    check_type_weights(cfg, splits)
+    if mb * ga * world > items and acc.is_main_process:
+        logger.warning("global_batch_size=%d (micro_batch_size x gradient_accumulation_steps x num_processes) is "
+                       "larger than the train split (%d %s): every optimizer step sees at most one epoch",
+                       mb * ga * world, items, unit)
+    clear_previous_run(acc, cfg, resume)  # train.overwrite_output_dir=true: the old run's artefacts go
     # With data.packing an epoch is len(bins) items, not len(rows)
     max_steps = cfg.train.max_steps or steps_for_epochs(len(train_dl.dataset), mb * ga * world, cfg.train.num_epochs)
     if acc.is_main_process:

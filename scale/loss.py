@@ -249,10 +249,12 @@ def tail_loss(
         criterion_mode: ``"plain"`` or ``"input"``.
 
     Returns:
-        ``(numerator, denominator)``, both float32 scalars ``[]``.
+        ``(numerator, denominator)``, both float32 scalars ``[]`` (the numerator float64 for float64 logits: the
+        exactness checks of the chunked loss run in float64).
     """
     B, N, V = tail_logits.shape
-    flat_logits = tail_logits.reshape(B * N, V).float()
+    flat_logits = tail_logits.reshape(B * N, V)
+    flat_logits = flat_logits if flat_logits.dtype == torch.float64 else flat_logits.float()  # fp64: kept
     flat_targets = targets.reshape(B * N)
     w = weights.reshape(B * N).float()
     if criterion is None:

@@ -111,6 +111,12 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         raise PlanError(f"--gpu-mem {gpu_mem_gib}: GiB per GPU must be > 0")
     hf_config = load_model_config(cfg.model, model_config)
     tail, tail_note = data_tail(cfg)
+    if cfg.data.packing:  # [issue 19] bins of data.max_length tokens, any of which may be trained
+        tail, tail_note = cfg.data.max_length, (
+            f"tail: data.packing: each micro-batch is one padding-free row of {cfg.train.micro_batch_size} bins x "
+            f"{cfg.data.max_length} tokens (bins assumed full) with a block-diagonal attention mask over the whole "
+            f"row; the LM head and loss are planned for every position trained (N = data.max_length per bin, the "
+            f"worst case; the data's longest trained span is {tail})")
     user_cfg, cfg = cfg, with_tail(cfg, tail)  # the counts below see the data's tail as loss.threshold
     gc_setting, on = cfg.model.gradient_checkpointing, bool(cfg.model.gradient_checkpointing)
     models = {on: build_meta_model(cfg, hf_config, checkpointing=on)}
@@ -118,9 +124,11 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     other = not on
     models[other] = build_meta_model(cfg, hf_config, checkpointing=other)
     cast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
-    acts_by_gc = {gc: {False: count_activations(cfg, mdl, params, padded=padded)} for gc, mdl in models.items()}
+    packed = cfg.data.packing
+    acts_by_gc = {gc: {False: count_activations(cfg, mdl, params, padded=padded, packed=packed)}
+                  for gc, mdl in models.items()}
     for gc, mdl in models.items():  # the DeepSpeed regime: every floating parameter cast
-        acts_by_gc[gc][True] = (count_activations(cfg, mdl, params, cast, padded=padded) if cast
+        acts_by_gc[gc][True] = (count_activations(cfg, mdl, params, cast, padded=padded, packed=packed) if cast
                                 else acts_by_gc[gc][False])
     for regime in (False, True):
         acts_by_gc[True][regime].recompute = acts_by_gc[False][regime].per_layer
@@ -218,6 +226,8 @@ def assumptions(cfg: Config, gpus: int, nodes: int, padded: bool = True) -> list
     m, t = cfg.model, cfg.train
     rows = ("the longest row fills data.max_length and the others are padded to it (an attention mask)" if padded
             else "every row fills data.max_length (no padding, no attention mask: --full-rows)")
+    if cfg.data.packing:
+        rows = "the bins packed into one padding-free row with a block-diagonal mask (data.packing)"
     return [
         (f"one micro-batch of {t.micro_batch_size} rows x {cfg.data.max_length} tokens: {rows}; tail loss over "
         f"loss.threshold={cfg.loss.threshold} positions with logits_to_keep"),

@@ -187,6 +187,45 @@ def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, ch
     assert predicted.layers == hf.num_hidden_layers and predicted.head > 0
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("chunk", ["0", "64"])
+def test_predicted_packed_activations_within_10_percent_of_saved_tensor_hooks(checkpointing, chunk):
+    """[issue 19] data.packing: the plan's count for one packed micro-batch (B full bins in one padding-free row,
+    every token trained) against what autograd saves in the product's own path (PackedCollator -> loss_step)
+    for 8 bins of 64 tokens, each two examples of 32 tokens whose tails are all but their first token."""
+    from scale.data import Example
+    from scale.loss import LossSpec, loss_step
+    from scale.modeling import build_model
+    from scale.sampling import PackedCollator
+
+    cfg, hf, params = planned([f"model.gradient_checkpointing={str(checkpointing).lower()}", "data.packing=true",
+                               f"loss.chunk_size={chunk}", "loss.threshold=64"])  # N = T, as make_plan sets it
+    B, T = cfg.train.micro_batch_size, cfg.data.max_length
+    predicted = C.count_activations(cfg, C.build_meta_model(cfg, hf), params, packed=True)
+    model = build_model(cfg.model, cfg.lora, C.TINY_VOCAB, cfg.train.seed)
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    bins = [[Example(torch.randint(3, 400, (T // 2,), generator=g).tolist(), T // 2 - 1, 0, 7, row=2 * b + i)
+             for i in range(2)] for b in range(B)]
+    batch = PackedCollator()(bins)
+    assert batch["input_ids"].shape == (1, B * T)
+    spec = LossSpec(threshold=2, padding_side="left", type_weights=None, criterion=None, criterion_mode="plain",
+                    target_position=-1, task={"format": "messages"}, chunk_size=int(chunk))
+    params_ptr = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params_ptr:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_step(model, batch, spec, spec.weights(batch))
+    real = sum(seen.values())
+    assert abs(predicted.total / real - 1) < 0.10, (predicted, real)
+    assert predicted.loss_positions == (64 if chunk == "64" else B * T)
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of the tensor storages alive: those registered at the start plus every storage an op creates inside
     the mode, each forgotten when it is freed; ``peak`` is the most at once (what ``max_memory_allocated`` would
