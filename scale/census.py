@@ -317,6 +317,8 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
         PlanError: the architecture's forward cannot run on fake tensors (data-dependent shapes, e.g. some
             mixture-of-experts routers).
     """
+    from unittest import mock
+
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from scale import loss as scale_loss
@@ -367,38 +369,33 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     torch.autocast("cpu", dtype=amp_dtype, enabled=autocast):
                 if packed:  # [issue 19] one row of B x T tokens; the mask comes from the (fake) segment ids
-                    from unittest import mock
-
-                    ids, keep = torch.zeros(1, B * T, dtype=torch.long), torch.arange(B * T - B * N, B * T) - 1
-                    keep = keep.clamp(min=0)
+                    ids = torch.zeros(1, B * T, dtype=torch.long)
+                    keep = (torch.arange(B * T - B * N, B * T) - 1).clamp(min=0)
                     segments = torch.zeros(1, B * T, dtype=torch.long)
-                    with mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda *a, **k: segments), \
+                    with mock.patch("transformers.masking_utils.find_packed_sequence_indices",
+                                    lambda *a, **k: segments), \
                             (chunked.head_returns_hidden(model) if chunk else nullcontext()):
                         tail = model(input_ids=ids, position_ids=torch.zeros_like(ids), logits_to_keep=keep,
                                      use_cache=False).logits
                     targets = ids[:, : B * N]
-                    if chunk:
-                        chunked.chunked_tail_loss(model, tail, targets, torch.ones(1, B * N), chunk, drop_zero_weights=False)
-                    else:
-                        scale_loss.tail_loss(tail, targets, torch.ones(1, B * N))
                 elif padded and chunk:  # the chunked loss (scale.chunked): hidden states, then chunk by chunk
                     with torch.device("cpu"):
                         batch["tail_mask"] = torch.ones(B, N, dtype=torch.long)
-                    hidden, targets = chunked.forward_tail_hidden(model, batch, padding_side="left", check=False)
-                    chunked.chunked_tail_loss(model, hidden, targets, torch.ones(B, N), chunk, drop_zero_weights=False)
+                    tail, targets = chunked.forward_tail_hidden(model, batch, padding_side="left", check=False)
                 elif padded:
                     tail, targets = scale_loss.forward_tail(model, batch, N, padding_side="left", check=False)
                 else:  # forward_tail's call; transformers drops an all-ones mask, so none is passed. On fake
                     # tensors it cannot read the positions to rule out packed rows (which would add a mask): full
                     # rows are not packed, so that check answers "not packed".
-                    from unittest import mock
-
                     keep = torch.arange(T - N - 1, T - 1)
                     with mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda *a, **k: None):
                         tail = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
                     targets = ids[:, T - N:]
-                if not packed and not (padded and chunk):
-                    scale_loss.tail_loss(tail, targets, torch.ones(B, N))
+                if chunk and (packed or padded):  # tail holds hidden states: the head runs chunk by chunk
+                    chunked.chunked_tail_loss(model, tail, targets, torch.ones(targets.shape), chunk,
+                                              drop_zero_weights=False)
+                else:
+                    scale_loss.tail_loss(tail, targets, torch.ones(targets.shape))
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         raise PlanError(f"cannot count activations of model type {model.config.model_type!r} on fake tensors "
                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
