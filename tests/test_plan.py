@@ -187,6 +187,23 @@ def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, ch
     assert predicted.layers == hf.num_hidden_layers and predicted.head > 0
 
 
+def loss_step_saved_bytes(model: torch.nn.Module, batch: dict, spec) -> int:
+    """Bytes autograd saves in the product's ``loss_step`` on ``batch`` (distinct storages, parameters excluded)."""
+    from scale.loss import loss_step
+
+    params_ptr = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params_ptr:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_step(model, batch, spec, spec.weights(batch))
+    return sum(seen.values())
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("chunk", ["0", "64"])
 def test_predicted_packed_activations_within_10_percent_of_saved_tensor_hooks(checkpointing, chunk):
@@ -194,7 +211,7 @@ def test_predicted_packed_activations_within_10_percent_of_saved_tensor_hooks(ch
     every token trained) against what autograd saves in the product's own path (PackedCollator -> loss_step)
     for 8 bins of 64 tokens, each two examples of 32 tokens whose tails are all but their first token."""
     from scale.data import Example
-    from scale.loss import LossSpec, loss_step
+    from scale.loss import LossSpec
     from scale.modeling import build_model
     from scale.sampling import PackedCollator
 
@@ -211,19 +228,35 @@ def test_predicted_packed_activations_within_10_percent_of_saved_tensor_hooks(ch
     assert batch["input_ids"].shape == (1, B * T)
     spec = LossSpec(threshold=2, padding_side="left", type_weights=None, criterion=None, criterion_mode="plain",
                     target_position=-1, task={"format": "messages"}, chunk_size=int(chunk))
-    params_ptr = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in params_ptr:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss_step(model, batch, spec, spec.weights(batch))
-    real = sum(seen.values())
+    real = loss_step_saved_bytes(model, batch, spec)
     assert abs(predicted.total / real - 1) < 0.10, (predicted, real)
     assert predicted.loss_positions == (64 if chunk == "64" else B * T)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_predicted_padded_chunked_activations_within_10_percent_of_saved_tensor_hooks(checkpointing):
+    """[issue 19] loss.chunk_size on a padded micro-batch (an SFT tail of 32 positions a row, chunks of 64 of the
+    B x N = 256): the plan's count against what autograd saves in the product's own path (``loss_step`` ->
+    ``forward_tail_hidden`` -> ``chunked_tail_loss``), one row left-padded as the collator pads it."""
+    from scale.loss import LossSpec
+    from scale.modeling import build_model
+
+    cfg, hf, params = planned([f"model.gradient_checkpointing={str(checkpointing).lower()}", "loss.threshold=32",
+                               "loss.chunk_size=64"])
+    B, T, N = cfg.train.micro_batch_size, cfg.data.max_length, cfg.loss.threshold
+    predicted = C.count_activations(cfg, C.build_meta_model(cfg, hf), params, padded=True)
+    assert predicted.loss_positions == 64
+    model = build_model(cfg.model, cfg.lora, C.TINY_VOCAB, cfg.train.seed)
+    model.train()
+    ids = torch.randint(3, 400, (B, T), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding, as the collator pads a batch of unequal rows
+    batch = {"input_ids": ids, "attention_mask": mask, "tail_mask": torch.ones(B, N, dtype=torch.long),
+             "type_indicator": torch.zeros(B, dtype=torch.long)}
+    spec = LossSpec(threshold=N, padding_side="left", type_weights=None, criterion=None, criterion_mode="plain",
+                    target_position=-1, task={"format": "prompt_completion"}, chunk_size=64)
+    real = loss_step_saved_bytes(model, batch, spec)
+    assert abs(predicted.total / real - 1) < 0.10, (predicted, real)
 
 
 class LiveBytes(TorchDispatchMode):
