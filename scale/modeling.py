@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from scale.assets import resolve_model
+from scale.assets import EMBEDDED_MODEL, resolve_model
 from scale.config import ConfigError, LoraConfig, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,25 @@ def tiny_llama_config(cfg: ModelConfig, vocab_size: int) -> Any:
         tie_word_embeddings=True,
         use_cache=False,
     )
+
+
+def needs_bitsandbytes(cfg: ModelConfig) -> bool:
+    """Whether loading ``cfg``'s model can need bitsandbytes: ``model.quantize_4bit``, a directory whose
+    ``config.json`` holds a ``quantization_config`` (a checkpoint quantized on disk), or a hub id (not looked
+    into before it is loaded). The built-in ``tiny-llama`` and the embedded SmolLM2 never do."""
+    if cfg.quantize_4bit:
+        return True
+    if cfg.name_or_path in (TINY, EMBEDDED_MODEL):
+        return False
+    config = Path(cfg.name_or_path) / "config.json"
+    if not config.is_file():
+        return True
+    import json
+
+    try:
+        return "quantization_config" in json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return True  # let the load report what is wrong with it
 
 
 def bnb_config(cfg: ModelConfig) -> Any:

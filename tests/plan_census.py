@@ -73,6 +73,9 @@ def main() -> None:
     from scale.job import make_optimizer
 
     cfg = load_config(config, overrides)
+    from scale.cli import start_fast
+
+    start_fast(cfg)  # as scale-train starts: bitsandbytes only for QLoRA, the libraries' objects frozen
     acc = build_accelerator(cfg)
     plan = plan_for_mode(cfg, acc)
     model = _build(cfg, plan.device_map)

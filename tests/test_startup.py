@@ -1,5 +1,6 @@
-"""Fast start: a run imports DeepSpeed, W&B and matplotlib only when it uses them, and no DeepSpeed op is
-compiled behind the user's back (the shared-memory op is skipped; an offload run that will compile says so)."""
+"""Fast start: a run imports DeepSpeed, W&B, matplotlib and (in a process of its own) bitsandbytes only when it
+uses them, and no DeepSpeed op is compiled behind the user's back (the shared-memory op is skipped; an offload run
+that will compile says so)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,29 @@ from tests.conftest import ROOT, TINY_DATA
 def test_tiny_job_imports_no_deepspeed_wandb_or_matplotlib(tmp_path):
     probe = ("import json, sys\nfrom scale.cli import main\n"
              f"rc = main(['--config', 'configs/train/tiny_cpu.yaml', 'output_dir={tmp_path}', 'data.path={TINY_DATA}', "
-             "'train.max_steps=2', 'log.trackers=[]'])\n"
-             "print(json.dumps([rc] + [m in sys.modules for m in ('deepspeed', 'wandb', 'matplotlib')]))")
+             "'train.max_steps=2', 'log.trackers=[]'], own_process=True)\n"
+             "print(json.dumps([rc] + [m in sys.modules for m in ('deepspeed', 'wandb', 'matplotlib')]\n"
+             "                 + [sys.modules.get('bitsandbytes', 'absent')]))")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
                          check=False)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [0, False, False, False]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [0, False, False, False, None]  # bitsandbytes kept out
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()  # it saved (unwrap without DeepSpeed)
+
+
+def test_bitsandbytes_is_needed_for_4bit_a_quantized_directory_or_a_hub_id(tmp_path):
+    from scale.config import ModelConfig
+    from scale.modeling import needs_bitsandbytes
+
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "nf4").mkdir()
+    (tmp_path / "nf4" / "config.json").write_text('{"model_type": "llama", "quantization_config": {"load_in_4bit": true}}')
+    needs = {name: needs_bitsandbytes(ModelConfig(name_or_path=name)) for name in
+             ("tiny-llama", "smollm2-135m", str(tmp_path / "plain"), str(tmp_path / "nf4"), "org/some-model")}
+    assert list(needs.values()) == [False, False, False, True, True]
+    assert needs_bitsandbytes(ModelConfig(name_or_path="tiny-llama", quantize_4bit=True))
 
 
 def test_deepspeed_shm_op_is_not_built():
