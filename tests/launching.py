@@ -148,6 +148,38 @@ def assert_invariants(checks: list[dict], mode: str, step: int) -> None:
         assert fraction == 1.0
 
 
+def assert_adapter_reproduces_eval(out: Path) -> None:
+    """The adapter a run saved in ``out`` is whole (28 tensors, no empty ZeRO-3 partition) and, loaded with peft
+    on the base model in this process, evaluates to the run's final logged evaluation (accuracy exactly, loss and
+    target NLL to 1e-5)."""
+    from accelerate import Accelerator
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from torch.utils.data import DataLoader
+
+    from scale.config import load_config
+    from scale.data import Collator, build_splits
+    from scale.evaluate import evaluate
+    from scale.loss import LossSpec
+    from scale.metrics import read_jsonl
+    from scale.modeling import load_base, load_tokenizer
+
+    final = [r for r in read_jsonl(out / "metrics.jsonl") if "eval/loss" in r][-1]
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert len(adapter) == 28
+    for name, t in adapter.items():  # ZeRO-3 partitions would show up as empty tensors
+        assert t.numel() > 0 and t.shape[0] in (8, 64, 128) and t.abs().max() > 0, (name, t.shape)
+    cfg = load_config(out / "config.yaml")
+    tokenizer = load_tokenizer(cfg.model)
+    model = PeftModel.from_pretrained(load_base(cfg.model, len(tokenizer), cfg.train.seed), out / "adapter")
+    splits = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed)
+    dl = DataLoader(splits.eval, batch_size=16, collate_fn=Collator(tokenizer.pad_token_id, "left"))
+    again = evaluate(Accelerator(cpu=True), model, dl, LossSpec.from_config(cfg, splits.label_token_ids))
+    assert again["eval/accuracy"] == final["eval/accuracy"]
+    assert abs(again["eval/loss"] / final["eval/loss"] - 1) < 1e-5, (again, final)
+    assert abs(again["eval/target_nll"] / final["eval/target_nll"] - 1) < 1e-5, (again, final)
+
+
 def rel_dev(a: list[float], b: list[float]) -> float:
     """max_i |a_i - b_i| / |a_i| (lists of equal length; a length mismatch is infinite deviation)."""
     if len(a) != len(b):

@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from tests.launching import CHECKED, ROOT, TINY, assert_invariants, modes, rel_dev, run_mode, weight_dev
+from tests.launching import (CHECKED, ROOT, TINY, assert_adapter_reproduces_eval, assert_invariants, modes, rel_dev,
+                             run_mode, weight_dev)
 from scale.config import load_config
 from scale.schedule import lr_factor
 from scale.launch import LaunchError, check_launch_environment, cpu_threads_per_rank, reconcile_deepspeed
@@ -58,6 +59,8 @@ def test_mode_matches_single_device(mode, reference, tmp_path):
     # Greedy generation at steps 0 and 6 (eval.generate_samples=4; ZeRO-3: every rank generates every sample on
     # the partitioned model, synced_gpus): the same text as one device, sample by sample.
     assert len(reference["samples"]) == 8 and got["samples"] == reference["samples"]
+    if mode.startswith("zero3"):  # the adapter ZeRO-3 gathered to save is whole and reproduces the last evaluation
+        assert_adapter_reproduces_eval(tmp_path)
 
 
 @pytest.mark.launch
