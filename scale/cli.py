@@ -219,18 +219,18 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         _error(e)
         return EXIT_BAD_INPUT
     configure_logging(dict(os.environ), uses_deepspeed=cfg.train.deepspeed_config is not None)
-    if own_process and args.show_rows is None:
-        start_fast(cfg)
-    from scale.train import NonFiniteError, run
-
-    bad_input = bad_input_errors()
-    if args.show_rows is not None:
+    if args.show_rows is not None:  # the data path only: the loop is not imported
         try:
             show_rows(cfg, args.show_rows)
-        except bad_input as e:
+        except bad_input_errors() as e:
             _error(e)
             return EXIT_BAD_INPUT
         return 0
+    if own_process:
+        start_fast(cfg)  # first: the imports below run with the collector paused
+    from scale.train import NonFiniteError, run
+
+    bad_input = bad_input_errors()
     preemption = Preemption()
     preemption.install()
     try:
