@@ -75,7 +75,8 @@ def _error(e: BaseException, code: int = EXIT_BAD_INPUT, echo: bool = True) -> N
             Path(error_file).write_text(json.dumps(data))
     if echo and mine and not outcome and not error_file:
         sys.stderr.write(line + "\n")
-    if not mine and (error_file or outcome):
+    if not mine:  # under any launcher: the `deepspeed` launcher kills rank 0 too once another rank exits first,
+        # before it printed the message (seen once a rank reached a config error in ~0.2 s: scale.cli imports no torch).
         # The launcher stops this rank once rank 0 exits: leave at once with the same code, no second traceback
         # (the start-up SIGTERM handler of scale.signals would raise Preempted in the middle of this sleep).
         for s in (signal.SIGTERM, signal.SIGINT):
