@@ -43,6 +43,32 @@ def test_bitsandbytes_is_needed_for_4bit_a_quantized_directory_or_a_hub_id(tmp_p
     assert needs_bitsandbytes(ModelConfig(name_or_path="tiny-llama", quantize_4bit=True))
 
 
+def test_compile_at_import_is_deferred_to_the_first_call(tmp_path, monkeypatch):
+    """scale.cli.import_with_lazy_compile (DeepSpeed's Muon module): nothing compiles at import; the first call
+    compiles once, with the decorator's arguments, and returns the compiled function's result."""
+    import torch
+
+    from scale.cli import import_with_lazy_compile
+
+    calls = []
+
+    def spy(fn, **kwargs):
+        calls.append((fn.__name__, kwargs))
+        return lambda *a: fn(*a) + 100
+
+    (tmp_path / "compiled_at_import.py").write_text(
+        "import torch\n\n@torch.compile\ndef double(x):\n    return 2 * x\n\n"
+        "@torch.compile(mode='max-autotune')\ndef triple(x):\n    return 3 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch, "compile", spy)
+    import_with_lazy_compile("compiled_at_import")
+    assert torch.compile is spy and calls == []  # restored; nothing compiled yet
+    mod = sys.modules["compiled_at_import"]
+    assert (mod.double(1), mod.double(2), mod.triple(1)) == (102, 104, 103)
+    assert calls == [("double", {}), ("triple", {"mode": "max-autotune"})]  # once each, on first use
+    import_with_lazy_compile("no_such_module_here")  # an older DeepSpeed without the module: nothing happens
+
+
 def test_deepspeed_shm_op_is_not_built():
     import importlib
 
