@@ -45,8 +45,7 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def single_reference(tmp_path_factory):
     """The tiny job on one device (tests/launching.py's JOB: micro-batch 8, 6 steps, checkpointing, invariants
-    checked): the numbers every launch mode must reproduce. Launched once per session for tests/test_distributed.py
-    and tests/test_zero3_directory.py."""
+    checked): the numbers every launch mode must reproduce. Launched once per session for tests/test_distributed.py."""
     from tests.launching import CHECKED, modes, run_mode
 
     cmds, overrides = modes()["single 1x(8,1)"]
