@@ -44,6 +44,7 @@ import dataclasses
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -331,7 +332,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> None:
-    """Console entry point."""
+    """Console entry point. The planner counts 4-bit weights itself (:func:`scale.census.nf4_bytes`) on meta
+    tensors, so bitsandbytes, which peft and transformers import whenever it is installed (~3 s of CPU: it wraps its
+    kernels in ``torch.compile``), is kept out of the process as in :func:`scale.cli.start_fast`; peft's call of
+    transformers' deprecated ``is_gradient_checkpointing`` is not reported (as in :func:`scale.cli.configure_logging`)."""
+    sys.modules.setdefault("bitsandbytes", None)
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
     sys.exit(main())
 
 

@@ -440,6 +440,7 @@ def plan_cli(*args: str) -> subprocess.CompletedProcess:
 def test_json_plan_for_the_tiny_job():
     proc = plan_cli("--config", str(TINY_YAML), "--gpus", "2", "--gpu-mem", "24", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr == ""  # no library warning (peft's deprecated call), no bitsandbytes notice
     plan = json.loads(proc.stdout)
     assert [r["mode"] for r in plan["ranks"]] == list(LY.MODES)
     assert plan["recommended"] == "ddp" and all(plan["fits"].values())  # 2 GPUs: one process would idle one
