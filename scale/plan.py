@@ -335,7 +335,8 @@ def cli() -> None:
     """Console entry point. The planner counts 4-bit weights itself (:func:`scale.census.nf4_bytes`) on meta
     tensors, so bitsandbytes, which peft and transformers import whenever it is installed (~3 s of CPU: it wraps its
     kernels in ``torch.compile``), is kept out of the process as in :func:`scale.cli.start_fast`; peft's call of
-    transformers' deprecated ``is_gradient_checkpointing`` is not reported (as in :func:`scale.cli.configure_logging`)."""
+    transformers' deprecated ``is_gradient_checkpointing`` is not reported, as :func:`scale.cli.configure_logging`
+    does (the same filter: this module may not import the CLI, tests/test_layering.py)."""
     sys.modules.setdefault("bitsandbytes", None)
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
     sys.exit(main())
