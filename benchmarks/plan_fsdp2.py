@@ -49,7 +49,7 @@ def main() -> int:
             elif overrides is None:  # as tests/test_plan.py: SmolLM2's config, one short row
                 overrides = [f"model.name_or_path={smollm2_dir(Path(tmp))}", "train.micro_batch_size=1",
                              "data.max_length=16"]
-            counts = run_census("fsdp2", overrides, Path(tmp) / "census.json")
+            counts = run_census("fsdp2", {shape: overrides}, Path(tmp) / "census.json")[shape]
             cfg, hf, params = planned(overrides)
             for c in counts:
                 assert c["mode"] == "fsdp", c["mode"]

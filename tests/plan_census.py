@@ -1,7 +1,7 @@
 """Count what one rank really holds, for ``tests/test_plan.py``: run under ``accelerate launch`` (or plain python).
 
     accelerate launch --config_file configs/accelerate/cpu_zero2.yaml tests/plan_census.py OUT.json \\
-        --config configs/train/tiny_cpu.yaml [key=value ...]
+        --config configs/train/tiny_cpu.yaml [key=value ...] [--case NAME key=value ...]...
 
 Builds the job's model as the harness does (``scale.modeling.build_model``; for a ``model.name_or_path`` directory
 that holds only a ``config.json``, random weights from that config through the same ``add_lora``), prepares it with the harness's
@@ -17,7 +17,8 @@ right before that second optimizer step, the bytes of every storage this rank ho
 - ``bucket_in_backward``: DeepSpeed ZeRO-1/2's reduce bucket, seen from inside backward (it is freed at its end).
 
 Set ``PLAN_CENSUS_TIMES=1`` for timings on stderr. Any other live tensor found through the garbage collector is listed under ``other`` so that a buffer the
-accounting does not know about shows up. Rank ``r`` writes ``OUT.json`` with ``.r`` appended.
+accounting does not know about shows up. Rank ``r`` writes ``OUT.json`` with ``.r`` appended (``.NAME.r`` for a
+``--case NAME``: :func:`main` counts several shapes in one launch).
 """
 
 from __future__ import annotations
@@ -52,13 +53,10 @@ def _build(cfg, device_map):
 
 
 def main() -> None:
-    import time
-    t0 = time.perf_counter()
-
-    def mark(what: str) -> None:
-        if os.environ.get("PLAN_CENSUS_TIMES"):
-            sys.stderr.write(f"census {what}: {time.perf_counter() - t0:.1f} s\n")
-
+    """``plan_census.py OUT --config PATH [key=value ...] [--case NAME key=value ...]...``: without ``--case`` one
+    count, written to ``OUT.<rank>``; with, one count per case (the common overrides, then the case's), one after
+    the other in this process, written to ``OUT.<NAME>.<rank>``: a launch's start-up (~10 s of imports and process
+    group on 2 cores) is paid once for all of a mode's shapes."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":  # tests/cpu_fsdp2.yaml: the CPU shim
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from tests.fsdp_cpu import enable
@@ -66,16 +64,61 @@ def main() -> None:
         enable()
     out, args = sys.argv[1], sys.argv[2:]
     config = args[args.index("--config") + 1]
-    overrides = [a for i, a in enumerate(args) if a != "--config" and (i == 0 or args[i - 1] != "--config")]
-    from scale import loss as scale_loss
-    from scale.config import load_config
-    from scale.launch import build_accelerator, plan_for_mode
-    from scale.job import make_optimizer
-
-    cfg = load_config(config, overrides)
+    args = [a for i, a in enumerate(args) if a != "--config" and (i == 0 or args[i - 1] != "--config")]
+    marks = [i for i, a in enumerate(args) if a == "--case"]
+    common = args[:marks[0]] if marks else args
+    cases = [(args[i + 1], args[i + 2:j]) for i, j in zip(marks, marks[1:] + [len(args)])] or [(None, [])]
     from scale.cli import start_fast
+    from scale.config import load_config
+    from scale.modeling import needs_bitsandbytes
 
-    start_fast(cfg)  # as scale-train starts: bitsandbytes only for QLoRA, the libraries' objects frozen
+    cfgs = [(name, load_config(config, [*common, *extra])) for name, extra in cases]
+    # as scale-train starts: bitsandbytes only where a case quantizes, the libraries' objects frozen
+    start_fast(next((c for _, c in cfgs if needs_bitsandbytes(c.model)), cfgs[0][1]))
+    for i, (name, cfg) in enumerate(cfgs):
+        if i:  # a fresh Accelerator (its DeepSpeed config follows the case's model); the process group stays
+            from accelerate.state import AcceleratorState, GradientState
+
+            AcceleratorState._reset_state()
+            GradientState._reset_state()
+        count(cfg, f"{out}.{name}" if name else out, before=_live_storages() if i else set())
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # pytorch/pytorch#190489: gloo can abort at interpreter exit
+
+
+def _live_storages() -> set[int]:
+    """Storage pointers of every tensor alive now (found through the garbage collector)."""
+    gc.collect()
+    live = set()
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, torch.Tensor) and not hasattr(o, "to_local") and o.numel():
+                live.add(o.untyped_storage().data_ptr())
+        except (RuntimeError, ReferenceError):
+            continue
+    return live
+
+
+def count(cfg, out: str, before: set[int]) -> None:
+    """Count what this rank holds for ``cfg`` (module docstring) and write it to ``out.<rank>``; tensors whose
+    storage was alive ``before`` (an earlier case's leftovers) are not this case's and are not counted."""
+    import time
+
+    from scale import loss as scale_loss
+    from scale.job import make_optimizer
+    from scale.launch import build_accelerator, plan_for_mode
+
+    t0 = time.perf_counter()
+
+    def mark(what: str) -> None:
+        if os.environ.get("PLAN_CENSUS_TIMES"):
+            sys.stderr.write(f"census {what}: {time.perf_counter() - t0:.1f} s\n")
+
     acc = build_accelerator(cfg)
     plan = plan_for_mode(cfg, acc)
     model = _build(cfg, plan.device_map)
@@ -187,7 +230,8 @@ def main() -> None:
         try:
             if isinstance(o, torch.Tensor) and hasattr(o, "to_local"):  # a DTensor: its local tensor is seen apart
                 continue
-            if isinstance(o, torch.Tensor) and o.numel() and o.untyped_storage().data_ptr() not in kinds:
+            if isinstance(o, torch.Tensor) and o.numel() and o.untyped_storage().data_ptr() not in kinds \
+                    and o.untyped_storage().data_ptr() not in before:
                 s = o.untyped_storage()
                 kinds[s.data_ptr()] = ("other", s.nbytes())
                 others.append([s.nbytes(), str(o.dtype), list(o.shape)])
@@ -204,10 +248,6 @@ def main() -> None:
     with open(f"{out}.{acc.process_index}", "w", encoding="utf-8") as fh:
         json.dump(result, fh)
     acc.wait_for_everyone()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # pytorch/pytorch#190489: gloo can abort at interpreter exit
 
 
 if __name__ == "__main__":

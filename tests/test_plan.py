@@ -73,8 +73,11 @@ def planned(overrides: list[str]):
 # model states, counted on 2 processes
 
 
-def run_census(mode: str, overrides: list[str], out: Path) -> list[dict]:
-    script = [str(ROOT / "tests" / "plan_census.py"), str(out), "--config", str(TINY_YAML), *BASE, *overrides]
+def run_census(mode: str, cases: dict[str, list[str]], out: Path) -> dict[str, list[dict]]:
+    """Count ``cases`` (name -> overrides) one after the other in one launch of ``mode``; name -> each rank's count."""
+    script = [str(ROOT / "tests" / "plan_census.py"), str(out), "--config", str(TINY_YAML), *BASE]
+    for name, overrides in cases.items():
+        script += ["--case", name, *overrides]
     if mode == "single":
         cmd = [sys.executable, *script]
     else:  # FSDP2 on CPU needs the test-only shim (tests/fsdp_cpu.py), which plan_census.py enables under its YAML
@@ -83,7 +86,8 @@ def run_census(mode: str, overrides: list[str], out: Path) -> list[dict]:
                "--main_process_port", str(free_port()), *script]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return [json.loads(p.read_text()) for p in sorted(out.parent.glob(out.name + ".*"))]
+    return {name: [json.loads(p.read_text()) for p in sorted(out.parent.glob(f"{out.name}.{name}.*"))]
+            for name in cases}
 
 
 # QLoRA with fp32 storage (ZeRO-3 shards 4-bit weights only when the storage is the compute dtype), hidden 512: a
@@ -96,17 +100,35 @@ CASES = [(s, m) for s in ("tiny", "smollm2-135m") for m in ("single", "ddp", "ze
 CASES += [("odd", "zero1"), ("odd", "zero2"), ("odd", "zero3"), ("tiny-qlora", "zero3"), ("smollm2-qlora", "zero3")]
 
 
+@pytest.fixture(scope="module")
+def mode_census(tmp_path_factory):
+    """``(mode) -> {shape: counts}`` for the tiny shapes: every tiny shape of a mode counted in one launch (the
+    first test of the mode starts it), so that a launch's start-up is paid once per mode, not once per shape."""
+    done: dict[str, dict[str, list[dict]]] = {}
+
+    def counts(mode: str) -> dict[str, list[dict]]:
+        if mode not in done:
+            shapes = {s: SHAPES[s] for s, m in CASES if m == mode and not s.startswith("smollm2")}
+            done[mode] = run_census(mode, shapes, tmp_path_factory.mktemp(f"census-{mode}") / "census.json")
+        return done[mode]
+
+    return counts
+
+
 @pytest.mark.launch
 @pytest.mark.parametrize("shape,mode", [
     pytest.param(s, m, marks=[pytest.mark.heavy] if s.startswith("smollm2") else [], id=f"{s}-{m}") for s, m in CASES])
-def test_predicted_model_states_equal_what_each_rank_holds(shape, mode, tmp_path):
+def test_predicted_model_states_equal_what_each_rank_holds(shape, mode, tmp_path, mode_census):
     pytest.importorskip("deepspeed") if mode.startswith("zero") else None
     overrides = SHAPES[shape]
     if overrides is None:  # SmolLM2 shape: random weights from its config; one short row keeps the run short
         overrides = [f"model.name_or_path={smollm2_dir(tmp_path)}", "train.micro_batch_size=1", "data.max_length=16"]
     elif shape == "smollm2-qlora":  # the real SmolLM2-135M directory, quantized at load (NF4, fp32 storage)
         overrides = ["model.name_or_path=smollm2-135m", "train.micro_batch_size=1", "data.max_length=16", *overrides]
-    counts = run_census(mode, overrides, tmp_path / "census.json")
+    if shape.startswith("smollm2"):
+        counts = run_census(mode, {shape: overrides}, tmp_path / "census.json")[shape]
+    else:
+        counts = mode_census(mode)[shape]
     assert len(counts) == (1 if mode == "single" else 2)
     cfg, hf, params = planned(overrides)
     for c in counts:
