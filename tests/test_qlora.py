@@ -66,8 +66,14 @@ def test_qlora_job_trains_on_cpu(tmp_path):
     from scale.metrics import read_jsonl
     from scale.train import run
 
-    final = run(tiny_cfg(tmp_path, "model.quantize_4bit=true", "train.max_steps=4", "optim.lr=5e-3"))
+    from tests.launching import assert_invariants
+
+    # tiny_cpu.yaml checkpoints every layer: checkpointed QLoRA on one device (tests/test_modes.py's other modes)
+    final = run(tiny_cfg(tmp_path, "model.quantize_4bit=true", "train.max_steps=4", "optim.lr=5e-3",
+                         "train.check_invariants=true"))
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    # base bit-identical, all 14 lora_B moved, weights whole on the one rank
+    assert_invariants([r for r in metrics if "check/base_unchanged" in r], "single", step=4)
     losses = [m["train/loss"] for m in metrics if "train/loss" in m]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
