@@ -5,7 +5,7 @@ Each launched job runs 1 optimizer step with ``train.check_invariants=true``, wh
 whether the base weights stayed bit-identical, the LoRA weights agree on every rank and every lora_B moved.
 LoRA in the modes tests/test_distributed.py runs for parity (single 1x(8,1), ddp, zero2, zero3: the tiny job
 checkpoints, with the same invariants checked after 6 steps) is not launched again here, nor QLoRA on one device
-(tests/test_qlora.py checks the same invariants on its in-process run).
+(tests/test_qlora.py checks the same invariants on its in-process run) or under ZeRO-3 (tests/test_zero3_directory.py).
 """
 
 from __future__ import annotations
@@ -23,12 +23,15 @@ MODES = ["single 1x(8,1)", "ddp 2x(2,2)"] + (["zero1 2x(2,2)", "zero2 2x(2,2)", 
 # LoRA checked in test_distributed.py (its ZeRO-3 row loads the model from a save_pretrained directory); QLoRA on one
 # device (in-process, tiny_cpu.yaml's checkpointing, the default uint8 storage) in tests/test_qlora.py
 PARITY = ("single 1x(8,1)", "ddp 2x(2,2)", "zero2 2x(2,2)", "zero3 2x(2,2)")
+# Checkpointed QLoRA with these invariants on one device: tests/test_qlora.py (in process); under ZeRO-3 with a float
+# quant storage: tests/test_zero3_directory.py (bf16 storage, SmolLM2 shapes, from a directory, partitioned 4-bit).
+QLORA_ELSEWHERE = {("qlora", "single 1x(8,1)"), ("qlora", "zero3 2x(2,2)")}
 QLORA = ["model.quantize_4bit=true", "model.bnb_4bit_compute_dtype=float32", "model.bnb_4bit_quant_storage=float32"]
 
 
 @pytest.mark.launch
 @pytest.mark.parametrize("mode,kind", [(m, k) for m in MODES for k in ("lora", "qlora")
-                                       if (k == "qlora" or m not in PARITY) and (k, m) != ("qlora", MODES[0])])
+                                       if (k == "qlora" or m not in PARITY) and (k, m) not in QLORA_ELSEWHERE])
 def test_checkpointed_lora_and_qlora_in_every_mode(mode, kind, tmp_path):
     cmds, overrides = modes()[mode]
     extra = ["train.max_steps=1", "model.gradient_checkpointing=true", "train.check_invariants=true",

@@ -35,11 +35,12 @@ def test_zero3_qlora_bf16_from_a_smollm2_shaped_directory(tmp_path):
     cmds, overrides = modes()["zero3 2x(2,2)"]
     qlora = ["model.quantize_4bit=true", "model.bnb_4bit_compute_dtype=bfloat16", "model.bnb_4bit_quant_storage=bfloat16",
              "model.dtype=bfloat16", "train.max_steps=2", "train.check_invariants=true", "data.max_length=48",
-             # bf16 has no vector kernel on an AVX2 CPU: 8 eval rows and no generated samples (ZeRO-3 generation is
-             # tests/test_distributed.py's, QLoRA's tests/test_modes.py's) keep the run at ~35 s instead of ~50 s
-             "eval.generate_samples=0", "data.eval_size=8"]
+             # bf16 has no vector kernel on an AVX2 CPU: 8 eval rows and 1 generated sample of at most 4 tokens (QLoRA
+             # generation under ZeRO-3, lock-step over the partitioned 4-bit model) instead of 32 and 4 of 128
+             "eval.generate_samples=1", "eval.max_new_tokens=4", "data.eval_size=8"]
     res = run_mode(cmds, overrides + from_directory(tmp_path / "model") + qlora, tmp_path / "run")
     assert len(res["loss"]) == 2 and all(torch.isfinite(torch.tensor(res["loss"])))
+    assert [(step, row) for step, row, _ in res["samples"]] == [(0, res["samples"][0][1]), (2, res["samples"][0][1])]
     assert len(res["weights"]) == 28 and all(t.numel() > 0 for t in res["weights"].values())  # gathered, not shards
     assert {t.shape for k, t in res["weights"].items() if "q_proj.lora_A" in k} == {torch.Size([8, 576])}
     checks = next(r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "check/base_unchanged" in r)
