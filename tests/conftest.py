@@ -45,8 +45,9 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def single_reference(tmp_path_factory):
     """The tiny job on one device (tests/launching.py's JOB: micro-batch 8, 6 steps, checkpointing, invariants
-    checked): the numbers every launch mode must reproduce. Launched once per session for tests/test_distributed.py."""
-    from tests.launching import CHECKED, modes, run_mode
+    checked): the numbers every launch mode must reproduce. Run once per session, in this process (``scale.cli.main``,
+    as ``python -m scale.train`` runs it), for tests/test_distributed.py."""
+    from tests.launching import CHECKED, modes, run_in_process
 
-    cmds, overrides = modes()["single 1x(8,1)"]
-    return run_mode(cmds, overrides + CHECKED, tmp_path_factory.mktemp("single"))
+    _, overrides = modes()["single 1x(8,1)"]
+    return run_in_process(overrides + CHECKED, tmp_path_factory.mktemp("single"))

@@ -111,8 +111,6 @@ def run_mode(cmds: list[list[str]], overrides: list[str], out: Path, timeout: fl
     Raises:
         RuntimeError: a process exits non-zero (its output tail is in the message).
     """
-    from safetensors.torch import load_file
-
     args = ["--config", str(TINY), f"output_dir={out}", *JOB, *overrides]
     env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
     procs = [subprocess.Popen(c + args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -121,6 +119,29 @@ def run_mode(cmds: list[list[str]], overrides: list[str], out: Path, timeout: fl
     for p, text in zip(procs, outputs):
         if p.returncode != 0:
             raise RuntimeError(f"{' '.join(p.args[:6])} ... exited {p.returncode}:\n{text[-3000:]}")
+    return read_run(out)
+
+
+def run_in_process(overrides: list[str], out: Path) -> dict:
+    """The tiny job + ``overrides`` on one device in this process, through ``scale.cli.main`` as ``python -m
+    scale.train`` runs it: the one-device reference of a multi-process comparison without a launch's start-up
+    (~8 s of imports on 2 cores). Returns what :func:`run_mode` returns.
+
+    Raises:
+        RuntimeError: the run's exit code is not 0.
+    """
+    from scale.cli import main
+
+    code = main(["--config", str(TINY), f"output_dir={out}", *JOB, *overrides])
+    if code != 0:
+        raise RuntimeError(f"scale-train in process exited {code}")
+    return read_run(out)
+
+
+def read_run(out: Path) -> dict:
+    """The numbers a run wrote to ``out`` (see :func:`run_mode`)."""
+    from safetensors.torch import load_file
+
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "train/loss" in r]
     samples = out / "samples.jsonl"  # eval.generate_samples (issue 20): (step, row, completion) of each sample

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from tests.launching import COMPLETIONS, modes, rel_dev, run_mode, weight_dev
+from tests.launching import COMPLETIONS, modes, rel_dev, run_in_process, run_mode, weight_dev
 
 # 20 rows at global batch 8: windows of 8, 8, 4 per epoch, so the step-4 checkpoint is one window into the second
 # epoch (mid-epoch). AdamW and LoRA dropout 0.1: the RNG and optimizer state must be restored exactly.
@@ -42,7 +42,7 @@ def _builds(cache):
 @pytest.mark.launch
 def test_prompt_completion_ddp_equals_one_process(tmp_path):
     table = modes()
-    one = run_mode(table["single 1x(2,4)"][0], [*COMPLETIONS, *table["single 1x(2,4)"][1]], tmp_path / "one")
+    one = run_in_process([*COMPLETIONS, *table["single 1x(2,4)"][1]], tmp_path / "one")  # one device, accumulating 4
     two = run_mode(table["ddp 2x(2,2)"][0], [*COMPLETIONS, *table["ddp 2x(2,2)"][1]], tmp_path / "two")
     assert one["steps"] == [1, 2, 3, 4, 5, 6]
     assert rel_dev(one["loss"], two["loss"]) < 1e-5 and rel_dev(one["grad_norm"], two["grad_norm"]) < 1e-5

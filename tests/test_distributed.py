@@ -1,4 +1,5 @@
-"""Same numbers under 2 CPU processes (gloo) through the real `accelerate launch`, and loud launch guards.
+"""Same numbers under 2 CPU processes (gloo) through the real `accelerate launch` as one device (in process), and loud
+launch guards.
 
 Each launch costs ~20 s on 2 cores; the full matrix (two nodes, the deepspeed launcher) is in
 ``python benchmarks/parity.py``.
