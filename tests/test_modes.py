@@ -20,11 +20,10 @@ from tests.conftest import tiny_cfg
 
 HAS_DS = importlib.util.find_spec("deepspeed") is not None
 MODES = ["single 1x(8,1)", "ddp 2x(2,2)"] + (["zero1 2x(2,2)", "zero2 2x(2,2)", "zero3 2x(2,2)"] if HAS_DS else [])
-# LoRA checked in test_distributed.py (its ZeRO-3 row loads the model from a save_pretrained directory); QLoRA on one
-# device (in-process, tiny_cpu.yaml's checkpointing, the default uint8 storage) in tests/test_qlora.py
+# LoRA checked in test_distributed.py (its ZeRO-3 row loads the model from a save_pretrained directory)
 PARITY = ("single 1x(8,1)", "ddp 2x(2,2)", "zero2 2x(2,2)", "zero3 2x(2,2)")
-# Checkpointed QLoRA with these invariants on one device: tests/test_qlora.py (in process); under ZeRO-3 with a float
-# quant storage: tests/test_zero3_directory.py (bf16 storage, SmolLM2 shapes, from a directory, partitioned 4-bit).
+# Checkpointed QLoRA with these invariants on one device: tests/test_qlora.py (in process, the default uint8 storage);
+# under ZeRO-3 with a float quant storage: tests/test_zero3_directory.py (bf16, SmolLM2 shapes, from a directory).
 QLORA_ELSEWHERE = {("qlora", "single 1x(8,1)"), ("qlora", "zero3 2x(2,2)")}
 QLORA = ["model.quantize_4bit=true", "model.bnb_4bit_compute_dtype=float32", "model.bnb_4bit_quant_storage=float32"]
 
