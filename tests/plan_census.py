@@ -91,17 +91,21 @@ def main() -> None:
     os._exit(0)  # pytorch/pytorch#190489: gloo can abort at interpreter exit
 
 
-def _live_storages() -> set[int]:
-    """Storage pointers of every tensor alive now (found through the garbage collector)."""
-    gc.collect()
-    live = set()
+def _live_tensors():
+    """``(tensor, storage)`` of every tensor with elements the garbage collector tracks now; a DTensor is skipped (its
+    local tensor is seen apart)."""
     for o in gc.get_objects():
         try:
             if isinstance(o, torch.Tensor) and not hasattr(o, "to_local") and o.numel():
-                live.add(o.untyped_storage().data_ptr())
+                yield o, o.untyped_storage()
         except (RuntimeError, ReferenceError):
             continue
-    return live
+
+
+def _live_storages() -> set[int]:
+    """Storage pointers of every tensor alive now (found through the garbage collector)."""
+    gc.collect()
+    return {s.data_ptr() for _, s in _live_tensors()}
 
 
 def count(cfg, out: str, before: set[int]) -> None:
@@ -226,17 +230,10 @@ def count(cfg, out: str, before: set[int]) -> None:
         sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
         extra_gradients = sum(int(x) for x in sizes.split(",") if x.strip())   # C++ buckets: not Python tensors
     others = []
-    for o in gc.get_objects():
-        try:
-            if isinstance(o, torch.Tensor) and hasattr(o, "to_local"):  # a DTensor: its local tensor is seen apart
-                continue
-            if isinstance(o, torch.Tensor) and o.numel() and o.untyped_storage().data_ptr() not in kinds \
-                    and o.untyped_storage().data_ptr() not in before:
-                s = o.untyped_storage()
-                kinds[s.data_ptr()] = ("other", s.nbytes())
-                others.append([s.nbytes(), str(o.dtype), list(o.shape)])
-        except (RuntimeError, ReferenceError):
-            continue
+    for o, s in _live_tensors():
+        if s.data_ptr() not in kinds and s.data_ptr() not in before:
+            kinds[s.data_ptr()] = ("other", s.nbytes())
+            others.append([s.nbytes(), str(o.dtype), list(o.shape)])
     totals: dict[str, int] = {}
     for kind, nbytes in kinds.values():
         totals[kind] = totals.get(kind, 0) + nbytes
