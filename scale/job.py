@@ -72,14 +72,14 @@ class Job:
 
 
 
-def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, num_processes: int = 1
+def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_size: int = 1
                  ) -> tuple[DataLoader, DataLoader]:
     """The train loader (shuffled by ``train.seed``, re-shuffled each epoch) and the eval loader (unprepared).
 
     accelerate shards the train loader by whole micro-batches (rank ``r`` gets batches ``r, r + W, ...``), so
     every launch mode with the same global batch sees the same rows in every optimizer step. With
     ``data.group_by_length`` the order comes from :class:`scale.sampling.LengthGroupedSampler`, built from the
-    global batch (``num_processes`` ranks) before sharding, so that still holds. With ``data.padding_free``
+    global batch (``data_parallel_size`` ranks) before sharding, so that still holds. With ``data.padding_free``
     train micro-batches are packed rows (:class:`scale.sampling.PaddingFreeCollator`); with ``data.packing`` the
     rows are first packed into bins of ``data.max_length`` tokens (:func:`scale.sampling.pack_bfd`), built from
     the stored lengths alone (the same bins on every rank), and the loader shuffles and shards bins.
@@ -92,9 +92,8 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, num_processes: 
         train = PackedRows(splits.train, pack_bfd(lengths, cfg.data.max_length))
         lengths, train_collate = train.lengths(lengths), PackedCollator()
     if cfg.data.group_by_length:
-        sampler = LengthGroupedSampler(lengths,
-                                       t.micro_batch_size * t.gradient_accumulation_steps * num_processes,
-                                       cfg.data.mega_batch_steps, t.seed)
+        sampler = LengthGroupedSampler(lengths, t.global_batch_size(data_parallel_size), cfg.data.mega_batch_steps,
+                                       t.seed)
         # A generator of its own: each iter() of a DataLoader draws a base seed from it, else from the global
         # RNG, and a resumed run (one iter() more) would then draw other dropout masks.
         train_dl = DataLoader(train, batch_size=t.micro_batch_size, sampler=sampler, collate_fn=train_collate,
@@ -178,7 +177,8 @@ def setup(cfg: Config) -> Job:
         model = build_model_on_every_rank(acc, cfg, plan, len(tokenizer))  # collective
     else:
         model = (on_every_rank if model_here else main_process_first)(acc, prepare_model)  # collective
-    mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, acc.num_processes
+    mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, plan.data_parallel_size
+    G = cfg.train.global_batch_size(world)
     train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id, world)
     items = len(train_dl.dataset)  # rows, or with data.packing the bins of rows the loader deals in
     unit = f"bins of up to data.max_length={cfg.data.max_length} tokens" if cfg.data.packing else "rows"
@@ -187,13 +187,13 @@ def setup(cfg: Config) -> Job:
                         f"({items} {unit}): a rank's shard would hold less than one micro-batch. "
                         f"Lower train.micro_batch_size to at most {max(1, items // world)} or add data.")
     check_type_weights(cfg, splits)
-    if mb * ga * world > items and acc.is_main_process:
+    if G > items and acc.is_main_process:
         logger.warning("global_batch_size=%d (micro_batch_size x gradient_accumulation_steps x num_processes) is "
                        "larger than the train split (%d %s): every optimizer step sees at most one epoch",
-                       mb * ga * world, items, unit)
+                       G, items, unit)
     clear_previous_run(acc, cfg, resume)  # train.overwrite_output_dir=true: the old run's artefacts go
     # With data.packing an epoch is len(bins) items, not len(rows)
-    max_steps = cfg.train.max_steps or steps_for_epochs(len(train_dl.dataset), mb * ga * world, cfg.train.num_epochs)
+    max_steps = cfg.train.max_steps or steps_for_epochs(len(train_dl.dataset), G, cfg.train.num_epochs)
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, out / "config.yaml")
@@ -212,7 +212,7 @@ def setup(cfg: Config) -> Job:
         logger.info("start: mode=%s world_size=%d micro_batch_size=%d gradient_accumulation_steps=%d "
                     "global_batch_size=%d tokens_per_step~%d (mean %.1f tokens/row) tail_tokens_per_step~%d "
                     "trainable=%d total=%d (%.3f%%) train=%d eval=%d format=%s max_steps=%d", plan.mode, world, mb,
-                    ga, mb * ga * world, mb * ga * world * mean_len, mean_len, mb * ga * world * mean_tail, trainable,
+                    ga, G, G * mean_len, mean_len, G * mean_tail, trainable,
                     total, 100 * trainable / total, len(splits.train), len(splits.eval), splits.format, max_steps)
         log_data_stats(splits.stats)
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))

@@ -341,6 +341,8 @@ class ModePlan:
             (DeepSpeed places and partitions it).
         save_state_kwargs: extra arguments to ``accelerate.save_state`` (DeepSpeed: frozen weights excluded).
         load_state_kwargs: extra arguments to ``accelerate.load_state`` (DeepSpeed: non-strict, frozen base absent).
+        data_parallel_size: ranks that each train other rows (the world size; a sequence-parallel group would
+            count once): ``global_batch_size = micro_batch_size x gradient_accumulation_steps x data_parallel_size``.
         notes: the decisions in words, for the start-up log.
     """
 
@@ -351,6 +353,7 @@ class ModePlan:
     device_map: Any = None
     save_state_kwargs: dict[str, Any] = field(default_factory=dict)
     load_state_kwargs: dict[str, Any] = field(default_factory=dict)
+    data_parallel_size: int = 1
     notes: list[str] = field(default_factory=list)
 
 
@@ -375,7 +378,8 @@ def plan_for_mode(cfg: Config, acc: Accelerator) -> ModePlan:
     mode = {DistributedType.NO: "single", DistributedType.DEEPSPEED: f"zero{zero}",
             DistributedType.FSDP: "fsdp"}.get(dt, "ddp")
     m = cfg.model
-    plan = ModePlan(mode=mode, deepspeed=ds, partitioned=mode in ("zero3", "fsdp"), use_reentrant=m.use_reentrant)
+    plan = ModePlan(mode=mode, deepspeed=ds, partitioned=mode in ("zero3", "fsdp"), use_reentrant=m.use_reentrant,
+                    data_parallel_size=acc.num_processes)
     if m.gradient_checkpointing and m.use_reentrant and mode in ("ddp", "zero1", "zero2") and acc.num_processes > 1:
         raise LaunchError("model.use_reentrant=true with LoRA under data parallelism fails with 'marked ready "
                           "twice' (peft#313, trl#921); set model.use_reentrant=false")

@@ -268,6 +268,11 @@ class TrainConfig:
                                             "as failed (then retried, train.rendezvous_retries); collectives then "
                                             "wait train.collective_timeout_s.")
 
+    def global_batch_size(self, data_parallel_size: int) -> int:
+        """``G`` = ``micro_batch_size x gradient_accumulation_steps x data_parallel_size``: rows per optimizer step
+        over all ranks. The one place it is computed; ``data_parallel_size`` is the number of data-parallel ranks
+        (:attr:`scale.launch.ModePlan.data_parallel_size`: the world size, divided by any sequence-parallel degree)."""
+        return self.micro_batch_size * self.gradient_accumulation_steps * data_parallel_size
 
 @dataclass
 class EvalConfig:
