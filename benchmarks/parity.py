@@ -25,9 +25,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python benchmarks/parity.py`: make `tests.launching` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.launching import CHATS, COMPLETIONS, ROOT, modes, rel_dev, run_mode, save_tiny_directory, weight_dev  # noqa: E402
+from tests.launching import (CHATS, COMPLETIONS, LATE_TAILS, ROOT, modes, rel_dev, run_mode,  # noqa: E402
+                             save_tiny_directory, weight_dev)
 
-JOBS = {"reviews": [], "completions": COMPLETIONS, "chats": CHATS}
+JOBS = {"reviews": [], "completions": COMPLETIONS, "chats": CHATS, "late_tails": LATE_TAILS}
 
 
 def main() -> int:

@@ -304,9 +304,11 @@ def to_dict(cfg: Config, redacted: bool = True) -> dict[str, Any]:
     return clean(dataclasses.asdict(cfg), "")
 
 
-def dump_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config to ``path`` (YAML); ``load_config(path)`` reads it back equal."""
-    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+def dump_config(cfg: Config, path: str | Path, comment: str | None = None) -> None:
+    """Write the resolved config to ``path`` (YAML); ``load_config(path)`` reads it back equal. ``comment`` (e.g. the
+    launch's data- and sequence-parallel degrees, which no key holds alone) goes first, as YAML comment lines."""
+    head = "".join(f"# {line}\n" for line in comment.splitlines()) if comment else ""
+    write_text_atomic(path, head + yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def help_table() -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -44,7 +45,7 @@ def _per_row_loss(tail_logits: Tensor, targets: Tensor, weights: Tensor, batch: 
 
 @torch.no_grad()
 def evaluate(acc: Accelerator, model: torch.nn.Module, eval_dl: DataLoader, spec: LossSpec,
-             stop: Callable[[], bool] | None = None) -> dict[str, float]:
+             stop: Callable[[], bool] | None = None, sequence: Any = None) -> dict[str, float]:
     """``eval/loss`` and the format's metrics (module docstring) over the whole eval split.
 
     Collective: every rank must call it (``gather_for_metrics``; under ZeRO-3 the forwards too).
@@ -52,6 +53,9 @@ def evaluate(acc: Accelerator, model: torch.nn.Module, eval_dl: DataLoader, spec
     Args:
         stop: checked after every eval batch on every rank (a pre-emption request); its value rides in the
             gathered table as one more column, so the ranks agree at the same batch without another collective.
+        sequence: under sequence parallelism (:class:`scale.ulysses.SequenceParallel`) every forward runs on the
+            rank's shard of the rows and returns what one device's would (:class:`scale.ulysses.ShardedForward`),
+            and the figures are gathered over the data-parallel ranks; never the plain attention on a shard.
 
     Raises:
         EvalInterrupted: ``stop()`` was true on some rank after some batch; nothing is returned.
@@ -59,14 +63,16 @@ def evaluate(acc: Accelerator, model: torch.nn.Module, eval_dl: DataLoader, spec
     task = tasks.get(spec.task.get("format"))
     was_training = model.training
     model.eval()
+    net = sequence.forward(model) if sequence is not None else model
+    gather = (lambda t: sequence.gather_for_metrics(acc, t)) if sequence is not None else acc.gather_for_metrics
     rows = []
     try:
         for batch in eval_dl:
-            tail_logits, targets = forward_tail(model, batch, padding_side=spec.padding_side)
+            tail_logits, targets = forward_tail(net, batch, padding_side=spec.padding_side)
             num, den = _per_row_loss(tail_logits, targets, spec.weights(batch), batch, spec)
             flag = torch.full_like(num, float(stop is not None and stop()))
-            cols = [num, den, *task.eval_columns(model, batch, tail_logits, targets, spec), flag]
-            rows.append(acc.gather_for_metrics(torch.stack(cols, dim=1).float()))
+            cols = [num, den, *task.eval_columns(net, batch, tail_logits, targets, spec), flag]
+            rows.append(gather(torch.stack(cols, dim=1).float()))
             if stop is not None and bool(rows[-1][:, -1].any()):  # host sync, only when a stop can be asked
                 raise EvalInterrupted("a stop was requested during evaluation")
     finally:

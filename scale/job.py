@@ -36,12 +36,15 @@ from scale.launch import ModePlan, build_accelerator, main_process_first, plan_f
 from scale.loss import LossSpec
 from scale.mixing import sources as mixture_sources
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
-from scale.modeling import TINY, build_model, check_packing, load_tokenizer, parameter_counts, tokenizer_source
+from scale.modeling import (TINY, build_model, check_packing, check_sequence_parallel, load_tokenizer,
+                            parameter_counts, tokenizer_source)
 from scale.samples import SAMPLES_FILE, Generation, pick_samples, start_samples_file
 from scale.sampling import LengthGroupedSampler, PackedCollator, PackedRows, PaddingFreeCollator, pack_bfd
 from scale.schedule import lr_factor, steps_for_epochs
+from scale.sequence import ShardCollator
 from scale.sources import data_digest
 from scale.tracking import start_trackers
+from scale.ulysses import SequenceParallel
 
 logger = get_logger(__name__)
 
@@ -65,6 +68,7 @@ class Job:
     peak_flops: float | None = None
     max_steps: int | None = None  # optimizer steps of the run; None: train.max_steps (see setup for num_epochs)
     gen: Generation | None = None  # eval.generate_samples > 0: what every evaluation generates (scale.samples)
+    sequence: SequenceParallel | None = None  # train.sequence_parallel_size > 1 (scale.ulysses)
 
     def __post_init__(self) -> None:
         if self.max_steps is None:
@@ -72,8 +76,8 @@ class Job:
 
 
 
-def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_size: int = 1
-                 ) -> tuple[DataLoader, DataLoader]:
+def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_size: int = 1,
+                 sequence: SequenceParallel | None = None) -> tuple[DataLoader, DataLoader]:
     """The train loader (shuffled by ``train.seed``, re-shuffled each epoch) and the eval loader (unprepared).
 
     accelerate shards the train loader by whole micro-batches (rank ``r`` gets batches ``r, r + W, ...``), so
@@ -82,7 +86,9 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_s
     global batch (``data_parallel_size`` ranks) before sharding, so that still holds. With ``data.padding_free``
     train micro-batches are packed rows (:class:`scale.sampling.PaddingFreeCollator`); with ``data.packing`` the
     rows are first packed into bins of ``data.max_length`` tokens (:func:`scale.sampling.pack_bfd`), built from
-    the stored lengths alone (the same bins on every rank), and the loader shuffles and shards bins.
+    the stored lengths alone (the same bins on every rank), and the loader shuffles and shards bins. Under
+    sequence parallelism (``sequence``) a train micro-batch becomes this rank's shard of its rows
+    (:class:`scale.sequence.ShardCollator`), and both loaders are later sharded over the data-parallel ranks only.
     """
     collate = Collator(pad_token_id, cfg.data.padding_side)
     train_collate = PaddingFreeCollator() if cfg.data.padding_free else collate
@@ -91,6 +97,9 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_s
     if cfg.data.packing:  # [issue 19] the loader deals in bins of rows (scale.sampling.pack_bfd)
         train = PackedRows(splits.train, pack_bfd(lengths, cfg.data.max_length))
         lengths, train_collate = train.lengths(lengths), PackedCollator()
+    if sequence is not None:
+        train_collate = ShardCollator(sequence.rank, sequence.size, pad_token_id,
+                                      one_row=cfg.data.packing or cfg.data.padding_free)
     if cfg.data.group_by_length:
         sampler = LengthGroupedSampler(lengths, t.global_batch_size(data_parallel_size), cfg.data.mega_batch_steps,
                                        t.seed)
@@ -141,6 +150,8 @@ def setup(cfg: Config) -> Job:
     resume = resolve_resume(cfg.train.resume_from, out)
     saved_state = check_resume(acc, cfg, plan, resume)  # collective; before anything is written
     set_seed(cfg.train.seed)
+    sp = cfg.train.sequence_parallel_size
+    sequence = SequenceParallel.for_process(acc, sp, cfg.model.attn_implementation) if sp > 1 else None
     together = plan.mode == "zero3"  # from_pretrained under ZeRO-3 runs collectives: every rank loads at once
 
     # What is on this machine (the built-in tiny-llama, an embedded asset, a directory) every rank reads at once,
@@ -177,18 +188,19 @@ def setup(cfg: Config) -> Job:
         model = build_model_on_every_rank(acc, cfg, plan, len(tokenizer))  # collective
     else:
         model = (on_every_rank if model_here else main_process_first)(acc, prepare_model)  # collective
+    check_sequence_parallel(model, cfg.model, sp, cfg.data.packing or cfg.data.padding_free, cfg.data.max_length)
     mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, plan.data_parallel_size
     G = cfg.train.global_batch_size(world)
-    train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id, world)
+    train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id, world, sequence)
     items = len(train_dl.dataset)  # rows, or with data.packing the bins of rows the loader deals in
     unit = f"bins of up to data.max_length={cfg.data.max_length} tokens" if cfg.data.packing else "rows"
     if mb * world > items:
-        raise DataError(f"train.micro_batch_size={mb} x num_processes={world} is larger than the train split "
+        raise DataError(f"train.micro_batch_size={mb} x data-parallel ranks={world} is larger than the train split "
                         f"({items} {unit}): a rank's shard would hold less than one micro-batch. "
                         f"Lower train.micro_batch_size to at most {max(1, items // world)} or add data.")
     check_type_weights(cfg, splits)
     if G > items and acc.is_main_process:
-        logger.warning("global_batch_size=%d (micro_batch_size x gradient_accumulation_steps x num_processes) is "
+        logger.warning("global_batch_size=%d (micro_batch_size x gradient_accumulation_steps x data-parallel ranks) is "
                        "larger than the train split (%d %s): every optimizer step sees at most one epoch",
                        G, items, unit)
     clear_previous_run(acc, cfg, resume)  # train.overwrite_output_dir=true: the old run's artefacts go
@@ -196,12 +208,19 @@ def setup(cfg: Config) -> Job:
     max_steps = cfg.train.max_steps or steps_for_epochs(len(train_dl.dataset), G, cfg.train.num_epochs)
     if acc.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, out / "config.yaml")
+        dump_config(cfg, out / "config.yaml", comment=launch_comment(plan, acc.num_processes, G))
     optimizer, scheduler = make_optimizer(cfg, model, max_steps)
     shape = flops_shape(model)  # before prepare: acc.unwrap_model imports deepspeed whenever it is installed
-    model, optimizer, train_dl = acc.prepare(model, optimizer, train_dl)
-    acc.even_batches = True  # eval: gather_for_metrics drops the repeated samples
-    eval_dl = acc.prepare(eval_dl)
+    if sequence is None:
+        model, optimizer, train_dl = acc.prepare(model, optimizer, train_dl)
+        acc.even_batches = True  # eval: gather_for_metrics drops the repeated samples
+        eval_dl = acc.prepare(eval_dl)
+    else:  # accelerate builds the groups and the engine; the loaders are sharded over data-parallel ranks only
+        config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+        model, optimizer = acc.prepare(model, optimizer)
+        sequence.install(config)
+        train_dl = sequence.loader(acc, train_dl, even_batches=False)
+        eval_dl = sequence.loader(acc, eval_dl, even_batches=True)
     acc.register_for_checkpointing(scheduler)
     register_hooks(acc)
 
@@ -209,15 +228,17 @@ def setup(cfg: Config) -> Job:
     mean_len = float(column(splits.train, "length").mean())  # [issue 18] per-row columns, no token read
     mean_tail = float(column(splits.train, "tail_len").mean())
     if acc.is_main_process:
-        logger.info("start: mode=%s world_size=%d micro_batch_size=%d gradient_accumulation_steps=%d "
+        logger.info("start: mode=%s world_size=%d data_parallel_size=%d sequence_parallel_size=%d "
+                    "micro_batch_size=%d gradient_accumulation_steps=%d "
                     "global_batch_size=%d tokens_per_step~%d (mean %.1f tokens/row) tail_tokens_per_step~%d "
-                    "trainable=%d total=%d (%.3f%%) train=%d eval=%d format=%s max_steps=%d", plan.mode, world, mb,
+                    "trainable=%d total=%d (%.3f%%) train=%d eval=%d format=%s max_steps=%d", plan.mode,
+                    acc.num_processes, world, plan.sequence_parallel_size, mb,
                     ga, G, G * mean_len, mean_len, G * mean_tail, trainable,
                     total, 100 * trainable / total, len(splits.train), len(splits.eval), splits.format, max_steps)
         log_data_stats(splits.stats)
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))
         logger.info("mode plan: %s; parameter dtypes: %s", "; ".join(plan.notes) or "defaults", dtype_census(model))
-    state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=world, data_sha256=data_digest(cfg, data_path),
+    state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=acc.num_processes, data_sha256=data_digest(cfg, data_path),
                          template_sha256=splits.template_sha256, rows_sha256=splits.fingerprint)
     if resume is not None:
         state = load_checkpoint(acc, plan, resume, saved_state, state.data_sha256, state.template_sha256,
@@ -250,7 +271,14 @@ def setup(cfg: Config) -> Job:
                          cfg.eval.max_new_tokens, plan.partitioned, out / SAMPLES_FILE)
         start_samples_file(gen.path, acc.is_main_process, state.step if resume else None)
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
-               flops_fn, peak.flops, max_steps, gen)
+               flops_fn, peak.flops, max_steps, gen, sequence)
+
+
+def launch_comment(plan: ModePlan, processes: int, global_batch_size: int) -> str:
+    """The header of ``config.yaml``: the launch's degrees, which no config key holds alone."""
+    return (f"launch: mode {plan.mode}, {processes} process(es) = data_parallel_size {plan.data_parallel_size} x "
+            f"sequence_parallel_size {plan.sequence_parallel_size}; global_batch_size {global_batch_size} "
+            f"(micro_batch_size x gradient_accumulation_steps x data_parallel_size)")
 
 
 def build_model_on_every_rank(acc: Accelerator, cfg: Config, plan: ModePlan, vocab_size: int) -> torch.nn.Module:

@@ -245,6 +245,8 @@ def build_accelerator(cfg: Config) -> Accelerator:
     resolve_deepspeed_file()
     use_deepspeed = (os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
                      or cfg.train.deepspeed_config is not None)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_sequence_parallel_launch(cfg.train.sequence_parallel_size, use_deepspeed, world)
     on_cpu = not torch.cuda.is_available()
     # DeepSpeed on CPU needs gloo (cpu=True would silently drop DeepSpeed); otherwise accelerate picks.
     # The timeout bounds how long a rank waits for a peer that died on another node.
@@ -276,6 +278,7 @@ def build_accelerator(cfg: Config) -> Accelerator:
         dataloader_config=DataLoaderConfiguration(even_batches=False, use_seedable_sampler=True),
         deepspeed_plugin=plugin,
         log_with=[t for t in cfg.log.trackers if t != "none"] or None,
+        parallelism_config=sequence_parallelism_config(cfg, world),
         project_config=ProjectConfiguration(project_dir=cfg.output_dir,
                                             save_on_each_node=cfg.train.save_on_each_node),
         kwargs_handlers=handlers,
@@ -286,7 +289,6 @@ def build_accelerator(cfg: Config) -> Accelerator:
 
         _set_pg_timeout(timedelta(seconds=cfg.train.collective_timeout_s))
     cpu_threads_per_rank(dict(os.environ))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and acc.distributed_type == DistributedType.NO:
         raise LaunchError(f"WORLD_SIZE={world} but accelerate runs DistributedType.NO: the processes would "
                           f"train unsynced replicas. Launch with a MULTI_GPU/DEEPSPEED accelerate config.")
@@ -302,6 +304,45 @@ def build_accelerator(cfg: Config) -> Accelerator:
         if notice and acc.is_main_process:
             logging.getLogger(__name__).warning(notice)
     return acc
+
+
+def check_sequence_parallel_launch(sp_size: int, use_deepspeed: bool, world: int) -> None:
+    """``train.sequence_parallel_size`` fits the launch: a DeepSpeed mode, and a divisor of the process count.
+
+    Sequence parallelism runs through DeepSpeed Ulysses (:mod:`scale.ulysses`); DDP, FSDP2 and one device have no
+    sequence-parallel backend here (torch's ring context parallelism has no CPU kernel, and is not proven on GPUs).
+
+    Raises:
+        LaunchError: ``sp_size > 1`` outside DeepSpeed, or ``sp_size`` does not divide ``world``.
+    """
+    if sp_size == 1:
+        return
+    if not use_deepspeed:
+        raise LaunchError(f"train.sequence_parallel_size={sp_size} needs a DeepSpeed launch (ZeRO-1/2/3: "
+                          f"configs/accelerate/zero2.yaml, cpu_zero2.yaml on CPU, or train.deepspeed_config); one "
+                          f"device, DDP and FSDP2 have no sequence-parallel backend here")
+    if world % sp_size:
+        raise LaunchError(f"train.sequence_parallel_size={sp_size} does not divide the {world} launched process(es): "
+                          f"each row is shared by {sp_size} ranks; launch a multiple of {sp_size} processes or "
+                          f"choose a divisor of {world}")
+
+
+def sequence_parallelism_config(cfg: Config, world: int) -> Any:
+    """accelerate's ``ParallelismConfig`` for ``train.sequence_parallel_size > 1`` (DeepSpeed Ulysses), else None.
+
+    ``dp_shard_size`` is the data-parallel degree ``world / N``: accelerate sets DeepSpeed's ``train_batch_size``
+    from it (``micro_batch_size x gradient_accumulation_steps x data-parallel degree``).
+    """
+    n = cfg.train.sequence_parallel_size
+    if n == 1:
+        return None
+    from accelerate.utils import ParallelismConfig
+    from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
+
+    return ParallelismConfig(dp_replicate_size=1, dp_shard_size=world // n, tp_size=1, cp_size=1, sp_size=n,
+                             sp_backend="deepspeed", sp_handler=DeepSpeedSequenceParallelConfig(
+                                 sp_seq_length_is_variable=True,
+                                 sp_attn_implementation=cfg.model.attn_implementation or "sdpa"))
 
 
 def reconcile_deepspeed(cfg: Config, ds: dict[str, Any]) -> None:
@@ -341,8 +382,17 @@ class ModePlan:
             (DeepSpeed places and partitions it).
         save_state_kwargs: extra arguments to ``accelerate.save_state`` (DeepSpeed: frozen weights excluded).
         load_state_kwargs: extra arguments to ``accelerate.load_state`` (DeepSpeed: non-strict, frozen base absent).
-        data_parallel_size: ranks that each train other rows (the world size; a sequence-parallel group would
-            count once): ``global_batch_size = micro_batch_size x gradient_accumulation_steps x data_parallel_size``.
+        data_parallel_size: ranks that each train other rows (the world size divided by
+            ``sequence_parallel_size``: a sequence-parallel group counts once): ``global_batch_size =
+            micro_batch_size x gradient_accumulation_steps x data_parallel_size``. DDP and ZeRO average the
+            gradients over these ranks (and sum them over the ranks of a sequence-parallel group).
+        sequence_parallel_size: ranks sharing each row along its length (``train.sequence_parallel_size``).
+        gradient_average_size: what the mode divides the gradient summed over all ranks by (``acc.backward``'s
+            loss is multiplied by it back, :func:`scale.train.train_window`): the world size, except ZeRO-1/2
+            under sequence parallelism, which divide by the data-parallel degree (DeepSpeed 0.19
+            ``stage_1_and_2.py``: ``world / sequence_parallel_size``, so a group's ranks are summed). ZeRO-3's
+            reduce-scatter divides by the world size whatever the sequence-parallel degree (``stage3.py``
+            ``__avg_scatter_grads``: ``reduce_scatter_coalesced`` pre-divides by the group size).
         notes: the decisions in words, for the start-up log.
     """
 
@@ -354,6 +404,8 @@ class ModePlan:
     save_state_kwargs: dict[str, Any] = field(default_factory=dict)
     load_state_kwargs: dict[str, Any] = field(default_factory=dict)
     data_parallel_size: int = 1
+    sequence_parallel_size: int = 1
+    gradient_average_size: int = 1
     notes: list[str] = field(default_factory=list)
 
 
@@ -378,8 +430,20 @@ def plan_for_mode(cfg: Config, acc: Accelerator) -> ModePlan:
     mode = {DistributedType.NO: "single", DistributedType.DEEPSPEED: f"zero{zero}",
             DistributedType.FSDP: "fsdp"}.get(dt, "ddp")
     m = cfg.model
+    sp = cfg.train.sequence_parallel_size
     plan = ModePlan(mode=mode, deepspeed=ds, partitioned=mode in ("zero3", "fsdp"), use_reentrant=m.use_reentrant,
-                    data_parallel_size=acc.num_processes)
+                    data_parallel_size=acc.num_processes // sp, sequence_parallel_size=sp,
+                    gradient_average_size=acc.num_processes)
+    if sp > 1 and zero in (1, 2):
+        plan.gradient_average_size = plan.data_parallel_size
+    if sp > 1 and zero == 3 and not acc.state.deepspeed_plugin.deepspeed_config.get(
+            "zero_optimization", {}).get("reduce_scatter", True):
+        raise LaunchError("zero_optimization.reduce_scatter=false under ZeRO-3 with train.sequence_parallel_size > 1: "
+                          "DeepSpeed 0.19 then divides some gradient buckets by the data-parallel degree and others "
+                          "by the world size; remove it from the DeepSpeed JSON (the default is true)")
+    if sp > 1:
+        plan.notes.append(f"sequence parallel: {sp} ranks per row (DeepSpeed Ulysses, "
+                          f"{m.attn_implementation or 'sdpa'} attention), {plan.data_parallel_size} data-parallel")
     if m.gradient_checkpointing and m.use_reentrant and mode in ("ddp", "zero1", "zero2") and acc.num_processes > 1:
         raise LaunchError("model.use_reentrant=true with LoRA under data parallelism fails with 'marked ready "
                           "twice' (peft#313, trl#921); set model.use_reentrant=false")

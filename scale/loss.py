@@ -30,6 +30,10 @@ from torch import Tensor
 from scale.config import Config
 
 
+SHARD_KEY = "shard_index"
+"""A batch holding this key is one rank's shard of sequence-parallel rows (:func:`scale.sequence.shard_rows`)."""
+
+
 def _tail_mask(attention_mask: Tensor, tail: Tensor | int) -> Tensor:
     """``tail`` as a ``[B, N]`` mask: an int means every row's tail is that long."""
     if isinstance(tail, int):
@@ -79,8 +83,11 @@ def describe_bad_row(attention_mask: Tensor, tail_mask: Tensor | int, rows: Tens
 
 
 def batch_bad_rows(batch: dict[str, Tensor]) -> Tensor:
-    """:func:`bad_rows` of a collated batch, padded or padding-free (``seq_lens``: each packed row needs more
-    tokens than its tail); ``[B]`` bool, on the device (no host sync)."""
+    """:func:`bad_rows` of a collated batch, padded, padding-free (``seq_lens``: each packed row needs more
+    tokens than its tail) or a sequence-parallel shard (``row_lens``/``row_tails`` of the whole examples,
+    :func:`scale.sequence.shard_rows`); ``[B]`` bool, on the device (no host sync)."""
+    if SHARD_KEY in batch:
+        return batch["row_lens"] < batch["row_tails"] + 1
     if "seq_lens" in batch:
         return batch["seq_lens"] < tail_lengths(batch["tail_mask"]) + 1
     return bad_rows(batch["attention_mask"], batch["tail_mask"])
@@ -88,10 +95,11 @@ def batch_bad_rows(batch: dict[str, Tensor]) -> Tensor:
 
 def describe_batch_row(batch: dict[str, Tensor]) -> str:
     """The message for the first row :func:`batch_bad_rows` flags (host sync: for the error path only)."""
-    if "seq_lens" not in batch:
+    if "seq_lens" not in batch and SHARD_KEY not in batch:
         return describe_bad_row(batch["attention_mask"], batch["tail_mask"], batch.get("row"))
     b = int(batch_bad_rows(batch).nonzero()[0, 0])
-    n, tail = int(batch["seq_lens"][b]), int(tail_lengths(batch["tail_mask"])[b])
+    n, tail = ((int(batch["row_lens"][b]), int(batch["row_tails"][b])) if SHARD_KEY in batch
+               else (int(batch["seq_lens"][b]), int(tail_lengths(batch["tail_mask"])[b])))
     where = f"row {b} of the batch" + (f" (data-file row {int(batch['row'][b])})" if "row" in batch else "")
     return (f"{where} has {n} real tokens; its tail of {tail} tokens needs at least {tail + 1} (each tail token "
             f"is predicted from the token before it). Lower loss.threshold or drop short rows.")
@@ -262,6 +270,10 @@ def tail_loss(
         # Outside the tail the logits may belong to padding: mask, never multiply a possible inf/NaN by 0.
         return (token_loss.masked_fill(w == 0, 0.0) * w).sum(), w.sum()
     keep = w > 0
+    if not bool(keep.any()):  # host sync (the selection below syncs anyway)
+        # No trained token (a sequence-parallel shard without tail, a stand-in): an exact 0 that still reaches the
+        # model in backward, never a criterion's mean of nothing (NaN).
+        return flat_logits[:0].float().sum(), keep.sum().float()
     args = (flat_logits[keep], flat_targets[keep])
     if criterion_mode == "input":
         args += (type_indicator[:, None].expand(B, N).reshape(B * N)[keep],)
@@ -298,6 +310,10 @@ def forward_tail(model: torch.nn.Module, batch: dict[str, Tensor], threshold: in
         ValueError: ``check`` and a row cannot be scored (see :func:`check_rows`); a ``threshold`` that
             disagrees with ``tail_mask``.
     """
+    if SHARD_KEY in batch:  # one rank's shard of sequence-parallel rows (scale.sequence.shard_rows)
+        if check and bool(batch_bad_rows(batch).any()):  # host sync: data validation
+            raise ValueError(describe_batch_row(batch))
+        return forward_tail_shard(model, batch)
     if "seq_lens" in batch:  # a padding-free micro-batch (scale.sampling.PaddingFreeCollator)
         if check and bool(batch_bad_rows(batch).any()):  # host sync: data validation
             raise ValueError(describe_batch_row(batch))
@@ -352,6 +368,33 @@ def forward_tail_packed(model: torch.nn.Module, batch: dict[str, Tensor]) -> tup
     out = model(input_ids=input_ids, position_ids=batch["position_ids"], logits_to_keep=(pos - 1).reshape(-1),
                 use_cache=False)
     return out.logits.reshape(B, N, -1), input_ids[0, pos]
+
+
+def forward_tail_shard(model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """:func:`forward_tail` for this rank's shard of sequence-parallel rows: only this shard's tail predictions.
+
+    Calls ``model(input_ids [R, C], position_ids [R, C], logits_to_keep=keep, use_cache=False)`` without an
+    attention mask (the sequence-parallel attention, :mod:`scale.ulysses`, joins the shards and runs causal); the
+    LM head sees the columns of this shard's tail predictions only (``keep``: the union over the rows, as under
+    right padding), never ``C``. The targets were shifted before the row was split, so a prediction at the
+    shard's last position is scored against the next shard's first token.
+
+    Args:
+        model: a transformers causal LM under sequence parallelism.
+        batch: :func:`scale.sequence.shard_rows`'s shard: ``input_ids``, ``position_ids``, ``shard_index [E, K]``
+            (flat ``[R, C]`` positions), ``shard_targets [E, K]``.
+
+    Returns:
+        ``(tail_logits [E, K, V], targets [E, K])``; columns with ``tail_mask == 0`` repeat a position of the
+        example's row (weight 0).
+    """
+    index, C = batch[SHARD_KEY], batch["input_ids"].shape[1]
+    keep, inverse = torch.unique(index % C, sorted=True, return_inverse=True)      # [Kc], [E, K]
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], logits_to_keep=keep,
+                use_cache=False)
+    R, Kc = out.logits.shape[:2]
+    flat = out.logits.reshape(R * Kc, -1)                                           # [R x Kc, V]
+    return flat[(index // C) * Kc + inverse], batch["shard_targets"]
 
 
 @dataclass

@@ -53,13 +53,16 @@ class StepMeter:
             ``train/mfu``.
         max_seq_len: the longest row (``data.max_length``); sizes the per-row FLOPs table that padding-free
             micro-batches (``seq_lens`` in the batch) are counted with.
+        sequence_parallel_size: ``N`` ranks share each row (a batch holding ``shard_index``): each counts its shard's
+            tokens and positions and ``1/N`` of the rows' FLOPs; rank 0 of the group counts the rows.
     """
 
     KEYS = ("loss_num", "loss_den", "tokens", "tail_tokens", "samples", "flops", "positions")
 
     def __init__(self, device: torch.device, flops_fn: Callable[[int, int], float] | None = None,
-                 peak_flops: float | None = None, max_seq_len: int = 0) -> None:
+                 peak_flops: float | None = None, max_seq_len: int = 0, sequence_parallel_size: int = 1) -> None:
         self.device = device
+        self.sp = sequence_parallel_size
         self.flops_fn = flops_fn
         self.peak_flops = peak_flops
         # FLOPs of one row of n tokens, n = 0..max_seq_len, for padding-free micro-batches.
@@ -79,7 +82,13 @@ class StepMeter:
         Tail tokens are counted from ``batch["tail_mask"]`` (tails differ per row); ``threshold`` only for a
         batch without one.
         """
-        if "seq_lens" in batch:  # padding-free: B rows packed into [1, L]; every position is a real token
+        if "shard_index" in batch:  # one rank's shard of sequence-parallel rows (scale.sequence.shard_rows)
+            rows, C = batch["input_ids"].shape
+            n_rows = batch["row_lens"].shape[0] * batch["sp_first"].double()  # counted once per group
+            positions, tokens = rows * C, batch["shard_tokens"].double()
+            flops = torch.tensor(self.flops_fn(rows, C * self.sp, batch["tail_mask"].shape[1]) / self.sp
+                                 if self.flops_fn is not None else 0.0, dtype=torch.float64, device=self.device)
+        elif "seq_lens" in batch:  # padding-free: B rows packed into [1, L]; every position is a real token
             n_rows, positions = batch["seq_lens"].shape[0], batch["input_ids"].shape[1]
             tokens = batch["seq_lens"].sum().double()
             # Per-row FLOPs from a table (no host sync): attention grows with each row's own length.
@@ -97,7 +106,7 @@ class StepMeter:
             loss_den.detach().double(),
             tokens,
             tail_tokens.to(self.device),
-            torch.tensor(float(n_rows), dtype=torch.float64, device=self.device),
+            torch.as_tensor(n_rows, dtype=torch.float64, device=self.device).reshape(()),
             flops,
             torch.tensor(float(positions), dtype=torch.float64, device=self.device),
         ])

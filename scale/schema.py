@@ -220,6 +220,10 @@ class TrainConfig:
                                       "(set exactly one): steps = num_epochs * ceil(train rows / global_batch_size).")
     micro_batch_size: int = _f(8, "Sequences per device per forward pass.")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step on each device.")
+    sequence_parallel_size: int = _f(1, "Ranks that share each row along its length (DeepSpeed Ulysses; DeepSpeed "
+                                        "launches only): each holds 1/N of the row's tokens, so rows N times longer "
+                                        "fit. Data-parallel ranks = processes / N; global_batch_size = "
+                                        "micro_batch_size x gradient_accumulation_steps x processes / N.")
     eval_micro_batch_size: int = _f(32, "Sequences per device per evaluation forward pass.")
     log_every: int = _f(10, "Log training metrics every this many optimizer steps.")
     eval_every: int = _f(50, "Evaluate every this many optimizer steps (also at step 0 and at the end); 0: ends only.")

@@ -17,6 +17,7 @@ stay in step), :func:`run` (:func:`scale.job.setup`, which builds everything bef
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -44,6 +45,7 @@ from scale.metrics import StepMeter, bar_text
 from scale.samples import generate_samples, sample_metrics, write_samples
 from scale.signals import EvalInterrupted, Preempted, Preemption
 from scale.tracking import finish_trackers, log_model
+from scale.ulysses import sharded
 
 logger = get_logger(__name__)
 
@@ -108,7 +110,8 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     last_eval = evaluate_and_log(job) if state.step == 0 else {}
     if preemption is not None:
         preemption.defer()  # until here a signal stopped the start-up at once; now it ends an optimizer step
-    meter = StepMeter(acc.device, job.flops_fn, job.peak_flops, cfg.data.max_length)  # after the step-0 eval
+    meter = StepMeter(acc.device, job.flops_fn, job.peak_flops, cfg.data.max_length,
+                      job.plan.sequence_parallel_size)  # after the step-0 eval
     pbar = tqdm(total=job.max_steps, initial=state.step, disable=not acc.is_local_main_process, desc="optimizer steps")
     timer = SaveTimer(t.save_every_minutes)
     job.model.train()
@@ -160,7 +163,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
             state.windows_in_epoch = 0
     pbar.close()
     # Resumed from the last step's checkpoint: nothing was trained, the figures are already logged.
-    return last_eval or evaluate(acc, job.model, job.eval_dl, job.spec)
+    return last_eval or evaluate(acc, job.model, job.eval_dl, job.spec, sequence=job.sequence)
 
 
 def preempted(job: Job, pbar: Any) -> None:
@@ -205,17 +208,22 @@ def train_window(job: Job, window: Window, meter: StepMeter) -> None:
         state.zero_weight_steps += 1
         meter.grad_norm = torch.zeros((), device=acc.device)  # this step's gradient is exactly zero
         return
-    ga, world = job.cfg.train.gradient_accumulation_steps, acc.num_processes
+    ga, avg = job.cfg.train.gradient_accumulation_steps, job.plan.gradient_average_size
     max_norm = job.cfg.optim.max_grad_norm if job.cfg.optim.max_grad_norm is not None else math.inf
     sync_on_last_micro_batch(acc, len(window.micro))
     nums, finite = [], True
     for mb in window.micro:
-        with acc.accumulate(job.model):
+        # Under sequence parallelism the attention joins the group's shards, in forward and in the backward's
+        # recomputation (checkpointing) alike: every rank of the group runs the same micro-batches.
+        with acc.accumulate(job.model), (sharded() if job.sequence else contextlib.nullcontext()):
             num = loss_step(job.model, mb.batch, job.spec, mb.weights)
             nums.append(num.detach())
-            # backward() divides by GA and DDP/ZeRO average over ranks; undo both so the update is
-            # sum(weighted token CE) / den for the whole window on every rank. A stand-in backpropagates 0.
-            acc.backward(num * ((ga * world) / window.den if mb.real else 0.0))
+            # backward() divides by GA, and DDP/ZeRO divide the gradient summed over the ranks by the world size
+            # (ZeRO-1/2 under sequence parallelism by the data-parallel degree: ModePlan.gradient_average_size);
+            # undo both so the update is sum(weighted token CE) / den for the whole window on every rank (the
+            # ranks of a sequence-parallel group each hold a part of their rows' loss: summed, never averaged).
+            # A stand-in backpropagates 0.
+            acc.backward(num * ((ga * avg) / window.den if mb.real else 0.0))
             if acc.sync_gradients:
                 meter.grad_norm = full_norm(acc.clip_grad_norm_(job.model.parameters(), max_norm))
                 finite = all_finite(acc, meter.grad_norm, nums)  # collective + host sync, once per step
@@ -355,7 +363,7 @@ def evaluate_and_log(job: Job, preemption: Preemption | None = None) -> dict[str
         EvalInterrupted: ``preemption`` was requested during it (checked between eval batches and samples).
     """
     stop = (lambda: preemption.requested) if preemption is not None else None
-    metrics = evaluate(job.acc, job.model, job.eval_dl, job.spec, stop=stop)
+    metrics = evaluate(job.acc, job.model, job.eval_dl, job.spec, stop=stop, sequence=job.sequence)
     if job.gen is not None and job.gen.samples:
         records = generate_samples(job.acc, job.model, job.gen, stop)  # collective
         metrics |= sample_metrics(records)

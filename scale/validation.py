@@ -28,7 +28,8 @@ _CHOICES = {
 }
 _POSITIVE = ("train.micro_batch_size", "train.gradient_accumulation_steps",
              "train.eval_micro_batch_size", "train.log_every", "loss.threshold", "data.max_length", "lora.r",
-             "data.mega_batch_steps", "model.checkpoint_every_n_layers")
+             "data.mega_batch_steps", "model.checkpoint_every_n_layers",
+             "train.sequence_parallel_size")
 
 
 def validate(cfg: Config) -> None:
