@@ -32,7 +32,8 @@ if __package__ in (None, ""):  # `python benchmarks/resume_parity.py`: make `tes
 from tests.launching import JOB, ROOT, TINY, modes, run_mode  # noqa: E402
 
 RESUME_JOB = ["train.max_steps=8", "train.save_every=4", "lora.dropout=0.1", "optim.name=adamw", "optim.lr=1e-3"]
-MODES = ["single 1x(2,4)", "ddp 2x(2,2)", "zero1 2x(2,2)", "zero2 2x(2,2)", "zero3 2x(2,2)", "fsdp2 2x(2,2)"]
+MODES = ["single 1x(2,4)", "ddp 2x(2,2)", "zero1 2x(2,2)", "zero2 2x(2,2)", "zero3 2x(2,2)", "fsdp2 2x(2,2)",
+         "ulysses sp2 zero2 2x(4,2)", "ulysses sp2 zero3 2x(4,2)"]
 
 
 def preempt(cmds: list[list[str]], overrides: list[str], out: Path, at: int) -> tuple[bool, float]:

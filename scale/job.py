@@ -221,6 +221,9 @@ def setup(cfg: Config) -> Job:
         sequence.install(config)
         train_dl = sequence.loader(acc, train_dl, even_batches=False)
         eval_dl = sequence.loader(acc, eval_dl, even_batches=True)
+        # Dropout draws per shard (the group's ranks would otherwise repeat one mask on every shard); after the
+        # loaders, whose samplers took their seed from this RNG and must agree on every rank.
+        torch.manual_seed(cfg.train.seed + sequence.rank)
     acc.register_for_checkpointing(scheduler)
     register_hooks(acc)
 
