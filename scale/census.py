@@ -293,8 +293,44 @@ def _fake_parameters(model: torch.nn.Module, mode: Any, dtype_of: Callable[[torc
             store[name] = t
 
 
+@contextmanager
+def ulysses_like_attention(model: torch.nn.Module, sp: int) -> Iterator[None]:
+    """Within the block the model's attention does what DeepSpeed Ulysses does to the shapes on one of ``sp`` ranks
+    (:mod:`scale.ulysses`): query/key/value ``[B, h, C, d]`` of the rank's ``C`` positions become ``[B, h / sp, sp
+    x C, d]`` (all-to-all; key/value heads fewer than ``sp`` replicated first), the core attention runs causal over
+    the whole sequence without a mask, and its output goes back to ``[B, C, h x d]``. On fake tensors the exchanges
+    are stand-in copies of the same shapes: Ulysses' own all-to-all saves nothing for backward (DeepSpeed 0.19
+    ``deepspeed::dim_zero_all_to_all``), the core attention saves what it saves for these shapes."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    core = ALL_ATTENTION_FUNCTIONS[impl]
+    had, before = impl in ALL_ATTENTION_FUNCTIONS._local_mapping, ALL_ATTENTION_FUNCTIONS._local_mapping.get(impl)
+
+    def exchange(x: torch.Tensor) -> torch.Tensor:
+        B, h, C, d = x.shape
+        if h < sp:
+            x, h = x.repeat_interleave(sp // h, dim=1), sp
+        return x.reshape(B, sp, h // sp, C, d).transpose(1, 2).reshape(B, h // sp, sp * C, d).contiguous()
+
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        B, C = query.shape[0], query.shape[2]
+        out, weights = core(module, exchange(query), exchange(key), exchange(value), None, *args, **kwargs)
+        return out.reshape(B, sp, C, -1).transpose(1, 2).reshape(B, C, -1).contiguous(), weights
+
+    ALL_ATTENTION_FUNCTIONS[impl] = attention
+    try:
+        yield
+    finally:
+        if had:
+            ALL_ATTENTION_FUNCTIONS[impl] = before
+        else:
+            del ALL_ATTENTION_FUNCTIONS[impl]
+
+
 def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInfo], cast: torch.dtype | None = None,
-                      padded: bool = True, packed: bool = False) -> Activations:
+                      padded: bool = True, packed: bool = False, sp: int = 1) -> Activations:
     """Count what autograd saves in one forward of the tail loss at ``micro_batch_size x max_length``.
 
     Args:
@@ -309,6 +345,11 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
             that fill ``max_length``) whose block-diagonal ``[1, 1, BT, BT]`` mask transformers builds from the
             restarting position ids, and the LM head and loss see ``B x N`` positions (``N = T`` from
             :func:`scale.plan.make_plan`: every token trained, the worst case); ``padded`` is ignored.
+        sp: ``train.sequence_parallel_size``: the count of one of ``sp`` ranks sharing each row
+            (:mod:`scale.sequence`): ``B`` rows of ``C = T / sp`` positions (``T`` rounded up to a multiple of
+            ``sp``), no attention mask, the attention as Ulysses runs it (:func:`ulysses_like_attention`), and the
+            LM head and loss over ``min(N, C)`` positions per row: the rank holding most of the tail (a tail shorter
+            than a shard can lie on one rank whole); ``padded`` and ``packed`` are ignored.
 
     Returns:
         :class:`Activations` in bytes.
@@ -340,6 +381,10 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
     from scale import chunked
 
     B, T, N = cfg.train.micro_batch_size, cfg.data.max_length, cfg.loss.threshold
+    if sp > 1:  # one rank's shard: C positions per row, the tail positions it may hold
+        C = -(-T // sp)  # data.max_length rounded up to a multiple of sp, split in sp shards
+        T, N = C, min(N, C)
+        padded = packed = False
     mode = FakeTensorMode()
     layers = _decoder_layers(model)
     head_module = model.get_base_model().get_output_embeddings()
@@ -384,6 +429,15 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
                     tail, targets = chunked.forward_tail_hidden(model, batch, padding_side="left", check=False)
                 elif padded:
                     tail, targets = scale_loss.forward_tail(model, batch, N, padding_side="left", check=False)
+                elif sp > 1:  # scale.loss.forward_tail_shard's call: a shard of C positions, no mask
+                    keep = torch.arange(T - N, T)
+                    position_ids = torch.arange(T).expand(B, T)
+                    with mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda *a, **k: None), \
+                            ulysses_like_attention(model, sp), \
+                            (chunked.head_returns_hidden(model) if chunk else nullcontext()):
+                        tail = model(input_ids=ids, position_ids=position_ids, logits_to_keep=keep,
+                                     use_cache=False).logits
+                    targets = ids[:, :N]
                 else:  # forward_tail's call; transformers drops an all-ones mask, so none is passed. On fake
                     # tensors it cannot read the positions to rule out packed rows (which would add a mask): full
                     # rows are not packed, so that check answers "not packed".
@@ -391,7 +445,7 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
                     with mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda *a, **k: None):
                         tail = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
                     targets = ids[:, T - N:]
-                if chunk and (packed or padded):  # tail holds hidden states: the head runs chunk by chunk
+                if chunk and (packed or padded or sp > 1):  # tail holds hidden states: the head runs chunk by chunk
                     chunked.chunked_tail_loss(model, tail, targets, torch.ones(targets.shape), chunk,
                                               drop_zero_weights=False)
                 else:

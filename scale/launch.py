@@ -444,6 +444,10 @@ def plan_for_mode(cfg: Config, acc: Accelerator) -> ModePlan:
     if sp > 1:
         plan.notes.append(f"sequence parallel: {sp} ranks per row (DeepSpeed Ulysses, "
                           f"{m.attn_implementation or 'sdpa'} attention), {plan.data_parallel_size} data-parallel")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", acc.num_processes))
+        if local % sp:  # groups are consecutive ranks: some span two nodes
+            plan.notes.append(f"WARNING: train.sequence_parallel_size={sp} does not divide the {local} processes of a "
+                              f"node: some rows' ranks sit on two nodes and every attention call crosses the network")
     if m.gradient_checkpointing and m.use_reentrant and mode in ("ddp", "zero1", "zero2") and acc.num_processes > 1:
         raise LaunchError("model.use_reentrant=true with LoRA under data parallelism fails with 'marked ready "
                           "twice' (peft#313, trl#921); set model.use_reentrant=false")

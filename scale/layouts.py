@@ -32,8 +32,13 @@ from scale.config import Config, configs_dir
 # backward (with a frozen base, W >> G); FSDP2 moves what ZeRO-3 moves and comes after it because on CPU its path
 # is proven only through a test shim (tests/fsdp_cpu.py), not on GPUs; ZeRO-3 offload adds host<->device copies.
 MODES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp2", "zero3_offload")
+# With train.sequence_parallel_size = N > 1 the plan adds these (scale.ulysses): ZeRO-2/3 whose N ranks per group
+# share every row; they move each layer's attention inputs and outputs between the group's ranks (all-to-all, 1/N of
+# a layer's activations per rank, 4 exchanges per layer), less than offload's host copies and more than ZeRO-3: they
+# come between FSDP2 and ZeRO-3 offload.
+SP_MODES = ("zero2_sp", "zero3_sp")
 MODE_LABELS = {"single": "single", "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
-               "zero3_offload": "ZeRO-3 offload", "fsdp2": "FSDP2"}
+               "zero3_offload": "ZeRO-3 offload", "fsdp2": "FSDP2", "zero2_sp": "ZeRO-2 + SP", "zero3_sp": "ZeRO-3 + SP"}
 DEEPSPEED_JSON = {"zero1": "zero1.json", "zero2": "zero2.json", "zero3": "zero3.json",
                   "zero3_offload": "zero3_offload.json"}
 
@@ -142,6 +147,40 @@ def zero12_gradient_elems(trainable: list[ParamInfo], aligned: int, part: int, r
     return held + max(0, hi - max(lo, offset)) if aligned > offset else held
 
 
+def sequence_parallel_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activations], mode: str,
+                           world: int, hf_config: Any, root: Path | None = None, rank: int = 0) -> Rank:
+    """Bytes one rank holds in ``zero2_sp``/``zero3_sp``: ZeRO-2/3 with ``train.sequence_parallel_size = N``.
+
+    Model states are ZeRO's over all ``world`` ranks (DeepSpeed partitions over the sequence-and-data-parallel group,
+    every rank: the same bytes as without sequence parallelism). Activations and the LM head/loss are ``acts`` as
+    counted for one rank's shard (:func:`scale.census.count_activations` with ``sp = N``). Transient: the recomputed
+    layer and the loss backward of the shard, plus the all-to-all buffers of one attention call: a send and a
+    receive copy of query, key, value and output, each ``[B, T / N, heads x head size]`` (an estimate).
+    """
+    from scale.modeling import sequence_parallel_problem
+
+    n = cfg.train.sequence_parallel_size
+    r = predict_mode(cfg, params, acts, mode.removesuffix("_sp"), world, hf_config, root, rank)
+    r.mode = mode
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    heads = getattr(text, "num_attention_heads", 0)
+    kv = max(getattr(text, "num_key_value_heads", heads) or heads, n)
+    d = getattr(text, "head_dim", None) or text.hidden_size // max(heads, 1)
+    cast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision)
+    C = -(-cfg.data.max_length // n)
+    exchanged = 2 * cfg.train.micro_batch_size * C * d * (2 * heads + 2 * kv) * nbytes(cast or DTYPES[cfg.model.dtype])
+    r.transient += exchanged
+    r.overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * r.allocated)
+    r.notes.append(f"sequence parallel {n}: every row shared by {n} ranks ({C} positions each), Ulysses all-to-all "
+                   f"buffers {exchanged / 2**20:.1f} MiB per attention call")
+    attn = cfg.model.attn_implementation or "sdpa"
+    why = (f"train.sequence_parallel_size={n} does not divide --gpus {world}" if world % n else
+           sequence_parallel_problem(hf_config, attn, n, cfg.data.packing or cfg.data.padding_free,
+                                     cfg.data.max_length))
+    r.refused = r.refused or (why or "")
+    return r
+
+
 def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activations], mode: str, world: int,
                  hf_config: Any, root: Path | None = None, rank: int = 0) -> Rank:
     """Bytes one rank holds in ``mode`` on ``world`` processes.
@@ -161,6 +200,8 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
     Returns:
         A :class:`Rank` in bytes.
     """
+    if mode in SP_MODES:  # acts: the counts of one rank's shard
+        return sequence_parallel_mode(cfg, params, acts, mode, world, hf_config, root, rank)
     r = Rank(mode)
     m = cfg.model
     deepspeed = mode in DEEPSPEED_JSON

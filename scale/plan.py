@@ -54,7 +54,7 @@ import torch
 from scale.census import (GIB, Activations, PlanError, build_meta_model, census, count_activations,
                           load_model_config)
 from scale.config import Config, ConfigError, ModelConfig, load_config
-from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, Rank, predict_mode
+from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, SP_MODES, Rank, predict_mode
 
 # A mode "fits" when its total leaves this fraction of the GPU free: the predictions are checked to within 10% on
 # CPU, not on every GPU stack. Between that and 100% the plan says "tight".
@@ -135,13 +135,22 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         acts_by_gc[True][regime].recompute = acts_by_gc[False][regime].per_layer
     acts = {regime: checkpoint_variant(acts_by_gc[True][regime], acts_by_gc[False][regime], cfg.model)
             for regime in (False, True)} if gc_setting in ("every_n", "offload") else acts_by_gc[on]
-    ranks = [predict_mode(cfg, params, acts, mode, gpus, hf_config, root) for mode in MODES]
+    order, acts_sp = modes_in_order(cfg), None
+    if cfg.train.sequence_parallel_size > 1:  # one rank's shard of every row (scale.ulysses), DeepSpeed's regime
+        sp = cfg.train.sequence_parallel_size
+        sp_by_gc = {gc: count_activations(cfg, mdl, params, cast, sp=sp) for gc, mdl in models.items()}
+        sp_by_gc[True].recompute = sp_by_gc[False].per_layer
+        acts_sp = (checkpoint_variant(sp_by_gc[True], sp_by_gc[False], cfg.model)
+                   if gc_setting in ("every_n", "offload") else sp_by_gc[on])
+        acts_sp = {False: acts_sp, True: acts_sp}
+    ranks = [predict_mode(cfg, params, acts_sp if mode in SP_MODES else acts, mode, gpus, hf_config, root)
+             for mode in order]
     limit = gpu_mem_gib * GIB
     # One GPU runs only the single-process mode; with several, one process would leave all but one idle, so the
     # single mode is shown for reference and the recommendation is a data-parallel mode.
     fits = {r.mode: not r.refused and r.total <= (1 - HEADROOM) * limit and (gpus > 1 or r.mode == "single")
             for r in ranks}
-    candidates = ("single",) if gpus == 1 else MODES[1:]
+    candidates = ("single",) if gpus == 1 else order[1:]
     recommended = next((mode for mode in candidates if fits[mode]), None)
     a_off, a_on = acts_by_gc[False][False], acts_by_gc[True][False]
     N, T = cfg.loss.threshold, cfg.data.max_length
@@ -158,6 +167,14 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         recommended=recommended,
         assumptions=[tail_note, *assumptions(replace(user_cfg, train=cfg.train), gpus, nodes, padded),
                      loss_note(cfg, a_on)])
+
+
+def modes_in_order(cfg: Config) -> tuple[str, ...]:
+    """The plan's columns, cheapest first: :data:`scale.layouts.MODES`, with the sequence-parallel ones
+    (:data:`scale.layouts.SP_MODES`) before ZeRO-3 offload when ``train.sequence_parallel_size > 1``."""
+    if cfg.train.sequence_parallel_size == 1:
+        return MODES
+    return (*MODES[:-1], *SP_MODES, MODES[-1])
 
 
 def data_tail(cfg: Config) -> tuple[int, str]:
@@ -224,11 +241,21 @@ def loss_note(cfg: Config, act: Activations) -> str:
 
 def assumptions(cfg: Config, gpus: int, nodes: int, padded: bool = True) -> list[str]:
     """What the numbers assume, in words (printed under the table)."""
-    m, t = cfg.model, cfg.train
+    t = cfg.train
     rows = ("the longest row fills data.max_length and the others are padded to it (an attention mask)" if padded
             else "every row fills data.max_length (no padding, no attention mask: --full-rows)")
     if cfg.data.packing:
         rows = "the bins packed into one padding-free row with a block-diagonal mask (data.packing)"
+    n = t.sequence_parallel_size
+    sp = ([f"ZeRO-2/3 + SP (train.sequence_parallel_size={n}): each row padded on the right to a multiple of {n} and "
+           f"split in {n} shards of {-(-cfg.data.max_length // n)} positions, no attention mask (Ulysses: causal over "
+           f"the whole row on heads/{n} per rank); the LM head and loss over min(tail, shard) positions per row, "
+           f"the rank holding most of the tail; model states as ZeRO-2/3 over all {gpus} ranks"] if n > 1 else [])
+    return [*_core_assumptions(cfg, gpus, nodes, rows), *sp]
+
+
+def _core_assumptions(cfg: Config, gpus: int, nodes: int, rows: str) -> list[str]:
+    m, t = cfg.model, cfg.train
     return [
         (f"one micro-batch of {t.micro_batch_size} rows x {cfg.data.max_length} tokens: {rows}; tail loss over "
         f"loss.threshold={cfg.loss.threshold} positions with logits_to_keep"),
@@ -246,7 +273,8 @@ def assumptions(cfg: Config, gpus: int, nodes: int, padded: bool = True) -> list
         "reduce bucket (ZeRO-1/2) + gathered parameters (ZeRO-3: prefetch bucket + one layer; FSDP2: two layers) + "
         "one dequantized 4-bit weight: estimates"),
         (f"{gpus} GPU(s) on {nodes} node(s): per-rank bytes do not depend on the node count; recommended = the first "
-        f"mode that fits in the order {', '.join(MODE_LABELS[m] for m in MODES)} (fewest bytes moved between ranks;"
+        f"mode that fits in the order {', '.join(MODE_LABELS[m] for m in modes_in_order(cfg))} (fewest bytes moved "
+        f"between ranks;"
         f" with several GPUs the single-process mode is shown for reference, not recommended)"),
     ]
 

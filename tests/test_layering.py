@@ -36,14 +36,16 @@ ALLOWED: dict[str, set[str]] = {
     "chunked": {"loss"},
     "modeling": {"config", "assets"},
     "sampling": {"data"},
+    "sequence": {"data"},  # sequence-parallel rows: each rank's shard, labels shifted before the split (issue 29)
     "export": {"config", "data", "fileio", "modeling"},
     "generate": {"config", "export", "modeling"},
     "census": {"config", "loss", "modeling", "chunked"},  # scale-plan's counts: meta/fake tensors only, no process group
-    "layouts": {"census", "config"},
+    "layouts": {"census", "config", "modeling"},  # modeling: the sequence-parallel guard, for the SP columns
     "plan": {"census", "config", "layouts", "assets", "data", "modeling"},  # data: the tails to plan for
     # the loop side: may import accelerate / torch.distributed
     "rendezvous": set(),
     "launch": {"config", "rendezvous"},
+    "ulysses": {"sequence"},  # the sequence-parallel attention, loaders and eval forward (DeepSpeed Ulysses, issue 29)
     "metrics": {"config", "fileio", "flops"},
     "tracking": {"config", "fileio", "metrics"},
     "checks": {"modeling"},
@@ -51,15 +53,16 @@ ALLOWED: dict[str, set[str]] = {
     "evaluate": {"loss", "signals", "tasks"},
     "samples": {"checkpoint", "signals", "tracking"},  # generation at each evaluation (issue 20)
     "job": {"assets", "cache", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss",
-            "metrics", "mixing", "modeling", "sampling", "samples", "schedule", "sources", "tracking", "export"},
+            "metrics", "mixing", "modeling", "sampling", "samples", "schedule", "sequence", "sources", "tracking",
+            "export", "ulysses"},
     "train": {"best", "checkpoint", "checks", "config", "evaluate", "export", "job", "loss", "metrics",
-              "samples", "signals", "tracking"},
+              "samples", "signals", "tracking", "ulysses"},
     "cli": {"assets", "checkpoint", "config", "data", "launch", "modeling", "signals", "train"},
     "report": {"config", "metrics", "schedule"},
     "prepare": {"assets", "cache", "config", "data", "modeling"},  # scale-prepare (issue 18)
 }
 DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpoint", "evaluate", "job", "train", "cli",
-               "samples"}
+               "samples", "ulysses"}
 
 
 def _sources(name: str) -> list:

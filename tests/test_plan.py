@@ -373,6 +373,40 @@ def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(sha
     assert abs(predicted.allocated / live.peak - 1) < 0.10, (predicted, live.peak)
 
 
+# Sequence parallelism (train.sequence_parallel_size=2, DeepSpeed Ulysses): rows of 64 tokens, a short tail (on one
+# shard whole) and a long one (over both shards). name -> (rows, length, tail).
+SP_CASES = {"short-tail": (2, 64, 2), "long-tail": (2, 64, 48)}
+
+
+@pytest.mark.launch
+def test_predicted_sequence_parallel_activations_within_10_percent_of_each_rank(tmp_path):
+    """The SP columns' saved activations (one rank's shard: C = T / 2 positions, Ulysses' attention on half the heads,
+    the LM head over min(tail, C) positions) against what autograd saves in the product's path on the busiest of the
+    2 ranks (tests/sp_census.py under accelerate launch: shard_rows -> loss_step under the sharded attention)."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "sp.json"
+    script = [str(ROOT / "tests" / "sp_census.py"), str(out), "--config", str(TINY_YAML), *BASE,
+              "train.sequence_parallel_size=2", "data.max_length=64", "train.micro_batch_size=2"]
+    for name, (rows, length, tail) in SP_CASES.items():
+        script += ["--case", name, str(rows), str(length), str(tail)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / "cpu_zero2.yaml"), "--main_process_port", str(free_port()), *script]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for name, (rows, length, tail) in SP_CASES.items():
+        counts = [json.loads(p.read_text()) for p in sorted(tmp_path.glob(f"sp.json.{name}.*"))]
+        assert len(counts) == 2 and sum(c["tail_here"] for c in counts) == rows * tail
+        for gc in (True, False):
+            cfg, hf, params = planned(["train.sequence_parallel_size=2", f"data.max_length={length}",
+                                       f"train.micro_batch_size={rows}", f"loss.threshold={tail}",
+                                       f"model.gradient_checkpointing={str(gc).lower()}"])
+            predicted = C.count_activations(cfg, C.build_meta_model(cfg, hf, checkpointing=gc), params, sp=2)
+            real = max(c[f"checkpointing_{'on' if gc else 'off'}"] for c in counts)
+            assert abs(predicted.total / real - 1) < 0.10, (name, gc, predicted, real)
+            whole = C.count_activations(cfg, C.build_meta_model(cfg, hf, checkpointing=gc), params, padded=False)
+            assert predicted.decoder < 0.6 * whole.decoder  # the decoder's share halves on 2 ranks
+
+
 def test_checkpointing_saves_less_and_logits_are_the_tail():
     cfg, hf, params = planned([])
     on = C.count_activations(cfg, C.build_meta_model(cfg, hf, checkpointing=True), params)
