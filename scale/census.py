@@ -346,7 +346,7 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
             restarting position ids, and the LM head and loss see ``B x N`` positions (``N = T`` from
             :func:`scale.plan.make_plan`: every token trained, the worst case); ``padded`` is ignored.
         sp: ``train.sequence_parallel_size``: the count of one of ``sp`` ranks sharing each row
-            (:mod:`scale.sequence`): ``B`` rows of ``C = T / sp`` positions (``T`` rounded up to a multiple of
+            (:mod:`scale.data.sequence`): ``B`` rows of ``C = T / sp`` positions (``T`` rounded up to a multiple of
             ``sp``), no attention mask, the attention as Ulysses runs it (:func:`ulysses_like_attention`), and the
             LM head and loss over ``min(N, C)`` positions per row: the rank holding most of the tail (a tail shorter
             than a shard can lie on one rank whole); ``padded`` and ``packed`` are ignored.

@@ -29,20 +29,20 @@ from scale.checkpoint import (TrainerState, check_resume, clear_previous_run, lo
                               resolve_resume)
 from scale.checks import dtype_census
 from scale.config import Config, ConfigError, dump_config
-from scale.cache import column, load_splits, longest_first, wait_for_splits
 from scale.data import Collator, DataError, Splits, show_example, show_legend
+from scale.data.cache import column, load_splits, longest_first, wait_for_splits
+from scale.data.mixing import sources as mixture_sources
+from scale.data.order import LengthGroupedSampler, PackedCollator, PackedRows, PaddingFreeCollator, pack_bfd
+from scale.data.sequence import ShardCollator
+from scale.data.sources import data_digest
 from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.loss import LossSpec
-from scale.mixing import sources as mixture_sources
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
 from scale.modeling import (TINY, build_model, check_packing, check_sequence_parallel, load_tokenizer,
                             parameter_counts, tokenizer_source)
 from scale.samples import SAMPLES_FILE, Generation, pick_samples, start_samples_file
-from scale.sampling import LengthGroupedSampler, PackedCollator, PackedRows, PaddingFreeCollator, pack_bfd
 from scale.schedule import lr_factor, steps_for_epochs
-from scale.sequence import ShardCollator
-from scale.sources import data_digest
 from scale.tracking import start_trackers
 from scale.ulysses import SequenceParallel
 
@@ -88,7 +88,7 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_s
     rows are first packed into bins of ``data.max_length`` tokens (:func:`scale.sampling.pack_bfd`), built from
     the stored lengths alone (the same bins on every rank), and the loader shuffles and shards bins. Under
     sequence parallelism (``sequence``) a train micro-batch becomes this rank's shard of its rows
-    (:class:`scale.sequence.ShardCollator`), and both loaders are later sharded over the data-parallel ranks only.
+    (:class:`scale.data.sequence.ShardCollator`), and both loaders are later sharded over the data-parallel ranks only.
     """
     collate = Collator(pad_token_id, cfg.data.padding_side)
     train_collate = PaddingFreeCollator() if cfg.data.padding_free else collate

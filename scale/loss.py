@@ -29,9 +29,8 @@ from torch import Tensor
 
 from scale.config import Config
 
-
 SHARD_KEY = "shard_index"
-"""A batch holding this key is one rank's shard of sequence-parallel rows (:func:`scale.sequence.shard_rows`)."""
+"""A batch holding this key is one rank's shard of sequence-parallel rows (:func:`scale.data.sequence.shard_rows`)."""
 
 
 def _tail_mask(attention_mask: Tensor, tail: Tensor | int) -> Tensor:
@@ -85,7 +84,7 @@ def describe_bad_row(attention_mask: Tensor, tail_mask: Tensor | int, rows: Tens
 def batch_bad_rows(batch: dict[str, Tensor]) -> Tensor:
     """:func:`bad_rows` of a collated batch, padded, padding-free (``seq_lens``: each packed row needs more
     tokens than its tail) or a sequence-parallel shard (``row_lens``/``row_tails`` of the whole examples,
-    :func:`scale.sequence.shard_rows`); ``[B]`` bool, on the device (no host sync)."""
+    :func:`scale.data.sequence.shard_rows`); ``[B]`` bool, on the device (no host sync)."""
     if SHARD_KEY in batch:
         return batch["row_lens"] < batch["row_tails"] + 1
     if "seq_lens" in batch:
@@ -310,7 +309,7 @@ def forward_tail(model: torch.nn.Module, batch: dict[str, Tensor], threshold: in
         ValueError: ``check`` and a row cannot be scored (see :func:`check_rows`); a ``threshold`` that
             disagrees with ``tail_mask``.
     """
-    if SHARD_KEY in batch:  # one rank's shard of sequence-parallel rows (scale.sequence.shard_rows)
+    if SHARD_KEY in batch:  # one rank's shard of sequence-parallel rows (scale.data.sequence.shard_rows)
         if check and bool(batch_bad_rows(batch).any()):  # host sync: data validation
             raise ValueError(describe_batch_row(batch))
         return forward_tail_shard(model, batch)
@@ -381,7 +380,7 @@ def forward_tail_shard(model: torch.nn.Module, batch: dict[str, Tensor]) -> tupl
 
     Args:
         model: a transformers causal LM under sequence parallelism.
-        batch: :func:`scale.sequence.shard_rows`'s shard: ``input_ids``, ``position_ids``, ``shard_index [E, K]``
+        batch: :func:`scale.data.sequence.shard_rows`'s shard: ``input_ids``, ``position_ids``, ``shard_index [E, K]``
             (flat ``[R, C]`` positions), ``shard_targets [E, K]``.
 
     Returns:

@@ -82,7 +82,7 @@ class StepMeter:
         Tail tokens are counted from ``batch["tail_mask"]`` (tails differ per row); ``threshold`` only for a
         batch without one.
         """
-        if "shard_index" in batch:  # one rank's shard of sequence-parallel rows (scale.sequence.shard_rows)
+        if "shard_index" in batch:  # one rank's shard of sequence-parallel rows (scale.data.sequence.shard_rows)
             rows, C = batch["input_ids"].shape
             n_rows = batch["row_lens"].shape[0] * batch["sp_first"].double()  # counted once per group
             positions, tokens = rows * C, batch["shard_tokens"].double()

@@ -247,10 +247,10 @@ def assumptions(cfg: Config, gpus: int, nodes: int, padded: bool = True) -> list
     if cfg.data.packing:
         rows = "the bins packed into one padding-free row with a block-diagonal mask (data.packing)"
     n = t.sequence_parallel_size
-    sp = ([f"ZeRO-2/3 + SP (train.sequence_parallel_size={n}): each row padded on the right to a multiple of {n} and "
+    sp = [(f"ZeRO-2/3 + SP (train.sequence_parallel_size={n}): each row padded on the right to a multiple of {n} and "
            f"split in {n} shards of {-(-cfg.data.max_length // n)} positions, no attention mask (Ulysses: causal over "
            f"the whole row on heads/{n} per rank); the LM head and loss over min(tail, shard) positions per row, "
-           f"the rank holding most of the tail; model states as ZeRO-2/3 over all {gpus} ranks"] if n > 1 else [])
+           f"the rank holding most of the tail; model states as ZeRO-2/3 over all {gpus} ranks")] if n > 1 else []
     return [*_core_assumptions(cfg, gpus, nodes, rows), *sp]
 
 

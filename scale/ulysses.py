@@ -4,7 +4,7 @@
         train.sequence_parallel_size=2          # each row's tokens split over 2 ranks
 
 With ``train.sequence_parallel_size: N`` the processes form groups of ``N`` consecutive ranks; the ranks of a
-group train the same rows, each holding ``1/N`` of every row's tokens (:mod:`scale.sequence` builds the
+group train the same rows, each holding ``1/N`` of every row's tokens (:mod:`scale.data.sequence` builds the
 shards), and the data-parallel degree is ``world / N``. Between the attention calls each rank computes only its
 own positions (embeddings, MLPs, norms, LM head, loss: memory ``1/N``); inside each attention call Ulysses
 trades the sequence shards for a share of the heads (all-to-all), runs the whole sequence's causal attention on
@@ -45,7 +45,7 @@ import torch
 from accelerate import Accelerator
 from torch import Tensor
 
-from scale.sequence import shard_padded
+from scale.data.sequence import shard_padded
 
 _ACTIVE = False  # inside sharded(): the attention joins the shards; outside it is the plain attention
 
@@ -189,7 +189,7 @@ class ShardedForward(torch.nn.Module):
 
     ``forward(input_ids [B, T], attention_mask [B, T], position_ids, logits_to_keep [K], use_cache=False)``
     takes a padded batch (left or right) as :func:`scale.loss.forward_tail` builds it, lays every row out from
-    column 0, pads to a multiple of ``N`` (:func:`scale.sequence.shard_padded`), runs the model on this rank's
+    column 0, pads to a multiple of ``N`` (:func:`scale.data.sequence.shard_padded`), runs the model on this rank's
     shard under :func:`sharded`, computes the logits asked for at this shard's positions, and sums them over
     the group (each entry is non-zero on exactly one rank, so the sum is that rank's value, bit for bit).
     Returns an object with ``logits [B, K, V]``, as one device's model would. Every rank of the group must call it

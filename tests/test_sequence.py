@@ -13,11 +13,10 @@ import torch
 
 from scale.chunked import chunked_tail_loss
 from scale.config import ConfigError, load_config
-from scale.data import Collator
+from scale.data import Collator, Example
+from scale.data.sequence import ShardCollator, padded_length, shard_padded, shard_rows
 from scale.loss import batch_bad_rows, describe_batch_row, forward_tail, tail_loss, token_weights
 from scale.modeling import SEQUENCE_PARALLEL_ATTENTION, check_sequence_parallel, sequence_parallel_problem
-from scale.sequence import ShardCollator, padded_length, shard_padded, shard_rows
-from scale.tasks.base import Example
 from tests.conftest import TINY_YAML
 
 
@@ -105,7 +104,7 @@ def test_shard_without_tail_is_an_exact_zero_never_nan():
     w = token_weights(shards[0]["type_indicator"], shards[0]["tail_mask"], None)
     num, den = tail_loss(lg, tg, w)
     assert float(num) == 0.0 and float(den) == 0.0
-    mean_ce = lambda logits, labels: torch.nn.functional.cross_entropy(logits, labels)  # noqa: E731
+    mean_ce = lambda logits, labels: torch.nn.functional.cross_entropy(logits, labels)
     num_c, den_c = tail_loss(lg, tg, w, criterion=mean_ce)
     assert float(num_c) == 0.0 and float(den_c) == 0.0 and not torch.isnan(num_c)
     (num_c * 3.0).backward()
@@ -234,7 +233,7 @@ def test_config_rejects_size_zero_and_global_batch_counts_data_parallel_ranks():
 
 def test_guard_launch_before_the_accelerator_is_built(monkeypatch, tmp_path):
     """N > 1 outside DeepSpeed, and N not dividing the process count: one line each, before any process group."""
-    import scale.launch as launch
+    from scale import launch
 
     class NeverBuilt:
         def __init__(self, **kwargs):

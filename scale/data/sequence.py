@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from scale.data import per_example_fields, tail_flags
+from scale.data.tokenize import per_example_fields, tail_flags
 
 SHARD_KEY = "shard_index"
 """A batch holding this key is one rank's shard of sequence-parallel rows (:func:`shard_rows`)."""
@@ -131,7 +131,7 @@ class ShardCollator:
         sp_size: ``N``.
         pad_token_id: the padding id.
         one_row: the micro-batch's examples share one row (``data.padding_free``, or ``data.packing`` whose items
-            are bins of examples): the layout of :class:`scale.sampling.PaddingFreeCollator`, for an attention that
+            are bins of examples): the layout of :class:`scale.data.order.PaddingFreeCollator`, for an attention that
             keeps packed examples apart.
     """
 
