@@ -13,6 +13,10 @@ every assistant turn trained: tails up to ~90 tokens, weight-0 user turns inside
 the job's first row; exits 1 if any row exceeds the tolerance. The ``zero3 from a directory`` row loads the same
 tiny model from a ``save_pretrained`` directory (``from_pretrained`` under ZeRO-3's ``zero.Init``, as a real model).
 The ``fsdp2`` row is accelerate's FSDP2 preparation on 2 CPU processes through the test-only shim ``tests/fsdp_cpu.py``.
+The ``ulysses`` rows are sequence parallelism (``train.sequence_parallel_size=2``, DeepSpeed Ulysses): 2 processes
+share every row (ZeRO-1/2/3), or 4 processes form 2 data-parallel groups of 2 (ZeRO-2/3). The ``late_tails`` job
+(the reviews cut to 16 tokens) puts every tail prediction on the second rank's shard: the first rank's loss is an
+exact 0 in every micro-batch.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Sequence parallelism's memory: the activation peak per rank of one long row at SP=1 and SP=2, and the longest row
 that trains within a fixed per-rank budget.
 
-    python benchmarks/sp_memory.py [--tokens 4096] [--budget-mib 160] [--max-tokens 12288] [--step 1024]
+    python benchmarks/sp_memory.py [--tokens 4096] [--budget-mib 128] [--max-tokens 12288] [--step 1024]
 
 The job is the harness's own (:func:`scale.job.setup` of ``configs/train/tiny_cpu.yaml`` at a wider Llama shape:
 hidden 256, 4 layers, 4 heads, 2 key/value heads, MLP 768, SmolLM2's 49,152-token vocabulary; LoRA r=8 on every
@@ -92,6 +92,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import torch
 
+    from scale.checkpoint import unwrap
     from scale.config import load_config
     from scale.data import Example
     from scale.data.sequence import shard_rows
@@ -106,16 +107,19 @@ def worker(args: argparse.Namespace) -> None:
                        f"data.path={ROOT / 'configs' / 'data' / 'tiny_reviews.jsonl'}"])
     job = setup(cfg)
     rank, size = (job.sequence.rank, job.sequence.size) if job.sequence else (0, 1)
-    lora = [p for p in job.model.parameters() if p.requires_grad]
+    # The module inside DeepSpeed's engine: the engine's forward would arm ZeRO's gradient reduction for a backward
+    # that torch.autograd.grad never runs (the activations are the same; the reduction buckets are model states).
+    net = unwrap(job.acc, job.model)
+    lora = [p for p in net.parameters() if p.requires_grad]
     g = torch.Generator().manual_seed(0)
     budget = args.budget_mib * 2**20
     for T in lengths:
         row = [[Example(torch.randint(3, 40000, (T,), generator=g).tolist(), TAIL)]]
         batch = {k: v.to(job.acc.device) for k, v in shard_rows(row, rank, size, 0).items()}
-        live = live_bytes_mode()(*job.model.parameters(), *job.model.buffers(), *batch.values())
+        live = live_bytes_mode()(*net.parameters(), *net.buffers(), *batch.values())
         t0 = time.perf_counter()
         with live, (sharded() if job.sequence else contextlib.nullcontext()):
-            num = loss_step(job.model, batch, job.spec, job.spec.weights(batch))
+            num = loss_step(net, batch, job.spec, job.spec.weights(batch))
             grads = torch.autograd.grad(num, lora, allow_unused=True)
         del num, grads
         peak = live.peak - live.before  # the activations' peak: beyond the weights and the batch
@@ -158,7 +162,7 @@ def per_length(records: list[dict]) -> dict[int, int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096, help="row length of the ratio (tokens, >= 4096)")
-    parser.add_argument("--budget-mib", type=float, default=160.0, help="activation budget per rank (MiB)")
+    parser.add_argument("--budget-mib", type=float, default=128.0, help="activation budget per rank (MiB)")
     parser.add_argument("--max-tokens", type=int, default=12288, help="longest row tried (tokens)")
     parser.add_argument("--step", type=int, default=1024, help="grid of row lengths (tokens)")
     parser.add_argument("--out", default="/tmp/sp_memory")

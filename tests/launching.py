@@ -112,6 +112,12 @@ def modes(directory: Path | None = None) -> dict[str, tuple[list[list[str]], lis
     sp2 = ["train.sequence_parallel_size=2", "train.micro_batch_size=4", "train.gradient_accumulation_steps=2"]
     table["ulysses sp2 zero2 2x(4,2)"] = ([accelerate_cmd("cpu_zero2.yaml")], sp2)
     table["ulysses sp2 zero3 2x(4,2)"] = ([accelerate_cmd("cpu_zero3.yaml")], sp2)
+    table["ulysses sp2 zero1 2x(4,2)"] = ([accelerate_cmd("cpu_zero1.yaml")], sp2)
+    # 4 processes: 2 data-parallel groups of 2 ranks per row (micro-batch 2 x GA 2 x 2 groups = 8)
+    sp2dp2 = ["train.sequence_parallel_size=2", "train.micro_batch_size=2", "train.gradient_accumulation_steps=2"]
+    for zero in ("zero2", "zero3"):
+        table[f"ulysses sp2 {zero} 4x(2,2) dp2"] = (
+            [accelerate_cmd(f"cpu_{zero}.yaml", ["--num_processes", "4"])], sp2dp2)
     return table
 
 
