@@ -123,8 +123,9 @@ def worker(args: argparse.Namespace) -> None:
             grads = torch.autograd.grad(num, lora, allow_unused=True)
         del num, grads
         peak = live.peak - live.before  # the activations' peak: beyond the weights and the batch
-        print(json.dumps({"sp": size, "rank": rank, "tokens": T, "peak": peak,
-                          "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
+        with open(Path(args.out) / f"peaks.sp{size}.rank{rank}.jsonl", "a") as fh:  # one file per rank: no interleaving
+            fh.write(json.dumps({"sp": size, "rank": rank, "tokens": T, "peak": peak,
+                                 "seconds": round(time.perf_counter() - t0, 2)}) + "\n")
         # every rank of a group stops at the same length: the peaks are compared over the group
         over = torch.tensor(float(peak > budget), device=job.acc.device)
         if size > 1:
@@ -145,10 +146,14 @@ def run(sp: int, lengths: list[int], args: argparse.Namespace) -> list[dict]:
                str(ROOT / "configs" / "accelerate" / "cpu_zero2.yaml"), "--main_process_port",
                str(29500 + os.getpid() % 1000), script, *worker_args]
     env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    for old in Path(args.out).glob(f"peaks.sp{sp}.rank*.jsonl"):
+        old.unlink()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"SP={sp} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"sp"')]
+    return [json.loads(line) for path in sorted(Path(args.out).glob(f"peaks.sp{sp}.rank*.jsonl"))
+            for line in path.read_text().splitlines()]
 
 
 def per_length(records: list[dict]) -> dict[int, int]:

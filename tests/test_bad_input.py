@@ -103,13 +103,14 @@ def test_label_that_tokenizes_differently_in_a_row(tokenizer):
 
 def test_micro_batch_larger_than_a_rank_shard(tmp_path):
     msg = _message(DataError, run, tiny_cfg(tmp_path, "data.max_train_examples=6", "train.micro_batch_size=8"))
-    assert msg == ("train.micro_batch_size=8 x num_processes=1 is larger than the train split (6 rows): a rank's "
-                   "shard would hold less than one micro-batch. Lower train.micro_batch_size to at most 6 or add "
-                   "data.")
+    assert msg == ("train.micro_batch_size=8 x data-parallel ranks=1 is larger than the train split (6 rows): a "
+                   "rank's shard would hold less than one micro-batch. Lower train.micro_batch_size to at most 6 or "
+                   "add data.")
     # With data.packing the loader deals in bins (pack_bfd): the 12 rows fill 4 bins of at most 64 tokens.
     msg = _message(DataError, run, tiny_cfg(tmp_path / "packed", "data.max_train_examples=12", "train.micro_batch_size=8",
                                             "data.packing=true", "data.max_length=64", "data.cache=false"))
-    assert msg.startswith("train.micro_batch_size=8 x num_processes=1 is larger than the train split (4 bins of up to "
+    assert msg.startswith("train.micro_batch_size=8 x data-parallel ranks=1 is larger than the train split (4 bins of "
+                          "up to "
                           "data.max_length=64 tokens): a rank's shard would hold less than one micro-batch."), msg
 
 
