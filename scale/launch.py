@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate import Accelerator, DataLoaderConfiguration, PartialState
 from accelerate.utils import (DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration,
                                broadcast_object_list)
 
@@ -231,8 +231,16 @@ def deepspeed_op_notice(ds: dict[str, Any]) -> str | None:
             f"DS_BUILD_CPU_ADAM=1 pip install deepspeed)")
 
 
-def build_accelerator(cfg: Config) -> Accelerator:
+def build_accelerator(cfg: Config, settle: Callable[[], Any] | None = None) -> Accelerator:
     """Create the Accelerator for the launch mode found in the environment, with start-up guards.
+
+    Args:
+        cfg: the run's config; ``train.mixed_precision`` must be resolved (not ``auto``) when the Accelerator is
+            made.
+        settle: called on every rank once the process group is up and before the Accelerator is made, to agree
+            on what the Accelerator needs (``scale.job`` resolves ``train.mixed_precision: auto`` there, rank 0's
+            choice broadcast); collectives allowed. The group is started as the Accelerator starts it
+            (accelerate's ``PartialState`` with the same ``cpu`` flag and process-group arguments).
 
     Raises:
         ConfigError: see :func:`check_inputs`.
@@ -265,6 +273,9 @@ def build_accelerator(cfg: Config) -> Accelerator:
     def start() -> Accelerator:
         init_elastic_process_group(next(tries), timedelta(seconds=min(cfg.train.rendezvous_timeout_s,
                                                                       cfg.train.collective_timeout_s)))
+        if settle is not None:
+            PartialState(on_cpu and not use_deepspeed, **handlers[0].to_kwargs())  # what Accelerator() would start
+            settle()
         return make()
 
     make = lambda: Accelerator(
