@@ -62,13 +62,23 @@ def check_inputs(cfg: Config) -> None:
     group, file or model exists. Every rank runs it and reaches the same verdict (shared storage).
 
     Raises:
-        ConfigError: ``train.mixed_precision=fp16`` without a GPU; ``output_dir`` is a file or not writable;
+        ConfigError: ``train.mixed_precision=fp16`` without a GPU; ``loss.fused=liger`` without a GPU or
+            liger-kernel; ``output_dir`` is a file or not writable;
             ``model.name_or_path``/``model.tokenizer``/``train.deepspeed_config`` name a path that does not exist;
             an unknown tracker or one whose package is missing.
     """
     if cfg.train.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("train.mixed_precision=fp16 needs a CUDA GPU: on CPU it would silently run in fp32 while "
                           "config.yaml says fp16; use train.mixed_precision=bf16 or no")
+    if cfg.loss.fused == "liger":
+        if not torch.cuda.is_available():
+            raise ConfigError("loss.fused=liger needs a CUDA GPU (Liger-Kernel's Triton kernels); on CPU set "
+                              "loss.fused=null (scale.chunked's loss, exact on any device)")
+        try:
+            import liger_kernel.transformers.functional  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(f"loss.fused=liger needs liger-kernel ({e}): pip install liger-kernel, or set "
+                              f"loss.fused=null") from None
     check_output_dir(cfg.output_dir)
     for key in ("model.name_or_path", "model.tokenizer"):
         value = get_key(cfg, key)

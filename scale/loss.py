@@ -368,7 +368,8 @@ class LossSpec:
         task: what the data pipeline found, for the format's evaluation (:mod:`scale.tasks`): ``format`` and
             the format's own keys (label tokens, ``has_target``, ``pad_token_id``). Opaque to the loss.
         chunk_size: ``loss.chunk_size``: ``"auto"``, 0 (unchunked) or positions per chunk of the tail loss
-            (:mod:`scale.chunked`).
+            (:mod:`scale.chunked`); ``"liger"`` under ``loss.fused: liger`` (chunks where ``auto`` would, with
+            Liger-Kernel's fused linear cross-entropy).
     """
 
     threshold: int
@@ -403,7 +404,7 @@ class LossSpec:
             criterion_mode=cfg.loss.criterion_mode,
             target_position=cfg.loss.target_position,
             task={**task, "label_token_ids": label_token_ids},
-            chunk_size=cfg.loss.chunk_size,
+            chunk_size="liger" if cfg.loss.fused == "liger" else cfg.loss.chunk_size,
         )
 
     def weights(self, batch: dict[str, Tensor]) -> Tensor:
@@ -429,7 +430,8 @@ def loss_step(model: torch.nn.Module, batch: dict[str, Tensor], spec: LossSpec, 
         if chunk:
             hidden, targets = chunked.forward_tail_hidden(model, batch, padding_side=spec.padding_side, check=False)
             num, _ = chunked.chunked_tail_loss(model, hidden, targets, weights, chunk, batch["type_indicator"],
-                                               spec.criterion, spec.criterion_mode)
+                                               spec.criterion, spec.criterion_mode,
+                                               fused="liger" if spec.chunk_size == "liger" else None)
             return num
     tail_logits, targets = forward_tail(model, batch, padding_side=spec.padding_side, check=False)
     num, _ = tail_loss(tail_logits, targets, weights, batch["type_indicator"], spec.criterion, spec.criterion_mode)

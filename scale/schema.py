@@ -193,6 +193,9 @@ class LossConfig:
                                        "CE, one chunk at a time: never fp32 [B, N, V]); 0: unchunked; auto: "
                                        "chunks of <= 64 MiB fp32 logits once a micro-batch's [B, N, V] fp32 "
                                        "logits would exceed 256 MiB.")
+    fused: str | None = _f(None, "Kernel of the chunked tail loss (where chunk_size chunks): null: scale.chunked's "
+                                 "(exact, any device); liger: Liger-Kernel's fused linear cross-entropy (CUDA only, "
+                                 "pip install liger-kernel; unweighted tails: no type_weights, no criterion).")
 
 
 @dataclass
