@@ -504,6 +504,47 @@ def cast_adapter_inputs_once(model: torch.nn.Module, on: bool = True) -> int:
     return count
 
 
+def _addmm_adapter_forward(layer: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    name = layer.active_adapters[0] if len(layer.active_adapters) == 1 else None
+    dev = x.device.type
+    if (name is None or layer.disable_adapters or layer.merged or kwargs.get("adapter_names") is not None
+            or name not in layer.lora_A or name in getattr(layer, "lora_variant", {})
+            or layer.lora_B[name].bias is not None or not torch.is_autocast_enabled(dev)):
+        return type(layer).forward(layer, x, *args, **kwargs)  # peft's own forward
+    result = layer.base_layer(x, *args, **kwargs)
+    h = layer.lora_A[name](layer.lora_dropout[name](x))                            # [..., r]
+    out = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]),
+                      layer.lora_B[name].weight.t(), alpha=layer.scaling[name])   # base + scaling * h @ B^T
+    return out.view(result.shape)
+
+
+def fuse_adapter_sum(model: torch.nn.Module, on: bool = True) -> int:
+    """Under autocast, add each LoRA adapter's output to the base layer's in the adapter's second matmul: one
+    ``addmm(base, h, B^T, alpha=scaling)`` instead of peft's ``base + lora_B(h) * scaling`` (a product, a scaling
+    pass and a sum over ``[rows, out_features]``); return how many layers it touched.
+
+    For one active plain adapter (no variant such as DoRA, no ``lora_B`` bias, not merged); anything else, and any
+    forward outside autocast, runs peft's own forward. The sum is rounded once (oneDNN accumulates the product in
+    float32 and adds the base in the same kernel) instead of three times; the gradients are autograd's of ``addmm``.
+    """
+    import types
+
+    from peft.tuners.lora import LoraLayer
+
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, LoraLayer) or not isinstance(module, torch.nn.Module):
+            continue
+        installed = "forward" in vars(module)
+        if on and not installed:
+            module.forward = types.MethodType(_addmm_adapter_forward, module)
+            count += 1
+        elif not on and installed:
+            del module.forward
+            count += 1
+    return count
+
+
 def _cached_cast_forward(head: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     dev = x.device.type
     w = head.weight
@@ -571,7 +612,8 @@ def dequantize_in_compute_dtype(model: torch.nn.Module, on: bool = True) -> int:
 
 
 CPU_MIXED_PATHS = {"attention_fp32_short": use_mixed_sdpa, "adapter_inputs_cast_once": cast_adapter_inputs_once,
-                   "head_cast_cached": cache_head_cast, "dequantize_to_compute_dtype": dequantize_in_compute_dtype}
+                   "adapter_sum_in_addmm": fuse_adapter_sum, "head_cast_cached": cache_head_cast,
+                   "dequantize_to_compute_dtype": dequantize_in_compute_dtype}
 """The CPU mixed-precision paths by name (each ``fn(model, on) -> changed``), for :func:`use_cpu_mixed_paths` and
 ``benchmarks/bf16_paths.py``, which switches them one at a time."""
 

@@ -53,6 +53,20 @@ def _rel(a: dict, b: dict) -> float:
 pytest.importorskip("bitsandbytes")
 
 
+def _fp32_twin(q):
+    """The fp32 model holding ``q``'s dequantized 4-bit weights and its LoRA weights: the maths bf16 approximates."""
+    import bitsandbytes as bnb
+
+    ref_model = _model(quantize=False)
+    with torch.no_grad():
+        deq = {n: bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).float()
+               for n, m in q.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+        for n, m in ref_model.named_modules():
+            if n in deq:
+                m.weight.copy_(deq[n])
+    return ref_model
+
+
 def test_head_cast_cache_is_bit_identical_and_follows_the_weight():
     model = _model()
     ids = _ids()
@@ -126,17 +140,8 @@ def test_adapter_inputs_cast_once_stays_within_bf16_round_off_of_fp32():
     """The layer outputs stay bf16 (base + adapter summed in bf16); the gradients stay as close to the fp32 model's
     as the bf16 path without it (bf16 round-off), and the LoRA matmuls see the same bf16 input as before."""
     ids = _ids()
-    ref_model = _model(quantize=False)  # fp32 maths on the same LoRA weights: the 4-bit base dequantized
     q = _model()
-    import bitsandbytes as bnb
-
-    with torch.no_grad():
-        deq = {n: bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).float()
-               for n, m in q.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
-        for n, m in ref_model.named_modules():
-            if n in deq:
-                m.weight.copy_(deq[n])
-    _, fp32 = _grads(ref_model, ids, autocast=False)
+    _, fp32 = _grads(_fp32_twin(q), ids, autocast=False)
     _, before = _grads(q, ids)
     seen = []
     hook = q.get_base_model().model.layers[0].self_attn.q_proj.register_forward_hook(
@@ -152,19 +157,30 @@ def test_adapter_inputs_cast_once_stays_within_bf16_round_off_of_fp32():
     assert all(torch.equal(again[n], before[n]) for n in before)  # off is the old path, bit for bit
 
 
+def test_adapter_sum_in_addmm_stays_within_bf16_round_off_and_falls_back_to_peft():
+    ids = _ids()
+    q = _model()
+    _, fp32 = _grads(_fp32_twin(q), ids, autocast=False)
+    logits_before, before = _grads(q, ids)
+    assert modeling.fuse_adapter_sum(q) == 14
+    logits, after = _grads(q, ids)
+    assert logits.shape == logits_before.shape
+    assert _rel(after, fp32) < 2 * _rel(before, fp32) < 4e-2
+    layer = q.get_base_model().model.layers[0].mlp.up_proj
+    x = torch.randn(2, 5, layer.in_features)
+    with torch.no_grad():  # outside autocast: peft's own forward, bit for bit
+        assert torch.equal(layer(x), type(layer).forward(layer, x))
+        with q.disable_adapter():  # adapters off: the base layer alone
+            assert torch.equal(layer(x), layer.base_layer(x))
+    assert modeling.fuse_adapter_sum(q, on=False) == 14 and "forward" not in vars(layer)
+    _, again = _grads(q, ids)
+    assert all(torch.equal(again[n], before[n]) for n in before)
+
+
 def test_all_paths_track_fp32_as_the_bf16_path_does():
     ids = _ids()
     q = _model()
-    ref_model = _model(quantize=False)
-    import bitsandbytes as bnb
-
-    with torch.no_grad():
-        deq = {n: bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state).float()
-               for n, m in q.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
-        for n, m in ref_model.named_modules():
-            if n in deq:
-                m.weight.copy_(deq[n])
-    _, fp32 = _grads(ref_model, ids, autocast=False)
+    _, fp32 = _grads(_fp32_twin(q), ids, autocast=False)
     _, before = _grads(q, ids)
     assert sorted(modeling.use_cpu_mixed_paths(q)) == sorted(modeling.CPU_MIXED_PATHS)
     _, after = _grads(q, ids)
