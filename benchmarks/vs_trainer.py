@@ -229,7 +229,9 @@ def table(job: Job, res: dict, repeats: int) -> str:
     order = ("each loop groups with its own sampler (ours: mega-batches of "
              f"{job.mega_batch_steps} global batches; the Trainer's: min(rows / (4 x global batch), 50)), so the "
              "rows per step and the losses differ" if job.group_by_length else "same rows in the same order")
-    lines = [f"{job.describe()}, {repeats} repeats, alternating; {job.rows or 'one epoch of'} rows; {order}", *rows,
+    per = any("@" in c for c in res["tokens_per_s"])
+    describe = job.describe() + (" (unless the contestant names its own: @bf16, @fp32)" if per else "")
+    lines = [f"{describe}, {repeats} repeats, alternating; {job.rows or 'one epoch of'} rows; {order}", *rows,
              "", f"train loss over the run (first repeat), relative difference from ours: {diffs}", machine_line()]
     best = [c for c in res["ratio"] if c.partition("@")[0] == "trainer+keep"]
     if best:  # the Trainer at its faster dtype (median tokens/s) when several were run
