@@ -356,7 +356,7 @@ def forward_tail_packed(model: torch.nn.Module, batch: dict[str, Tensor]) -> tup
 
 @dataclass
 class LossSpec:
-    """Everything :func:`loss_step` and evaluation need besides the model and the batch (from the config).
+    """What :func:`scale.chunked.loss_step` and evaluation need besides the model and the batch (from the config).
 
     Attributes:
         threshold: ``loss.threshold``, the tail length of rows whose format trains the last tokens (tokens).
@@ -412,25 +412,3 @@ class LossSpec:
             return batch["tail_mask"].float()
         return token_weights(batch["type_indicator"], batch["tail_mask"], self.type_weights)
 
-
-def loss_step(model: torch.nn.Module, batch: dict[str, Tensor], spec: LossSpec, weights: Tensor) -> Tensor:
-    """Forward one micro-batch; return the tail-loss numerator ``[]`` under ``weights`` ``[B, N]``.
-
-    Pure: no collectives; the caller divides by the window's denominator. The rows were checked by
-    ``scale.train.windows`` (inside its all-gather), so no check here. The tail logits ``[B, N, V]`` are
-    freed before returning; when ``spec.chunk_size`` cuts the tail into several chunks they are never built at
-    once (:mod:`scale.chunked`: fp32 logits of one chunk at a time, exact to round-off).
-    """
-    from scale import chunked
-
-    B, N = weights.shape
-    if chunked.chunkable(model):
-        chunk = chunked.resolve_chunk_size(spec.chunk_size, B * N, chunked.vocab_size(model))
-        if chunk:
-            hidden, targets = chunked.forward_tail_hidden(model, batch, padding_side=spec.padding_side, check=False)
-            num, _ = chunked.chunked_tail_loss(model, hidden, targets, weights, chunk, batch["type_indicator"],
-                                               spec.criterion, spec.criterion_mode)
-            return num
-    tail_logits, targets = forward_tail(model, batch, padding_side=spec.padding_side, check=False)
-    num, _ = tail_loss(tail_logits, targets, weights, batch["type_indicator"], spec.criterion, spec.criterion_mode)
-    return num

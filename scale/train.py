@@ -35,11 +35,12 @@ from tqdm.auto import tqdm
 from scale.best import observe, out_of_patience, write_best
 from scale.checkpoint import ADAPTER_FILE, STATE_FILE, SaveTimer, save_adapter, save_checkpoint
 from scale.checks import check_invariants, fingerprints
+from scale.chunked import loss_step
 from scale.config import Config
 from scale.evaluate import evaluate
 from scale.export import save_serving_files, serving_tokenizer
 from scale.job import Job, setup
-from scale.loss import LossSpec, batch_bad_rows, describe_batch_row, loss_step
+from scale.loss import LossSpec, batch_bad_rows, describe_batch_row
 from scale.metrics import StepMeter, bar_text
 from scale.samples import generate_samples, sample_metrics, write_samples
 from scale.signals import EvalInterrupted, Preempted, Preemption

@@ -46,7 +46,7 @@ def _run(model, batch, spec, chunk):
     model.zero_grad(set_to_none=True)
     spec.chunk_size = chunk
     w = spec.weights(batch)
-    num = scale_loss.loss_step(model, batch, spec, w)
+    num = chunked.loss_step(model, batch, spec, w)
     den = (w > 0).sum().float() if spec.criterion is not None else w.sum()
     (num / den).backward()
     return (num / den).item(), _grads(model)

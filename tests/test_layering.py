@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "schedule": {"config"},
     # scale/data/: the data stages (reading, sources, tasks, mixing, tokenization, cache, order)
     "data": {"assets", "config", "data", "fileio", "loss", "validation"},
-    "loss": {"config", "chunked"},  # loss_step picks the chunked loss (imported lazily: chunked imports loss)
+    "loss": {"config"},
     "chunked": {"loss"},
     "modeling": {"config", "assets"},
     "export": {"config", "data", "fileio", "modeling"},
@@ -45,7 +45,7 @@ ALLOWED: dict[str, set[str]] = {
     "samples": {"checkpoint", "signals", "tracking"},  # generation at each evaluation (issue 20)
     "job": {"assets", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss",
             "metrics", "modeling", "samples", "schedule", "tracking", "export"},
-    "train": {"best", "checkpoint", "checks", "config", "evaluate", "export", "job", "loss", "metrics",
+    "train": {"best", "checkpoint", "checks", "chunked", "config", "evaluate", "export", "job", "loss", "metrics",
               "samples", "signals", "tracking"},
     "cli": {"assets", "checkpoint", "config", "data", "launch", "modeling", "signals", "train"},
     "report": {"config", "metrics", "schedule"},

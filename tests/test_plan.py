@@ -211,7 +211,7 @@ def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, ch
 
 def loss_step_saved_bytes(model: torch.nn.Module, batch: dict, spec) -> int:
     """Bytes autograd saves in the product's ``loss_step`` on ``batch`` (distinct storages, parameters excluded)."""
-    from scale.loss import loss_step
+    from scale.chunked import loss_step
 
     params_ptr = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}

@@ -139,7 +139,8 @@ def test_padding_free_matches_padded_loss_and_gradients(tokenizer):
     from scale.config import LoraConfig, ModelConfig
     from scale.data import Collator, Example
     from scale.data.order import PaddingFreeCollator
-    from scale.loss import forward_tail, loss_step
+    from scale.chunked import loss_step
+    from scale.loss import forward_tail
     from scale.modeling import build_model
 
     model = build_model(ModelConfig(name_or_path="tiny-llama", gradient_checkpointing=False),
@@ -230,7 +231,7 @@ def test_packed_loader_trains_every_row_once_and_matches_padded(tmp_path, tokeni
     batch of the same examples within 1e-5."""
     from scale.data import Collator, build_splits
     from scale.job import make_loaders
-    from scale.loss import loss_step
+    from scale.chunked import loss_step
     from scale.modeling import build_model
     from tests.conftest import tiny_cfg
 
