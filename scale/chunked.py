@@ -249,9 +249,8 @@ def loss_step(model: torch.nn.Module, batch: dict[str, Tensor], spec: scale_loss
         if chunk:
             hidden, targets = forward_tail_hidden(model, batch, padding_side=spec.padding_side, check=False)
             num, _ = chunked_tail_loss(model, hidden, targets, weights, chunk, batch["type_indicator"],
-                                       spec.criterion, spec.criterion_mode)
+                                       spec.criterion, scale_loss.CRITERION_MODE)
             return num
     tail_logits, targets = scale_loss.forward_tail(model, batch, padding_side=spec.padding_side, check=False)
-    num, _ = scale_loss.tail_loss(tail_logits, targets, weights, batch["type_indicator"], spec.criterion,
-                                  spec.criterion_mode)
+    num, _ = spec.tail_loss(tail_logits, targets, weights, batch["type_indicator"])
     return num

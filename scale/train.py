@@ -161,7 +161,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
             state.windows_in_epoch = 0
     pbar.close()
     # Resumed from the last step's checkpoint: nothing was trained, the figures are already logged.
-    return last_eval or evaluate(acc, job.model, job.eval_dl, job.spec)
+    return last_eval or evaluate(acc, job.model, job.eval_dl, job.spec, task=job.task)
 
 
 def preempted(job: Job, pbar: Any) -> None:
@@ -356,7 +356,7 @@ def evaluate_and_log(job: Job, preemption: Preemption | None = None) -> dict[str
         EvalInterrupted: ``preemption`` was requested during it (checked between eval batches and samples).
     """
     stop = (lambda: preemption.requested) if preemption is not None else None
-    metrics = evaluate(job.acc, job.model, job.eval_dl, job.spec, stop=stop)
+    metrics = evaluate(job.acc, job.model, job.eval_dl, job.spec, stop=stop, task=job.task)
     if job.gen is not None and job.gen.samples:
         records = generate_samples(job.acc, job.model, job.gen, stop)  # collective
         metrics |= sample_metrics(records)

@@ -138,8 +138,8 @@ def test_padding_free_matches_padded_loss_and_gradients(tokenizer):
     """One packed row with restarting position ids = the padded batch: same tail loss and LoRA gradients."""
     from scale.config import LoraConfig, ModelConfig
     from scale.data import Collator, Example
-    from scale.data.order import PaddingFreeCollator
     from scale.chunked import loss_step
+    from scale.data.collate import PaddingFreeCollator
     from scale.loss import forward_tail
     from scale.modeling import build_model
 
@@ -177,8 +177,7 @@ def test_padding_free_matches_padded_loss_and_gradients(tokenizer):
 def _spec():
     from scale.loss import LossSpec
 
-    return LossSpec(threshold=2, padding_side="left", type_weights=None, criterion=None, criterion_mode="plain",
-                    target_position=-2, task={"label_token_ids": [7, 8]})
+    return LossSpec(padding_side="left", type_weights=None, criterion=None)
 
 
 @pytest.mark.parametrize("data", ["tiny_reviews", "tiny_completions"])
