@@ -1,8 +1,9 @@
 """Collation: tokenized examples -> the batch dicts the loss reads, padded or padding-free. No device placement.
 
 Every example carries its per-token trained mask (:meth:`scale.data.tasks.base.Example.tail_flags`: 1 where a tail
-token is trained, 0 on a chat's user/tool turns between two assistant turns); :class:`Collator` copies it into
-``tail_mask`` (:func:`tail_masks`).
+token is trained, 0 on a chat's user/tool turns between two assistant turns); every collator here copies it into
+``tail_mask`` the same way (:func:`tail_masks`), so a padded, a padding-free and a packed batch of the same
+examples train the same tokens.
 
 Padded (:class:`Collator`):
 
@@ -89,21 +90,17 @@ class PaddingFreeCollator:
     packed-sequence detection off), as :func:`scale.loss.forward_tail` does.
 
     Returns a dict with ``input_ids`` ``[1, L]`` (``L`` = total tokens), ``position_ids`` ``[1, L]``,
-    ``seq_lens`` ``[B]`` (tokens of each example), ``tail_mask`` ``[B, N]`` and per example ``type_indicator``,
-    ``target_token``, ``label``, ``row`` ``[B]``, as :class:`Collator` has them.
+    ``seq_lens`` ``[B]`` (tokens of each example), ``tail_mask`` ``[B, N]`` (each example's trained-token mask)
+    and per example ``type_indicator``, ``target_token``, ``label``, ``row`` ``[B]``, as :class:`Collator` has them.
     """
 
     def __call__(self, examples: list[Any]) -> dict[str, Tensor]:
         ids = [torch.tensor(e.input_ids, dtype=torch.long) for e in examples]
-        N = max(e.tail_len for e in examples)
-        tail = torch.zeros((len(examples), N), dtype=torch.long)
-        for b, e in enumerate(examples):
-            tail[b, N - e.tail_len:] = 1  # right-aligned, as Collator has it
         return {
             "input_ids": torch.cat(ids)[None],
             "position_ids": torch.cat([torch.arange(len(x)) for x in ids])[None],
             "seq_lens": torch.tensor([len(x) for x in ids], dtype=torch.long),
-            "tail_mask": tail,
+            "tail_mask": tail_masks(examples),
             **per_example_fields(examples),
         }
 
