@@ -13,9 +13,9 @@ split the same way on its own: its eval rows are its share of ``data.eval_size``
 from ``data.eval_path`` / each source's ``data.eval_split``. The mixed train split then holds exactly
 ``apportion(N, weights)[i]`` rows of source ``i``:
 
-- ``first_exhausted`` (default): ``N`` is the largest size at which no source repeats a row, so the source that
-  runs out first at its weight is used whole and the others contribute a subset (their first rows in the seeded
-  shuffle);
+- ``first_exhausted`` (default): ``N`` is the largest size at which no source repeats a row (:func:`mixture_counts`),
+  so the source that runs out first at its weight is used whole (or all but a row or so of the rounding) and the
+  others contribute a subset (their first rows in the seeded shuffle);
 - ``all_exhausted``: ``N`` is the smallest size at which every row is used; the smaller sources (at their
   weight) repeat, whole passes in their shuffled order first.
 
@@ -31,6 +31,8 @@ dataset: a row is encoded by its own source's format.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -72,6 +74,13 @@ def sources(data_cfg: DataConfig) -> list[Source]:
     return out
 
 
+def _integer_weights(weights: Sequence[float]) -> list[int]:
+    """The weights as integers in the same exact ratios (each a fraction over their common denominator)."""
+    fractions = [Fraction(w) for w in weights]
+    den = math.lcm(*(f.denominator for f in fractions))
+    return [int(f * den) for f in fractions]
+
+
 def apportion(total: int, weights: Sequence[float]) -> list[int]:
     """``total`` split into non-negative integers proportional to ``weights`` (largest remainder, exact fractions;
     ties to the earlier entry). ``sum(result) == total``.
@@ -79,18 +88,28 @@ def apportion(total: int, weights: Sequence[float]) -> list[int]:
     >>> apportion(10, [3, 1])
     [8, 2]
     """
-    fractions = [Fraction(w) for w in weights]
-    whole = sum(fractions)
-    quotas = [total * f / whole for f in fractions]
-    counts = [int(q) for q in quotas]  # floor: quotas are >= 0
-    for i in sorted(range(len(quotas)), key=lambda i: (counts[i] - quotas[i], i))[:total - sum(counts)]:
+    ws = _integer_weights(weights)
+    whole = sum(ws)
+    counts = [total * w // whole for w in ws]  # each quota total * w / whole, rounded down
+    remainders = [total * w % whole for w in ws]
+    for i in sorted(range(len(ws)), key=lambda i: (-remainders[i], i))[:total - sum(counts)]:
         counts[i] += 1
     return counts
 
 
 def mixture_counts(available: Sequence[int], weights: Sequence[float], strategy: str,
                    cap: int | None = None) -> list[int]:
-    """Rows of each source in the mixed train split (see the module docstring).
+    """Rows of each source in the mixed train split: ``apportion(N, weights)``, ``N`` capped at ``cap``, where
+
+    - ``first_exhausted``: ``N`` is the largest size at which no row repeats (``apportion(N)[i] <= available[i]``
+      for every source);
+    - ``all_exhausted``: ``N`` is the smallest size at which every row is used (``apportion(N)[i] >=
+      available[i]`` for every source).
+
+    The largest remainder method can give a source fewer rows at a larger size (the Alabama paradox), so ``N`` is
+    searched, not computed from the one source that runs out first (which gives 231 instead of 232 on the
+    example of docs/data.md). ``apportion(n)[i]`` lies within one row of ``n * w_i / W``, which bounds the search
+    to about ``W / w_i`` sizes.
 
     Args:
         available: train rows of each source.
@@ -98,13 +117,18 @@ def mixture_counts(available: Sequence[int], weights: Sequence[float], strategy:
         strategy: ``first_exhausted`` or ``all_exhausted``.
         cap: ``data.max_train_examples`` (rows), or ``None``.
     """
-    fractions = [Fraction(w) for w in weights]
-    whole = sum(fractions)
+    ws = _integer_weights(weights)
+    whole = sum(ws)
     if strategy == "first_exhausted":
-        total = min(int(n * whole / f) for n, f in zip(available, fractions))  # no source past its rows
+        # from n = ceil((a_i + 1) W / w_i) on, source i's share rounded down already exceeds its a_i rows
+        top = min(-(-(a + 1) * whole // w) - 1 for a, w in zip(available, ws))
+        total = next(n for n in range(top, -1, -1)
+                     if all(c <= a for c, a in zip(apportion(n, weights), available)))
     else:
-        total = max(-(-n * whole // f) for n, f in zip(available, fractions))  # ceil: every row at least once
-        total = int(total)
+        # below n = floor((a_i - 1) W / w_i) + 1, source i's share rounded up is still under its a_i rows
+        low = max(max((a - 1) * whole // w + 1, 0) for a, w in zip(available, ws))
+        total = next(n for n in itertools.count(low)
+                     if all(c >= a for c, a in zip(apportion(n, weights), available)))
     return apportion(min(total, cap) if cap is not None else total, weights)
 
 
