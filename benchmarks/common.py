@@ -184,7 +184,7 @@ class Job:
     log_every: int = 1
     seed: int = 0
     min_len: int | None = None
-    group_by_length: bool = False  # ours: scale.sampling.LengthGroupedSampler over the rows (else their order)
+    group_by_length: bool = False  # ours: scale.data.order.LengthGroupedSampler over the rows (else their order)
     mega_batch_steps: int = 16
     rows: int | None = None        # rows in the data set; None: exactly `steps` global batches (one epoch)
 
