@@ -34,12 +34,11 @@ FORMATS = tuple(reversed(TASKS))  # as data.format lists them
 # Formats whose rows may share one mixture (data.datasets, issue 18) besides one format alone, and the format that
 # evaluates it: both train their completions, and eval/exact_match over the trained tail means the same for both.
 MIXABLE: dict[frozenset[str], str] = {frozenset({"prompt_completion", "messages"}): "prompt_completion"}
-DEFAULT = "classification"        # the format of a LossSpec built without one (the default config's)
 
 
-def get(name: str | None) -> Task:
-    """A fresh instance of format ``name`` (``None``: :data:`DEFAULT`)."""
-    return TASKS[name or DEFAULT]()
+def get(name: str) -> Task:
+    """A fresh instance of format ``name``."""
+    return TASKS[name]()
 
 
 def columns_needed(cfg: DataConfig) -> dict[str, list[str]]:
