@@ -13,7 +13,7 @@ from N(0, 0.01) so that every LoRA gradient is non-zero):
 
 Variants of the bf16 model: ``none`` (every path off: the bf16 path before the paths existed), each path alone,
 ``all`` and ``all but <path>``. Each round runs every variant once, in a new order each round, on the same
-``--micro`` micro-batches of 8 rows (forward + tail loss + backward, as ``scale.loss.loss_step`` and the loop do
+``--micro`` micro-batches of 8 rows (forward + tail loss + backward, as ``scale.chunked.loss_step`` and the loop do
 it), after one untimed micro-batch (a path that caches, like the LM head's cast, starts warm as in a run); a
 variant's time is its median over rounds and its ratio to ``none`` is the median of the per-round ratios
 (so a busy moment hits both sides of a ratio). Exactness: the relative L2 difference of the LoRA gradients (all
@@ -69,8 +69,7 @@ def micro_batches(cfg, tok, n: int, rows: int = 8):
     mid = len(train) // 2  # rows of the median length: the batches a grouped run trains on most
     collate = Collator(tok.pad_token_id, cfg.data.padding_side)
     batches = [collate(train[mid + i * rows: mid + (i + 1) * rows]) for i in range(n)]
-    spec = LossSpec.from_config(cfg, splits.label_token_ids, format=splits.format, label_seqs=splits.label_seqs,
-                                has_target=splits.has_target, pad_token_id=tok.pad_token_id)
+    spec = LossSpec.from_config(cfg)
     return batches, spec
 
 
@@ -78,7 +77,7 @@ def step(model, batches, spec, autocast: bool) -> tuple[float, dict]:
     """Forward + backward of every micro-batch; return the summed loss numerator and the LoRA gradients."""
     import torch
 
-    from scale.loss import loss_step
+    from scale.chunked import loss_step
 
     total = 0.0
     for b in batches:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from scale.config import Config, load_config
-from scale.data import chat_template, render_chat
+from scale.data.tasks.messages import chat_template, render_chat
 from scale.fileio import replace_dir, temp_dir_for
 from scale.modeling import load_base, load_tokenizer
 
