@@ -25,8 +25,8 @@ from accelerate.utils import broadcast_object_list, set_seed
 from torch.utils.data import DataLoader
 
 from scale.assets import EMBEDDED_MODEL, resolve_data, resolve_model
-from scale.checkpoint import (TrainerState, check_resume, clear_previous_run, load_checkpoint, register_hooks,
-                              resolve_resume)
+from scale.checkpoint import (STATE_FILE, TrainerState, check_resume, clear_previous_run, load_checkpoint,
+                              register_hooks, resolve_resume)
 from scale.checks import dtype_census
 from scale.config import Config, ConfigError, dump_config
 from scale.data.cache import load_splits, wait_for_splits
@@ -272,8 +272,6 @@ def saved_precision(resume_from: str | None, output_dir: Path) -> str | None:
     rank). Read from its :class:`TrainerState` (``mixed_precision``), else from the config it saved (checkpoints
     written before the field existed hold the resolved value there)."""
     import json
-
-    from scale.checkpoint import STATE_FILE
 
     try:
         path = resolve_resume(resume_from, output_dir)

@@ -211,8 +211,9 @@ def _reset():
     GradientState._reset_state()
 
 
-RESUME = ["train.mixed_precision=auto", "optim.schedule=constant", "data.max_train_examples=16", "train.max_steps=2", "train.save_every=2",
-          "train.eval_every=0", "train.log_every=1", "log.peak_flops=1e12", "model.gradient_checkpointing=false"]
+RESUME = ["train.mixed_precision=auto", "optim.schedule=constant", "data.max_train_examples=16", "train.max_steps=2",
+          "train.save_every=2", "train.eval_every=0", "train.log_every=1", "log.peak_flops=1e12",
+          "model.gradient_checkpointing=false"]
 
 
 @pytest.mark.slow
