@@ -38,6 +38,8 @@ ALLOWED: dict[str, set[str]] = {
     "sampling": {"data"},
     "export": {"config", "data", "fileio", "modeling"},
     "generate": {"config", "export", "modeling"},
+    # scale-lm-eval: the eval split (token cache, samples' prompt/answer split) as a harness task
+    "lmeval": {"assets", "cache", "config", "data", "export", "fileio", "modeling", "samples", "tasks"},
     "census": {"config", "loss", "modeling", "chunked"},  # scale-plan's counts: meta/fake tensors only, no process group
     "layouts": {"census", "config"},
     "plan": {"census", "config", "layouts", "assets", "data", "modeling"},  # data: the tails to plan for
