@@ -6,12 +6,13 @@
 
 Needs the ``eval`` extra (``pip install -e '.[eval]'``: lm-eval with its ``hf`` backend). No hub: the task reads
 ``<run>/lm_eval/<task>.jsonl``, written here from the eval split the run evaluated (the same rows, order and
-tokens: the config's token cache, :func:`scale.cache.load_splits`), one document per row:
+tokens: the config's token cache, :func:`scale.data.cache.load_splits`), one document per row:
 
-| the run's data | harness task | the run's figure it reproduces |
-|---|---|---|
-| labels (``data.labels``) | ``multiple_choice``, ``acc``: the label with the highest summed log-likelihood after the prompt | ``eval/accuracy`` (the same ranking: single-token labels by the label token, longer ones with their EOS, as :class:`scale.tasks.classification.Classification` scores them) |
-| completions, chats | ``generate_until``, ``exact_match``: greedy, stopping at the trained end-of-turn marker | ``eval/gen_exact_match`` on every eval row (the run generates ``eval.generate_samples``) |
+- labels (``data.labels``): a ``multiple_choice`` task, ``acc``: the label with the highest summed
+  log-likelihood after the prompt. It reproduces ``eval/accuracy``: the same ranking (single-token labels by the
+  label token, longer ones with their EOS, as :class:`scale.data.tasks.classification.Classification` scores them);
+- completions and chats: a ``generate_until`` task, ``exact_match``: greedy, stopping at the trained end-of-turn
+  marker. It reproduces ``eval/gen_exact_match`` on every eval row (the run generates ``eval.generate_samples``).
 
 A document's context is the row's trained prompt decoded with its special tokens (the chat template already
 applied, as in ``samples.jsonl``), so the harness scores the text the run scored; it re-tokenizes it without
@@ -89,8 +90,8 @@ def _docs(run_dir: Path) -> tuple[list[dict[str, Any]], str, list[str], int]:
     Raises:
         LmEvalError: the run has no ``config.yaml``, or its rows have no held-out answer (plain text).
     """
-    from scale import tasks
-    from scale.cache import load_splits
+    from scale.data import tasks
+    from scale.data.cache import load_splits
     from scale.samples import pick_samples
 
     if not (run_dir / "config.yaml").is_file():
@@ -153,7 +154,7 @@ def write_task(run_dir: str | Path, out: str | Path | None = None) -> TaskFiles:
 
     Raises:
         LmEvalError: see :func:`_docs`.
-        DataError: the run's data no longer loads (see :func:`scale.data.build_splits`).
+        DataError: the run's data no longer loads (see :func:`scale.data.tokenize.build_splits`).
     """
     run_dir = Path(run_dir)
     out = Path(out) if out is not None else run_dir / TASK_DIR

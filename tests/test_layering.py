@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "export": {"config", "data", "fileio", "modeling"},
     "generate": {"config", "export", "modeling"},
     # scale-lm-eval: the eval split (token cache, samples' prompt/answer split) as a harness task
-    "lmeval": {"assets", "cache", "config", "data", "export", "fileio", "modeling", "samples", "tasks"},
+    "lmeval": {"assets", "config", "data", "export", "fileio", "modeling", "samples"},
     "census": {"config", "loss", "modeling", "chunked"},  # scale-plan's counts: meta/fake tensors only, no process group
     "layouts": {"census", "config"},
     "plan": {"census", "config", "layouts", "assets", "data", "modeling"},  # data: the tails to plan for
