@@ -216,8 +216,9 @@ def read_conversations(lines: Iterable[str], source: str) -> list[Messages]:
     blank lines are skipped.
 
     Raises:
-        GenerateError: a line that is not JSON, or whose messages are not ``{role, content}`` objects with a
-            string content (line numbers from 1, as an editor shows them).
+        GenerateError: a line that is not JSON, whose messages are not ``{role, content}`` objects with a string
+            content (an assistant turn with ``tool_calls`` may have none), or that holds only an assistant turn
+            (line numbers from 1, as an editor shows them).
     """
     out = []
     for n, line in enumerate(lines, start=1):
@@ -230,10 +231,14 @@ def read_conversations(lines: Iterable[str], source: str) -> list[Messages]:
                                 f'{{"messages": [{{"role": "user", "content": "..."}}]}}') from None
         messages = value.get("messages") if isinstance(value, dict) else value
         if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                isinstance(m, dict) and isinstance(m.get("role"), str) and (isinstance(m.get("content"), str) or (
+                    m.get("role") == "assistant" and m.get("tool_calls") and m.get("content") is None))
                 for m in messages):
             raise GenerateError(f"{source} line {n}: expected a non-empty list of {{role, content}} messages with "
                                 f"text content under \"messages\" (or as the line itself)")
+        if not split_reference(messages)[0]:
+            raise GenerateError(f"{source} line {n}: nothing precedes the assistant turn; give the user turn it "
+                                f"answers")
         out.append(messages)
     return out
 

@@ -130,6 +130,11 @@ def test_bad_messages_lines_name_the_line(model_dir, capsys, monkeypatch):
     assert err.startswith("scale-generate: error: stdin line 2: not JSON") and err.count("\n") == 1
     with pytest.raises(ValueError, match=r"x.jsonl line 3: expected a non-empty list of \{role, content\}"):
         read_conversations(["", json.dumps(CHAT), json.dumps({"messages": [{"role": "user"}]})], "x.jsonl")
+    with pytest.raises(ValueError, match=r"x.jsonl line 1: nothing precedes the assistant turn"):
+        read_conversations([json.dumps([{"role": "assistant", "content": "Hi."}])], "x.jsonl")
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+    assert read_conversations([json.dumps(CHAT + [call, {"role": "tool", "content": "1"}])], "x") == [
+        CHAT + [call, {"role": "tool", "content": "1"}]]
 
 
 def test_a_model_without_a_chat_template_takes_plain_prompts_only(tmp_path, tokenizer, capsys):
