@@ -50,6 +50,8 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"data.collate", "data.read", "data.split", "data.tasks", "data.tokenize"},  # the face: hands names on
     "export": {"config", "data", "data.tasks", "fileio", "modeling"},
     "generate": {"config", "export", "modeling"},
+    # scale-lm-eval: the eval split (token cache, samples' prompt/answer split) as a harness task
+    "lmeval": {"assets", "config", "data", "data.cache", "data.read", "data.tasks", "export", "fileio", "modeling", "samples"},
     "plan": {"assets", "census", "config", "data.tokenize", "layouts", "modeling"},  # data: the tails to plan for
     # the loop side: may import accelerate / torch.distributed
     "rendezvous": set(),
@@ -92,7 +94,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("data: the package's face", {"data"}),
     ("the loop side", {"metrics", "tracking", "launch", "checks", "checkpoint", "best", "evaluate", "samples", "export",
                        "generate", "job", "train"}),
-    ("entry points and aliases", {"cli", "plan", "prepare", "report", "formats", "sampling"}),
+    ("entry points and aliases", {"cli", "plan", "prepare", "report", "lmeval", "formats", "sampling"}),
 ]
 # Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and
 # `--accelerate-config` import neither torch nor accelerate (scale/cli.py's module comment), and start_fast imports
