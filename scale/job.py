@@ -25,8 +25,8 @@ from accelerate.utils import broadcast_object_list, set_seed
 from torch.utils.data import DataLoader
 
 from scale.assets import EMBEDDED_MODEL, resolve_data, resolve_model
-from scale.checkpoint import (TrainerState, check_resume, clear_previous_run, load_checkpoint, register_hooks,
-                              resolve_resume)
+from scale.checkpoint import (STATE_FILE, TrainerState, check_resume, clear_previous_run, load_checkpoint,
+                              register_hooks, resolve_resume)
 from scale.checks import dtype_census
 from scale.config import Config, ConfigError, dump_config
 from scale.data.cache import load_splits, wait_for_splits
@@ -43,7 +43,8 @@ from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.loss import LossSpec
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
-from scale.modeling import TINY, build_model, check_packing, load_tokenizer, parameter_counts, tokenizer_source
+from scale.modeling import (TINY, build_model, check_packing, load_tokenizer, parameter_counts, tokenizer_source,
+                            use_cpu_mixed_paths)
 from scale.samples import SAMPLES_FILE, Generation, pick_samples, start_samples_file
 from scale.schedule import lr_factor, steps_for_epochs
 from scale.tracking import start_trackers
@@ -139,11 +140,15 @@ def setup(cfg: Config) -> Job:
         DataError, ConfigError, LaunchError, CheckpointError: bad input, before anything is written (except
             that an edited data file is detected when the checkpoint is loaded).
     """
-    # train.mixed_precision=auto resolved in place: config.yaml and the Accelerator get the choice
-    precision = resolve_mixed_precision(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    acc = build_accelerator(cfg)
-    plan = plan_for_mode(cfg, acc)
+    # train.mixed_precision=auto resolved in place, once for every rank (rank 0 decides, a resume keeps its
+    # checkpoint's): config.yaml, the checkpoints and the Accelerator get the choice
     out = Path(cfg.output_dir)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    decided: list[Any] = []
+    acc = build_accelerator(cfg, settle=lambda: decided.append(
+        resolve_mixed_precision(cfg, device, saved=saved_precision(cfg.train.resume_from, out))))  # collective
+    precision = decided[-1]
+    plan = plan_for_mode(cfg, acc)
     resume = resolve_resume(cfg.train.resume_from, out)
     saved_state = check_resume(acc, cfg, plan, resume)  # collective; before anything is written
     set_seed(cfg.train.seed)
@@ -183,6 +188,9 @@ def setup(cfg: Config) -> Job:
         model = build_model_on_every_rank(acc, cfg, plan, len(tokenizer))  # collective
     else:
         model = (on_every_rank if model_here else main_process_first)(acc, prepare_model)  # collective
+    # bf16 autocast on CPU: attention, casts and the 4-bit backward where they are fastest (scale.modeling)
+    cpu_paths = (use_cpu_mixed_paths(model) if device.type == "cpu" and cfg.train.mixed_precision == "bf16"
+                 and not plan.partitioned else [])
     mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, plan.data_parallel_size
     G = cfg.train.global_batch_size(world)
     train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id, world)
@@ -222,9 +230,11 @@ def setup(cfg: Config) -> Job:
                     total, 100 * trainable / total, len(splits.train), len(splits.eval), splits.format, max_steps)
         log_data_stats(splits.stats)
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))
-        logger.info("mode plan: %s; parameter dtypes: %s", "; ".join(plan.notes) or "defaults", dtype_census(model))
+        logger.info("mode plan: %s; parameter dtypes: %s%s", "; ".join(plan.notes) or "defaults", dtype_census(model),
+                    f"; CPU bf16 paths: {', '.join(cpu_paths)}" if cpu_paths else "")
     state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=world, data_sha256=data_digest(cfg, data_path),
-                         template_sha256=splits.template_sha256, rows_sha256=splits.fingerprint)
+                         template_sha256=splits.template_sha256, rows_sha256=splits.fingerprint,
+                         mixed_precision=cfg.train.mixed_precision)
     if resume is not None:
         state = load_checkpoint(acc, plan, resume, saved_state, state.data_sha256, state.template_sha256,
                                 state.rows_sha256)  # collective
@@ -254,6 +264,24 @@ def setup(cfg: Config) -> Job:
         start_samples_file(gen.path, acc.is_main_process, state.step if resume else None)
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
                flops_fn, peak.flops, max_steps, gen, splits.task)
+
+
+def saved_precision(resume_from: str | None, output_dir: Path) -> str | None:
+    """The autocast the checkpoint ``train.resume_from`` names trained in (``bf16``, ``fp16``, ``no``), or None: a
+    fresh start, or a checkpoint that cannot be read (:func:`scale.checkpoint.check_resume` then says why, on every
+    rank). Read from its :class:`TrainerState` (``mixed_precision``), else from the config it saved (checkpoints
+    written before the field existed hold the resolved value there)."""
+    import json
+
+    try:
+        path = resolve_resume(resume_from, output_dir)
+        if path is None:
+            return None
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        value = state.get("mixed_precision") or state.get("config", {}).get("train", {}).get("mixed_precision")
+    except Exception:  # noqa: BLE001 - reported by check_resume, collectively
+        return None
+    return value if value in ("bf16", "fp16", "no") else None
 
 
 def build_model_on_every_rank(acc: Accelerator, cfg: Config, plan: ModePlan, vocab_size: int) -> torch.nn.Module:

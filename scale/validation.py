@@ -34,6 +34,7 @@ _CHOICES = {
     "data.format": ("auto", "text", "classification", "prompt_completion", "messages"),
     "data.stopping_strategy": ("first_exhausted", "all_exhausted"),
     "loss.criterion_mode": ("plain", "input"),
+    "loss.fused": (None, "liger"),
     "optim.name": ("adamw", "sgd"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
@@ -101,6 +102,9 @@ def validate(cfg: Any) -> None:
         raise ConfigError("loss.criterion and loss.type_weights cannot be combined: a user criterion gets weight 1 "
                           "for every tail token, so the weights would be ignored. Drop loss.type_weights, or weigh "
                           "inside the criterion (loss.criterion_mode=input passes it the type ids)")
+    if cfg.loss.fused == "liger" and (cfg.loss.type_weights is not None or cfg.loss.criterion is not None):
+        raise ConfigError("loss.fused=liger computes an unweighted cross-entropy: it cannot apply loss.type_weights or "
+                          "loss.criterion. Drop them, or set loss.fused=null (scale.chunked's loss takes both)")
     chunk = cfg.loss.chunk_size
     if chunk != "auto" and not (isinstance(chunk, int) and chunk >= 0):
         raise ConfigError(f"loss.chunk_size={chunk!r} must be 'auto', 0 (unchunked) or a number of positions >= 1")

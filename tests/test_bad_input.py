@@ -307,6 +307,19 @@ def test_fp16_on_cpu_is_refused(tmp_path):
         "fp16; use train.mixed_precision=bf16 or no")
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="liger is refused on CPU only")
+def test_liger_loss_on_cpu_is_refused(tmp_path):
+    assert _refused(tmp_path, ConfigError, "loss.fused=liger") == (
+        "loss.fused=liger needs a CUDA GPU (Liger-Kernel's Triton kernels); on CPU set loss.fused=null "
+        "(scale.chunked's loss, exact on any device)")
+
+
+def test_liger_loss_with_type_weights_is_refused():
+    assert _message(ConfigError, load_config, TINY_YAML, ["loss.fused=liger", "loss.type_weights=[1.0,2.0]"]) == (
+        "loss.fused=liger computes an unweighted cross-entropy: it cannot apply loss.type_weights or loss.criterion. "
+        "Drop them, or set loss.fused=null (scale.chunked's loss takes both)")
+
+
 def test_yaml_yes_no_on_off_keep_their_words(tmp_path):
     """YAML 1.1 reads `no` as false: `train.mixed_precision=no` (the documented value) was refused."""
     cfg = load_config(TINY_YAML, ["train.mixed_precision=no", "model.quantize_4bit=yes", "data.labels=[yes,no]",
