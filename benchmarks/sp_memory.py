@@ -8,7 +8,7 @@ hidden 256, 4 layers, 4 heads, 2 key/value heads, MLP 768, SmolLM2's 49,152-toke
 linear layer, fp32, gradient checkpointing on): SP=1 is one process, SP=2 is DeepSpeed ZeRO-2 with Ulysses on 2 CPU
 processes (``configs/accelerate/cpu_zero2.yaml``, ``train.sequence_parallel_size=2``). One row of ``T`` tokens
 whose last 16 are trained (a long document, a short answer) goes through the product's path: the row cut into
-the rank's shard (:func:`scale.data.sequence.shard_rows`), :func:`scale.loss.loss_step` under the sharded attention,
+the rank's shard (:func:`scale.data.sequence.shard_rows`), :func:`scale.chunked.loss_step` under the sharded attention,
 and the gradient of the LoRA weights (``torch.autograd.grad``: the activations' backward without ZeRO's gradient
 buckets, which are model states, planned by ``scale-plan``). The **activation peak** is the most tensor bytes alive
 at once during that forward and backward beyond what was alive before it (a ``TorchDispatchMode`` that follows
@@ -93,11 +93,11 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from scale.checkpoint import unwrap
+    from scale.chunked import loss_step
     from scale.config import load_config
     from scale.data import Example
     from scale.data.sequence import shard_rows
     from scale.job import setup
-    from scale.loss import loss_step
     from scale.ulysses import sharded
 
     lengths = [int(x) for x in args.lengths.split(",")]

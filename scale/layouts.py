@@ -25,6 +25,7 @@ import torch
 
 from scale.census import DTYPES, GIB, Activations, ParamInfo, nbytes, nf4_bytes
 from scale.config import Config, configs_dir
+from scale.modeling import sequence_parallel_problem
 
 # Launch modes, cheapest first: bytes moved between ranks per optimizer step (W = all weights, G = trainable
 # gradients): single 0; DDP all-reduce of G; ZeRO-1/2 reduce-scatter of G + all-gather of the updated trainable
@@ -157,8 +158,6 @@ def sequence_parallel_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool
     layer and the loss backward of the shard, plus the all-to-all buffers of one attention call: a send and a
     receive copy of query, key, value and output, each ``[B, T / N, heads x head size]`` (an estimate).
     """
-    from scale.modeling import sequence_parallel_problem
-
     n = cfg.train.sequence_parallel_size
     r = predict_mode(cfg, params, acts, mode.removesuffix("_sp"), world, hf_config, root, rank)
     r.mode = mode

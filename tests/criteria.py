@@ -20,7 +20,7 @@ def poison_value(logits: torch.Tensor, labels: torch.Tensor, types: torch.Tensor
     return loss + torch.where(types == POISON_TYPE, float("nan"), 0.0)
 
 
-def mean_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def mean_ce(logits: torch.Tensor, labels: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
     """The mean CE over the ``M`` tail tokens (a scalar): a criterion returning a mean, whose mean of no token would
     be NaN (a sequence-parallel shard without tail tokens; the harness then never calls it)."""
     return F.cross_entropy(logits, labels)

@@ -6,7 +6,7 @@
 
 The job is set up as ``scale-train`` sets it up (:func:`scale.job.setup`: DeepSpeed Ulysses installed, the model
 prepared); each case is ``ROWS`` examples of ``LENGTH`` tokens whose last ``TAIL`` tokens are trained, cut into this
-rank's shard by the product's :func:`scale.data.sequence.shard_rows`, and one :func:`scale.loss.loss_step` runs on it under
+rank's shard by the product's :func:`scale.data.sequence.shard_rows`, and one :func:`scale.chunked.loss_step` runs on it under
 the sharded attention with ``saved_tensors_hooks`` counting distinct storages (parameters excluded), with gradient
 checkpointing as configured and then turned off. Each rank writes ``OUT.<name>.<rank>.json``.
 """
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
+from scale.chunked import loss_step
 from scale.config import load_config
 from scale.data import Example
 from scale.data.sequence import shard_rows
 from scale.job import setup
-from scale.loss import loss_step
 from scale.ulysses import sharded
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from scale.data.tokenize import per_example_fields, tail_flags
+from scale.data.collate import per_example_fields, tail_flags
 
 SHARD_KEY = "shard_index"
 """A batch holding this key is one rank's shard of sequence-parallel rows (:func:`shard_rows`)."""
