@@ -176,14 +176,14 @@ def test_multi_turn_chats_round_trip_the_cache_exactly(tmp_path, tokenizer, monk
 
 def test_the_cache_key_reads_every_module_that_shapes_tokens():
     """The token cache's code hash (TOKEN_MODULES) reads every stage of scale/data/ up to the cache, every format
-    module included: a change to any is a new entry. Only the stages that batch (collation, order) and the
-    package's face are left out."""
+    module included: a change to any is a new entry. Only the stages that batch (collation, order, the
+    sequence-parallel shards of a micro-batch) and the package's face are left out."""
     from scale.data import cache
 
     here = ROOT / "scale" / "data"
     hashed = {f.relative_to(here).as_posix() for m in cache.TOKEN_MODULES for f in here.glob(m)}
     every = {f.relative_to(here).as_posix() for f in here.rglob("*.py")}
-    assert every - hashed == {"__init__.py", "collate.py", "order.py"} and hashed <= every
+    assert every - hashed == {"__init__.py", "collate.py", "order.py", "sequence.py"} and hashed <= every
     assert {"tasks/messages.py", "tasks/base.py", "split.py", "mixing.py", "tokenize.py"} <= hashed
 
 
