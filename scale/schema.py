@@ -204,7 +204,10 @@ class OptimConfig:
     weight_decay: float = _f(0.0, "AdamW decoupled weight decay.")
     betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
     eps: float = _f(1e-8, "AdamW epsilon.")
-    warmup_steps: int = _f(10, "Linear warmup length (optimizer steps).")
+    warmup_steps: int = _f(10, "Linear warmup length (optimizer steps); `warmup_ratio`, when set, replaces it.")
+    warmup_ratio: float | None = _f(None, "Warmup length as a fraction of the run's optimizer steps (TRL's "
+                                          "warmup_ratio): ceil(warmup_ratio x steps) steps, replacing "
+                                          "`warmup_steps`; null: `warmup_steps`.")
     schedule: str = _f("cosine", "Decay after warmup: cosine | linear | constant.")
     min_lr_ratio: float = _f(0.1, "Final LR as a fraction of `lr` at `train.max_steps`.")
     max_grad_norm: float | None = _f(1.0, "Clip the global gradient L2 norm to this (> 0); null disables clipping "

@@ -108,6 +108,8 @@ def validate(cfg: Config) -> None:
                           ("optim.weight_decay", 0 <= o.weight_decay < math.inf, "must be >= 0 and finite"),
                           ("optim.min_lr_ratio", 0 <= o.min_lr_ratio <= 1, "must lie in [0, 1]"),
                           ("optim.warmup_steps", o.warmup_steps >= 0, "must be >= 0"),
+                          ("optim.warmup_ratio", o.warmup_ratio is None or 0 <= o.warmup_ratio <= 1,
+                           "must lie in [0, 1] (a fraction of the run's optimizer steps), or null"),
                           ("optim.betas", len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
                            "must be two numbers in [0, 1)"),
                           ("lora.dropout", 0 <= cfg.lora.dropout < 1, "must lie in [0, 1)"),
