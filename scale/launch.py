@@ -52,6 +52,25 @@ def check_launch_environment(env: dict[str, str] | None = None) -> None:
                           "machine without CUDA the loop then runs a real gloo process group.")
 
 
+def check_ranks_per_machine(env: dict[str, str] | None = None) -> None:
+    """Refuse more ranks on this machine than it has devices (:func:`scale.topology.ranks_problem`): an
+    ``accelerate launch`` of a YAML written for 8 GPUs started 8 ranks, and an 8x global batch, on a 2-core CPU.
+
+    Raises:
+        LaunchError: ``LOCAL_WORLD_SIZE`` (torchrun, accelerate) or ``LOCAL_SIZE`` (deepspeed) exceeds the visible
+            GPUs, or without a GPU ``max(2, CPU cores)``.
+    """
+    from scale.topology import ranks_problem, usable_cores
+
+    env = os.environ if env is None else env
+    local = int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", "1")))
+    problem = ranks_problem(local, torch.cuda.device_count() if torch.cuda.is_available() else 0, usable_cores())
+    if local > 1 and problem:
+        raise LaunchError(f"{problem}: launch with --num_processes N (accelerate launch, or scale-train "
+                          f"--accelerate-config NAME --num-processes N; without it the shipped topologies take one "
+                          f"process per visible GPU)")
+
+
 _EMBEDDED_MODELS = ("smollm2-135m", "tiny-llama")
 _HUB_ID = re.compile(r"^(?:[\w\-.]{1,96}/)?[\w\-.]{1,96}$")  # huggingface_hub's repo-id shape
 _TRACKER_PACKAGES = {"wandb": "'scale[wandb]'", "comet_ml": "comet-ml"}
@@ -241,6 +260,7 @@ def build_accelerator(cfg: Config) -> Accelerator:
             see also :func:`check_launch_environment`.
     """
     check_launch_environment()
+    check_ranks_per_machine()
     check_inputs(cfg)
     resolve_deepspeed_file()
     use_deepspeed = (os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"

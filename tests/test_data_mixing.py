@@ -106,7 +106,8 @@ def test_a_mixture_change_is_a_new_cache_entry(tmp_path, tokenizer, mixture):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("data.datasets=[{path: a.jsonl, wieght: 2}]", "unknown config key data.datasets[0].wieght; known keys"),
+    ("data.datasets=[{path: a.jsonl, wieght: 2}]",
+     "unknown config key data.datasets[0].wieght: did you mean data.datasets[0].weight?"),
     ("data.datasets=[a.jsonl]", "data.datasets[0] must be a mapping (e.g. {path: data/a.jsonl, weight: 1})"),
     ("data.datasets=[{path: a.jsonl}, {weight: 2}]", "data.datasets[1].path is missing"),
     ("data.datasets=[{path: a.jsonl, weight: -1}]", "data.datasets[0].weight=-1.0 must be > 0"),

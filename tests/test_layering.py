@@ -21,7 +21,9 @@ ALLOWED: dict[str, set[str]] = {
     "best": {"config", "fileio", "state", "validation"},  # train.keep_best, early stopping (issue 20)
     "schema": {"validation"},  # Config.__post_init__ runs the rules (imported there: validation imports schema)
     "validation": {"schema"},  # the config's rules (schema.py was over 450 lines)
-    "config": {"fileio", "schema"},
+    "config": {"fileio", "names", "schema"},
+    "names": {"schema"},  # TRL/transformers names -> scale keys, closest keys to a typo
+    "topology": {"config"},  # processes per machine: one per visible GPU (torch only where a GPU driver is)
     "assets": {"fileio"},
     "schedule": {"config"},
     "sources": {"assets", "fileio", "formats", "mixing"},  # formats/assets/mixing imported inside functions (issue 18)
@@ -43,18 +45,19 @@ ALLOWED: dict[str, set[str]] = {
     "plan": {"census", "config", "layouts", "assets", "data", "modeling"},  # data: the tails to plan for
     # the loop side: may import accelerate / torch.distributed
     "rendezvous": set(),
-    "launch": {"config", "rendezvous"},
+    "launch": {"config", "rendezvous", "topology"},
     "metrics": {"config", "fileio", "flops"},
     "tracking": {"config", "fileio", "metrics"},
     "checks": {"modeling"},
     "checkpoint": {"config", "fileio", "launch", "modeling", "state"},
     "evaluate": {"loss", "signals", "tasks"},
     "samples": {"checkpoint", "signals", "tracking"},  # generation at each evaluation (issue 20)
-    "job": {"assets", "cache", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss",
-            "metrics", "mixing", "modeling", "sampling", "samples", "schedule", "sources", "tracking", "export"},
+    "job": {"assets", "best", "cache", "checkpoint", "checks", "config", "data", "evaluate", "fileio", "flops",
+            "launch", "loss", "metrics", "mixing", "modeling", "names", "sampling", "samples", "schedule", "sources",
+            "tracking", "export"},
     "train": {"best", "checkpoint", "checks", "config", "evaluate", "export", "job", "loss", "metrics",
               "samples", "signals", "tracking"},
-    "cli": {"assets", "checkpoint", "config", "data", "launch", "modeling", "signals", "train"},
+    "cli": {"assets", "checkpoint", "config", "data", "launch", "modeling", "signals", "topology", "train"},
     "report": {"config", "metrics", "schedule"},
     "prepare": {"assets", "cache", "config", "data", "modeling"},  # scale-prepare (issue 18)
 }
