@@ -42,6 +42,14 @@ def _per_row_loss(tail_logits: Tensor, targets: Tensor, weights: Tensor, batch: 
     return num, den
 
 
+def metric_names(spec: LossSpec) -> set[str]:
+    """The ``eval/*`` keys :func:`evaluate` returns for this run's format, known before any evaluation (a
+    ``train.keep_best`` metric is checked against them at start-up). A format's :meth:`summary` is arithmetic on
+    the sums of its columns, so any sums give its keys."""
+    task = tasks.get(spec.task.get("format"))
+    return {"eval/loss", "eval/examples"} | set(task.summary([1.0] * 64, 1, spec))
+
+
 @torch.no_grad()
 def evaluate(acc: Accelerator, model: torch.nn.Module, eval_dl: DataLoader, spec: LossSpec,
              stop: Callable[[], bool] | None = None) -> dict[str, float]:

@@ -27,19 +27,23 @@ from torch.utils.data import DataLoader
 from scale.assets import EMBEDDED_MODEL, resolve_data, resolve_model
 from scale.checkpoint import (TrainerState, check_resume, clear_previous_run, load_checkpoint, register_hooks,
                               resolve_resume)
+from scale.best import check_reported
 from scale.checks import dtype_census
 from scale.config import Config, ConfigError, dump_config
 from scale.cache import column, load_splits, longest_first, wait_for_splits
 from scale.data import Collator, DataError, Splits, show_example, show_legend
+from scale.evaluate import metric_names
 from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.loss import LossSpec
 from scale.mixing import sources as mixture_sources
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
-from scale.modeling import TINY, build_model, check_packing, load_tokenizer, parameter_counts, tokenizer_source
-from scale.samples import SAMPLES_FILE, Generation, pick_samples, start_samples_file
+from scale.modeling import (TINY, build_model, check_attention, check_packing, load_tokenizer, parameter_counts,
+                            tokenizer_source)
+from scale.samples import SAMPLES_FILE, Generation, pick_samples, sample_metric_names, start_samples_file
 from scale.sampling import LengthGroupedSampler, PackedCollator, PackedRows, PaddingFreeCollator, pack_bfd
-from scale.schedule import lr_factor, steps_for_epochs
+from scale.names import differences_from_trl
+from scale.schedule import lr_factor, steps_for_epochs, warmup_steps
 from scale.sources import data_digest
 from scale.tracking import start_trackers
 
@@ -133,6 +137,7 @@ def setup(cfg: Config) -> Job:
         DataError, ConfigError, LaunchError, CheckpointError: bad input, before anything is written (except
             that an edited data file is detected when the checkpoint is loaded).
     """
+    check_attention(cfg.model)  # before the process group, the data and the model
     # train.mixed_precision=auto resolved in place: config.yaml and the Accelerator get the choice
     precision = resolve_mixed_precision(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     acc = build_accelerator(cfg)
@@ -187,6 +192,11 @@ def setup(cfg: Config) -> Job:
                         f"({items} {unit}): a rank's shard would hold less than one micro-batch. "
                         f"Lower train.micro_batch_size to at most {max(1, items // world)} or add data.")
     check_type_weights(cfg, splits)
+    spec = LossSpec.from_config(cfg, splits.label_token_ids, format=splits.format, label_seqs=splits.label_seqs,
+                                has_target=splits.has_target, pad_token_id=tokenizer.pad_token_id)
+    samples = pick_samples(splits.eval, cfg.eval.generate_samples, cfg.data.labels) if cfg.eval.generate_samples \
+        else []
+    check_reported(cfg.train.keep_best, metric_names(spec) | sample_metric_names(samples))  # before step 1
     if G > items and acc.is_main_process:
         logger.warning("global_batch_size=%d (micro_batch_size x gradient_accumulation_steps x num_processes) is "
                        "larger than the train split (%d %s): every optimizer step sees at most one epoch",
@@ -239,15 +249,12 @@ def setup(cfg: Config) -> Job:
     if acc.is_main_process:
         logger.info("MFU peak: %s", peak.source)
     flops_fn = model_flops(cfg, shape, trainable) if shape is not None else None
-    spec = LossSpec.from_config(cfg, splits.label_token_ids, format=splits.format, label_seqs=splits.label_seqs,
-                                has_target=splits.has_target, pad_token_id=tokenizer.pad_token_id)
     gen = None
     if cfg.eval.generate_samples:
         from scale.export import serving_tokenizer
 
         serving, stops, _ = serving_tokenizer(cfg)  # the trained chat template's end-of-turn marker and EOS
-        gen = Generation(pick_samples(splits.eval, cfg.eval.generate_samples, cfg.data.labels), serving, stops,
-                         cfg.eval.max_new_tokens, plan.partitioned, out / SAMPLES_FILE)
+        gen = Generation(samples, serving, stops, cfg.eval.max_new_tokens, plan.partitioned, out / SAMPLES_FILE)
         start_samples_file(gen.path, acc.is_main_process, state.step if resume else None)
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
                flops_fn, peak.flops, max_steps, gen)
