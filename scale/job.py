@@ -218,14 +218,17 @@ def setup(cfg: Config) -> Job:
     trainable, total = parameter_counts(model)
     mean_len = float(column(splits.train, "length").mean())  # [issue 18] per-row columns, no token read
     mean_tail = float(column(splits.train, "tail_len").mean())
-    if acc.is_main_process:
-        logger.info("start: mode=%s world_size=%d micro_batch_size=%d gradient_accumulation_steps=%d "
-                    "global_batch_size=%d tokens_per_step~%d (mean %.1f tokens/row) tail_tokens_per_step~%d "
-                    "trainable=%d total=%d (%.3f%%) train=%d eval=%d format=%s max_steps=%d", plan.mode, world, mb,
-                    ga, G, G * mean_len, mean_len, G * mean_tail, trainable,
-                    total, 100 * trainable / total, len(splits.train), len(splits.eval), splits.format, max_steps)
+    if acc.is_main_process:  # lines under 300 characters: they end up in SLURM and nohup logs
+        logger.info("start: mode=%s world_size=%d global_batch_size=%d (micro_batch_size=%d x "
+                    "gradient_accumulation_steps=%d x %d data-parallel ranks) max_steps=%d", plan.mode, world, G, mb,
+                    ga, world, max_steps)
+        logger.info("per step: tokens~%d (mean %.1f tokens/row), tail tokens~%d; rows: train=%d eval=%d format=%s; "
+                    "parameters: trainable=%d total=%d (%.3f%%)", G * mean_len, mean_len, G * mean_tail,
+                    len(splits.train), len(splits.eval), splits.format, trainable, total, 100 * trainable / total)
         log_data_stats(splits.stats)
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))
+        for difference in differences_from_trl(cfg, min(warmup_steps(cfg.optim, max_steps), max_steps - 1)):
+            logger.info("unlike TRL: %s", difference)
         logger.info("mode plan: %s; parameter dtypes: %s", "; ".join(plan.notes) or "defaults", dtype_census(model))
     state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=world, data_sha256=data_digest(cfg, data_path),
                          template_sha256=splits.template_sha256, rows_sha256=splits.fingerprint)

@@ -18,7 +18,7 @@ stay in step), :func:`run` (:func:`scale.job.setup`, which builds everything bef
 from __future__ import annotations
 
 import itertools
-import json
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -30,7 +30,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from scale.best import observe, out_of_patience, write_best
 from scale.checkpoint import ADAPTER_FILE, STATE_FILE, SaveTimer, save_adapter, save_checkpoint
@@ -40,7 +39,7 @@ from scale.evaluate import evaluate
 from scale.export import save_serving_files, serving_tokenizer
 from scale.job import Job, setup
 from scale.loss import LossSpec, batch_bad_rows, describe_batch_row, loss_step
-from scale.metrics import StepMeter, bar_text
+from scale.metrics import Progress, StepMeter, duration_text
 from scale.samples import generate_samples, sample_metrics, write_samples
 from scale.signals import EvalInterrupted, Preempted, Preemption
 from scale.tracking import finish_trackers, log_model
@@ -109,7 +108,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     if preemption is not None:
         preemption.defer()  # until here a signal stopped the start-up at once; now it ends an optimizer step
     meter = StepMeter(acc.device, job.flops_fn, job.peak_flops, cfg.data.max_length)  # after the step-0 eval
-    pbar = tqdm(total=job.max_steps, initial=state.step, disable=not acc.is_local_main_process, desc="optimizer steps")
+    pbar = Progress(job.max_steps, state.step, acc.is_local_main_process)  # a bar, or lines in a log file
     timer = SaveTimer(t.save_every_minutes)
     job.model.train()
     while state.step < job.max_steps and state.reason != "early_stopped":  # an early-stopped run resumes stopped
@@ -124,7 +123,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
             state.step += 1
             state.windows_in_epoch += 1
             meter.steps += 1
-            pbar.update(1)
+            pbar.update()
             done = state.step >= job.max_steps
             if state.step % t.log_every == 0 or done:
                 metrics = meter.flush(acc, lr)  # collective + host sync: the log interval's only one
@@ -133,7 +132,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
                 if 0.0 in (job.spec.type_weights or ()):
                     metrics["train/zero_weight_steps"] = state.zero_weight_steps
                 job.log.write(state.step, metrics)
-                pbar.set_postfix_str(bar_text(metrics), refresh=False)
+                pbar.show(state.step, metrics)
             paused = time.perf_counter()
             best = stopping = False
             if done or (t.eval_every and state.step % t.eval_every == 0):
@@ -355,6 +354,11 @@ def evaluate_and_log(job: Job, preemption: Preemption | None = None) -> dict[str
         EvalInterrupted: ``preemption`` was requested during it (checked between eval batches and samples).
     """
     stop = (lambda: preemption.requested) if preemption is not None else None
+    started = time.perf_counter()
+    if job.acc.is_main_process:  # a line before it starts: the first evaluation of a real run takes minutes
+        generating = f" + {len(job.gen.samples)} generated answers" if job.gen is not None and job.gen.samples else ""
+        logger.info("eval step %d: evaluating %s held-out rows%s", job.state.step,
+                    len(getattr(job.eval_dl, "dataset", ())), generating)
     metrics = evaluate(job.acc, job.model, job.eval_dl, job.spec, stop=stop)
     if job.gen is not None and job.gen.samples:
         records = generate_samples(job.acc, job.model, job.gen, stop)  # collective
@@ -362,10 +366,25 @@ def evaluate_and_log(job: Job, preemption: Preemption | None = None) -> dict[str
         write_samples(job.acc, job.gen.path, job.state.step, records, job.state.step >= job.log.skip_below)
     job.log.write(job.state.step, metrics)
     if job.acc.is_main_process:
-        logger.info("eval step %d: %s", job.state.step, "  ".join(
+        logger.info("eval step %d (%s): %s", job.state.step, duration_text(time.perf_counter() - started), "  ".join(
             f"{k.removeprefix('eval/')} {v:.4f}" if isinstance(v, float) else f"{k.removeprefix('eval/')} {v}"
             for k, v in metrics.items()))
     return metrics
+
+
+def outputs_text(output_dir: str | Path) -> str:
+    """What a finished run left in ``output_dir``, for the run's last log line: ``runs/x: adapter/, checkpoints/
+    (2: step_000050, step_000100), config.yaml, metrics.jsonl, samples.jsonl, wandb/``."""
+    out = Path(output_dir)
+    parts = []
+    for entry in sorted(out.iterdir()) if out.is_dir() else []:
+        if entry.name == "checkpoints" and entry.is_dir():
+            steps = sorted(p.name for p in entry.iterdir() if p.is_dir() and not p.name.endswith(".tmp"))
+            shown = ", ".join(steps if len(steps) <= 3 else [steps[0], "...", steps[-1]])
+            parts.append(f"checkpoints/ ({len(steps)}{': ' + shown if steps else ''})")
+        else:
+            parts.append(entry.name + ("/" if entry.is_dir() else ""))
+    return f"{out}: {', '.join(parts) or 'nothing'}"
 
 
 def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
@@ -395,9 +414,13 @@ def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
         if cfg.log.wandb_log_model:
             log_model(acc, cfg, Path(cfg.output_dir) / "adapter", "adapter", job.max_steps, ["final", "latest"])
     finish_trackers(acc, final)  # the W&B summary is the final evaluation
-    if acc.is_main_process:
-        logger.info("final: %s", json.dumps(final))
-    acc.end_training()
+    main = acc.is_main_process
+    if main:
+        logger.info("final: %s", "  ".join(f"{k.removeprefix('eval/')} {v:.4g}" if isinstance(v, float) else
+                                           f"{k.removeprefix('eval/')} {v}" for k, v in final.items()))
+    acc.end_training()  # W&B prints its footer here
+    if main:  # the last line: where the outputs are (after the trackers' own output)
+        logging.getLogger(__name__).info("done: %s", outputs_text(cfg.output_dir))
     return final
 
 
