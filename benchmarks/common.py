@@ -230,7 +230,7 @@ class Job:
         """Our length-grouped sampler over ``examples`` (``group_by_length``), else None (their order)."""
         if not self.group_by_length:
             return None
-        from scale.sampling import LengthGroupedSampler
+        from scale.data.order import LengthGroupedSampler
 
         return LengthGroupedSampler([len(e.input_ids) for e in examples],
                                     self.micro_batch_size * self.gradient_accumulation_steps, self.mega_batch_steps,
@@ -323,10 +323,10 @@ class Harness:
 
     def run(self) -> RunResult:
         from scale.checkpoint import TrainerState
+        from scale.job import Job
         from scale.launch import ModePlan
         from scale.metrics import MetricsLog
         from scale.schedule import lr_factor
-        from scale.job import Job
         from scale.train import fit
 
         o, steps = self.cfg.optim, self.cfg.train.max_steps

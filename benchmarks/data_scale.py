@@ -109,7 +109,7 @@ def prepare(data: Path, cache: Path, num_proc: int) -> dict[str, float]:
     """Worker: what ``scale-prepare`` does (one process, ``num_proc`` tokenizer workers), timed."""
     import resource
 
-    from scale.cache import column, load_splits
+    from scale.data.cache import column, load_splits
     from scale.modeling import load_tokenizer
 
     cfg = config(data, cache, num_proc)
@@ -130,7 +130,7 @@ def rank_probe(data: Path, cache: Path, num_proc: int) -> None:
     import torch
     from accelerate import Accelerator
 
-    from scale.cache import column, load_splits, wait_for_splits
+    from scale.data.cache import column, load_splits, wait_for_splits
     from scale.job import make_loaders, on_every_rank, shared_run_id
     from scale.modeling import load_tokenizer
 

@@ -25,11 +25,11 @@ from accelerate import Accelerator
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from scale import tasks
+from scale.data import tasks
+from scale.data.tasks.classification import TargetStats, sequence_logprob, target_stats  # noqa: F401 - importable from here
+from scale.data.tasks.prompt_completion import exact_match  # noqa: F401 - importable from here
 from scale.loss import LossSpec, forward_tail, tail_loss
 from scale.signals import EvalInterrupted
-from scale.tasks.classification import TargetStats, sequence_logprob, target_stats  # noqa: F401 - importable from here
-from scale.tasks.prompt_completion import exact_match  # noqa: F401 - importable from here
 
 
 def _per_row_loss(tail_logits: Tensor, targets: Tensor, weights: Tensor, batch: dict[str, Tensor],

@@ -30,21 +30,21 @@ from scale.checkpoint import (TrainerState, check_resume, clear_previous_run, lo
 from scale.best import check_reported
 from scale.checks import dtype_census
 from scale.config import Config, ConfigError, dump_config
-from scale.cache import column, load_splits, longest_first, wait_for_splits
 from scale.data import Collator, DataError, Splits, show_example, show_legend
+from scale.data.cache import column, load_splits, longest_first, wait_for_splits
+from scale.data.mixing import sources as mixture_sources
+from scale.data.order import LengthGroupedSampler, PackedCollator, PackedRows, PaddingFreeCollator, pack_bfd
+from scale.data.sources import data_digest
 from scale.evaluate import metric_names
 from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.loss import LossSpec
-from scale.mixing import sources as mixture_sources
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
 from scale.modeling import (TINY, build_model, check_attention, check_packing, load_tokenizer, parameter_counts,
                             tokenizer_source)
-from scale.samples import SAMPLES_FILE, Generation, pick_samples, sample_metric_names, start_samples_file
-from scale.sampling import LengthGroupedSampler, PackedCollator, PackedRows, PaddingFreeCollator, pack_bfd
 from scale.names import differences_from_trl
+from scale.samples import SAMPLES_FILE, Generation, pick_samples, sample_metric_names, start_samples_file
 from scale.schedule import lr_factor, steps_for_epochs, warmup_steps
-from scale.sources import data_digest
 from scale.tracking import start_trackers
 
 logger = get_logger(__name__)

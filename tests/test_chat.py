@@ -230,7 +230,7 @@ def test_a_template_that_reads_the_clock_is_refused_unless_pinned(tmp_path, caps
 
 
 def test_prefix_labels_unicode_forms_and_separators(tmp_path, tokenizer):
-    from scale.tasks.classification import label_candidates, label_sequences
+    from scale.data.tasks.classification import label_candidates, label_sequences
 
     nfd, nfc = "cafe\u0301", "caf\u00e9"
     cfg = DataConfig(labels=[nfc, "recommend", "recommend against"], template="Review: {text}\nVerdict:\n{label}")

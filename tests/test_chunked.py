@@ -11,8 +11,8 @@ from scale import chunked
 from scale import loss as scale_loss
 from scale.config import LoraConfig, ModelConfig
 from scale.data import Collator, Example
+from scale.data.order import PaddingFreeCollator
 from scale.modeling import build_model, load_base
-from scale.sampling import PaddingFreeCollator
 from tests.test_loss import my_criterion, my_typed_criterion
 
 V = 300

@@ -23,7 +23,7 @@ CHATML = ROOT / "configs" / "chat" / "chatml.jinja"
 
 
 def test_apportion_and_mixture_counts_are_exact_integers():
-    from scale.mixing import apportion, mixture_counts
+    from scale.data.mixing import apportion, mixture_counts
 
     assert apportion(10, [3, 1]) == [8, 2] and apportion(7, [1, 1, 1]) == [3, 2, 2]  # ties: the earlier entry
     assert apportion(3, [0.1, 0.2, 0.7]) == [0, 1, 2] and sum(apportion(1001, [0.3, 0.3, 0.4])) == 1001
@@ -65,7 +65,7 @@ def test_mixture_holds_exact_ratios_and_is_deterministic(tmp_path, tokenizer, mi
     first, so the train split holds exactly 116/38/77 rows (231 x 3/6, 1/6, 2/6; the half row to the earlier
     entry), counted per source in the data/* metrics; the same seed gives the same examples in the same order,
     and the cache holds exactly what memory does."""
-    from scale.cache import load_splits
+    from scale.data.cache import load_splits
 
     cfg = tiny_cfg(tmp_path / "out", *mixture, f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=2")
     a = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed)
@@ -95,7 +95,7 @@ def test_all_exhausted_repeats_the_smaller_sources(tmp_path, tokenizer, mixture)
 
 
 def test_a_mixture_change_is_a_new_cache_entry(tmp_path, tokenizer, mixture):
-    from scale.cache import fingerprint
+    from scale.data.cache import fingerprint
 
     cfg = tiny_cfg(tmp_path / "out", *mixture)
     key = fingerprint(cfg, tokenizer, cfg.data.path)[0]
@@ -141,12 +141,12 @@ def test_mixing_formats_that_do_not_mix_is_one_line(tmp_path, tokenizer):
 def test_waiting_ranks_poll_the_build_record_and_share_the_builders_error(tmp_path, tokenizer, caplog):
     """A rank that is not the node's main process waits for the entry (no collective), logging its wait, and
     maps what the builder wrote; a build that fails in this run is raised by the waiting rank too."""
-    from scale.cache import load_splits, wait_for_splits
+    from scale.data.cache import load_splits, wait_for_splits
 
     cfg = tiny_cfg(tmp_path / "out", f"data.cache_dir={tmp_path / 'cache'}")
     builder = threading.Thread(target=lambda: (time.sleep(1.0), load_splits(cfg, tokenizer, cfg.data.path, "run-a")))
     builder.start()
-    with caplog.at_level(logging.INFO, logger="scale.cache"):
+    with caplog.at_level(logging.INFO, logger="scale.data.cache"):
         waited = wait_for_splits(cfg, tokenizer, cfg.data.path, "run-a", poll_s=0.2)
     builder.join()
     assert len(waited.train) == 128 and type(waited.train).__name__ == "TokenTable"

@@ -26,18 +26,11 @@ ALLOWED: dict[str, set[str]] = {
     "topology": {"config"},  # processes per machine: one per visible GPU (torch only where a GPU driver is)
     "assets": {"fileio"},
     "schedule": {"config"},
-    "sources": {"assets", "fileio", "formats", "mixing"},  # formats/assets/mixing imported inside functions (issue 18)
-    "formats": {"config", "tasks"},  # tasks: the names that moved there, imported lazily (PEP 562)
-    "tasks": {"config", "formats", "loss", "sources", "tasks"},  # scale/tasks/: one module per data format
-    "data": {"config", "formats", "mixing", "sources", "tasks"},
-    # several data sets mixed by weight (issue 18); data/sources imported inside functions
-    "mixing": {"assets", "config", "data", "formats", "sources", "tasks", "validation"},
-    "token_table": {"tasks"},  # the cache's memory-mapped splits (issue 18)
-    "cache": {"data", "fileio", "sources", "tasks", "token_table"},  # the token cache (issue 18): numpy/pyarrow, no process group
+    # scale/data/: the data stages (reading, sources, tasks, mixing, tokenization, cache, order)
+    "data": {"assets", "config", "data", "fileio", "loss", "validation"},
     "loss": {"config", "chunked"},  # loss_step picks the chunked loss (imported lazily: chunked imports loss)
     "chunked": {"loss"},
     "modeling": {"config", "assets"},
-    "sampling": {"data"},
     "export": {"config", "data", "fileio", "modeling"},
     "generate": {"config", "export", "modeling"},
     "census": {"config", "loss", "modeling", "chunked"},  # scale-plan's counts: meta/fake tensors only, no process group
@@ -50,16 +43,15 @@ ALLOWED: dict[str, set[str]] = {
     "tracking": {"config", "fileio", "metrics"},
     "checks": {"modeling"},
     "checkpoint": {"config", "fileio", "launch", "modeling", "state"},
-    "evaluate": {"loss", "signals", "tasks"},
+    "evaluate": {"data", "loss", "signals"},
     "samples": {"checkpoint", "signals", "tracking"},  # generation at each evaluation (issue 20)
-    "job": {"assets", "best", "cache", "checkpoint", "checks", "config", "data", "evaluate", "fileio", "flops",
-            "launch", "loss", "metrics", "mixing", "modeling", "names", "sampling", "samples", "schedule", "sources",
-            "tracking", "export"},
+    "job": {"assets", "best", "checkpoint", "checks", "config", "data", "evaluate", "fileio", "flops", "launch",
+            "loss", "metrics", "modeling", "names", "samples", "schedule", "tracking", "export"},
     "train": {"best", "checkpoint", "checks", "config", "evaluate", "export", "job", "loss", "metrics",
               "samples", "signals", "tracking"},
     "cli": {"assets", "checkpoint", "config", "data", "launch", "modeling", "signals", "topology", "train"},
     "report": {"config", "metrics", "schedule"},
-    "prepare": {"assets", "cache", "config", "data", "modeling"},  # scale-prepare (issue 18)
+    "prepare": {"assets", "config", "data", "modeling"},  # scale-prepare (issue 18)
 }
 DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpoint", "evaluate", "job", "train", "cli",
                "samples"}
@@ -141,11 +133,11 @@ def test_format_names_live_in_scale_tasks_only():
     offenders = {}
     for path in sorted((ROOT / "scale").rglob("*.py")):
         rel = path.relative_to(ROOT / "scale").as_posix()
-        if rel.startswith("tasks/") and rel != "tasks/__init__.py" or rel in ("schema.py", "validation.py"):
+        if rel.startswith("data/tasks/") and rel != "data/tasks/__init__.py" or rel in ("schema.py", "validation.py"):
             continue
-        if rel == "tasks/__init__.py":  # the registry: names each format once, in its table
+        if rel == "data/tasks/__init__.py":  # the registry: names each format once, in its table
             continue
         hits = _format_names_in_code(path)
         if hits:
             offenders[rel] = hits
-    assert offenders == {}, f"format names outside scale/tasks/: {offenders}"
+    assert offenders == {}, f"format names outside scale/data/tasks/: {offenders}"

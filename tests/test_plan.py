@@ -233,9 +233,9 @@ def test_predicted_packed_activations_within_10_percent_of_saved_tensor_hooks(ch
     every token trained) against what autograd saves in the product's own path (PackedCollator -> loss_step)
     for 8 bins of 64 tokens, each two examples of 32 tokens whose tails are all but their first token."""
     from scale.data import Example
+    from scale.data.order import PackedCollator
     from scale.loss import LossSpec
     from scale.modeling import build_model
-    from scale.sampling import PackedCollator
 
     cfg, hf, params = planned([f"model.gradient_checkpointing={str(checkpointing).lower()}", "data.packing=true",
                                f"loss.chunk_size={chunk}", "loss.threshold=64"])  # N = T, as make_plan sets it
@@ -329,8 +329,8 @@ def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(sha
     import copy
 
     from scale import loss as scale_loss
-    from scale.modeling import add_lora, build_model
     from scale.job import make_optimizer
+    from scale.modeling import add_lora, build_model
 
     if "qlora" in shape:
         pytest.importorskip("bitsandbytes")

@@ -10,7 +10,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from scale.sampling import LengthGroupedSampler, length_grouped_order, pad_fraction
+from scale.data.order import LengthGroupedSampler, length_grouped_order, pad_fraction
 
 
 def _lengths(n, seed=0):
@@ -138,9 +138,9 @@ def test_padding_free_matches_padded_loss_and_gradients(tokenizer):
     """One packed row with restarting position ids = the padded batch: same tail loss and LoRA gradients."""
     from scale.config import LoraConfig, ModelConfig
     from scale.data import Collator, Example
+    from scale.data.order import PaddingFreeCollator
     from scale.loss import forward_tail, loss_step
     from scale.modeling import build_model
-    from scale.sampling import PaddingFreeCollator
 
     model = build_model(ModelConfig(name_or_path="tiny-llama", gradient_checkpointing=False),
                         LoraConfig(r=4, dropout=0.0), len(tokenizer), seed=0)
@@ -208,7 +208,7 @@ def test_padding_free_job_matches_padded_job(tmp_path, data):
 
 def test_pack_bfd_fills_bins_best_fit_decreasing():
     """Every row in exactly one bin, no bin over capacity, the textbook BFD result, deterministic, errors."""
-    from scale.sampling import pack_bfd
+    from scale.data.order import pack_bfd
 
     # Longest first: 7 opens bin 0, 6 bin 1, 5 bin 2; 3 goes to bin 0 (room 3, the best fit, not bin 1's 4),
     # 3 then to bin 1 (room 4 -> 1), 2 to bin 2 (room 5 -> 3), 2 again to bin 2 (3 -> 1); the last 1 fits bins
@@ -267,8 +267,8 @@ def test_packed_loader_trains_every_row_once_and_matches_padded(tmp_path, tokeni
 def test_packed_epoch_job_counts_its_steps_in_bins(tmp_path):
     """`train.num_epochs` with `data.packing`: one epoch is ceil(bins / global batch) optimizer steps (not rows),
     every step trains a padding-free micro-batch, and the run ends after exactly that many steps."""
+    from scale.data.order import pack_bfd
     from scale.metrics import read_jsonl
-    from scale.sampling import pack_bfd
     from scale.train import run
     from tests.conftest import tiny_cfg
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 from scale.config import DataConfig
-from scale.formats import DataError, integer_cell
-from scale.sources import read_source
-from scale.tasks import classification, messages, prompt_completion, text
-from scale.tasks.base import Task
+from scale.data.read import DataError, integer_cell
+from scale.data.sources import read_source
+from scale.data.tasks import classification, messages, prompt_completion, text
+from scale.data.tasks.base import Task
 
 # Detection order: the first whose columns the file has; the last is the fallback.
 TASKS: dict[str, type[Task]] = {

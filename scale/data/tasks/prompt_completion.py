@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from scale.config import DataConfig, LossConfig
-from scale.formats import text_cell
-from scale.tasks.base import Builder, Example, Task, encode
+from scale.data.read import text_cell
+from scale.data.tasks.base import Builder, Example, Task, encode
 
 
 def exact_match(tail_logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
@@ -37,7 +37,7 @@ class PromptCompletion(Task):
     def read(self, raw: dict[str, Any], cfg: DataConfig, i: int, path: str) -> dict[str, Any]:
         prompt, completion = raw.get(cfg.prompt_column), raw.get(cfg.completion_column)
         if isinstance(prompt, list) or isinstance(completion, list):
-            from scale.tasks.messages import conversational_row
+            from scale.data.tasks.messages import conversational_row
 
             return conversational_row(raw, cfg, i, path)
         return {"prompt": text_cell(raw, cfg.prompt_column, i, path, strip=False),

@@ -33,9 +33,9 @@ from fractions import Fraction
 from typing import Any
 
 from scale.config import DataConfig, LossConfig
-from scale.formats import DataError
+from scale.data.read import DataError
+from scale.data.tasks.base import Builder, Example, Task
 from scale.validation import dataset_name
-from scale.tasks.base import Builder, Example, Task
 
 READ_KEYS = ("format", "split", "subset", "text_column", "label_column", "prompt_column", "completion_column",
              "messages_column", "tools_column", "target_column", "type_column", "column_names")
@@ -108,7 +108,7 @@ def take(rows: list[Any], k: int) -> list[Any]:
 
 
 def _evaluated(kinds: set[str]) -> str | None:
-    from scale.tasks import MIXABLE
+    from scale.data.tasks import MIXABLE
 
     if len(kinds) == 1:
         return next(iter(kinds))
@@ -142,7 +142,7 @@ class MixedTask(Task):
         self._of: dict[frozenset, Task] = {}
 
     def task_of(self, row: dict[str, Any]) -> Task:
-        from scale.tasks import row_format
+        from scale.data.tasks import row_format
 
         keys = frozenset(row)
         if keys not in self._of:
@@ -200,9 +200,9 @@ def read_mixture(data_cfg: DataConfig, seed: int) -> Mixture:
         DataError: a source that cannot be read (its own message), a source with fewer rows than its share of
             ``data.eval_size`` plus one, formats that cannot be mixed.
     """
-    from scale.data import deduplicate, split_rows
-    from scale.sources import eval_source_of
-    from scale.tasks import get, load_rows, row_format
+    from scale.data.sources import eval_source_of
+    from scale.data.tasks import get, load_rows, row_format
+    from scale.data.tokenize import deduplicate, split_rows
 
     srcs = sources(data_cfg)
     eval_shares = apportion(data_cfg.eval_size, [s.weight for s in srcs])
@@ -265,7 +265,7 @@ def dropped_per_source(notes: dict[str, int], names: list[str]) -> dict[str, int
 
 def mixture_digest(data_cfg: DataConfig) -> str:
     """A sha256 of every source's content (:func:`scale.sources.source_digest`), in entry order."""
-    from scale.sources import source_digest
+    from scale.data.sources import source_digest
 
     h = hashlib.sha256()
     for s in sources(data_cfg):

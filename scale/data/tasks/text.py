@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from scale.config import DataConfig, LossConfig
-from scale.formats import DataError, target_cell, text_cell
-from scale.tasks.base import Builder, Example, Task, encode
+from scale.data.read import DataError, target_cell, text_cell
+from scale.data.tasks.base import Builder, Example, Task, encode
 
 
 def _target_id(tokenizer: Any, target: int | str, i: int) -> int:
@@ -68,7 +68,7 @@ class Text(Task):
                      spec: Any) -> list[Tensor]:
         if not spec.task.get("has_target"):
             return []
-        from scale.tasks.classification import target_stats
+        from scale.data.tasks.classification import target_stats
 
         return [target_stats(tail_logits, batch["target_token"], None, spec.target_position).logprob]
 

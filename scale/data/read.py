@@ -177,7 +177,7 @@ _MOVED = ("load_rows", "detect_format", "columns_needed", "row_format", "FORMATS
 def __getattr__(name: str) -> Any:
     """The reading-and-checking entry points moved to :mod:`scale.tasks`; still importable from here."""
     if name in _MOVED:
-        import scale.tasks
+        import scale.data.tasks
 
-        return getattr(scale.tasks, name)
+        return getattr(scale.data.tasks, name)
     raise AttributeError(f"module 'scale.formats' has no attribute {name!r}")

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from scale.config import DataConfig, LossConfig
-from scale.formats import DataError, normalize_label, text_cell
+from scale.data.read import DataError, normalize_label, text_cell
+from scale.data.tasks.base import Builder, Example, Task, encode
 from scale.loss import forward_tail
-from scale.tasks.base import Builder, Example, Task, encode
 
 _FIELD = re.compile(r"\{(text|label)\}")
 

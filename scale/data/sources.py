@@ -60,7 +60,7 @@ def shard_files(path: str) -> list[Path]:
     Raises:
         DataError: no file matches, or the files mix extensions.
     """
-    from scale.formats import DataError
+    from scale.data.read import DataError
 
     p = Path(path).expanduser()
     found = sorted(p.rglob("*")) if p.is_dir() else sorted(Path(f) for f in glob.glob(str(p), recursive=True))
@@ -90,7 +90,7 @@ def read_source(cfg: Any, path: str) -> tuple[list[dict[str, Any]], list[str]]:
         DataError: a missing source, an unreadable file, a split that does not exist, or an unreachable hub
             (one line, no traceback).
     """
-    from scale.formats import DataError, read_table
+    from scale.data.read import DataError, read_table
 
     kind = source_kind(path)
     if kind == "table":
@@ -130,7 +130,7 @@ def _rows(ds: Any) -> list[dict[str, Any]]:
 
 
 def _load_files(files: list[Path], path: str) -> Any:
-    from scale.formats import DataError
+    from scale.data.read import DataError
 
     datasets = _datasets()
     builder = "parquet" if files[0].suffix.lower() == ".parquet" else "arrow"
@@ -143,7 +143,7 @@ def _load_files(files: list[Path], path: str) -> Any:
 
 
 def _load_disk(cfg: Any, path: str) -> Any:
-    from scale.formats import DataError
+    from scale.data.read import DataError
 
     datasets = _datasets()
     try:
@@ -159,7 +159,7 @@ def _load_disk(cfg: Any, path: str) -> Any:
 
 
 def _load_hub(cfg: Any, path: str) -> Any:
-    from scale.formats import DataError
+    from scale.data.read import DataError
 
     datasets = _datasets()
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on") or \
@@ -257,7 +257,7 @@ def sources_digests(data_cfg: Any, path: str) -> dict[str, str | None]:
     source, :func:`scale.mixing.mixture_digest`; ``path`` is not read) and of the eval source, ``None`` when the
     eval rows are carved out of the train source(s)."""
     if data_cfg.datasets:
-        from scale.mixing import mixture_digest
+        from scale.data.mixing import mixture_digest
 
         # each source's own data.eval_split rows are in its digest (a file, a directory, a hub revision)
         eval_source = eval_source_of(data_cfg, path) if data_cfg.eval_path is not None else None

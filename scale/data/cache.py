@@ -46,11 +46,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from scale.data import DataError, Splits, _tokenize, build_splits, fingerprint_bytes
+from scale.data.sources import sources_digests
+from scale.data.tasks.base import Builder
+from scale.data.token_table import LISTS, SCALARS, Reordered, TokenTable, column, longest_first  # noqa: F401
+from scale.data.tokenize import DataError, Splits, _tokenize, build_splits, fingerprint_bytes
 from scale.fileio import sha256_file, temp_dir_for, write_text_atomic
-from scale.sources import sources_digests
-from scale.tasks.base import Builder
-from scale.token_table import LISTS, SCALARS, Reordered, TokenTable, column, longest_first  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ CACHE_VERSION = 2  # bump when the cache layout changes (2: the trained flags, e
 RUNTIME_KEYS = ("num_workers", "group_by_length", "mega_batch_steps", "padding_free", "packing", "padding_side", "cache",
                 "cache_dir", "cache_max_gib", "num_proc", "path", "eval_path", "chat_template")
 # their source is part of the fingerprint (scale/tasks/: every format module)
-TOKEN_MODULES = ("data.py", "formats.py", "sources.py", "cache.py", "token_table.py", "mixing.py", "tasks/*.py")
+TOKEN_MODULES = ("read.py", "sources.py", "tasks/*.py", "mixing.py", "tokenize.py", "token_table.py", "cache.py")
 CHUNK_ROWS = 4096  # rows per tokenizer task and per record batch
 
 

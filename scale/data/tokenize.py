@@ -33,14 +33,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from scale import tasks
 from scale.config import DataConfig, LossConfig
-from scale.formats import DataError, row_key
-from scale.sources import eval_source_of
-from scale.tasks import load_rows, row_format
-from scale.tasks.base import Builder, Example, special_affixes
-from scale.tasks.classification import label_candidates, label_sequences, label_token_ids, render_template
-from scale.tasks.messages import chat_template, render_chat
+from scale.data import tasks
+from scale.data.read import DataError, row_key
+from scale.data.sources import eval_source_of
+from scale.data.tasks import load_rows, row_format
+from scale.data.tasks.base import Builder, Example, special_affixes
+from scale.data.tasks.classification import label_candidates, label_sequences, label_token_ids, render_template
+from scale.data.tasks.messages import chat_template, render_chat
 
 __all__ = ["Collator", "DataError", "Example", "Splits", "build_splits", "chat_template", "label_candidates",
            "label_sequences", "label_token_ids", "load_rows", "render_chat", "render_template", "special_affixes",
@@ -240,7 +240,7 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
         DataError: see :func:`scale.tasks.load_rows`, :func:`split_rows` and the format's :meth:`Task.encode`.
     """
     if data_cfg.datasets:  # [issue 18] several sources mixed by weight (scale/mixing.py); `path` is not read
-        from scale.mixing import read_mixture
+        from scale.data.mixing import read_mixture
 
         mix = read_mixture(data_cfg, seed)
         rows, fmt, task, removed, train_rows, eval_rows = mix.rows, mix.format, mix.task, mix.removed, mix.train, \
@@ -267,7 +267,7 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
     stats = {"data/train_rows": len(train), "data/eval_rows": len(held), "data/duplicates_removed": removed,
              "data/eval_rows_in_train": overlap, "data/dropped_long_rows": len(builder.dropped)}
     if mix is not None:  # per source: rows read, train rows mixed in, eval rows, rows dropped [issue 18]
-        from scale.mixing import dropped_per_source
+        from scale.data.mixing import dropped_per_source
 
         stats.update(mix.stats)
         stats.update(dropped_per_source(builder.notes, mix.names))

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from scale.tasks.base import Example
+from scale.data.tasks.base import Example
 
 SCALARS = ("length", "tail_len", "type_indicator", "target_token", "label", "row")
 # Example fields stored as lists beside input_ids: ``trained`` (the tail's 0/1 flags; an empty list is ``None``)

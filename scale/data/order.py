@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, Sampler
 
-from scale.data import per_example_fields
+from scale.data.tokenize import per_example_fields
 
 
 def length_grouped_order(lengths: Sequence[int], global_batch_size: int, mega_batch_steps: int, seed: int,

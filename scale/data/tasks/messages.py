@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from scale.config import DataConfig, LossConfig
-from scale.formats import DataError
-from scale.tasks.base import Builder, Example, encode, encode_literal
-from scale.tasks.prompt_completion import PromptCompletion
+from scale.data.read import DataError
+from scale.data.tasks.base import Builder, Example, encode, encode_literal
+from scale.data.tasks.prompt_completion import PromptCompletion
 
 logger = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from scale.config import DataConfig, LossConfig
-from scale.formats import DataError
+from scale.data.read import DataError
 
 
 @dataclass
