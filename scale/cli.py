@@ -38,11 +38,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from scale.config import Config, ConfigError, load_config
+from scale.assets import resolve_data
+from scale.config import Config, ConfigError, configs_dir, keys_help, load_config, named_config, yaml_load
 from scale.signals import EXIT_PREEMPTED, Preempted, Preemption
+from scale.topology import processes_for, usable_cores, visible_gpus
 
 # torch, transformers and the loop are imported when a job runs (start_fast, main): `scale-train --accelerate-config`
-# and `--help` only start a launcher or print, without the ~4 s of CPU their import costs.
+# and `--help` only start a launcher or print, without the ~4 s of CPU their import costs. The imports of scale
+# modules inside functions below are those (each marked "deferred"), listed in tests/test_layering.py.
 EXIT_BAD_INPUT = 2  # config, data, launch or checkpoint rejected before training; the message names the fix
 
 logger = logging.getLogger("scale.train")
@@ -205,8 +208,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def print_help(topic: str) -> int:
     """``scale-train --help [TOPIC]`` on stdout (:func:`scale.config.keys_help`); return the exit code."""
-    from scale.config import keys_help
-
     try:
         text = keys_help(topic) if topic else build_parser().format_help() + "\n" + keys_help()
     except ConfigError as e:
@@ -218,9 +219,9 @@ def print_help(topic: str) -> int:
 
 def bad_input_errors() -> tuple[type[Exception], ...]:
     """The errors that mean bad input (exit :data:`EXIT_BAD_INPUT`): their message names the fix."""
-    from scale.checkpoint import CheckpointError
-    from scale.data import DataError
-    from scale.launch import LaunchError
+    from scale.checkpoint import CheckpointError  # deferred: torch (module comment above)
+    from scale.data.read import DataError  # deferred: scale.data imports torch
+    from scale.launch import LaunchError  # deferred: accelerate
 
     return (ConfigError, DataError, LaunchError, CheckpointError)
 
@@ -249,7 +250,7 @@ def start_fast(cfg: Config) -> None:
     """
     gc.disable()
     try:
-        from scale.modeling import needs_bitsandbytes
+        from scale.modeling import needs_bitsandbytes  # deferred: imported with the collector paused
 
         if not needs_bitsandbytes(cfg.model):
             sys.modules.setdefault("bitsandbytes", None)
@@ -257,7 +258,7 @@ def start_fast(cfg: Config) -> None:
         import peft  # noqa: F401
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-        import scale.train  # noqa: F401
+        import scale.train  # noqa: F401 - deferred: the loop's imports, with the collector paused
         if cfg.train.deepspeed_config is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
             import deepspeed  # noqa: F401
 
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         return 0
     if own_process:
         start_fast(cfg)  # first: the imports below run with the collector paused
-    from scale.train import NonFiniteError, run
+    from scale.train import NonFiniteError, run  # deferred: after start_fast
 
     bad_input = bad_input_errors()
     preemption = Preemption()
@@ -377,9 +378,9 @@ def show_rows(cfg: Any, n: int) -> None:
     """
     import dataclasses
 
-    from scale.assets import resolve_data
-    from scale.data import DataError, build_splits, show_example, show_legend
-    from scale.modeling import load_tokenizer
+    from scale.data.read import DataError  # deferred: scale.data imports torch
+    from scale.data.tokenize import build_splits, show_example, show_legend  # deferred: torch
+    from scale.modeling import load_tokenizer  # deferred: transformers
 
     tokenizer = load_tokenizer(cfg.model)
     path = resolve_data(cfg.data.path)
@@ -433,9 +434,6 @@ def launch_with_accelerate(name_or_path: str, job_args: list[str], num_processes
     Raises:
         ConfigError: the accelerate config is neither a file nor a shipped name; the process count does not fit.
     """
-    from scale.config import configs_dir, named_config, yaml_load
-    from scale.topology import processes_for, usable_cores, visible_gpus
-
     yaml_path = named_config(name_or_path, kind="accelerate").resolve()
     tree = yaml_load(yaml_path.read_text(encoding="utf-8")) or {}
     shipped = yaml_path.parent == (configs_dir() / "accelerate").resolve()

@@ -16,6 +16,7 @@ import difflib
 import json
 import os
 import re
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 import yaml
 
 from scale.fileio import write_text_atomic
-from scale.names import default_of, schema_fields, suggest, trl_table
+from scale.names import TRL_NAMES, default_of, other_name, schema_fields, suggest, trl_table
 from scale.schema import (Config, ConfigError, DataConfig, DatasetConfig, LogConfig, LoraConfig,  # noqa: F401
                           LossConfig, ModelConfig, OptimConfig, TrainConfig, get_key)
 
@@ -392,10 +393,6 @@ def keys_help(topic: str | None = None) -> str:
     Raises:
         ConfigError: ``topic`` is none of these (the message suggests the closest keys).
     """
-    import textwrap
-
-    from scale.names import TRL_NAMES, other_name
-
     fields = schema_fields()
     if not topic:
         lines = ["config keys: section.key=value on the command line (values parse as YAML), or in the --config "

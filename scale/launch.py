@@ -25,6 +25,7 @@ from accelerate.utils import (DistributedType, GradientAccumulationPlugin, InitP
 
 from scale.config import Config, ConfigError, configs_dir, get_key
 from scale.rendezvous import init_elastic_process_group, with_rendezvous_retries
+from scale.topology import ranks_problem, usable_cores
 
 
 T = TypeVar("T")
@@ -60,8 +61,6 @@ def check_ranks_per_machine(env: dict[str, str] | None = None) -> None:
         LaunchError: ``LOCAL_WORLD_SIZE`` (torchrun, accelerate) or ``LOCAL_SIZE`` (deepspeed) exceeds the visible
             GPUs, or without a GPU ``max(2, CPU cores)``.
     """
-    from scale.topology import ranks_problem, usable_cores
-
     env = os.environ if env is None else env
     local = int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", "1")))
     problem = ranks_problem(local, torch.cuda.device_count() if torch.cuda.is_available() else 0, usable_cores())

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from scale.fileio import write_text_atomic
+from scale.flops import flops_per_token, peak_flops
 
 if TYPE_CHECKING:  # types only: scale.report imports read_jsonl without accelerate
     from accelerate import Accelerator
@@ -402,8 +403,6 @@ def resolve_peak_flops(cfg: Config, acc: Accelerator) -> PeakFlops:
 
     Collective when measuring with several processes (a barrier and one gather): every rank calls it.
     """
-    from scale.flops import peak_flops
-
     setting, device = cfg.log.peak_flops, acc.device
     if setting is False:
         return PeakFlops(None, "none (log.peak_flops=false): no train/mfu")
@@ -448,8 +447,6 @@ def model_flops(cfg: Config, model_config: Any, trainable: int) -> Callable[...,
     Returns:
         ``flops_fn`` (:mod:`scale.flops`: LoRA count, only the tail's logits, padding positions counted).
     """
-    from scale.flops import flops_per_token
-
     def flops_fn(rows: int, seq_len: int, kept: int | None = None) -> float:
         kept = cfg.loss.threshold if kept is None else kept
         per_position = flops_per_token(model_config, seq_len, lora_params=trainable,

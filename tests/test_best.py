@@ -131,13 +131,20 @@ def test_keep_best_metric_the_run_never_reports_is_refused_before_step_1(tmp_pat
 def test_the_metrics_a_run_will_report_are_known_before_it_evaluates():
     from scale.best import check_reported
     from scale.config import load_config
+    from scale.data import tasks
     from scale.evaluate import metric_names
     from scale.loss import LossSpec
     from scale.samples import Sample, sample_metric_names
     from tests.conftest import TINY_YAML
 
-    cfg = load_config(TINY_YAML)
-    names = {(fmt, target): metric_names(LossSpec.from_config(cfg, None, format=fmt, has_target=target))
+    spec = LossSpec.from_config(load_config(TINY_YAML))
+
+    def task(fmt, has_target):
+        t = tasks.get(fmt)
+        t.restore({"has_target": has_target})  # what the data pipeline found in the rows (text: a target column)
+        return t
+
+    names = {(fmt, target): metric_names(task(fmt, target), spec)
              for fmt, target in (("classification", False), ("messages", False), ("prompt_completion", False),
                                  ("text", False), ("text", True))}
     base = {"eval/loss", "eval/examples"}

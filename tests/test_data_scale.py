@@ -95,7 +95,7 @@ def test_eval_path_evaluates_its_own_rows_and_trains_on_every_row(tmp_path, toke
 
 def test_long_csv_cell_is_read(tmp_path, tokenizer):
     """A cell over csv's default 131,072-character limit is text, not an 'unclosed quote' error."""
-    from scale.data.read import load_rows
+    from scale.data.tasks import load_rows
 
     long = "word " * 40_000  # 200,000 characters
     (tmp_path / "long.csv").write_text(f'text,label\n"{long}",positive\nshort,negative\nNA,positive\n')
@@ -104,7 +104,7 @@ def test_long_csv_cell_is_read(tmp_path, tokenizer):
 
 
 def test_hub_id_offline_is_one_line(monkeypatch):
-    from scale.data.read import load_rows
+    from scale.data.tasks import load_rows
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -127,6 +127,7 @@ def test_cache_holds_the_in_memory_splits_and_a_hit_does_not_tokenize(tmp_path, 
     """Same seed -> the same examples in the same order as build_splits; the pool path (chunks of 16 rows,
     2 workers) is exact; the second load is a hit (one build in the record)."""
     import scale.data.cache as cache
+    from scale.data.token_table import column, longest_first
 
     over = {"reviews": [], "completions": [f"data.path={TINY_COMPLETIONS}", "data.eval_size=16"],
             "messages": [f"data.path={tmp_path / 'chat.jsonl'}", "data.eval_size=8", "data.max_length=128",
@@ -144,8 +145,8 @@ def test_cache_holds_the_in_memory_splits_and_a_hit_does_not_tokenize(tmp_path, 
     assert isinstance(hit.train, cache.TokenTable) and _same(ref, built) and _same(ref, hit)
     assert [b["num_proc"] for b in _builds(tmp_path / "cache")] == [2]
     assert sum("data cache: hit" in r.message for r in caplog.records) == 1
-    assert cache.column(hit.train, "length").tolist() == [len(e.input_ids) for e in ref.train]
-    assert list(cache.longest_first(hit.eval)) == sorted(ref.eval, key=lambda e: -len(e.input_ids))
+    assert column(hit.train, "length").tolist() == [len(e.input_ids) for e in ref.train]
+    assert list(longest_first(hit.eval)) == sorted(ref.eval, key=lambda e: -len(e.input_ids))
 
 
 def test_multi_turn_chats_round_trip_the_cache_exactly(tmp_path, tokenizer, monkeypatch):
@@ -171,6 +172,19 @@ def test_multi_turn_chats_round_trip_the_cache_exactly(tmp_path, tokenizer, monk
     assert hit.format == "messages" and len(hit.fingerprint) == 64 and len(hit.template_sha256) == 64
     # Every Example field is stored: a new field must be added to the cache's columns.
     assert {f.name for f in dataclasses.fields(Example)} == {"input_ids", *cache.SCALARS, *cache.LISTS} - {"length"}
+
+
+def test_the_cache_key_reads_every_module_that_shapes_tokens():
+    """The token cache's code hash (TOKEN_MODULES) reads every stage of scale/data/ up to the cache, every format
+    module included: a change to any is a new entry. Only the stages that batch (collation, order) and the
+    package's face are left out."""
+    from scale.data import cache
+
+    here = ROOT / "scale" / "data"
+    hashed = {f.relative_to(here).as_posix() for m in cache.TOKEN_MODULES for f in here.glob(m)}
+    every = {f.relative_to(here).as_posix() for f in here.rglob("*.py")}
+    assert every - hashed == {"__init__.py", "collate.py", "order.py"} and hashed <= every
+    assert {"tasks/messages.py", "tasks/base.py", "split.py", "mixing.py", "tokenize.py"} <= hashed
 
 
 def test_chat_template_inputs_change_the_fingerprint(tmp_path, tokenizer):
