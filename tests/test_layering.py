@@ -17,7 +17,7 @@ ALLOWED: dict[str, set[str]] = {
     "fileio": set(),
     "flops": set(),
     "signals": set(),
-    "state": set(),  # TrainerState, SaveTimer (moved out of checkpoint, issue 20)
+    "state": {"config"},  # TrainerState, SaveTimer (moved out of checkpoint, issue 20), the global batch of a resume
     "best": {"config", "fileio", "state", "validation"},  # train.keep_best, early stopping (issue 20)
     "schema": {"validation"},  # Config.__post_init__ runs the rules (imported there: validation imports schema)
     "validation": {"schema"},  # the config's rules (schema.py was over 450 lines)
@@ -40,14 +40,15 @@ ALLOWED: dict[str, set[str]] = {
     "generate": {"config", "export", "modeling"},
     "census": {"config", "loss", "modeling", "chunked"},  # scale-plan's counts: meta/fake tensors only, no process group
     "layouts": {"census", "config"},
-    "plan": {"census", "config", "layouts", "assets", "data", "modeling"},  # data: the tails to plan for
+    "plan": {"census", "config", "layouts", "assets", "data", "modeling", "state"},  # data: the tails; state: --resume
     # the loop side: may import accelerate / torch.distributed
     "rendezvous": set(),
     "launch": {"config", "rendezvous"},
     "metrics": {"config", "fileio", "flops"},
     "tracking": {"config", "fileio", "metrics"},
     "checks": {"modeling"},
-    "checkpoint": {"config", "fileio", "launch", "modeling", "state"},
+    "portable": {"launch"},  # the mode-independent checkpoint state: any launch mode loads it (issue 30)
+    "checkpoint": {"config", "fileio", "launch", "modeling", "portable", "state"},
     "evaluate": {"loss", "signals", "tasks"},
     "samples": {"checkpoint", "signals", "tracking"},  # generation at each evaluation (issue 20)
     "job": {"assets", "cache", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss",
@@ -59,7 +60,7 @@ ALLOWED: dict[str, set[str]] = {
     "prepare": {"assets", "cache", "config", "data", "modeling"},  # scale-prepare (issue 18)
 }
 DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpoint", "evaluate", "job", "train", "cli",
-               "samples"}
+               "samples", "portable"}
 
 
 def _sources(name: str) -> list:
