@@ -563,6 +563,8 @@ def adapt_to_checkpoint(cfg: Config, data_parallel_size: int) -> str | None:
             state = read_state(path)
         except (OSError, ValueError, TypeError):
             continue
+        if r == "auto" and compare_configs(state.config, to_dict(cfg, redacted=False), same_global_batch=True)[0]:
+            return None  # another run's checkpoint: check_resume refuses it in its own words
         t, saved_G = state.config.get("train", {}), saved_global_batch(state)
         before = cfg.train.gradient_accumulation_steps
         ga = resume_accumulation(saved_G, t.get("micro_batch_size", 0), t.get("gradient_accumulation_steps", 0),

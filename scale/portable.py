@@ -169,10 +169,13 @@ def load_portable(acc: Accelerator, plan: ModePlan, model: torch.nn.Module, opti
         )
 
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-        names = list(trainable)  # the optimizer was built over the trainable parameters in this order
-        osd = {"state": {n: dict(state[n]) for n in names if n in state},
-               "param_groups": [{**g, "params": names} for g in groups[:1]]}
-        set_optimizer_state_dict(model, inner, osd, options=StateDictOptions(full_state_dict=True))  # collective
+        if any(t.dim() > 0 for st in state.values() for t in st.values()):
+            names = list(trainable)  # the optimizer was built over the trainable parameters in this order
+            osd = {"state": {n: dict(state[n]) for n in names if n in state},
+                   "param_groups": [{**g, "params": names} for g in groups[:1]]}
+            set_optimizer_state_dict(model, inner, osd, options=StateDictOptions(full_state_dict=True))  # collective
+        else:  # a stateless optimizer (SGD without momentum): torch's loader finds no state to place
+            _set_hyper(inner, groups)
     scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, weights_only=True))
 
 
@@ -237,7 +240,13 @@ def _load_deepspeed(acc: Accelerator, plan: ModePlan, trainable: dict[str, torch
             if steps and "step" in st:
                 value = next(iter(steps))
                 st["step"] = st["step"].fill_(value) if torch.is_tensor(st["step"]) else type(st["step"])(value)
-    for g in inner.param_groups:  # lr as set for the next step by the scheduler, betas, ...
+    _set_hyper(inner, groups)
+
+
+def _set_hyper(inner: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """The saved hyper-parameters into every param group: ``lr`` as the scheduler set it for the next step,
+    betas, eps, weight decay (the scheduler's ``load_state_dict`` does not set ``lr``)."""
+    for g in inner.param_groups:
         g.update({k: (tuple(v) if k == "betas" else v) for k, v in (groups[0] if groups else {}).items()
                   if k in g and k != "params"})
 

@@ -194,10 +194,17 @@ def test_rotation_spares_checkpoints_of_later_steps(tmp_path):
 
 # ---- another number of processes, in this process ----
 
-def test_a_checkpoint_of_two_processes_resumes_on_one(reference, tmp_path, caplog):
+@pytest.mark.parametrize("optim", ["adamw", "sgd"])
+def test_a_checkpoint_of_two_processes_resumes_on_one(reference, tmp_path, caplog, optim):
     """The step-4 checkpoint, rewritten as a DDP run on 2 processes would write it (micro-batch 2 x GA 2 x 2 ranks),
     resumed by the same config on one process: the accumulation becomes 4, the portable state is read, the RNG is
-    re-derived (said in the log), and steps 5-8 equal the uninterrupted run's (no dropout: bit for bit)."""
+    re-derived (said in the log), and steps 5-8 equal the uninterrupted run's (no dropout: bit for bit). SGD has no
+    per-tensor state: only its learning rate is carried."""
+    if optim == "sgd":
+        reference = tmp_path / "ref"
+        run(tiny_cfg(reference, *JOB, "train.gradient_accumulation_steps=4", "optim.name=sgd", "optim.lr=0.5"))
+        _reset()
+    extra = ["optim.name=sgd", "optim.lr=0.5"] if optim == "sgd" else []
     ckpt = tmp_path / "ckpt"
     shutil.copytree(reference / "checkpoints" / "step_000004", ckpt)
     (ckpt / "optimizer.bin").unlink()  # a DDP checkpoint's accelerate files are not read on 1 process
@@ -205,7 +212,7 @@ def test_a_checkpoint_of_two_processes_resumes_on_one(reference, tmp_path, caplo
     _edit_state(ckpt, mode="ddp", world_size=2, data_parallel_size=2, ga=2)
     out = tmp_path / "out"
     with caplog.at_level(logging.INFO):
-        run(tiny_cfg(out, *JOB, "train.gradient_accumulation_steps=2", f"train.resume_from={ckpt}"))
+        run(tiny_cfg(out, *JOB, *extra, "train.gradient_accumulation_steps=2", f"train.resume_from={ckpt}"))
     assert "train.gradient_accumulation_steps 2 -> 4 keeps global_batch_size=8" in caplog.text
     assert "portable state: written by ddp on 2 process(es), resumed as single on 1" in caplog.text
     assert "dropout masks differ from an uninterrupted run's" in caplog.text
