@@ -20,6 +20,8 @@ to 1e-6 on the loss and the gradients):
   holds one chunk at a time (one more LM-head product per chunk). A criterion must then be per-token (it
   returns ``[M]`` losses or their mean, as ``loss.criterion`` documents): its sum over chunks is its sum.
 
+:func:`loss_step` (one micro-batch's loss, the training loop's) picks this path when it pays, else the unchunked one.
+
 Plain tensors only: no accelerate, no torch.distributed.
 """
 
@@ -84,7 +86,7 @@ def resolve_chunk_size(setting: int | str, positions: int, vocab: int) -> int:
     """Positions per chunk for ``loss.chunk_size``, or 0 for the unchunked loss.
 
     Args:
-        setting: ``"auto"``, ``0`` (off) or a positive number of positions.
+        setting: ``"auto"`` (or ``"liger"``, decided as ``auto``), ``0`` (off) or a positive number of positions.
         positions: ``M = B x N`` tail positions of the micro-batch.
         vocab: ``V``.
 
@@ -93,7 +95,7 @@ def resolve_chunk_size(setting: int | str, positions: int, vocab: int) -> int:
         tail's fp32 logits stay within :data:`CHUNK_FROM_BYTES`, else the largest multiple of 8 positions whose
         fp32 logits fit :data:`CHUNK_BYTES` (at least 8).
     """
-    if setting == "auto":
+    if setting in ("auto", "liger"):  # liger (loss.fused): Liger chunks itself, where auto would chunk
         if positions * vocab * 4 <= CHUNK_FROM_BYTES:
             return 0
         size = max(8, CHUNK_BYTES // (4 * vocab) // 8 * 8)
@@ -175,6 +177,32 @@ class _FusedLinearCE(torch.autograd.Function):
         return (grad * grad_out.to(grad.dtype) if grad is not None else None), None, None, None, None, None
 
 
+def liger_tail_loss(hidden: Tensor, head: torch.nn.Linear, targets: Tensor, w: Tensor) -> Tensor:
+    """``sum_m w_m * CE(head(h_m), t_m)`` through Liger-Kernel's fused linear cross-entropy (``loss.fused: liger``).
+
+    Liger (https://github.com/linkedin/Liger-Kernel, ``liger_kernel.transformers.functional``) computes the LM head
+    and the cross-entropy chunk by chunk in Triton kernels, the gradient in the forward pass, as the fused path here
+    does. Its kernels are Triton only (liger-kernel 0.8.5 imports ``triton`` in ``ops/fused_linear_cross_entropy.py``
+    and ships no PyTorch fallback), so it runs on CUDA and was not run on this project's CPU machines: no CPU test
+    compares it with the chunked loss (tests/test_gpu.py does, on a GPU).
+
+    Args:
+        hidden: ``[M, H]`` hidden states of the kept tail positions.
+        head: the frozen LM head.
+        targets: ``[M]`` token ids.
+        w: ``[M]`` weights, each 1 or 0 (``loss.type_weights`` and ``loss.criterion`` are refused with it): a
+            position of weight 0 is ignored (target ``-100``).
+
+    Returns:
+        The float32 numerator ``[]``.
+    """
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    out = liger_fused_linear_cross_entropy(hidden, head.weight, targets.masked_fill(w == 0, -100), bias=head.bias,
+                                           reduction="sum")
+    return (out[0] if isinstance(out, tuple) else out).float()
+
+
 def _fusable(head: torch.nn.Module) -> bool:
     params = [head.weight] + ([head.bias] if head.bias is not None else [])
     return type(head) is torch.nn.Linear and not any(p.requires_grad or hasattr(p, "ds_id") for p in params)
@@ -182,7 +210,8 @@ def _fusable(head: torch.nn.Module) -> bool:
 
 def chunked_tail_loss(model: torch.nn.Module, tail_hidden: Tensor, targets: Tensor, weights: Tensor, chunk: int,
                       type_indicator: Tensor | None = None, criterion: scale_loss.Criterion | None = None,
-                      criterion_mode: str = "plain", drop_zero_weights: bool = True) -> tuple[Tensor, Tensor]:
+                      criterion_mode: str = "plain", drop_zero_weights: bool = True, fused: str | None = None
+                      ) -> tuple[Tensor, Tensor]:
     """:func:`scale.loss.tail_loss` of ``lm_head(tail_hidden)``, ``chunk`` positions at a time.
 
     Args:
@@ -197,6 +226,7 @@ def chunked_tail_loss(model: torch.nn.Module, tail_hidden: Tensor, targets: Tens
         criterion_mode: ``"plain"`` or ``"input"``.
         drop_zero_weights: positions of weight 0 skip the head (one host sync); False keeps every position (the
             planner's count on fake tensors, whose ``nonzero`` has no size).
+        fused: ``"liger"`` (``loss.fused``): the fusable cross-entropy goes through :func:`liger_tail_loss`.
 
     Returns:
         ``(numerator, denominator)``, float32 scalars ``[]``, equal to the unchunked loss's up to round-off.
@@ -214,6 +244,8 @@ def chunked_tail_loss(model: torch.nn.Module, tail_hidden: Tensor, targets: Tens
     keep = (w != 0).nonzero().squeeze(1) if drop_zero_weights else w[:0]
     if keep.numel():
         flat_h, flat_t, w, types = flat_h[keep], flat_t[keep], w[keep], types[keep]
+    if criterion is None and _fusable(head) and fused == "liger":
+        return liger_tail_loss(flat_h, head, flat_t, w), w.sum()
     if criterion is None and _fusable(head):
         num = _FusedLinearCE.apply(flat_h, head.weight, head.bias, flat_t, w, chunk)
         return num, w.sum()
@@ -230,3 +262,26 @@ def chunked_tail_loss(model: torch.nn.Module, tail_hidden: Tensor, targets: Tens
             continue  # no tail token in this chunk: a criterion's mean of nothing would be NaN
         num = num + (checkpoint(one, *args, use_reentrant=False) if torch.is_grad_enabled() else one(*args))
     return num, (w > 0).sum().float() if criterion is not None else w.sum()
+
+
+def loss_step(model: torch.nn.Module, batch: dict[str, Tensor], spec: scale_loss.LossSpec, weights: Tensor) -> Tensor:
+    """Forward one micro-batch; return the tail-loss numerator ``[]`` under ``weights`` ``[B, N]``.
+
+    Pure: no collectives; the caller divides by the window's denominator. The rows were checked by
+    ``scale.train.windows`` (inside its all-gather), so no check here. The tail logits ``[B, N, V]`` are
+    freed before returning; when ``spec.chunk_size`` cuts the tail into several chunks they are never built at
+    once (:func:`chunked_tail_loss`: fp32 logits of one chunk at a time, exact to round-off), else the loss is
+    :func:`scale.loss.tail_loss` of the tail logits.
+    """
+    B, N = weights.shape
+    if chunkable(model):
+        chunk = resolve_chunk_size(spec.chunk_size, B * N, vocab_size(model))
+        if chunk:
+            hidden, targets = forward_tail_hidden(model, batch, padding_side=spec.padding_side, check=False)
+            num, _ = chunked_tail_loss(model, hidden, targets, weights, chunk, batch["type_indicator"],
+                                       spec.criterion, scale_loss.CRITERION_MODE,
+                                       fused="liger" if spec.chunk_size == "liger" else None)
+            return num
+    tail_logits, targets = scale_loss.forward_tail(model, batch, padding_side=spec.padding_side, check=False)
+    num, _ = spec.tail_loss(tail_logits, targets, weights, batch["type_indicator"])
+    return num

@@ -26,22 +26,28 @@ from accelerate.utils import broadcast_object_list, set_seed
 from torch.utils.data import DataLoader
 
 from scale.assets import EMBEDDED_MODEL, resolve_data, resolve_model
-from scale.checkpoint import (TrainerState, adapt_to_checkpoint, check_resume, clear_previous_run, load_checkpoint,
-                              pick_resume, register_hooks)
+from scale.checkpoint import (STATE_FILE, TrainerState, adapt_to_checkpoint, check_resume, clear_previous_run,
+                              load_checkpoint, pick_resume, register_hooks, resolve_resume)
 from scale.checks import dtype_census
 from scale.config import Config, ConfigError, dump_config
-from scale.cache import column, load_splits, longest_first, wait_for_splits
-from scale.data import Collator, DataError, Splits, show_example, show_legend
+from scale.data.cache import load_splits, wait_for_splits
+from scale.data.collate import Collator, PackedCollator, PaddingFreeCollator
+from scale.data.mixing import data_digest
+from scale.data.mixing import sources as mixture_sources
+from scale.data.order import LengthGroupedSampler, PackedRows, pack_bfd
+from scale.data.read import DataError
+from scale.data.tasks.base import Task
+from scale.data.token_table import column, longest_first
+from scale.data.tokenize import Splits, show_example, show_legend
+from scale.export import serving_tokenizer
 from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.loss import LossSpec
-from scale.mixing import sources as mixture_sources
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
-from scale.modeling import TINY, build_model, check_packing, load_tokenizer, parameter_counts, tokenizer_source
+from scale.modeling import (TINY, build_model, check_packing, load_tokenizer, parameter_counts, tokenizer_source,
+                            use_cpu_mixed_paths)
 from scale.samples import SAMPLES_FILE, Generation, pick_samples, start_samples_file
-from scale.sampling import LengthGroupedSampler, PackedCollator, PackedRows, PaddingFreeCollator, pack_bfd
 from scale.schedule import lr_factor, steps_for_epochs
-from scale.sources import data_digest
 from scale.tracking import start_trackers
 
 logger = get_logger(__name__)
@@ -66,6 +72,7 @@ class Job:
     peak_flops: float | None = None
     max_steps: int | None = None  # optimizer steps of the run; None: train.max_steps (see setup for num_epochs)
     gen: Generation | None = None  # eval.generate_samples > 0: what every evaluation generates (scale.samples)
+    task: Task | None = None  # the eval split's prepared task (its format's metrics); None: the eval loader's
 
     def __post_init__(self) -> None:
         if self.max_steps is None:
@@ -79,17 +86,17 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_s
 
     accelerate shards the train loader by whole micro-batches (rank ``r`` gets batches ``r, r + W, ...``), so
     every launch mode with the same global batch sees the same rows in every optimizer step. With
-    ``data.group_by_length`` the order comes from :class:`scale.sampling.LengthGroupedSampler`, built from the
+    ``data.group_by_length`` the order comes from :class:`scale.data.order.LengthGroupedSampler`, built from the
     global batch (``data_parallel_size`` ranks) before sharding, so that still holds. With ``data.padding_free``
-    train micro-batches are packed rows (:class:`scale.sampling.PaddingFreeCollator`); with ``data.packing`` the
-    rows are first packed into bins of ``data.max_length`` tokens (:func:`scale.sampling.pack_bfd`), built from
+    train micro-batches are packed rows (:class:`scale.data.collate.PaddingFreeCollator`); with ``data.packing`` the
+    rows are first packed into bins of ``data.max_length`` tokens (:func:`scale.data.order.pack_bfd`), built from
     the stored lengths alone (the same bins on every rank), and the loader shuffles and shards bins.
     """
     collate = Collator(pad_token_id, cfg.data.padding_side)
     train_collate = PaddingFreeCollator() if cfg.data.padding_free else collate
     t = cfg.train
     train, lengths = splits.train, column(splits.train, "length").tolist()  # [issue 18] no token read
-    if cfg.data.packing:  # [issue 19] the loader deals in bins of rows (scale.sampling.pack_bfd)
+    if cfg.data.packing:  # [issue 19] the loader deals in bins of rows (scale.data.order.pack_bfd)
         train = PackedRows(splits.train, pack_bfd(lengths, cfg.data.max_length))
         lengths, train_collate = train.lengths(lengths), PackedCollator()
     if cfg.data.group_by_length:
@@ -134,14 +141,18 @@ def setup(cfg: Config) -> Job:
         DataError, ConfigError, LaunchError, CheckpointError: bad input, before anything is written (except
             that an edited data file is detected when the checkpoint is loaded).
     """
-    # train.mixed_precision=auto resolved in place: config.yaml and the Accelerator get the choice
-    precision = resolve_mixed_precision(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    # train.mixed_precision=auto resolved in place, once for every rank (rank 0 decides, a resume keeps its
+    # checkpoint's): config.yaml, the checkpoints and the Accelerator get the choice
+    out = Path(cfg.output_dir)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # A resume on another number of processes keeps the checkpoint's global batch: the accumulation is set before
     # the accelerator (and a DeepSpeed config) reads it. WORLD_SIZE is the launcher's (1 without one).
     regrouped = adapt_to_checkpoint(cfg, cfg.train.data_parallel_size(int(os.environ.get("WORLD_SIZE", "1"))))
-    acc = build_accelerator(cfg)
+    decided: list[Any] = []
+    acc = build_accelerator(cfg, settle=lambda: decided.append(
+        resolve_mixed_precision(cfg, device, saved=saved_precision(cfg.train.resume_from, out))))  # collective
+    precision = decided[-1]
     plan = plan_for_mode(cfg, acc)
-    out = Path(cfg.output_dir)
     if regrouped and acc.is_main_process:
         logger.info(regrouped)
     resume = pick_resume(acc, cfg)  # collective: latest/auto -> the newest checkpoint that verifies
@@ -183,6 +194,9 @@ def setup(cfg: Config) -> Job:
         model = build_model_on_every_rank(acc, cfg, plan, len(tokenizer))  # collective
     else:
         model = (on_every_rank if model_here else main_process_first)(acc, prepare_model)  # collective
+    # bf16 autocast on CPU: attention, casts and the 4-bit backward where they are fastest (scale.modeling)
+    cpu_paths = (use_cpu_mixed_paths(model) if device.type == "cpu" and cfg.train.mixed_precision == "bf16"
+                 and not plan.partitioned else [])
     mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, plan.data_parallel_size
     G = cfg.train.global_batch_size(world)
     train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id, world)
@@ -222,9 +236,11 @@ def setup(cfg: Config) -> Job:
                     total, 100 * trainable / total, len(splits.train), len(splits.eval), splits.format, max_steps)
         log_data_stats(splits.stats)
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))
-        logger.info("mode plan: %s; parameter dtypes: %s", "; ".join(plan.notes) or "defaults", dtype_census(model))
+        logger.info("mode plan: %s; parameter dtypes: %s%s", "; ".join(plan.notes) or "defaults", dtype_census(model),
+                    f"; CPU bf16 paths: {', '.join(cpu_paths)}" if cpu_paths else "")
     state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=world, data_sha256=data_digest(cfg, data_path),
-                         template_sha256=splits.template_sha256, rows_sha256=splits.fingerprint)
+                         template_sha256=splits.template_sha256, rows_sha256=splits.fingerprint,
+                         mixed_precision=cfg.train.mixed_precision)
     if resume is not None:
         state = load_checkpoint(acc, cfg, plan, resume, saved_state, model, optimizer, scheduler, state.data_sha256,
                                 state.template_sha256, state.rows_sha256)  # collective
@@ -245,18 +261,33 @@ def setup(cfg: Config) -> Job:
     if acc.is_main_process:
         logger.info("MFU peak: %s", peak.source)
     flops_fn = model_flops(cfg, shape, trainable) if shape is not None else None
-    spec = LossSpec.from_config(cfg, splits.label_token_ids, format=splits.format, label_seqs=splits.label_seqs,
-                                has_target=splits.has_target, pad_token_id=tokenizer.pad_token_id)
+    spec = LossSpec.from_config(cfg)
     gen = None
     if cfg.eval.generate_samples:
-        from scale.export import serving_tokenizer
-
         serving, stops, _ = serving_tokenizer(cfg)  # the trained chat template's end-of-turn marker and EOS
         gen = Generation(pick_samples(splits.eval, cfg.eval.generate_samples, cfg.data.labels), serving, stops,
                          cfg.eval.max_new_tokens, plan.partitioned, out / SAMPLES_FILE)
         start_samples_file(gen.path, acc.is_main_process, state.step if resume else None)
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
-               flops_fn, peak.flops, max_steps, gen)
+               flops_fn, peak.flops, max_steps, gen, splits.task)
+
+
+def saved_precision(resume_from: str | None, output_dir: Path) -> str | None:
+    """The autocast the checkpoint ``train.resume_from`` names trained in (``bf16``, ``fp16``, ``no``), or None: a
+    fresh start, or a checkpoint that cannot be read (:func:`scale.checkpoint.check_resume` then says why, on every
+    rank). Read from its :class:`TrainerState` (``mixed_precision``), else from the config it saved (checkpoints
+    written before the field existed hold the resolved value there)."""
+    import json
+
+    try:
+        path = resolve_resume(resume_from, output_dir)
+        if path is None:
+            return None
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        value = state.get("mixed_precision") or state.get("config", {}).get("train", {}).get("mixed_precision")
+    except Exception:  # noqa: BLE001 - reported by check_resume, collectively
+        return None
+    return value if value in ("bf16", "fp16", "no") else None
 
 
 def build_model_on_every_rank(acc: Accelerator, cfg: Config, plan: ModePlan, vocab_size: int) -> torch.nn.Module:
@@ -312,7 +343,7 @@ def on_this_machine(name_or_path: str) -> bool:
 
 def shared_run_id(acc: Accelerator) -> str:
     """A random id drawn on rank 0 and broadcast (collective): the ranks of one launch share it (the token
-    cache's failure marker names it, :func:`scale.cache.wait_for_splits`)."""
+    cache's failure marker names it, :func:`scale.data.cache.wait_for_splits`)."""
     box = [uuid.uuid4().hex]
     if acc.num_processes > 1:
         broadcast_object_list(box, from_process=0)

@@ -56,10 +56,13 @@ from typing import Any
 
 import torch
 
+from scale.assets import resolve_data
 from scale.census import (GIB, Activations, PlanError, build_meta_model, census, count_activations,
                           load_model_config)
 from scale.config import Config, ConfigError, ModelConfig, load_config
+from scale.data.tokenize import build_splits
 from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, Rank, predict_mode
+from scale.modeling import load_tokenizer
 from scale.state import read_state, resume_accumulation, saved_global_batch
 
 # A mode "fits" when its total leaves this fraction of the GPU free: the predictions are checked to within 10% on
@@ -171,14 +174,10 @@ def data_tail(cfg: Config) -> tuple[int, str]:
     """``N``, the tail positions per row to plan the LM head and loss for, and the assumption in words.
 
     The ``text`` format's tail is ``loss.threshold`` tokens; classification, prompt/completion and chat tails
-    are read from the data (the harness's own tokenizer and :func:`scale.data.build_splits`): the longest
+    are read from the data (the harness's own tokenizer and :func:`scale.data.tokenize.build_splits`): the longest
     trained span of the train split, since a micro-batch's tail is padded to its longest row and the peak step
     is the one holding it. When the data cannot be read, ``loss.threshold`` with a note saying so.
     """
-    from scale.assets import resolve_data
-    from scale.data import build_splits
-    from scale.modeling import load_tokenizer
-
     try:
         tok = load_tokenizer(cfg.model)
         splits = build_splits(cfg.data, cfg.loss, tok, resolve_data(cfg.data.path), cfg.train.seed)

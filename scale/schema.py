@@ -12,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A config key is unknown, has the wrong type, or contradicts another key."""
+from scale.validation import ConfigError, get_key, validate  # noqa: F401 - ConfigError, get_key: importable from here
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -193,6 +191,9 @@ class LossConfig:
                                        "CE, one chunk at a time: never fp32 [B, N, V]); 0: unchunked; auto: "
                                        "chunks of <= 64 MiB fp32 logits once a micro-batch's [B, N, V] fp32 "
                                        "logits would exceed 256 MiB.")
+    fused: str | None = _f(None, "Kernel of the chunked tail loss (where chunk_size chunks): null: scale.chunked's "
+                                 "(exact, any device); liger: Liger-Kernel's fused linear cross-entropy (CUDA only, "
+                                 "pip install liger-kernel; unweighted tails: no type_weights, no criterion).")
 
 
 @dataclass
@@ -226,7 +227,8 @@ class TrainConfig:
     seed: int = _f(1234, "Seed for the split, shuffling, LoRA init and dropout.")
     mixed_precision: str = _f("auto", "Autocast: auto | no | bf16 | fp16. auto: bf16 on a bf16-capable GPU; on CPU "
                                       "bf16 when the start-up probe measures bf16 GEMMs >= 1.3x fp32, else no "
-                                      "(no as well for QLoRA with a float32 4-bit compute dtype).")
+                                      "(no as well for QLoRA with a float32 4-bit compute dtype); decided by rank 0 "
+                                      "for every rank, written to config.yaml and the checkpoints, kept on resume.")
     deepspeed_config: str | None = _f(None, "DeepSpeed JSON to use without `accelerate launch` (the `deepspeed` "
                                             "launcher, torchrun); null: the accelerate config decides.")
     check_invariants: bool = _f(False, "After training, check base weights bit-identical, LoRA weights equal on "
@@ -328,13 +330,4 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        from scale.validation import validate  # the rules live in their own room (scale/validation.py)
-
-        validate(self)
-
-
-def get_key(cfg: Any, dotted: str) -> Any:
-    """Return ``cfg.a.b`` for ``dotted == "a.b"``."""
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+        validate(self)  # the rules live in their own room (scale/validation.py)

@@ -37,6 +37,7 @@ class TrainerState:
     config: dict[str, Any] = field(default_factory=dict)
     saved_at: float = 0.0
     wandb_run_id: str = ""    # the job's W&B run, continued by every attempt (scale.tracking)
+    mixed_precision: str = ""  # the autocast the run trains in (train.mixed_precision resolved): a resume keeps it
     # train.keep_best (scale.best): the best evaluation so far, its step (checkpoint kept out of rotation), and
     # the evaluations since it improved (train.early_stopping_patience)
     best_metric: float | None = None

@@ -16,6 +16,8 @@ from accelerate.utils import DistributedType
 from scale.checkpoint import CheckpointError, list_checkpoints, record_files
 from scale.config import ConfigError, DataConfig, LossConfig, dump_config, load_config
 from scale.data import DataError, label_token_ids, load_rows, tokenize_rows
+from scale.data.tasks import get
+from scale.data.tasks.base import Rows
 from scale.launch import LaunchError, plan_for_mode, reconcile_deepspeed
 from scale.metrics import read_jsonl
 from scale.train import run
@@ -36,7 +38,7 @@ def _message(exc_type, fn, *args):
 # ---- data ----
 
 def test_row_shorter_than_threshold_plus_one(tokenizer):
-    rows = [{"text": "ok fine", "row": 17}]  # the text format
+    rows = Rows([{"text": "ok fine", "row": 17}], get("text"))  # text rows, as load_rows returns them
     msg = _message(DataError, tokenize_rows, rows, tokenizer, DataConfig(max_length=64),
                    LossConfig(threshold=40, target_position=-2))
     assert msg == ("row 17 has 3 tokens; loss.threshold=40 needs at least 41. Lower loss.threshold, "
@@ -95,7 +97,7 @@ def test_non_utf8_file(tmp_path):
 
 def test_label_that_tokenizes_differently_in_a_row(tokenizer):
     cfg = DataConfig(template="Review: {text}{label}", labels=["ok", "no"])
-    rows = [{"text": "no", "label": "ok", "row": 3}]
+    rows = Rows([{"text": "no", "label": "ok", "row": 3}], get("classification"))
     assert _message(DataError, tokenize_rows, rows, tokenizer, cfg, LossConfig()) == (
         "row 3: the label 'ok' tokenizes as ['ook'] at the end of this row, not as ['ok']; put a space or newline "
         "before '{label}' in data.template")
@@ -317,6 +319,19 @@ def test_fp16_on_cpu_is_refused(tmp_path):
     assert _refused(tmp_path, ConfigError, "train.mixed_precision=fp16") == (
         "train.mixed_precision=fp16 needs a CUDA GPU: on CPU it would silently run in fp32 while config.yaml says "
         "fp16; use train.mixed_precision=bf16 or no")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="liger is refused on CPU only")
+def test_liger_loss_on_cpu_is_refused(tmp_path):
+    assert _refused(tmp_path, ConfigError, "loss.fused=liger") == (
+        "loss.fused=liger needs a CUDA GPU (Liger-Kernel's Triton kernels); on CPU set loss.fused=null "
+        "(scale.chunked's loss, exact on any device)")
+
+
+def test_liger_loss_with_type_weights_is_refused():
+    assert _message(ConfigError, load_config, TINY_YAML, ["loss.fused=liger", "loss.type_weights=[1.0,2.0]"]) == (
+        "loss.fused=liger computes an unweighted cross-entropy: it cannot apply loss.type_weights or loss.criterion. "
+        "Drop them, or set loss.fused=null (scale.chunked's loss takes both)")
 
 
 def test_yaml_yes_no_on_off_keep_their_words(tmp_path):
@@ -877,8 +892,7 @@ def test_training_windows_check_rows_inside_their_all_gather():
     from scale.loss import LossSpec
     from scale.train import windows
 
-    spec = LossSpec(threshold=2, padding_side="left", type_weights=None, criterion=None, criterion_mode="plain",
-                    target_position=-2)
+    spec = LossSpec(padding_side="left", type_weights=None, criterion=None)
     good = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4, dtype=torch.long),
             "tail_mask": torch.ones(2, 2, dtype=torch.long), "type_indicator": torch.zeros(2, dtype=torch.long),
             "row": torch.tensor([3, 4])}

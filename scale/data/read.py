@@ -1,7 +1,8 @@
-"""Data files -> rows of named cells, read as text. No tokenizer, no torch, no format names.
+"""Reading files: a data file -> rows of named cells, read as text. No tokenizer, no torch, no format names.
 
-Which columns a format needs and how its rows are checked is :mod:`scale.tasks` (one module per format); this
-module reads the file and offers the cell checks the formats share.
+The first stage of :mod:`scale.data`. Which columns a format needs and how its rows are checked is
+:mod:`scale.data.tasks` (one module per format); this module reads the file and offers the cell checks the
+formats share, and :class:`DataError`, the one error every stage raises for bad data.
 
 Files are read with the standard library, every cell as the text it is: a CSV cell ``NA`` or ``None`` stays
 that string (no missing-value guessing), ``.tsv`` has no quoting (a ``"`` is a character), and a ``.csv``
@@ -170,14 +171,3 @@ def target_cell(value: Any, column: str, i: int, path: str) -> int | str:
     raise DataError(f"row {i} of {path}: {column!r} must be a token id (integer >= 0) or the text of one token, "
                     f"got {value!r}")
 
-
-_MOVED = ("load_rows", "detect_format", "columns_needed", "row_format", "FORMATS")
-
-
-def __getattr__(name: str) -> Any:
-    """The reading-and-checking entry points moved to :mod:`scale.tasks`; still importable from here."""
-    if name in _MOVED:
-        import scale.tasks
-
-        return getattr(scale.tasks, name)
-    raise AttributeError(f"module 'scale.formats' has no attribute {name!r}")

@@ -4,8 +4,8 @@
 turn; ``last_assistant`` only the last. Each trained turn runs from its first content token (where the template's
 generation prompt for the conversation so far ends) through the end-of-turn marker the template renders after it;
 a template without a special end-of-turn token gets EOS appended to the last turn. The row is cut after the last
-assistant turn. The tail (:mod:`scale.data`) starts at the first trained token; the user/tool tokens inside it
-weigh 0 (``Example.trained``).
+assistant turn. The tail (:mod:`scale.data.tokenize`) starts at the first trained token; the user/tool tokens
+inside it weigh 0 (``Example.trained``).
 
 Every message key passes to the template (``tool_calls``, a tool turn's ``name``/``tool_call_id``,
 ``reasoning_content``/``thinking``); a ``tools`` column (``data.tools_column``) is the template's ``tools``;
@@ -16,7 +16,7 @@ Every message key passes to the template (``tool_calls``, a tool turn's ``name``
 - a special-token spelling inside message text is encoded as text, never as a control token (counted in the log);
 - the template's own BOS is kept once, the tokenizer's is never added again;
 - a template that reads the clock (``strftime_now``) is refused unless ``data.chat_template_kwargs`` pins what
-  it renders (e.g. ``date_string``); the template text enters the resume fingerprint (:mod:`scale.data`).
+  it renders (e.g. ``date_string``); the template text enters the resume fingerprint (:mod:`scale.data.tokenize`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from scale.config import DataConfig, LossConfig
-from scale.formats import DataError
-from scale.tasks.base import Builder, Example, encode, encode_literal
-from scale.tasks.prompt_completion import PromptCompletion
+from scale.data.read import DataError
+from scale.data.tasks.base import Builder, CompletionTask, Example, encode, encode_literal
 
 logger = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
@@ -254,11 +253,10 @@ def _content_ranges(full: str, messages: list[dict[str, Any]]) -> list[tuple[int
     return ranges
 
 
-class Messages(PromptCompletion):
+class Messages(CompletionTask):
     """The ``messages`` format (evaluation as prompt/completion: completion NLL and exact match)."""
 
     name = "messages"
-    row_keys = {"messages"}
 
     def columns(self, cfg: DataConfig) -> list[str]:
         return [cfg.messages_column]
