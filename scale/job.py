@@ -10,6 +10,7 @@ the data and the model were accepted; the model is measured for MFU before ``pre
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,8 +26,8 @@ from accelerate.utils import broadcast_object_list, set_seed
 from torch.utils.data import DataLoader
 
 from scale.assets import EMBEDDED_MODEL, resolve_data, resolve_model
-from scale.checkpoint import (STATE_FILE, TrainerState, check_resume, clear_previous_run, load_checkpoint,
-                              register_hooks, resolve_resume)
+from scale.checkpoint import (STATE_FILE, TrainerState, adapt_to_checkpoint, check_resume, clear_previous_run,
+                              load_checkpoint, pick_resume, register_hooks, resolve_resume)
 from scale.checks import dtype_census
 from scale.config import Config, ConfigError, dump_config
 from scale.data.cache import load_splits, wait_for_splits
@@ -144,12 +145,17 @@ def setup(cfg: Config) -> Job:
     # checkpoint's): config.yaml, the checkpoints and the Accelerator get the choice
     out = Path(cfg.output_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # A resume on another number of processes keeps the checkpoint's global batch: the accumulation is set before
+    # the accelerator (and a DeepSpeed config) reads it. WORLD_SIZE is the launcher's (1 without one).
+    regrouped = adapt_to_checkpoint(cfg, cfg.train.data_parallel_size(int(os.environ.get("WORLD_SIZE", "1"))))
     decided: list[Any] = []
     acc = build_accelerator(cfg, settle=lambda: decided.append(
         resolve_mixed_precision(cfg, device, saved=saved_precision(cfg.train.resume_from, out))))  # collective
     precision = decided[-1]
     plan = plan_for_mode(cfg, acc)
-    resume = resolve_resume(cfg.train.resume_from, out)
+    if regrouped and acc.is_main_process:
+        logger.info(regrouped)
+    resume = pick_resume(acc, cfg)  # collective: latest/auto -> the newest checkpoint that verifies
     saved_state = check_resume(acc, cfg, plan, resume)  # collective; before anything is written
     set_seed(cfg.train.seed)
     together = plan.mode == "zero3"  # from_pretrained under ZeRO-3 runs collectives: every rank loads at once
@@ -236,8 +242,8 @@ def setup(cfg: Config) -> Job:
                          template_sha256=splits.template_sha256, rows_sha256=splits.fingerprint,
                          mixed_precision=cfg.train.mixed_precision)
     if resume is not None:
-        state = load_checkpoint(acc, plan, resume, saved_state, state.data_sha256, state.template_sha256,
-                                state.rows_sha256)  # collective
+        state = load_checkpoint(acc, cfg, plan, resume, saved_state, model, optimizer, scheduler, state.data_sha256,
+                                state.template_sha256, state.rows_sha256)  # collective
     elif cfg.train.resume_from in ("latest", "auto") and acc.is_main_process:
         logger.info("resume_from=%s: no checkpoint in %s yet, starting fresh", cfg.train.resume_from,
                     out / "checkpoints")

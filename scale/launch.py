@@ -400,7 +400,7 @@ def plan_for_mode(cfg: Config, acc: Accelerator) -> ModePlan:
             DistributedType.FSDP: "fsdp"}.get(dt, "ddp")
     m = cfg.model
     plan = ModePlan(mode=mode, deepspeed=ds, partitioned=mode in ("zero3", "fsdp"), use_reentrant=m.use_reentrant,
-                    data_parallel_size=acc.num_processes)
+                    data_parallel_size=cfg.train.data_parallel_size(acc.num_processes))
     if m.gradient_checkpointing and m.use_reentrant and mode in ("ddp", "zero1", "zero2") and acc.num_processes > 1:
         raise LaunchError("model.use_reentrant=true with LoRA under data parallelism fails with 'marked ready "
                           "twice' (peft#313, trl#921); set model.use_reentrant=false")

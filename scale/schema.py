@@ -276,6 +276,14 @@ class TrainConfig:
         (:attr:`scale.launch.ModePlan.data_parallel_size`: the world size, divided by any sequence-parallel degree)."""
         return self.micro_batch_size * self.gradient_accumulation_steps * data_parallel_size
 
+    def data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel ranks of ``world_size`` processes: each trains other rows (today every process; a
+        sequence-parallel group shares its rows and counts once). The one place it is derived from a process
+        count: :func:`scale.launch.plan_for_mode` (``ModePlan.data_parallel_size``), a resume before the accelerator
+        exists (:func:`scale.checkpoint.adapt_to_checkpoint`, from the launcher's ``WORLD_SIZE``) and
+        ``scale-plan --resume``."""
+        return world_size
+
 @dataclass
 class EvalConfig:
     """Generation at each evaluation: greedy completions of held-out prompts (scale/samples.py)."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from scale.checkpoint import CheckpointError, list_checkpoints
+from scale.checkpoint import CheckpointError, list_checkpoints, record_files
 from scale.config import ConfigError, DataConfig, LossConfig, dump_config, load_config
 from scale.data import DataError, label_token_ids, load_rows, tokenize_rows
 from scale.data.tasks import get
@@ -182,15 +182,23 @@ def checkpoint(tmp_path_factory):
     return list_checkpoints(out)[-1]
 
 
-def test_resume_from_another_world_size(checkpoint, tmp_path):
+def test_resume_that_would_change_the_global_batch(checkpoint, tmp_path):
+    """A checkpoint of 2 processes (micro-batch 8 x GA 2 x 2 ranks = 32 rows per step) resumes on 1 with GA 4
+    computed; a GA given for the resume that changes the 32 is refused, listing the choices."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoint, ckpt)
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    state["world_size"] = 2
+    state.update(world_size=2, data_parallel_size=2, global_batch_size=32, mode="ddp")
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
-    msg = _message(CheckpointError, run, tiny_cfg(tmp_path, "train.max_steps=2", f"train.resume_from={ckpt}"))
-    assert msg == (f"checkpoint {ckpt} was written by 2 processes, this run has 1: the data shards and the global "
-                   f"batch would change. Launch with num_processes=2.")
+    msg = _message(ConfigError, run, tiny_cfg(tmp_path, "train.max_steps=2", "train.gradient_accumulation_steps=3",
+                                              f"train.resume_from={ckpt}"))
+    assert msg == (f"checkpoint {ckpt} was trained with global_batch_size=32; train.micro_batch_size=8 x "
+                   f"train.gradient_accumulation_steps=3 x 1 data-parallel rank(s) = 24 would train other rows in "
+                   f"every later step. Keep 32: on 1 data-parallel rank(s) set train.micro_batch_size x "
+                   f"train.gradient_accumulation_steps to one of 1 x 32, 2 x 16, 4 x 8, 8 x 4, 16 x 2, 32 x 1 (with "
+                   f"the checkpoint's micro_batch_size=8 and gradient_accumulation_steps=2 the accumulation is "
+                   f"computed for you)")
+    assert not (tmp_path / "config.yaml").exists()
 
 
 def test_resume_where_a_rank_cannot_see_the_checkpoint(checkpoint, tmp_path):
@@ -217,6 +225,12 @@ def test_resume_refuses_pickled_code(checkpoint, tmp_path):
             return (__import__("os").system, (f"touch {marker}",))
 
     (ckpt / "optimizer.bin").write_bytes(pickle.dumps({"state": Payload()}))
+    with pytest.raises(CheckpointError, match="is damaged: optimizer.bin is"):  # not what was written at save
+        run(tiny_cfg(tmp_path, "train.max_steps=2", f"train.resume_from={ckpt}"))
+    assert not marker.exists()
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["files"] = record_files(ckpt)  # a payload with matching hashes recorded: still never unpickled
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(Exception, match="Weights only load failed"):
         run(tiny_cfg(tmp_path, "train.max_steps=2", f"train.resume_from={ckpt}"))
     assert not marker.exists()
