@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from scale.config import DataConfig
-from scale.formats import DataError, integer_cell
+from scale.formats import DataError, Rows, integer_cell, with_line
 from scale.sources import read_source
 from scale.tasks import classification, messages, prompt_completion, text
 from scale.tasks.base import Task
@@ -89,7 +89,8 @@ def load_rows(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
         path: a file, directory, glob or hub id (:mod:`scale.sources`; already resolved from an embedded name).
 
     Returns:
-        Rows as dicts with a ``row`` index (file order), the format's fields (``text`` (+ ``target``); ``text``,
+        :class:`scale.formats.Rows` (with the line of each row in a line-based file): dicts with a ``row`` index
+        (file order), the format's fields (``text`` (+ ``target``); ``text``,
         ``label``; ``prompt``, ``completion``; ``messages`` (+ ``tools``)) and ``type`` when there is a type column.
 
     Raises:
@@ -103,11 +104,15 @@ def load_rows(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
     if cfg.type_column is not None and cfg.type_column not in columns:
         raise DataError(f"data.type_column={cfg.type_column!r} is not a column of {path}; its columns are "
                         f"{columns}. Set data.type_column (or data.column_names for a header-less file).")
-    rows = []
+    rows = Rows()
+    rows.lines, rows.files = getattr(table, "lines", None), getattr(table, "files", [])
     for i, raw in enumerate(table):
-        row: dict[str, Any] = {"row": i, **task.read(raw, cfg, i, path)}
-        if type_column is not None:
-            row["type"] = integer_cell(raw.get(type_column), type_column, i, path)
+        try:
+            row: dict[str, Any] = {"row": i, **task.read(raw, cfg, i, path)}
+            if type_column is not None:
+                row["type"] = integer_cell(raw.get(type_column), type_column, i, path)
+        except DataError as e:
+            raise DataError(with_line(str(e), rows)) from None
         rows.append(row)
     return rows
 
