@@ -50,6 +50,7 @@ from scale.data import DataError, Splits, _tokenize, build_splits, fingerprint_b
 from scale.fileio import sha256_file, temp_dir_for, write_text_atomic
 from scale.sources import sources_digests
 from scale.tasks.base import Builder
+from scale.tasks.messages import chat_template_path
 from scale.token_table import LISTS, SCALARS, Reordered, TokenTable, column, longest_first  # noqa: F401
 
 logger = logging.getLogger(__name__)
@@ -96,13 +97,13 @@ def fingerprint(cfg: Any, tokenizer: Any, path: str) -> tuple[str, dict[str, Any
     """
     here = Path(__file__).resolve().parent
     code = hashlib.sha256(b"".join(f.read_bytes() for m in TOKEN_MODULES for f in sorted(here.glob(m))))
-    template = cfg.data.chat_template
+    template = chat_template_path(cfg.data.chat_template)  # a file, or a shipped template's name
     inputs = {
         "cache_version": CACHE_VERSION,
         "code": code.hexdigest(),
         **sources_digests(cfg.data, path),
         "tokenizer": tokenizer_digest(tokenizer),
-        "chat_template": sha256_file(template) if template is not None and Path(template).is_file() else template,
+        "chat_template": sha256_file(template) if template is not None else cfg.data.chat_template,
         "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in RUNTIME_KEYS},
         "loss.threshold": cfg.loss.threshold,
         "train.seed": cfg.train.seed,

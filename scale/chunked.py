@@ -167,7 +167,8 @@ def _two_rows(h: Tensor, t: Tensor, w: Tensor, *rest: Tensor) -> tuple[Tensor, .
     LM-head products are matrix products (see :func:`chunk_bounds`); other chunks unchanged."""
     if h.shape[0] != 1:
         return (h, t, w, *rest)
-    return (torch.cat([h, h]), torch.cat([t, t]), torch.cat([w, torch.zeros_like(w)]), *(torch.cat([r, r]) for r in rest))
+    pad = [torch.cat([x, x]) for x in (h, t)] + [torch.cat([w, torch.zeros_like(w)])]
+    return (*pad, *(torch.cat([r, r]) for r in rest))
 
 
 class _FusedLinearCE(torch.autograd.Function):

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from scale import tasks
 from scale.config import DataConfig, LossConfig
-from scale.formats import DataError, row_key
+from scale.formats import DataError, row_key, with_line
 from scale.sources import eval_source_of
 from scale.tasks import load_rows, row_format
 from scale.tasks.base import Builder, Example, special_affixes
@@ -64,7 +64,14 @@ def tokenize_rows(rows: list[dict[str, Any]], tokenizer: Any, data_cfg: DataConf
 
 
 def _tokenize(rows: list[dict[str, Any]], task: Any, b: Builder, loss_cfg: LossConfig) -> list[Example]:
-    return [e for e in (task.encode(r, b, loss_cfg) for r in rows) if e is not None]
+    """Every row's examples (a format may make none, one or several of a row), and ``b.notes["trained_tokens"]``
+    counts their trained tokens."""
+    out: list[Example] = []
+    for r in rows:
+        e = task.encode(r, b, loss_cfg)
+        out.extend(e if isinstance(e, list) else [] if e is None else [e])
+    b.count("trained_tokens", sum(sum(e.trained) if e.trained is not None else e.tail_len for e in out))
+    return out
 
 
 def split_rows(rows: list[Any], eval_size: int, seed: int) -> tuple[list[Any], list[Any]]:
@@ -248,32 +255,41 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
     else:
         mix = None
         rows = load_rows(data_cfg, path)
+        lines = rows if eval_source_of(data_cfg, path) is None else None  # the eval rows' numbers are another file's
         fmt = row_format(rows[0])
         task = tasks.get(fmt)
         rows, train_rows, eval_rows, removed = _split(data_cfg, rows, fmt, path, seed)
     if not task.uses_threshold and (loss_cfg.threshold, loss_cfg.target_position) != (2, -2):
-        logger.warning("loss.threshold=%d and loss.target_position=%d apply to the text format only; the %s format "
+        logger.warning("loss.threshold=%s and loss.target_position=%d apply to the text format only; the %s format "
                        "trains each row's own tail (see scale/data.py)", loss_cfg.threshold, loss_cfg.target_position,
                        fmt)
     overlap = count_copies(eval_rows, train_rows)
     task.prepare(tokenizer, data_cfg, loss_cfg)
-    task.check(tokenizer, train_rows + eval_rows)
     builder = Builder(tokenizer, data_cfg)
     tokenize = tokenize or (lambda name, part, t, b: _tokenize(part, t, b, loss_cfg))  # [issue 18] the cache's seam
-    train, held = tokenize("train", train_rows, task, builder), tokenize("eval", eval_rows, task, builder)
+    try:
+        task.check(tokenizer, train_rows + eval_rows)
+        train = tokenize("train", train_rows, task, builder)
+        train_notes = dict(builder.notes)
+        held = tokenize("eval", eval_rows, task, builder)
+    except DataError as e:  # name the line an editor shows the row on
+        raise DataError(with_line(str(e), lines if mix is None else None)) from None
     if not train or not held:
         raise DataError(f"data.drop_long_completions dropped every {'train' if not train else 'eval'} row; raise "
                         f"data.max_length")
     stats = {"data/train_rows": len(train), "data/eval_rows": len(held), "data/duplicates_removed": removed,
              "data/eval_rows_in_train": overlap, "data/dropped_long_rows": len(builder.dropped)}
+    for name in ("trained_tokens", *task.counted):  # per split: the train split's notes, then what eval added
+        stats[f"data/train_{name}"] = train_notes.get(name, 0)
+        stats[f"data/eval_{name}"] = builder.notes.get(name, 0) - train_notes.get(name, 0)
     if mix is not None:  # per source: rows read, train rows mixed in, eval rows, rows dropped [issue 18]
         from scale.mixing import dropped_per_source
 
         stats.update(mix.stats)
         stats.update(dropped_per_source(builder.notes, mix.names))
-    if builder.dropped:
-        logger.warning("data.drop_long_completions: dropped %d rows whose tail does not fit in data.max_length=%d "
-                       "(data-file rows %s)", len(builder.dropped), data_cfg.max_length, builder.dropped[:20])
+    if builder.dropped:  # which rows: once, when they are tokenized (the start-up log says how many, every start)
+        logger.info("data: dropped data-file rows %s%s (data.max_length=%d)", builder.dropped[:20],
+                    " ..." if len(builder.dropped) > 20 else "", data_cfg.max_length)
     if builder.notes.get("special_spellings_as_text"):
         logger.warning("data: %d special-token spellings inside message text (e.g. a quoted end-of-turn marker) "
                        "were encoded as text, not as control tokens", builder.notes["special_spellings_as_text"])
@@ -284,6 +300,65 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
                   types_are_labels=task.types_are_labels, fingerprint=(fingerprint_of or (
                       lambda a, b: token_fingerprint(itertools.chain(a, b))))(train, held),
                   template_sha256=hashlib.sha256(extra.encode()).hexdigest() if extra else "")
+
+
+_MAIN_STATS = ("data/train_rows", "data/eval_rows", "data/duplicates_removed", "data/eval_rows_in_train",
+               "data/dropped_long_rows")
+
+
+def _per_split(stats: dict[str, int], name: str) -> tuple[int, int]:
+    return stats.get(f"data/train_{name}", 0), stats.get(f"data/eval_{name}", 0)
+
+
+def stats_line(stats: dict[str, int]) -> str:
+    """The start-up log's data line: the row counts, the trained tokens per row of each split, and every other
+    count that is not 0 (``data/*`` of :attr:`Splits.stats`; all of them are in ``metrics.jsonl`` at step 0)."""
+    main = [f"{k.removeprefix('data/')}={stats[k]}" for k in _MAIN_STATS if k in stats]
+    per_row = [f"{split} {stats[f'data/{split}_trained_tokens'] / stats[f'data/{split}_rows']:.1f}"
+               for split in ("train", "eval") if stats.get(f"data/{split}_rows") and
+               f"data/{split}_trained_tokens" in stats]
+    rest = [f"{k.removeprefix('data/')}={v}" for k, v in stats.items() if k not in _MAIN_STATS and v
+            and not k.endswith("_trained_tokens")]
+    return " ".join(main + rest) + (f"; trained tokens per row: {', '.join(per_row)}" if per_row else "")
+
+
+def removed_lines(stats: dict[str, int], data_cfg: DataConfig) -> list[str]:
+    """One line for each kind of thing the chat template or ``data.truncation`` removed from the rows (counted per
+    split in ``stats``), naming the option that keeps it; ``[]`` when nothing was removed."""
+    out = []
+    cut, dropped = _per_split(stats, "rows_truncated"), stats.get("data/dropped_long_rows", 0)
+    if sum(cut):
+        lost = [f"{sum(n)} {what}" for key, what in (("turns_cut", "assistant turn(s), not trained"),
+                                                      ("tool_calls_cut", "tool call(s)"), ("system_cut",
+                                                                                           "system turn(s)"))
+                if sum(n := _per_split(stats, key))]
+        out.append(f"data.max_length={data_cfg.max_length} cut the start of {cut[0]} train and {cut[1]} eval rows "
+                   f"(data.truncation=keep_end: prompt tokens after the BOS, or a chat's oldest whole messages)"
+                   + (f", removing {', '.join(lost)}" if lost else "") + "; a larger data.max_length keeps them, "
+                   "data.truncation=drop drops such rows")
+    if dropped:
+        why = ("are longer than" if data_cfg.truncation == "drop" else "cannot fit their trained tail (a chat: its "
+               "last exchange) in")
+        out.append(f"dropped {dropped} rows that {why} data.max_length={data_cfg.max_length} (data.truncation="
+                   f"{data_cfg.truncation}, data.drop_long_completions={str(data_cfg.drop_long_completions).lower()})"
+                   f"; a larger data.max_length keeps them")
+    if sum(n := _per_split(stats, "history_reasoning_dropped")):
+        out.append(f"the chat template renders earlier assistant turns without their reasoning (as history), so "
+                   f"{sum(n)} reasoning blocks are not trained ({n[0]} train, {n[1]} eval; data.train_on="
+                   f"{data_cfg.train_on} trains each turn as rendered in its conversation); data.train_on="
+                   f"all_assistant_as_last trains every assistant turn as the last turn of a row of its own, with "
+                   f"its reasoning")
+    if sum(n := _per_split(stats, "reasoning_not_rendered")):
+        out.append(f"the chat template does not render {sum(n)} reasoning blocks (reasoning_content/thinking) of "
+                   f"trained assistant turns ({n[0]} train, {n[1]} eval), so they are not trained; a template that "
+                   f"renders them (data.chat_template) keeps them")
+    if sum(n := _per_split(stats, "system_not_rendered")):
+        out.append(f"the chat template does not render {sum(n)} system turns ({n[0]} train, {n[1]} eval); a "
+                   f"template that renders them (data.chat_template) keeps them")
+    if sum(n := _per_split(stats, "empty_turns")):
+        out.append(f"{sum(n)} assistant turns render as no text but their end-of-turn marker (an empty message) and "
+                   f"are not trained ({n[0]} train, {n[1]} eval)")
+    return out
 
 
 TRAINED_OPEN, TRAINED_CLOSE = "[[", "]]"

@@ -385,7 +385,8 @@ def model_flops(cfg: Config, model_config: Any, trainable: int) -> Callable[...,
     from scale.flops import flops_per_token
 
     def flops_fn(rows: int, seq_len: int, kept: int | None = None) -> float:
-        kept = cfg.loss.threshold if kept is None else kept
+        if kept is None:  # loss.threshold: all keeps every position
+            kept = seq_len if cfg.loss.threshold == "all" else cfg.loss.threshold
         per_position = flops_per_token(model_config, seq_len, lora_params=trainable,
                                        logits_fraction=min(1.0, kept / seq_len))
         return rows * seq_len * per_position

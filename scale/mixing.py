@@ -140,6 +140,7 @@ class MixedTask(Task):
     def __init__(self, tasks: dict[str, Task]) -> None:
         self.tasks = tasks
         self._of: dict[frozenset, Task] = {}
+        self.counted = tuple(dict.fromkeys(c for t in tasks.values() for c in t.counted))  # every format's counts
 
     def task_of(self, row: dict[str, Any]) -> Task:
         from scale.tasks import row_format
