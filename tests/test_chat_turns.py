@@ -333,3 +333,22 @@ def test_threshold_all_config_show_rows_and_plan(tmp_path, capsys, tokenizer):
     assert data_tail(cfg)[0] == longest
     missing = load_config("tiny_cpu", ["data.path=/nonexistent.jsonl", "loss.threshold=all", "data.max_length=64"])
     assert data_tail(missing)[0] == 63
+
+
+def test_history_turns_without_the_generation_prompts_think_block(tmp_path, tokenizer):
+    """Qwen3 with enable_thinking: false opens every generation with an empty <think> block that history turns lack:
+    an earlier turn starts after the part of its generation prompt the conversation holds ('<|im_start|>assistant\\n'),
+    the last one after the whole prompt."""
+    text = QWEN3_STYLE.replace("{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+                               "{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking "
+                               "is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+    assert text != QWEN3_STYLE
+    cfg = DataConfig(chat_template=_template(tmp_path, text), chat_template_kwargs={"enable_thinking": False},
+                     max_length=128)
+    rows = load_rows(cfg, _write(tmp_path / "c.jsonl", [_yes_no("Is Paris in France?", "Yes", "Is the sun a planet?",
+                                                                 "No")]))
+    (e,) = tokenize_rows(rows, tokenizer, cfg, LossConfig())
+    runs = _runs(tokenizer, e)
+    assert [t for _, t in runs] == ["Yes<|im_end|>", "No<|im_end|>"]
+    assert runs[0][0].endswith("Answer Yes or No.<|im_end|>\n<|im_start|>assistant\n")
+    assert runs[1][0].endswith("Answer Yes or No.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")

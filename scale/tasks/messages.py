@@ -296,9 +296,9 @@ def spans(tokenizer: Any, template: str, messages: list[dict[str, Any]], i: int,
     """Render a conversation and find the character spans of its trained assistant turns, from renderings only.
 
     Turn ``k`` starts where the generation prompt of ``messages[:k]`` ends (that prompt must be the start of the
-    rendering) and ends right after the special token that closes the rendered turn (or after its text, trailing
-    whitespace dropped). A turn the template renders differently as history ends where :func:`_history_end`
-    finds it. A turn that renders as nothing but its end-of-turn marker is not trained (``notes["empty_turns"]``);
+    rendering; of an earlier turn's prompt, the part the rendering holds after the messages before it) and ends
+    right after the special token that closes the rendered turn (or after its text, trailing whitespace dropped).
+    A turn the template renders differently as history ends where :func:`_history_end` finds it. A turn that renders as nothing but its end-of-turn marker is not trained (``notes["empty_turns"]``);
     a trained turn's reasoning (``reasoning_content``/``thinking``) that the rendering lacks is counted
     (``history_reasoning_dropped`` when its last-turn rendering holds it, else ``reasoning_not_rendered``).
 
@@ -338,13 +338,19 @@ def spans(tokenizer: Any, template: str, messages: list[dict[str, Any]], i: int,
                             f"{prompt[n:n + 40]!r} but the conversation {whole[n:n + 40]!r}; the model would be "
                             f"trained after a prompt inference never sends. Fix data.chat_template so that its "
                             f"generation prompt is what the rendered turn starts with")
-        if not full.startswith(prompt) or len(prompt) < lo:
-            raise DataError(f"row {i}: {name} renders the messages before assistant message {k} differently once "
-                            f"later messages follow, so where that turn starts cannot be told from the template's "
-                            f"own rendering; set data.train_on=all_assistant_as_last (every assistant turn the last "
-                            f"of a row of its own) or data.train_on=last_assistant")
         start, as_last = len(prompt), whole[len(prompt):]
-        if last or full.startswith(whole):
+        if not full.startswith(prompt) or start < lo:
+            # The history rendering may hold only the start of the generation prompt (Qwen3 with enable_thinking:
+            # false opens every generation with an empty <think> block that history turns lack): the turn then
+            # starts after the part of its prompt the conversation holds, if all of the messages before it are.
+            before = render(tokenizer, template, messages[:k], i, tools=tools, kwargs=kwargs)
+            start = _first_difference(prompt, full)
+            if not full.startswith(before) or start < max(len(before), lo):
+                raise DataError(f"row {i}: {name} renders the messages before assistant message {k} differently "
+                                f"once later messages follow, so where that turn starts cannot be told from the "
+                                f"template's own rendering; set data.train_on=all_assistant_as_last (every assistant "
+                                f"turn the last of a row of its own) or data.train_on=last_assistant")
+        if last or start == len(prompt) and full.startswith(whole):
             turn = as_last
         else:
             length = _history_end(full, start, as_last, specials)
