@@ -329,11 +329,13 @@ def removed_lines(stats: dict[str, int], data_cfg: DataConfig) -> list[str]:
     cut, dropped = _per_split(stats, "rows_truncated"), stats.get("data/dropped_long_rows", 0)
     if sum(cut):
         lost = [f"{sum(n)} {what}" for key, what in (("turns_cut", "assistant turn(s), not trained"),
-                                                      ("tool_calls_cut", "tool call(s)"), ("system_cut",
-                                                                                           "system turn(s)"))
+                                                      ("tool_calls_cut", "tool call(s)"),
+                                                      ("system_cut", "system turn(s)"),
+                                                      ("user_text_cut", "user text start(s)"))
                 if sum(n := _per_split(stats, key))]
         out.append(f"data.max_length={data_cfg.max_length} cut the start of {cut[0]} train and {cut[1]} eval rows "
-                   f"(data.truncation=keep_end: prompt tokens after the BOS, or a chat's oldest whole messages)"
+                   f"(data.truncation=keep_end: prompt tokens after the BOS, or a chat's oldest whole messages, "
+                   f"then the start of its last user text)"
                    + (f", removing {', '.join(lost)}" if lost else "") + "; a larger data.max_length keeps them, "
                    "data.truncation=drop drops such rows")
     if dropped:

@@ -135,9 +135,10 @@ class DataConfig:
     chat_template: str | None = _f(None, "messages: a Jinja chat-template file used instead of the tokenizer's.")
     max_length: int = _f(128, "Maximum sequence length (tokens); see `truncation` for longer rows.")
     truncation: str = _f("keep_end", "Rows over `max_length`: keep_end (cut their start: prompt tokens after the "
-                                     "BOS, or a chat's oldest whole messages, never part of a turn; counted as "
-                                     "data/*_rows_truncated, what a chat lost as data/*_turns_cut, *_tool_calls_cut, "
-                                     "*_system_cut) | drop (drop them, counted as data/dropped_long_rows).")
+                                     "BOS; a chat's oldest whole messages, then the start of its last user text, "
+                                     "never a turn's markers; counted as data/*_rows_truncated, what a chat lost as "
+                                     "data/*_turns_cut, *_tool_calls_cut, *_system_cut, *_user_text_cut) | drop "
+                                     "(drop them, counted as data/dropped_long_rows).")
     drop_long_completions: bool = _f(False, "A row whose trained tail (a chat: its last exchange) cannot fit in "
                                             "`max_length` is an error naming it; true drops such rows and logs how "
                                             "many.")

@@ -272,18 +272,33 @@ def test_truncation_cuts_whole_messages_and_counts_what_went(tmp_path, tokenizer
     assert [e.row for e in tokenize_rows(load_rows(drop, path), tokenizer, drop, LossConfig())] == [3, 4]
 
 
-def test_a_last_exchange_that_cannot_fit_is_one_line_or_dropped(tmp_path, tokenizer):
-    row = _long_chat(0)
-    row["messages"] = row["messages"][7:]
-    limit = _length(tokenizer, row["messages"], row["tools"]) - 1
-    cfg = DataConfig(chat_template="chatml_tools", max_length=limit)
-    rows = load_rows(cfg, _write(tmp_path / "c.jsonl", [row]))
-    with pytest.raises(DataError, match=rf"^row 0: the conversation does not fit in data.max_length={limit} tokens "
-                                        r"even cut to its last exchange \(messages 0-1: data.truncation=keep_end cuts "
-                                        r"only whole messages, never inside a turn\)"):
-        tokenize_rows(rows, tokenizer, cfg, LossConfig())
-    assert tokenize_rows(rows, tokenizer, DataConfig(chat_template="chatml_tools", max_length=limit,
-                                                     drop_long_completions=True), LossConfig()) == []
+def test_a_last_exchange_too_long_loses_the_start_of_its_user_text_not_its_markers(tmp_path, tokenizer):
+    """The last exchange alone over data.max_length: the start of its user turn's text goes (found from renderings
+    with other text in its place), the turn's '<|im_start|>user\n' stays; a limit that leaves no room for the
+    markers and the answer is one line naming the row, or the row is dropped with data.drop_long_completions."""
+    plain = str(ROOT / "configs" / "chat" / "chatml.jinja")
+    question = "Please read all of this long question with many words before you answer: is it long?"
+    chat = [{"role": "user", "content": question}, {"role": "assistant", "content": "Yes."}]
+    path = _write(tmp_path / "c.jsonl", [{"messages": chat}] * 3)
+    whole = len(tokenizer(tokenizer.apply_chat_template(chat, tokenize=False, chat_template=open(plain).read())
+                          .rstrip("\n"), add_special_tokens=False)["input_ids"])
+    cfg = DataConfig(chat_template=plain, max_length=whole - 5, eval_size=1)
+    splits = build_splits(cfg, LossConfig(), tokenizer, path, seed=0)
+    e = splits.train[0]
+    text = tokenizer.decode(e.input_ids)
+    assert len(e.input_ids) == whole - 5 and text.startswith("<|im_start|>user\n") and text.endswith(
+        " is it long?<|im_end|>\n<|im_start|>assistant\nYes.<|im_end|>")
+    assert question not in text and [t for _, t in _runs(tokenizer, e)] == ["Yes.<|im_end|>"]
+    assert (splits.stats["data/train_user_text_cut"], splits.stats["data/eval_user_text_cut"],
+            splits.stats["data/train_rows_truncated"], splits.stats["data/train_turns_cut"]) == (2, 1, 2, 0)
+    assert "removing 3 user text start(s)" in removed_lines(splits.stats, cfg)[0]
+    rows = load_rows(cfg, path)
+    tight = DataConfig(chat_template=plain, max_length=8)   # '<|im_start|>user\n' ... 'Yes.<|im_end|>' need more
+    with pytest.raises(DataError, match=r"^row 0: the conversation does not fit in data.max_length=8 tokens even cut "
+                                        r"to its last exchange with the start of its user turn's text cut"):
+        tokenize_rows(rows[:1], tokenizer, tight, LossConfig())
+    assert tokenize_rows(rows, tokenizer, DataConfig(chat_template=plain, max_length=8, drop_long_completions=True),
+                         LossConfig()) == []
 
 
 @torch.no_grad()

@@ -285,12 +285,13 @@ def test_embedded_dialog_data_of_the_sft_job(tokenizer):
                                         "constructing machines that think."}]
     cfg = load_config(ROOT / "configs" / "train" / "sft.yaml", [f"data.chat_template={ROOT}/configs/chat/chatml.jinja"])
     splits = build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed)
-    # 19 rows dropped: 15 whose answer alone is over 128 tokens, 4 whose last exchange is (data-file rows 142, 151,
-    # 184, 185: their user turn was cut mid-text before truncation kept whole messages); 3 chats lost their
-    # oldest exchanges (12 assistant turns not trained)
+    # 17 rows dropped: 15 whose answer alone is over 128 tokens, 2 (data-file rows 151, 184) whose answer leaves no
+    # room for the user turn's markers (the prompt was cut inside them before); 3 chats lost their oldest exchanges
+    # (12 assistant turns not trained) and 2 (rows 142, 185) the start of their user text, the markers kept
     assert splits.format == "messages" and {k: v for k, v in splits.stats.items() if v} == {
-        "data/train_rows": 781, "data/eval_rows": 98, "data/duplicates_removed": 1127, "data/dropped_long_rows": 19,
-        "data/train_trained_tokens": 12258, "data/eval_trained_tokens": 1663, "data/train_rows_truncated": 2,
-        "data/eval_rows_truncated": 1, "data/train_turns_cut": 11, "data/eval_turns_cut": 1}
+        "data/train_rows": 783, "data/eval_rows": 98, "data/duplicates_removed": 1127, "data/dropped_long_rows": 17,
+        "data/train_trained_tokens": 12491, "data/eval_trained_tokens": 1663, "data/train_rows_truncated": 4,
+        "data/eval_rows_truncated": 1, "data/train_turns_cut": 11, "data/eval_turns_cut": 1,
+        "data/train_user_text_cut": 2}
     ex = splits.eval[0]
     assert tokenizer.decode(ex.input_ids[-ex.tail_len:]) == "Classical<|im_end|>"

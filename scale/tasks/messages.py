@@ -27,12 +27,13 @@ tool call's ``arguments`` given as a JSON string (OpenAI's format) is decoded on
 transformers' templates expect. Tool calls or a ``tools`` column on a template that does not render them (plain
 ChatML, SmolLM2's own) are refused with one line naming the shipped ``chatml_tools`` template.
 
-**Truncation** (``data.truncation``): a conversation over ``data.max_length`` tokens is cut at message
-boundaries, never inside a turn: ``keep_end`` (default) drops its oldest exchanges (a user turn and the turns
-answering it; the system turn is kept while the rest fits, then dropped too) and renders what is left again;
-``drop`` drops the conversation. A conversation whose last exchange alone does not fit is an error naming it, or
-dropped with ``data.drop_long_completions``. What is removed (assistant turns, tool calls, system turns) is
-counted per split (``data/<split>_turns_cut``...) and named once in the start-up log.
+**Truncation** (``data.truncation``): a conversation over ``data.max_length`` tokens is cut, never inside a
+turn's markers: ``keep_end`` (default) drops its oldest exchanges (a user turn and the turns answering it) and
+renders what is left again; if its last exchange alone is still too long, the start of that exchange's user text
+goes (the turn's markers stay); the system turn is kept until nothing else helps. ``drop`` drops the
+conversation. A conversation that cannot fit even so is an error naming it, or dropped with
+``data.drop_long_completions``. What is removed (assistant turns, tool calls, system turns, the start of a user
+text) is counted per split (``data/<split>_turns_cut``...) and named once in the start-up log.
 
 Template hygiene, each with one outcome:
 
@@ -63,8 +64,8 @@ _PLAIN_KEYS = {"role", "content"}
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # where chat data holds an assistant turn's reasoning
 TOOLS_TEMPLATE = "chatml_tools"  # configs/chat/chatml_tools.jinja: ChatML with <tools> and <tool_call>
 # What this format counts per split (data/<split>_<name>, scale.data): removed by truncation, or not rendered.
-COUNTS = ("turns_cut", "tool_calls_cut", "system_cut", "empty_turns", "history_reasoning_dropped",
-          "reasoning_not_rendered", "system_not_rendered")
+COUNTS = ("turns_cut", "tool_calls_cut", "system_cut", "user_text_cut", "empty_turns",
+          "history_reasoning_dropped", "reasoning_not_rendered", "system_not_rendered")
 
 
 def _arguments(call: Any, i: int, path: str, j: int) -> Any:
@@ -398,15 +399,13 @@ def _content_ranges(full: str, messages: list[dict[str, Any]]) -> list[tuple[int
 
 def _cuts(messages: list[dict[str, Any]]) -> list[list[int]]:
     """The conversations ``data.truncation: keep_end`` tries, least cut first, as indices into ``messages``: the
-    whole; then without its oldest exchanges (each cut starts at a user turn; a system turn kept); then the
+    whole, then without its oldest exchanges (each cut starts at a user turn; a system turn kept), then the
     shortest without its system turn. Every one ends with the last (trained) assistant turn."""
     n = len(messages)
     system = [0] if messages[0]["role"] == "system" else []
     starts = [j for j in range(len(system) + 1, n - 1) if messages[j]["role"] == "user"]
     out = [list(range(n))] + [system + list(range(j, n)) for j in starts]
-    if system:
-        out.append(list(range(starts[-1] if starts else 1, n)))
-    return out
+    return out + [out[-1][1:]] if system else out
 
 
 class Messages(PromptCompletion):
@@ -541,43 +540,82 @@ class Messages(PromptCompletion):
                 out.append(e)
         return out
 
-    def _pieces(self, row: dict[str, Any], messages: list[dict[str, Any]], first: int, train_on: str, b: Builder,
-                notes: dict[str, int]) -> tuple[list[list[int]], bool]:
-        """The conversation's tokens in pieces: prompt, trained, gap, trained, ..., trained; and whether EOS is
-        appended to the last piece."""
-        i, tok = row.get("row", -1), b.tokenizer
-        full, cut, add_eos = spans(tok, self.template, messages, i, train_on, first, row.get("tools"),
-                                   self.kwargs, self.template_name, notes)
+    def _render(self, row: dict[str, Any], messages: list[dict[str, Any]], first: int, train_on: str, b: Builder,
+                notes: dict[str, int]) -> tuple[str, list[int], bool, list[tuple[int, int]]]:
+        """The conversation's text, the character bounds of its pieces (prompt, trained, gap, trained, ...,
+        trained), whether EOS is appended, and the special-token spellings inside message text (kept as text)."""
+        full, cut, add_eos = spans(b.tokenizer, self.template, messages, row.get("row", -1), train_on, first,
+                                   row.get("tools"), self.kwargs, self.template_name, notes)
         protect = [(p, p + len(s)) for a, z in _content_ranges(full[:cut[-1][1]], messages)
                    for s in self.specials for p in _find_all(full, s, a, z)]
         if protect:
             notes["special_spellings_as_text"] = notes.get("special_spellings_as_text", 0) + len(protect)
-        bounds = [0] + [x for s in cut for x in s]
-        pieces = [self._encode_span(tok, full, bounds[j], bounds[j + 1], protect) for j in range(len(bounds) - 1)]
+        return full, [0] + [x for s in cut for x in s], add_eos, protect
+
+    def _pieces(self, full: str, bounds: list[int], add_eos: bool, protect: list[tuple[int, int]],
+                b: Builder) -> list[list[int]]:
+        """The tokens of ``full`` between consecutive ``bounds``; EOS appended to the last piece if asked."""
+        pieces = [self._encode_span(b.tokenizer, full, bounds[j], bounds[j + 1], protect)
+                  for j in range(len(bounds) - 1)]
         if add_eos:
             pieces[-1] = b.with_eos(pieces[-1])
-        return pieces, add_eos
+        return pieces
+
+    def _text_of(self, tokenizer: Any, row: dict[str, Any], messages: list[dict[str, Any]], u: int,
+                 full: str) -> tuple[int, int]:
+        """Where message ``u``'s text lies in ``full``, from renderings with other text in its place (it starts
+        where they first differ and ends where they last differ), never by searching for it."""
+        starts, ends = [], []
+        for probe in ("a", "b"):  # two probes: one of them differs from the text's first and last character
+            other = [dict(m, content=probe) if k == u else m for k, m in enumerate(messages)]
+            alt = render(tokenizer, self.template, other, row.get("row", -1), tools=row.get("tools"),
+                         kwargs=self.kwargs)
+            starts.append(_first_difference(full, alt))
+            ends.append(len(full) - _first_difference(full[::-1], alt[::-1]))
+        return min(starts), max(ends)
+
+    def _shorten(self, row: dict[str, Any], messages: list[dict[str, Any]], first: int, train_on: str,
+                 b: Builder) -> tuple[list[list[int]], dict[str, int]] | None:
+        """The conversation with the start of its first user turn's text cut to fit ``data.max_length`` (the
+        turn's markers and everything else kept), or ``None`` when that cannot make it fit."""
+        u = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
+        if u is None or not messages[u]["content"]:
+            return None
+        notes: dict[str, int] = {}
+        full, bounds, add_eos, protect = self._render(row, messages, first, train_on, b, notes)
+        a, z = self._text_of(b.tokenizer, row, messages, u, full)
+        if not 0 < a < z <= bounds[1]:  # the text lies inside the prompt, after its first token
+            return None
+        pieces = self._pieces(full, [0, a, z] + bounds[1:], add_eos, protect, b)
+        excess = sum(map(len, pieces)) - b.cfg.max_length
+        if excess >= len(pieces[1]):
+            return None
+        notes["user_text_cut"] = 1
+        return [pieces[0] + pieces[1][excess:] + pieces[2], *pieces[3:]], notes
 
     def _encode(self, row: dict[str, Any], messages: list[dict[str, Any]], first: int, train_on: str,
                 b: Builder) -> Example | None:
-        """One row's tokens; a conversation over ``data.max_length`` cut at message boundaries
-        (``data.truncation``, see the module docstring) or dropped."""
+        """One row's tokens; a conversation over ``data.max_length`` cut at message boundaries (then the start of
+        its last user turn's text; ``data.truncation``, see the module docstring) or dropped."""
         i, limit = row.get("row", -1), b.cfg.max_length
         trained = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k >= first]
         if train_on == "last_assistant":
             trained = trained[-1:]
         options = _cuts(messages)
+        system = messages[0]["role"] == "system"
 
-        def attempt(c: int) -> tuple[list[list[int]], dict[str, int]] | None:
-            keep = options[c]
+        def attempt(c: int, shorten: bool = False) -> tuple[list[list[int]], dict[str, int]] | None:
+            conv, at = [messages[k] for k in options[c]], sum(k < first for k in options[c])
+            if shorten:
+                return self._shorten(row, conv, at, train_on, b)
             notes: dict[str, int] = {}
-            pieces, _ = self._pieces(row, [messages[k] for k in keep], sum(k < first for k in keep), train_on, b,
-                                     notes)
+            pieces = self._pieces(*self._render(row, conv, at, train_on, b, notes), b)
             return (pieces, notes) if sum(map(len, pieces)) <= limit else None
 
         got, chosen = attempt(0), 0
         if got is None and b.cfg.truncation == "keep_end":
-            lo, hi = 1, len(options) - 1  # the longest conversation that fits (shorter as c grows)
+            with_system = len(options) - 1 if system else len(options)
+            lo, hi = 1, with_system - 1  # the longest that fits without its oldest exchanges, system kept
             while lo <= hi:
                 mid = (lo + hi) // 2
                 found = attempt(mid)
@@ -585,25 +623,30 @@ class Messages(PromptCompletion):
                     lo = mid + 1
                 else:
                     got, chosen, hi = found, mid, mid - 1
+            # Then the last exchange with its user text cut; the system turn goes last.
+            last = len(options) - 1
+            tries = [(with_system - 1, True)] + ([(last, False), (last, True)] if system else [])
+            for c, shorten in tries if got is None else []:
+                got, chosen = attempt(c, shorten), c
+                if got is not None:
+                    break
         if got is None:
             if b.cfg.truncation == "drop" or b.cfg.drop_long_completions:
                 b.dropped.append(i)
                 return None
-            last = options[-1]
             raise DataError(f"row {i}: the conversation does not fit in data.max_length={limit} tokens even cut to "
-                            f"its last exchange (messages {last[0]}-{last[-1]}: data.truncation=keep_end cuts only "
-                            f"whole messages, never inside a turn). Raise data.max_length, or set "
+                            f"its last exchange with the start of its user turn's text cut (data.truncation=keep_end "
+                            f"never cuts inside a turn's markers). Raise data.max_length, or set "
                             f"data.drop_long_completions=true to drop such rows (counted in the log).")
         pieces, notes = got
         for key, n in notes.items():
-            b.notes[key] = b.notes.get(key, 0) + n
-        if chosen:
+            b.count(key, n)
+        if chosen or notes.get("user_text_cut"):
             gone = sorted(set(range(len(messages))) - set(options[chosen]))
-            b.notes["rows_truncated"] = b.notes.get("rows_truncated", 0) + 1
-            for key, n in (("turns_cut", sum(k in trained for k in gone)),
-                           ("tool_calls_cut", sum(len(messages[k].get("tool_calls") or []) for k in gone)),
-                           ("system_cut", sum(messages[k]["role"] == "system" for k in gone))):
-                b.notes[key] = b.notes.get(key, 0) + n
+            b.count("rows_truncated")
+            b.count("turns_cut", sum(k in trained for k in gone))
+            b.count("tool_calls_cut", sum(len(messages[k].get("tool_calls") or []) for k in gone))
+            b.count("system_cut", sum(messages[k]["role"] == "system" for k in gone))
         if not pieces[0]:
             raise DataError(f"row {i}: nothing precedes the tail, so its first token has no prediction; "
                             f"give the row a prompt")
