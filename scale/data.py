@@ -334,26 +334,19 @@ def removed_lines(stats: dict[str, int], data_cfg: DataConfig) -> list[str]:
                                                       ("user_text_cut", "user text start(s)"))
                 if sum(n := _per_split(stats, key))]
         out.append(f"data.max_length={data_cfg.max_length} cut the start of {cut[0]} train and {cut[1]} eval rows "
-                   f"(data.truncation=keep_end: prompt tokens after the BOS, or a chat's oldest whole messages, "
-                   f"then the start of its last user text)"
-                   + (f", removing {', '.join(lost)}" if lost else "") + "; a larger data.max_length keeps them, "
-                   "data.truncation=drop drops such rows")
+                   f"(data.truncation=keep_end)" + (f", removing {', '.join(lost)}" if lost else "") +
+                   "; a larger data.max_length keeps them, data.truncation=drop drops such rows")
     if dropped:
-        why = ("are longer than" if data_cfg.truncation == "drop" else "cannot fit their trained tail (a chat: its "
-               "last exchange) in")
-        out.append(f"dropped {dropped} rows that {why} data.max_length={data_cfg.max_length} (data.truncation="
+        out.append(f"dropped {dropped} rows over data.max_length={data_cfg.max_length} (data.truncation="
                    f"{data_cfg.truncation}, data.drop_long_completions={str(data_cfg.drop_long_completions).lower()})"
                    f"; a larger data.max_length keeps them")
     if sum(n := _per_split(stats, "history_reasoning_dropped")):
-        out.append(f"the chat template renders earlier assistant turns without their reasoning (as history), so "
-                   f"{sum(n)} reasoning blocks are not trained ({n[0]} train, {n[1]} eval; data.train_on="
-                   f"{data_cfg.train_on} trains each turn as rendered in its conversation); data.train_on="
-                   f"all_assistant_as_last trains every assistant turn as the last turn of a row of its own, with "
-                   f"its reasoning")
+        out.append(f"{sum(n)} reasoning blocks of earlier assistant turns are not trained ({n[0]} train, {n[1]} eval): "
+                   f"the chat template renders those turns as history, without it; data.train_on="
+                   f"all_assistant_as_last trains each turn as the last of its own row, with its reasoning")
     if sum(n := _per_split(stats, "reasoning_not_rendered")):
-        out.append(f"the chat template does not render {sum(n)} reasoning blocks (reasoning_content/thinking) of "
-                   f"trained assistant turns ({n[0]} train, {n[1]} eval), so they are not trained; a template that "
-                   f"renders them (data.chat_template) keeps them")
+        out.append(f"the chat template does not render {sum(n)} reasoning blocks of trained turns ({n[0]} train, "
+                   f"{n[1]} eval); a template that renders reasoning_content (data.chat_template) keeps them")
     if sum(n := _per_split(stats, "system_not_rendered")):
         out.append(f"the chat template does not render {sum(n)} system turns ({n[0]} train, {n[1]} eval); a "
                    f"template that renders them (data.chat_template) keeps them")

@@ -103,9 +103,9 @@ def test_history_reasoning_is_counted_or_trained_as_the_last_turn(tmp_path, toke
     assert (history.stats["data/train_history_reasoning_dropped"], history.stats["data/eval_history_reasoning_dropped"],
             history.stats["data/train_reasoning_not_rendered"]) == (3, 1, 0)
     (line,) = removed_lines(history.stats, DataConfig(train_on="all_assistant"))
-    assert line.startswith("the chat template renders earlier assistant turns without their reasoning (as history), "
-                           "so 4 reasoning blocks are not trained (3 train, 1 eval;") and \
-        "data.train_on=all_assistant_as_last trains every assistant turn as the last turn" in line
+    assert line == ("4 reasoning blocks of earlier assistant turns are not trained (3 train, 1 eval): the chat "
+                    "template renders those turns as history, without it; data.train_on=all_assistant_as_last trains "
+                    "each turn as the last of its own row, with its reasoning")
     as_last = build_splits(DataConfig(chat_template=template, max_length=160, eval_size=1,
                                       train_on="all_assistant_as_last"), LossConfig(), tokenizer, path, seed=0)
     assert len(as_last.train) == 6 and len(as_last.eval) == 2 and as_last.stats["data/train_rows"] == 6
