@@ -184,7 +184,7 @@ class Job:
     log_every: int = 1
     seed: int = 0
     min_len: int | None = None
-    group_by_length: bool = False  # ours: scale.sampling.LengthGroupedSampler over the rows (else their order)
+    group_by_length: bool = False  # ours: scale.data.order.LengthGroupedSampler over the rows (else their order)
     mega_batch_steps: int = 16
     rows: int | None = None        # rows in the data set; None: exactly `steps` global batches (one epoch)
 
@@ -230,7 +230,7 @@ class Job:
         """Our length-grouped sampler over ``examples`` (``group_by_length``), else None (their order)."""
         if not self.group_by_length:
             return None
-        from scale.sampling import LengthGroupedSampler
+        from scale.data.order import LengthGroupedSampler
 
         return LengthGroupedSampler([len(e.input_ids) for e in examples],
                                     self.micro_batch_size * self.gradient_accumulation_steps, self.mega_batch_steps,
@@ -294,6 +294,7 @@ class Harness:
                  acc: Any = None) -> None:
         from torch.utils.data import DataLoader
 
+        from scale.data.tasks import get
         from scale.launch import build_accelerator
         from scale.loss import LossSpec
 
@@ -308,7 +309,10 @@ class Harness:
         self.device = device or self.acc.device
         self.model = model if model is not None else build_lora_model(job.shape, self.cfg.model, self.cfg.lora,
                                                                       job.seed, self.device, job.seq)
-        self.spec = LossSpec.from_config(self.cfg, list(LABELS))
+        self.spec = LossSpec.from_config(self.cfg)
+        # the synthetic rows are classification rows whose two labels are one token each: what evaluation ranks
+        self.task = get("classification")
+        self.task.restore({"label_seqs": [[t] for t in LABELS], "label_token_ids": list(LABELS)})
         collate = collator()
         examples = job.examples()
         self.train_dl = self.acc.prepare(DataLoader(examples, batch_size=job.micro_batch_size, shuffle=False,
@@ -323,10 +327,10 @@ class Harness:
 
     def run(self) -> RunResult:
         from scale.checkpoint import TrainerState
+        from scale.job import Job
         from scale.launch import ModePlan
         from scale.metrics import MetricsLog
         from scale.schedule import lr_factor
-        from scale.job import Job
         from scale.train import fit
 
         o, steps = self.cfg.optim, self.cfg.train.max_steps
@@ -337,7 +341,7 @@ class Harness:
         sink = MemorySink()
         state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=self.acc.num_processes)
         job = Job(self.cfg, self.acc, ModePlan(mode="single"), self.model, optimizer, scheduler, self.train_dl,
-                  self.eval_dl, self.spec, MetricsLog(self.acc, sink), state)
+                  self.eval_dl, self.spec, MetricsLog(self.acc, sink), state, task=self.task)
         fit(job)
         self.acc._optimizers.remove(optimizer)  # do not keep every run's optimizer state alive
         seconds, tokens = timed_span(scheduler.stamps, self.tokens, self.job.warmup)

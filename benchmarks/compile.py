@@ -37,7 +37,8 @@ def main() -> int:
     from scale.config import load_config
     from scale.data import build_splits
     from scale.job import make_loaders
-    from scale.loss import LossSpec, loss_step
+    from scale.chunked import loss_step
+    from scale.loss import LossSpec
     from scale.modeling import build_model, load_tokenizer
 
     # LoRA dropout off: inductor draws its own dropout masks (philox), so eager and compiled would differ by the

@@ -109,7 +109,8 @@ def prepare(data: Path, cache: Path, num_proc: int) -> dict[str, float]:
     """Worker: what ``scale-prepare`` does (one process, ``num_proc`` tokenizer workers), timed."""
     import resource
 
-    from scale.cache import column, load_splits
+    from scale.data.cache import load_splits
+    from scale.data.token_table import column
     from scale.modeling import load_tokenizer
 
     cfg = config(data, cache, num_proc)
@@ -130,7 +131,8 @@ def rank_probe(data: Path, cache: Path, num_proc: int) -> None:
     import torch
     from accelerate import Accelerator
 
-    from scale.cache import column, load_splits, wait_for_splits
+    from scale.data.cache import load_splits, wait_for_splits
+    from scale.data.token_table import column
     from scale.job import make_loaders, on_every_rank, shared_run_id
     from scale.modeling import load_tokenizer
 

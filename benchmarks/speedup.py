@@ -220,8 +220,8 @@ def same_rows(steps: int) -> str:
     from scale.assets import resolve_data
     from scale.config import load_config
     from scale.data import build_splits
+    from scale.data.order import length_grouped_order
     from scale.modeling import load_tokenizer
-    from scale.sampling import length_grouped_order
 
     cfg = load_config(DEFAULT)
     G = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps

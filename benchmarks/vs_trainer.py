@@ -15,7 +15,7 @@ whole accumulation window and divided once by the window's tail-token count.
 
 - ``ours``: ``scale.train.fit`` as ``scale-train`` runs it (see ``benchmarks/bare_loop.py``): the model is asked
   for the tail logits only (``logits_to_keep``, ``[B, N, V]``); rows grouped by length with
-  ``scale.sampling.LengthGroupedSampler`` (``--mega-batch-steps``, default 50 like the Trainer's); metrics
+  ``scale.data.order.LengthGroupedSampler`` (``--mega-batch-steps``, default 50 like the Trainer's); metrics
   are logged once, at the last step (``--log-every``), and the step-0/final evaluations run on one batch
   outside the timed steps. Its tqdm bar stays on.
 - ``trainer+keep`` (the Trainer at its best): ``transformers.Trainer`` with ``compute_loss_func``; the collator

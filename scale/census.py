@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 
+from scale import chunked
+from scale import loss as scale_loss
 from scale.config import Config, ModelConfig, configs_dir
-from scale.modeling import TINY, tiny_llama_config
+from scale.modeling import TINY, add_lora, tiny_llama_config
 
 GIB = 2**30
 TINY_VOCAB = 49152  # `tiny-llama` borrows SmolLM2's tokenizer: len(tokenizer) == 49,152
@@ -161,8 +163,6 @@ def build_meta_model(cfg: Config, hf_config: Any, checkpointing: bool | None = N
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, trust_remote_code=m.trust_remote_code)
         base.config.use_cache = False
-        from scale.modeling import add_lora
-
         model = add_lora(base, replace(m, quantize_4bit=False, gradient_checkpointing=gc), cfg.lora)
     model.train()
     return model
@@ -321,8 +321,6 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from scale import loss as scale_loss
-
     dtypes = {p.name: p.dtype for p in params}
     quantized = {p.name for p in params if p.quantized}
     by_id: dict[int, str] = {}
@@ -336,8 +334,6 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
         if name in quantized:  # a 4-bit layer computes in compute dtype and returns its input's dtype
             return torch.float32
         return dtypes.get(name, p.dtype)
-
-    from scale import chunked
 
     B, T, N = cfg.train.micro_batch_size, cfg.data.max_length, cfg.loss.threshold
     mode = FakeTensorMode()

@@ -52,7 +52,7 @@ HARMLESS = ("output_dir", "log.", "train.log_every", "train.eval_every", "train.
             "train.save_every", "train.save_total_limit", "train.save_on_each_node",
             "train.check_invariants", "train.save_adapter", "train.collective_timeout_s", "data.num_workers",
             "train.on_nonfinite", "train.save_every_minutes", "train.overwrite_output_dir", "train.rendezvous_",
-            "data.cache", "data.num_proc",  # data.cache*: where the same tokens are kept (scale.cache)
+            "data.cache", "data.num_proc",  # data.cache*: where the same tokens are kept (scale.data.cache)
             "eval.", "train.keep_best", "train.early_stopping_patience")  # what is evaluated/kept, not trained
 
 

@@ -38,11 +38,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from scale.config import Config, ConfigError, load_config
+from scale.assets import resolve_data
+from scale.config import Config, ConfigError, load_config, named_config, yaml_load
 from scale.signals import EXIT_PREEMPTED, Preempted, Preemption
 
 # torch, transformers and the loop are imported when a job runs (start_fast, main): `scale-train --accelerate-config`
-# and `--help` only start a launcher or print, without the ~4 s of CPU their import costs.
+# and `--help` only start a launcher or print, without the ~4 s of CPU their import costs. The imports of scale
+# modules inside functions below are those (each marked "deferred"), listed in tests/test_layering.py.
 EXIT_BAD_INPUT = 2  # config, data, launch or checkpoint rejected before training; the message names the fix
 
 logger = logging.getLogger("scale.train")
@@ -158,9 +160,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def bad_input_errors() -> tuple[type[Exception], ...]:
     """The errors that mean bad input (exit :data:`EXIT_BAD_INPUT`): their message names the fix."""
-    from scale.checkpoint import CheckpointError
-    from scale.data import DataError
-    from scale.launch import LaunchError
+    from scale.checkpoint import CheckpointError  # deferred: torch (module comment above)
+    from scale.data.read import DataError  # deferred: scale.data imports torch
+    from scale.launch import LaunchError  # deferred: accelerate
 
     return (ConfigError, DataError, LaunchError, CheckpointError)
 
@@ -189,7 +191,7 @@ def start_fast(cfg: Config) -> None:
     """
     gc.disable()
     try:
-        from scale.modeling import needs_bitsandbytes
+        from scale.modeling import needs_bitsandbytes  # deferred: imported with the collector paused
 
         if not needs_bitsandbytes(cfg.model):
             sys.modules.setdefault("bitsandbytes", None)
@@ -197,7 +199,7 @@ def start_fast(cfg: Config) -> None:
         import peft  # noqa: F401
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-        import scale.train  # noqa: F401
+        import scale.train  # noqa: F401 - deferred: the loop's imports, with the collector paused
         if cfg.train.deepspeed_config is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
             import deepspeed  # noqa: F401
 
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         return 0
     if own_process:
         start_fast(cfg)  # first: the imports below run with the collector paused
-    from scale.train import NonFiniteError, run
+    from scale.train import NonFiniteError, run  # deferred: after start_fast
 
     bad_input = bad_input_errors()
     preemption = Preemption()
@@ -305,9 +307,9 @@ def show_rows(cfg: Any, n: int) -> None:
     Raises:
         DataError, ConfigError: as the run would raise them.
     """
-    from scale.assets import resolve_data
-    from scale.data import build_splits, removed_lines, show_example, show_legend, stats_line
-    from scale.modeling import load_tokenizer
+    from scale.data.tokenize import (build_splits, removed_lines, show_example, show_legend,  # deferred: torch
+                                     stats_line)
+    from scale.modeling import load_tokenizer  # deferred: transformers
 
     tokenizer = load_tokenizer(cfg.model)
     splits = build_splits(cfg.data, cfg.loss, tokenizer, resolve_data(cfg.data.path), cfg.train.seed)
@@ -348,8 +350,6 @@ def launch_with_accelerate(name_or_path: str, job_args: list[str]) -> int:
     Raises:
         ConfigError: the accelerate config is neither a file nor a shipped name.
     """
-    from scale.config import named_config, yaml_load
-
     yaml_path = named_config(name_or_path, kind="accelerate").resolve()
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_path)]
     tree = yaml_load(yaml_path.read_text(encoding="utf-8")) or {}

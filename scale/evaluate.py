@@ -1,4 +1,5 @@
-"""Evaluation over the held-out split, exact across ranks; each format adds its own metrics (:mod:`scale.tasks`).
+"""Evaluation over the held-out split, exact across ranks; each format adds its own metrics: the split's task
+(:mod:`scale.data.tasks`), prepared by the data pipeline, rides with the split to here.
 
 | format | metrics |
 |---|---|
@@ -25,26 +26,25 @@ from accelerate import Accelerator
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from scale import tasks
-from scale.loss import LossSpec, forward_tail, tail_loss
+from scale.data.tasks.base import Task, exact_match  # noqa: F401 - exact_match importable from here
+from scale.data.tasks.classification import (TargetStats, sequence_logprob,  # noqa: F401 - importable from here
+                                             target_stats)
+from scale.loss import LossSpec, forward_tail
 from scale.signals import EvalInterrupted
-from scale.tasks.classification import TargetStats, sequence_logprob, target_stats  # noqa: F401 - importable from here
-from scale.tasks.prompt_completion import exact_match  # noqa: F401 - importable from here
 
 
 def _per_row_loss(tail_logits: Tensor, targets: Tensor, weights: Tensor, batch: dict[str, Tensor],
                   spec: LossSpec) -> tuple[Tensor, Tensor]:
-    """``[B]`` numerators and denominators: one :func:`tail_loss` per row (also for a criterion's mean)."""
-    per_row = [tail_loss(tail_logits[b:b + 1], targets[b:b + 1], weights[b:b + 1],
-                         batch["type_indicator"][b:b + 1], spec.criterion, spec.criterion_mode)
-               for b in range(tail_logits.shape[0])]
+    """``[B]`` numerators and denominators: one :meth:`LossSpec.tail_loss` per row (also for a criterion's mean)."""
+    per_row = [spec.tail_loss(tail_logits[b:b + 1], targets[b:b + 1], weights[b:b + 1],
+                              batch["type_indicator"][b:b + 1]) for b in range(tail_logits.shape[0])]
     num, den = (torch.stack(column) for column in zip(*per_row))
     return num, den
 
 
 @torch.no_grad()
 def evaluate(acc: Accelerator, model: torch.nn.Module, eval_dl: DataLoader, spec: LossSpec,
-             stop: Callable[[], bool] | None = None) -> dict[str, float]:
+             stop: Callable[[], bool] | None = None, task: Task | None = None) -> dict[str, float]:
     """``eval/loss`` and the format's metrics (module docstring) over the whole eval split.
 
     Collective: every rank must call it (``gather_for_metrics``; under ZeRO-3 the forwards too).
@@ -52,11 +52,16 @@ def evaluate(acc: Accelerator, model: torch.nn.Module, eval_dl: DataLoader, spec
     Args:
         stop: checked after every eval batch on every rank (a pre-emption request); its value rides in the
             gathered table as one more column, so the ranks agree at the same batch without another collective.
+        task: the split's prepared task (``Splits.task``); ``None``: the one the loader's examples carry
+            (``eval_dl.dataset.task``, a loader over ``Splits.eval``).
 
     Raises:
         EvalInterrupted: ``stop()`` was true on some rank after some batch; nothing is returned.
+        ValueError: no task given and the loader's examples carry none.
     """
-    task = tasks.get(spec.task.get("format"))
+    task = task if task is not None else getattr(eval_dl.dataset, "task", None)
+    if task is None:
+        raise ValueError("evaluate needs the split's task: pass task=splits.task, or a loader over splits.eval")
     was_training = model.training
     model.eval()
     rows = []

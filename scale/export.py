@@ -6,7 +6,8 @@
 trained with (``data.chat_template``, not the tokenizer's own) and a ``generation_config.json`` whose
 ``eos_token_id`` lists the trained end-of-turn marker (``<|im_end|>`` for ChatML) as well as EOS: a base model
 whose EOS is not the template's end of turn then stops where training taught it to (LLaMA-Factory#7454).
-Evaluate it with any harness, e.g. ``lm_eval --model hf --model_args pretrained=runs/sft/merged --tasks ...``.
+Serve it with ``transformers serve``, chat with ``scale-generate``, evaluate it with ``scale-lm-eval RUN_DIR`` (the
+run's eval split as a local lm-evaluation-harness task) or any harness (docs/outputs.md).
 
 For a QLoRA run the base's 4-bit weights are dequantized first (to ``model.dtype``), so the merged model
 computes what the trained 4-bit model + adapter computed, without bitsandbytes. No accelerate import.
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from scale.config import Config, load_config
-from scale.data import chat_template, render_chat
+from scale.data.tasks.messages import chat_template, render_chat
 from scale.fileio import replace_dir, temp_dir_for
 from scale.modeling import load_base, load_tokenizer
 

@@ -29,18 +29,23 @@ from scale.checkpoint import (TrainerState, check_resume, clear_previous_run, lo
                               resolve_resume)
 from scale.checks import dtype_census
 from scale.config import Config, ConfigError, dump_config
-from scale.cache import column, load_splits, longest_first, wait_for_splits
-from scale.data import Collator, DataError, Splits, removed_lines, show_example, show_legend, stats_line
+from scale.data.cache import load_splits, wait_for_splits
+from scale.data.collate import Collator, PackedCollator, PaddingFreeCollator
+from scale.data.mixing import data_digest
+from scale.data.mixing import sources as mixture_sources
+from scale.data.order import LengthGroupedSampler, PackedRows, pack_bfd
+from scale.data.read import DataError
+from scale.data.tasks.base import Task
+from scale.data.token_table import column, longest_first
+from scale.data.tokenize import Splits, removed_lines, show_example, show_legend, stats_line
+from scale.export import serving_tokenizer
 from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.loss import LossSpec
-from scale.mixing import sources as mixture_sources
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
 from scale.modeling import TINY, build_model, check_packing, load_tokenizer, parameter_counts, tokenizer_source
 from scale.samples import SAMPLES_FILE, Generation, pick_samples, start_samples_file
-from scale.sampling import LengthGroupedSampler, PackedCollator, PackedRows, PaddingFreeCollator, pack_bfd
 from scale.schedule import lr_factor, steps_for_epochs
-from scale.sources import data_digest
 from scale.tracking import start_trackers
 
 logger = get_logger(__name__)
@@ -65,6 +70,7 @@ class Job:
     peak_flops: float | None = None
     max_steps: int | None = None  # optimizer steps of the run; None: train.max_steps (see setup for num_epochs)
     gen: Generation | None = None  # eval.generate_samples > 0: what every evaluation generates (scale.samples)
+    task: Task | None = None  # the eval split's prepared task (its format's metrics); None: the eval loader's
 
     def __post_init__(self) -> None:
         if self.max_steps is None:
@@ -78,17 +84,17 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_s
 
     accelerate shards the train loader by whole micro-batches (rank ``r`` gets batches ``r, r + W, ...``), so
     every launch mode with the same global batch sees the same rows in every optimizer step. With
-    ``data.group_by_length`` the order comes from :class:`scale.sampling.LengthGroupedSampler`, built from the
+    ``data.group_by_length`` the order comes from :class:`scale.data.order.LengthGroupedSampler`, built from the
     global batch (``data_parallel_size`` ranks) before sharding, so that still holds. With ``data.padding_free``
-    train micro-batches are packed rows (:class:`scale.sampling.PaddingFreeCollator`); with ``data.packing`` the
-    rows are first packed into bins of ``data.max_length`` tokens (:func:`scale.sampling.pack_bfd`), built from
+    train micro-batches are packed rows (:class:`scale.data.collate.PaddingFreeCollator`); with ``data.packing`` the
+    rows are first packed into bins of ``data.max_length`` tokens (:func:`scale.data.order.pack_bfd`), built from
     the stored lengths alone (the same bins on every rank), and the loader shuffles and shards bins.
     """
     collate = Collator(pad_token_id, cfg.data.padding_side)
     train_collate = PaddingFreeCollator() if cfg.data.padding_free else collate
     t = cfg.train
     train, lengths = splits.train, column(splits.train, "length").tolist()  # [issue 18] no token read
-    if cfg.data.packing:  # [issue 19] the loader deals in bins of rows (scale.sampling.pack_bfd)
+    if cfg.data.packing:  # [issue 19] the loader deals in bins of rows (scale.data.order.pack_bfd)
         train = PackedRows(splits.train, pack_bfd(lengths, cfg.data.max_length))
         lengths, train_collate = train.lengths(lengths), PackedCollator()
     if cfg.data.group_by_length:
@@ -239,18 +245,15 @@ def setup(cfg: Config) -> Job:
     if acc.is_main_process:
         logger.info("MFU peak: %s", peak.source)
     flops_fn = model_flops(cfg, shape, trainable) if shape is not None else None
-    spec = LossSpec.from_config(cfg, splits.label_token_ids, format=splits.format, label_seqs=splits.label_seqs,
-                                has_target=splits.has_target, pad_token_id=tokenizer.pad_token_id)
+    spec = LossSpec.from_config(cfg)
     gen = None
     if cfg.eval.generate_samples:
-        from scale.export import serving_tokenizer
-
         serving, stops, _ = serving_tokenizer(cfg)  # the trained chat template's end-of-turn marker and EOS
         gen = Generation(pick_samples(splits.eval, cfg.eval.generate_samples, cfg.data.labels), serving, stops,
                          cfg.eval.max_new_tokens, plan.partitioned, out / SAMPLES_FILE)
         start_samples_file(gen.path, acc.is_main_process, state.step if resume else None)
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
-               flops_fn, peak.flops, max_steps, gen)
+               flops_fn, peak.flops, max_steps, gen, splits.task)
 
 
 def build_model_on_every_rank(acc: Accelerator, cfg: Config, plan: ModePlan, vocab_size: int) -> torch.nn.Module:
@@ -306,7 +309,7 @@ def on_this_machine(name_or_path: str) -> bool:
 
 def shared_run_id(acc: Accelerator) -> str:
     """A random id drawn on rank 0 and broadcast (collective): the ranks of one launch share it (the token
-    cache's failure marker names it, :func:`scale.cache.wait_for_splits`)."""
+    cache's failure marker names it, :func:`scale.data.cache.wait_for_splits`)."""
     box = [uuid.uuid4().hex]
     if acc.num_processes > 1:
         broadcast_object_list(box, from_process=0)

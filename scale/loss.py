@@ -2,7 +2,7 @@
 
 Shapes: ``B`` rows, ``T`` padded length, ``N`` the longest tail of the batch, ``V`` vocabulary.
 
-A batch carries ``tail_mask [B, N]`` (:class:`scale.data.Collator`): 1 on each row's tail, right-aligned, so
+A batch carries ``tail_mask [B, N]`` (:mod:`scale.data.collate`): 1 on each row's tail, right-aligned, so
 column ``N - 1`` is every row's last real token. The ``text`` format's tail is the last ``loss.threshold``
 tokens (every row the same); prompt/completion and chat tails differ per row. The tail is found from
 ``attention_mask`` (never from tensor positions), so the same example gives the same loss under left or
@@ -18,9 +18,10 @@ Weights are ``tail_mask * type weight``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -206,10 +207,19 @@ def token_weights(type_indicator: Tensor, tail_mask: Tensor | int, type_weights:
 
 
 Criterion = Callable[..., Tensor]
+CRITERION_MODE = "input"
+"""How :class:`LossSpec` calls its criterion: with the type ids (:func:`load_criterion` adapts a ``plain`` one)."""
 
 
-def load_criterion(path: str) -> Criterion:
+def load_criterion(path: str, mode: str = "input") -> Criterion:
     """Import a user criterion from ``'package.module:function'``.
+
+    Args:
+        mode: ``loss.criterion_mode``: ``"input"``, the function takes ``(logits, labels, type_indicator)``;
+            ``"plain"``, it takes ``(logits, labels)`` and the returned criterion drops the type ids it is given.
+
+    Returns:
+        A criterion ``(logits [M, V], labels [M], type_indicator [M]) -> [M] or a mean``.
 
     Raises:
         ValueError: the path is malformed, or the module/function cannot be found.
@@ -221,6 +231,14 @@ def load_criterion(path: str) -> Criterion:
         raise ValueError(f"loss.criterion={path!r} cannot be imported: {e}") from e
     if not callable(fn):
         raise ValueError(f"loss.criterion={path!r} is not callable")
+    return bind_criterion(fn, mode)
+
+
+def bind_criterion(fn: Criterion, mode: str) -> Criterion:
+    """``fn`` as :class:`LossSpec` calls a criterion, with the type ids: a ``plain`` one (``(logits, labels)``)
+    gets a wrapper that drops them, an ``input`` one is returned as it is."""
+    if mode == "plain":
+        return functools.wraps(fn)(lambda logits, labels, type_indicator=None: fn(logits, labels))
     return fn
 
 
@@ -298,7 +316,7 @@ def forward_tail(model: torch.nn.Module, batch: dict[str, Tensor], threshold: in
         ValueError: ``check`` and a row cannot be scored (see :func:`check_rows`); a ``threshold`` that
             disagrees with ``tail_mask``.
     """
-    if "seq_lens" in batch:  # a padding-free micro-batch (scale.sampling.PaddingFreeCollator)
+    if "seq_lens" in batch:  # a padding-free micro-batch (scale.data.collate.PaddingFreeCollator)
         if check and bool(batch_bad_rows(batch).any()):  # host sync: data validation
             raise ValueError(describe_batch_row(batch))
         return forward_tail_packed(model, batch)
@@ -356,53 +374,41 @@ def forward_tail_packed(model: torch.nn.Module, batch: dict[str, Tensor]) -> tup
 
 @dataclass
 class LossSpec:
-    """Everything :func:`loss_step` and evaluation need besides the model and the batch (from the config).
+    """What the tail loss reads besides the model and the batch (from the config): how the batches are padded,
+    how tokens are weighted, the criterion and how the loss is chunked. What evaluation adds per data format is the
+    split's task (:class:`scale.data.tasks.base.Task`), not this.
 
     Attributes:
-        threshold: ``loss.threshold``, the tail length of rows whose format trains the last tokens (tokens).
         padding_side: ``"left"`` or ``"right"`` (how batches are padded; see :func:`forward_tail`).
         type_weights: weight per ``type_indicator`` id, or ``None`` (every tail token weighs 1).
-        criterion: a user criterion (:func:`load_criterion`), or ``None`` for cross-entropy.
-        criterion_mode: ``"plain"`` or ``"input"``.
-        target_position: ``loss.target_position``, a target token counted from the end (``-1`` = last).
-        task: what the data pipeline found, for the format's evaluation (:mod:`scale.tasks`): ``format`` and
-            the format's own keys (label tokens, ``has_target``, ``pad_token_id``). Opaque to the loss.
+        criterion: a user criterion (:func:`load_criterion`: it takes the type ids whatever ``loss.criterion_mode``
+            says), or ``None`` for cross-entropy.
         chunk_size: ``loss.chunk_size``: ``"auto"``, 0 (unchunked) or positions per chunk of the tail loss
             (:mod:`scale.chunked`).
     """
 
-    threshold: int
-    padding_side: str
-    type_weights: list[float] | None
-    criterion: Criterion | None
-    criterion_mode: str
-    target_position: int
-    task: dict[str, Any] = field(default_factory=dict)
+    padding_side: str = "left"
+    type_weights: list[float] | None = None
+    criterion: Criterion | None = None
     chunk_size: int | str = "auto"
 
     @classmethod
-    def from_config(cls, cfg: Config, label_token_ids: list[int] | None = None, **task: Any) -> LossSpec:
-        """Build from the ``loss`` and ``data`` sections and what the data pipeline found.
+    def from_config(cls, cfg: Config, label_token_ids: list[int] | None = None, **data: Any) -> LossSpec:
+        """Build from the ``loss`` and ``data`` sections.
 
         Args:
             cfg: the run's config.
-            label_token_ids: a token per label when every label is one token (``Splits.label_token_ids``).
-            **task: the rest of :meth:`scale.data.Splits.task_info` (``format``, ``label_seqs``,
-                ``has_target``, ``pad_token_id``), kept in :attr:`task`.
+            label_token_ids, **data: what the data pipeline found (``Splits.label_token_ids``, ``format``,
+                ``label_seqs``...), which callers written when the spec also carried evaluation's context still
+                pass; unused: evaluation reads the split's task.
 
         Raises:
             ValueError: a criterion that cannot be imported.
         """
-        if task.get("label_seqs") is None and label_token_ids is not None:
-            task["label_seqs"] = [[t] for t in label_token_ids]
         return cls(
-            threshold=cfg.loss.threshold,
             padding_side=cfg.data.padding_side,
             type_weights=cfg.loss.type_weights,
-            criterion=load_criterion(cfg.loss.criterion) if cfg.loss.criterion else None,
-            criterion_mode=cfg.loss.criterion_mode,
-            target_position=cfg.loss.target_position,
-            task={**task, "label_token_ids": label_token_ids},
+            criterion=load_criterion(cfg.loss.criterion, cfg.loss.criterion_mode) if cfg.loss.criterion else None,
             chunk_size=cfg.loss.chunk_size,
         )
 
@@ -412,25 +418,7 @@ class LossSpec:
             return batch["tail_mask"].float()
         return token_weights(batch["type_indicator"], batch["tail_mask"], self.type_weights)
 
-
-def loss_step(model: torch.nn.Module, batch: dict[str, Tensor], spec: LossSpec, weights: Tensor) -> Tensor:
-    """Forward one micro-batch; return the tail-loss numerator ``[]`` under ``weights`` ``[B, N]``.
-
-    Pure: no collectives; the caller divides by the window's denominator. The rows were checked by
-    ``scale.train.windows`` (inside its all-gather), so no check here. The tail logits ``[B, N, V]`` are
-    freed before returning; when ``spec.chunk_size`` cuts the tail into several chunks they are never built at
-    once (:mod:`scale.chunked`: fp32 logits of one chunk at a time, exact to round-off).
-    """
-    from scale import chunked
-
-    B, N = weights.shape
-    if chunked.chunkable(model):
-        chunk = chunked.resolve_chunk_size(spec.chunk_size, B * N, chunked.vocab_size(model))
-        if chunk:
-            hidden, targets = chunked.forward_tail_hidden(model, batch, padding_side=spec.padding_side, check=False)
-            num, _ = chunked.chunked_tail_loss(model, hidden, targets, weights, chunk, batch["type_indicator"],
-                                               spec.criterion, spec.criterion_mode)
-            return num
-    tail_logits, targets = forward_tail(model, batch, padding_side=spec.padding_side, check=False)
-    num, _ = tail_loss(tail_logits, targets, weights, batch["type_indicator"], spec.criterion, spec.criterion_mode)
-    return num
+    def tail_loss(self, tail_logits: Tensor, targets: Tensor, weights: Tensor,
+                  type_indicator: Tensor) -> tuple[Tensor, Tensor]:
+        """:func:`tail_loss` under this spec's criterion: ``(numerator, denominator)``, float32 scalars ``[]``."""
+        return tail_loss(tail_logits, targets, weights, type_indicator, self.criterion, CRITERION_MODE)

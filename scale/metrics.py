@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from scale.fileio import write_text_atomic
+from scale.flops import flops_per_token, peak_flops
 
 if TYPE_CHECKING:  # types only: scale.report imports read_jsonl without accelerate
     from accelerate import Accelerator
@@ -336,8 +337,6 @@ def resolve_peak_flops(cfg: Config, acc: Accelerator) -> PeakFlops:
 
     Collective when measuring with several processes (a barrier and one gather): every rank calls it.
     """
-    from scale.flops import peak_flops
-
     setting, device = cfg.log.peak_flops, acc.device
     if setting is False:
         return PeakFlops(None, "none (log.peak_flops=false): no train/mfu")
@@ -382,8 +381,6 @@ def model_flops(cfg: Config, model_config: Any, trainable: int) -> Callable[...,
     Returns:
         ``flops_fn`` (:mod:`scale.flops`: LoRA count, only the tail's logits, padding positions counted).
     """
-    from scale.flops import flops_per_token
-
     def flops_fn(rows: int, seq_len: int, kept: int | None = None) -> float:
         if kept is None:  # loss.threshold: all keeps every position
             kept = seq_len if cfg.loss.threshold == "all" else cfg.loss.threshold

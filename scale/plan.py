@@ -51,10 +51,13 @@ from typing import Any
 
 import torch
 
+from scale.assets import resolve_data
 from scale.census import (GIB, Activations, PlanError, build_meta_model, census, count_activations,
                           load_model_config)
 from scale.config import Config, ConfigError, ModelConfig, load_config
+from scale.data.tokenize import build_splits
 from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, Rank, predict_mode
+from scale.modeling import load_tokenizer
 
 # A mode "fits" when its total leaves this fraction of the GPU free: the predictions are checked to within 10% on
 # CPU, not on every GPU stack. Between that and 100% the plan says "tight".
@@ -163,17 +166,13 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
 def data_tail(cfg: Config) -> tuple[int, str]:
     """``N``, the tail positions per row to plan the LM head and loss for, and the assumption in words.
 
-    Every format's tails are read from the data (the harness's own tokenizer and :func:`scale.data.build_splits`):
-    the ``text`` format's is ``loss.threshold`` tokens, or the whole row but its first token with
-    ``loss.threshold: all``; classification, prompt/completion and chat tails vary. ``N`` is the longest trained
-    span of the train split, since a micro-batch's tail is padded to its longest row and the peak step is the one
-    holding it. When the data cannot be read, ``loss.threshold`` (``all``: ``data.max_length - 1``) with a note
-    saying so.
+    Every format's tails are read from the data (the harness's own tokenizer and
+    :func:`scale.data.tokenize.build_splits`): the ``text`` format's is ``loss.threshold`` tokens, or the whole row
+    but its first token with ``loss.threshold: all``; classification, prompt/completion and chat tails vary. ``N``
+    is the longest trained span of the train split, since a micro-batch's tail is padded to its longest row and the
+    peak step is the one holding it. When the data cannot be read, ``loss.threshold`` (``all``:
+    ``data.max_length - 1``) with a note saying so.
     """
-    from scale.assets import resolve_data
-    from scale.data import build_splits
-    from scale.modeling import load_tokenizer
-
     try:
         tok = load_tokenizer(cfg.model)
         splits = build_splits(cfg.data, cfg.loss, tok, resolve_data(cfg.data.path), cfg.train.seed)

@@ -15,9 +15,10 @@ import sys
 import time
 
 from scale.assets import resolve_data
-from scale.cache import column, default_cache_dir, fingerprint, load_splits
 from scale.config import ConfigError, load_config
-from scale.data import DataError
+from scale.data.cache import default_cache_dir, fingerprint, load_splits
+from scale.data.read import DataError
+from scale.data.token_table import column
 from scale.modeling import load_tokenizer
 
 EXIT_BAD_INPUT = 2

@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from scale.config import ConfigError, load_config
 from scale.metrics import read_jsonl
+from scale.schedule import lr_factor
 
 Rows = list[dict[str, Any]]
 
@@ -70,9 +72,6 @@ def schedule_line(run_dir: Path, last_step: int) -> tuple[list[int], list[float]
     ``last_step`` (the run's last logged step) stands for the schedule's length when the run was set by
     ``train.num_epochs``: its step count came from the data, and a finished run logs its final evaluation there.
     """
-    from scale.config import ConfigError, load_config
-    from scale.schedule import lr_factor
-
     try:
         cfg = load_config(run_dir / "config.yaml")
     except (OSError, ConfigError):
@@ -85,8 +84,6 @@ def schedule_line(run_dir: Path, last_step: int) -> tuple[list[int], list[float]
 
 def clip_threshold(run_dir: Path) -> float | None:
     """``optim.max_grad_norm`` from the run's ``config.yaml``, or None."""
-    from scale.config import ConfigError, load_config
-
     try:
         return load_config(run_dir / "config.yaml").optim.max_grad_norm
     except (OSError, ConfigError):

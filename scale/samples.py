@@ -42,6 +42,7 @@ from accelerate.utils import gather_object
 
 from scale.checkpoint import unwrap
 from scale.signals import EvalInterrupted
+from scale.tracking import wandb_run
 
 logger = get_logger(__name__)
 
@@ -225,8 +226,6 @@ def write_samples(acc: Accelerator, path: Path, step: int, records: list[dict[st
         os.fsync(fh.fileno())
     if not to_trackers:
         return
-    from scale.tracking import wandb_run
-
     run = wandb_run(acc)
     if run is None:
         return

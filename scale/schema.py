@@ -12,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A config key is unknown, has the wrong type, or contradicts another key."""
+from scale.validation import ConfigError, get_key, validate  # noqa: F401 - ConfigError, get_key: importable from here
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -331,13 +329,4 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        from scale.validation import validate  # the rules live in their own room (scale/validation.py)
-
-        validate(self)
-
-
-def get_key(cfg: Any, dotted: str) -> Any:
-    """Return ``cfg.a.b`` for ``dotted == "a.b"``."""
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
+        validate(self)  # the rules live in their own room (scale/validation.py)

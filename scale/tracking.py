@@ -30,13 +30,12 @@ import string
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from scale.config import Config, redact, to_dict
 from scale.fileio import write_text_atomic
 from scale.metrics import drop_trackers, read_jsonl
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-
-    from scale.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +73,6 @@ def start_trackers(cfg: Config, acc: Accelerator, state: Any) -> int:
     Returns:
         ``skip_below``: steps below it are not sent to the trackers (an online run that already holds them).
     """
-    from scale.config import redact, to_dict
-
     trackers = [t for t in cfg.log.trackers if t != "none"]
     if not trackers:
         return 0

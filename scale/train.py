@@ -35,11 +35,12 @@ from tqdm.auto import tqdm
 from scale.best import observe, out_of_patience, write_best
 from scale.checkpoint import ADAPTER_FILE, STATE_FILE, SaveTimer, save_adapter, save_checkpoint
 from scale.checks import check_invariants, fingerprints
+from scale.chunked import loss_step
 from scale.config import Config
 from scale.evaluate import evaluate
 from scale.export import save_serving_files, serving_tokenizer
 from scale.job import Job, setup
-from scale.loss import LossSpec, batch_bad_rows, describe_batch_row, loss_step
+from scale.loss import LossSpec, batch_bad_rows, describe_batch_row
 from scale.metrics import StepMeter, bar_text
 from scale.samples import generate_samples, sample_metrics, write_samples
 from scale.signals import EvalInterrupted, Preempted, Preemption
@@ -160,7 +161,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
             state.windows_in_epoch = 0
     pbar.close()
     # Resumed from the last step's checkpoint: nothing was trained, the figures are already logged.
-    return last_eval or evaluate(acc, job.model, job.eval_dl, job.spec)
+    return last_eval or evaluate(acc, job.model, job.eval_dl, job.spec, task=job.task)
 
 
 def preempted(job: Job, pbar: Any) -> None:
@@ -355,7 +356,7 @@ def evaluate_and_log(job: Job, preemption: Preemption | None = None) -> dict[str
         EvalInterrupted: ``preemption`` was requested during it (checked between eval batches and samples).
     """
     stop = (lambda: preemption.requested) if preemption is not None else None
-    metrics = evaluate(job.acc, job.model, job.eval_dl, job.spec, stop=stop)
+    metrics = evaluate(job.acc, job.model, job.eval_dl, job.spec, stop=stop, task=job.task)
     if job.gen is not None and job.gen.samples:
         records = generate_samples(job.acc, job.model, job.gen, stop)  # collective
         metrics |= sample_metrics(records)

@@ -1,12 +1,26 @@
 """The config's rules: allowed choices, bounds and combinations, checked when a :class:`scale.schema.Config` is
-built (``Config.__post_init__``). Plain Python, no torch.
+built (``Config.__post_init__``), and :class:`ConfigError`, the error they raise. Plain Python, no torch.
+
+The schema imports this module, not the other way round: the rules read a config (and its sections) through
+attributes and :func:`get_key`, so they take it as ``Any``; each docstring names the schema class it reads.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from scale.schema import Config, ConfigError, DataConfig, DatasetConfig, TrainConfig, get_key
+
+class ConfigError(ValueError):
+    """A config key is unknown, has the wrong type, or contradicts another key."""
+
+
+def get_key(cfg: Any, dotted: str) -> Any:
+    """Return ``cfg.a.b`` for ``dotted == "a.b"``."""
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
 
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
@@ -32,8 +46,8 @@ _POSITIVE = ("train.micro_batch_size", "train.gradient_accumulation_steps",
              "data.mega_batch_steps", "model.checkpoint_every_n_layers")
 
 
-def validate(cfg: Config) -> None:
-    """Check every rule of the config (choices, bounds, combinations).
+def validate(cfg: Any) -> None:
+    """Check every rule of a :class:`scale.schema.Config` (choices, bounds, combinations).
 
     Raises:
         ConfigError: one line naming the field and the fix.
@@ -125,7 +139,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.mixed_precision needs model.bnb_4bit_compute_dtype to match (bfloat16/float16)")
 
 
-def _validate_datasets(d: DataConfig) -> None:
+def _validate_datasets(d: Any) -> None:  # a DataConfig
     """Each ``data.datasets`` entry has a path, a weight > 0, a known format and a name of its own [issue 18]."""
     names: dict[str, int] = {}
     for i, ds in enumerate(d.datasets):
@@ -145,8 +159,9 @@ def _validate_datasets(d: DataConfig) -> None:
         names[name] = i
 
 
-def dataset_name(ds: DatasetConfig) -> str:
-    """``ds.name``, else the source's last path part without its extension (``data/a.jsonl`` -> ``a``)."""
+def dataset_name(ds: Any) -> str:
+    """A :class:`scale.schema.DatasetConfig`'s ``name``, else the source's last path part without its extension
+    (``data/a.jsonl`` -> ``a``)."""
     if ds.name:
         return ds.name
     parts = [p for p in str(ds.path).replace("\\", "/").split("/") if p and not any(c in p for c in "*?[")]
@@ -172,7 +187,7 @@ def best_mode(metric: str, mode: str = "auto") -> str:
                       f"train.keep_best_mode=min or max")
 
 
-def _validate_best(cfg: Config) -> None:
+def _validate_best(cfg: Any) -> None:  # a Config
     t, e = cfg.train, cfg.eval
     if e.generate_samples < 0 or e.max_new_tokens < 1:
         raise ConfigError(f"eval.generate_samples={e.generate_samples} must be >= 0 (0: no generation) and "
@@ -190,7 +205,7 @@ def _validate_best(cfg: Config) -> None:
                               "waits for (e.g. train.keep_best=eval/loss)")
 
 
-def _validate_length(t: TrainConfig) -> None:
+def _validate_length(t: Any) -> None:  # a TrainConfig
     """Exactly one of ``train.max_steps`` and ``train.num_epochs``, and it is >= 1."""
     if (t.max_steps is None) == (t.num_epochs is None):
         if t.max_steps is None:

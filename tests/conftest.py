@@ -51,3 +51,33 @@ def single_reference(tmp_path_factory):
 
     _, overrides = modes()["single 1x(8,1)"]
     return run_in_process(overrides + CHECKED, tmp_path_factory.mktemp("single"))
+
+
+CHAT_SYSTEM = "You keep a list of items."
+
+
+@pytest.fixture(scope="session")
+def chat_run(tmp_path_factory):
+    """A tiny ChatML chat run that learnt its answers, exported: ``(run dir, merged dir, data rows)``. 48 chats of a
+    system turn and two user turns ("Add item i to the list." -> "Added.", "And item i+1?" -> "Added that one
+    too."), 8 held out; 30 steps at lr 1e-2; the final evaluation generates every held-out answer into
+    ``samples.jsonl``. Trained once per session for the serving and lm-eval tests (~20 s)."""
+    import json
+
+    from scale.export import merge_run
+    from scale.train import run
+
+    tmp = tmp_path_factory.mktemp("chat_run")
+    rows = [{"messages": [{"role": "system", "content": CHAT_SYSTEM},
+                          {"role": "user", "content": f"Add item {i} to the list."},
+                          {"role": "assistant", "content": "Added."},
+                          {"role": "user", "content": f"And item {i + 1}?"},
+                          {"role": "assistant", "content": "Added that one too."}]} for i in range(48)]
+    (tmp / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp / "run"
+    run(tiny_cfg(out, f"data.path={tmp / 'chats.jsonl'}", "data.format=messages",
+                 f"data.chat_template={ROOT / 'configs' / 'chat' / 'chatml.jinja'}", "data.eval_size=8",
+                 "train.max_steps=30", "optim.lr=1e-2", "optim.schedule=constant", "optim.warmup_steps=0",
+                 "train.micro_batch_size=8", "train.gradient_accumulation_steps=1", "train.eval_every=0",
+                 "train.log_every=10", "log.peak_flops=false", "eval.generate_samples=8"))
+    return out, merge_run(out), rows

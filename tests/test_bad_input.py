@@ -17,6 +17,8 @@ from accelerate.utils import DistributedType
 from scale.checkpoint import CheckpointError, list_checkpoints
 from scale.config import ConfigError, DataConfig, LossConfig, dump_config, load_config
 from scale.data import DataError, label_token_ids, load_rows, tokenize_rows
+from scale.data.tasks import get
+from scale.data.tasks.base import Rows
 from scale.launch import LaunchError, plan_for_mode, reconcile_deepspeed
 from scale.metrics import read_jsonl
 from scale.train import run
@@ -37,7 +39,7 @@ def _message(exc_type, fn, *args):
 # ---- data ----
 
 def test_row_shorter_than_threshold_plus_one(tokenizer):
-    rows = [{"text": "ok fine", "row": 17}]  # the text format
+    rows = Rows([{"text": "ok fine", "row": 17}], get("text"))  # text rows, as load_rows returns them
     msg = _message(DataError, tokenize_rows, rows, tokenizer, DataConfig(max_length=64),
                    LossConfig(threshold=40, target_position=-2))
     assert msg == ("row 17 has 3 tokens; loss.threshold=40 needs at least 41. Lower loss.threshold, "
@@ -97,7 +99,7 @@ def test_non_utf8_file(tmp_path):
 
 def test_label_that_tokenizes_differently_in_a_row(tokenizer):
     cfg = DataConfig(template="Review: {text}{label}", labels=["ok", "no"])
-    rows = [{"text": "no", "label": "ok", "row": 3}]
+    rows = Rows([{"text": "no", "label": "ok", "row": 3}], get("classification"))
     assert _message(DataError, tokenize_rows, rows, tokenizer, cfg, LossConfig()) == (
         "row 3: the label 'ok' tokenizes as ['ook'] at the end of this row, not as ['ok']; put a space or newline "
         "before '{label}' in data.template")
@@ -867,8 +869,7 @@ def test_training_windows_check_rows_inside_their_all_gather():
     from scale.loss import LossSpec
     from scale.train import windows
 
-    spec = LossSpec(threshold=2, padding_side="left", type_weights=None, criterion=None, criterion_mode="plain",
-                    target_position=-2)
+    spec = LossSpec(padding_side="left", type_weights=None, criterion=None)
     good = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4, dtype=torch.long),
             "tail_mask": torch.ones(2, 2, dtype=torch.long), "type_indicator": torch.zeros(2, dtype=torch.long),
             "row": torch.tensor([3, 4])}

@@ -153,9 +153,11 @@ def test_conversational_prompt_completion_trains_the_completion_turns(tmp_path, 
     row = {"prompt": _chat("Hi", "Hello.", "Capital of France?"), "completion": [
         {"role": "assistant", "content": "Paris."}]}
     cfg = DataConfig(chat_template=str(CHATML), max_length=256)
-    (r,) = load_rows(cfg, _write(tmp_path / "pc.jsonl", [row]))
+    rows = load_rows(cfg, _write(tmp_path / "pc.jsonl", [row]))
+    (r,) = rows
     assert r["completion_from"] == 3 and [m["content"] for m in r["messages"]][-1] == "Paris."
-    (e,) = tokenize_rows([r], tokenizer, cfg, LossConfig())
+    assert rows.task.name == "messages"          # a prompt/completion file of conversations is encoded as chats
+    (e,) = tokenize_rows(rows, tokenizer, cfg, LossConfig())
     assert e.input_ids[-e.tail_len:] == _enc(tokenizer, "Paris.<|im_end|>") and e.trained is None
 
 
@@ -234,7 +236,7 @@ def test_a_template_that_reads_the_clock_is_refused_unless_pinned(tmp_path, caps
 
 
 def test_prefix_labels_unicode_forms_and_separators(tmp_path, tokenizer):
-    from scale.tasks.classification import label_candidates, label_sequences
+    from scale.data.tasks.classification import label_candidates, label_sequences
 
     nfd, nfc = "cafe\u0301", "caf\u00e9"
     cfg = DataConfig(labels=[nfc, "recommend", "recommend against"], template="Review: {text}\nVerdict:\n{label}")

@@ -12,8 +12,8 @@ from scale import chunked
 from scale import loss as scale_loss
 from scale.config import LoraConfig, ModelConfig
 from scale.data import Collator, Example
+from scale.data.collate import PaddingFreeCollator
 from scale.modeling import build_model, load_base
-from scale.sampling import PaddingFreeCollator
 from tests.test_loss import my_criterion, my_typed_criterion
 
 V = 300
@@ -47,15 +47,15 @@ def _run(model, batch, spec, chunk):
     model.zero_grad(set_to_none=True)
     spec.chunk_size = chunk
     w = spec.weights(batch)
-    num = scale_loss.loss_step(model, batch, spec, w)
+    num = chunked.loss_step(model, batch, spec, w)
     den = (w > 0).sum().float() if spec.criterion is not None else w.sum()
     (num / den).backward()
     return (num / den).item(), _grads(model)
 
 
 def _spec(side="left", type_weights=None, criterion=None, mode="plain"):
-    return scale_loss.LossSpec(threshold=2, padding_side=side, type_weights=type_weights, criterion=criterion,
-                               criterion_mode=mode, target_position=-2, task={"format": "messages"})
+    criterion = scale_loss.bind_criterion(criterion, mode) if criterion is not None else None  # as from_config
+    return scale_loss.LossSpec(padding_side=side, type_weights=type_weights, criterion=criterion)
 
 
 def _assert_same(a, b, tol=1e-6):

@@ -99,10 +99,8 @@ def test_type_column(tmp_path, tokenizer):
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}, "messages"),
 ])
 def test_format_is_detected_from_the_columns(tmp_path, columns, fmt):
-    from scale.formats import row_format
-
     rows = load_rows(DataConfig(), _write(tmp_path / "d.jsonl", [columns]))
-    assert row_format(rows[0]) == fmt
+    assert rows.task.name == fmt and rows[:1].task is rows.task   # decided once; a slice keeps it
 
 
 def test_text_format_tail_is_the_last_threshold_tokens(tmp_path, tokenizer):

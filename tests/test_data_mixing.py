@@ -23,16 +23,42 @@ CHATML = ROOT / "configs" / "chat" / "chatml.jinja"
 
 
 def test_apportion_and_mixture_counts_are_exact_integers():
-    from scale.mixing import apportion, mixture_counts
+    from scale.data.mixing import apportion, mixture_counts
 
     assert apportion(10, [3, 1]) == [8, 2] and apportion(7, [1, 1, 1]) == [3, 2, 2]  # ties: the earlier entry
     assert apportion(3, [0.1, 0.2, 0.7]) == [0, 1, 2] and sum(apportion(1001, [0.3, 0.3, 0.4])) == 1001
-    # first_exhausted: the source that runs out first at its weight sets the size, no row repeats
-    assert mixture_counts([100, 30], [1, 1], "first_exhausted") == [30, 30]
+    # first_exhausted: the largest size at which no row repeats (61: 30.5 + 30.5, the half row to the earlier entry)
+    assert mixture_counts([100, 30], [1, 1], "first_exhausted") == [31, 30]
     assert mixture_counts([100, 100], [3, 1], "first_exhausted") == [100, 33]
-    # all_exhausted: every row at least once, the smaller source repeats
-    assert mixture_counts([100, 30], [1, 1], "all_exhausted") == [100, 100]
+    # the example of docs/data.md: 232 rows, not the 231 of the source that runs out first (77 x 6 / 2)
+    assert mixture_counts([154, 58, 77], [3, 1, 2], "first_exhausted") == [116, 39, 77]
+    # a small source: 38 rows, where 3 x 11 = 33 is all the floor of the small source's quota allows
+    assert mixture_counts([1000, 3], [10, 1], "first_exhausted") == [35, 3]
+    # all_exhausted: the smallest size at which every row is used, the smaller source repeats
+    assert mixture_counts([100, 30], [1, 1], "all_exhausted") == [100, 99]
     assert mixture_counts([100, 30], [1, 1], "first_exhausted", cap=10) == [5, 5]
+
+
+def test_mixture_sizes_follow_the_documented_rule():
+    """For every small case, against a search over every size: first_exhausted is the largest N whose
+    apportion(N) repeats no row of any source, all_exhausted the smallest N that uses every row."""
+    import math
+    import random
+
+    from scale.data.mixing import apportion, mixture_counts
+
+    rng = random.Random(0)
+    for _ in range(200):
+        k = rng.randint(1, 4)
+        available = [rng.randint(1, 30) for _ in range(k)]
+        weights = [rng.choice([1, 2, 3, 5, 0.5, 1.5, 10]) for _ in range(k)]
+        # no size above every row fits; every source's quota reaches its rows by the last size here
+        fits = [n for n in range(sum(available) + 1)
+                if all(c <= a for c, a in zip(apportion(n, weights), available))]
+        bound = max(math.ceil(a * sum(weights) / w) for a, w in zip(available, weights))
+        covers = [n for n in range(bound + 1) if all(c >= a for c, a in zip(apportion(n, weights), available))]
+        assert mixture_counts(available, weights, "first_exhausted") == apportion(max(fits), weights), (available, weights)
+        assert mixture_counts(available, weights, "all_exhausted") == apportion(min(covers), weights), (available, weights)
 
 
 @pytest.fixture
@@ -62,24 +88,24 @@ def _source_of(tokenizer, e) -> str:
 
 def test_mixture_holds_exact_ratios_and_is_deterministic(tmp_path, tokenizer, mixture):
     """160 + 60 + 81 rows at weights 3:1:2, eval 12 carved 6/2/4: the chats (77 train rows at weight 2/6) run out
-    first, so the train split holds exactly 116/38/77 rows (231 x 3/6, 1/6, 2/6; the half row to the earlier
-    entry), counted per source in the data/* metrics; the same seed gives the same examples in the same order,
+    first, so the train split holds exactly 116/39/77 rows (232 x 3/6, 1/6, 2/6: 116, 38.67, 77.33, the row left
+    to the largest fraction), counted per source in the data/* metrics; the same seed gives the same examples in the same order,
     and the cache holds exactly what memory does."""
-    from scale.cache import load_splits
+    from scale.data.cache import load_splits
 
     cfg = tiny_cfg(tmp_path / "out", *mixture, f"data.cache_dir={tmp_path / 'cache'}", "data.num_proc=2")
     a = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed)
     b = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed)
     assert a.train == b.train and a.eval == b.eval and a.fingerprint == b.fingerprint
-    assert Counter(_source_of(tokenizer, e) for e in a.train) == {"tiny_completions": 116, "qa": 38, "chats": 77}
+    assert Counter(_source_of(tokenizer, e) for e in a.train) == {"tiny_completions": 116, "qa": 39, "chats": 77}
     assert Counter(_source_of(tokenizer, e) for e in a.eval) == {"tiny_completions": 6, "qa": 2, "chats": 4}
     assert {k: v for k, v in a.stats.items() if k.count("/") == 2} == {
         "data/tiny_completions/rows": 160, "data/tiny_completions/train_rows": 116,
         "data/tiny_completions/eval_rows": 6, "data/tiny_completions/dropped_long_rows": 0,
-        "data/qa/rows": 60, "data/qa/train_rows": 38, "data/qa/eval_rows": 2, "data/qa/dropped_long_rows": 0,
+        "data/qa/rows": 60, "data/qa/train_rows": 39, "data/qa/eval_rows": 2, "data/qa/dropped_long_rows": 0,
         "data/chats/rows": 81, "data/chats/train_rows": 77, "data/chats/eval_rows": 4,
         "data/chats/dropped_long_rows": 0}
-    assert a.stats["data/train_rows"] == 231 and a.format == "prompt_completion"  # eval/exact_match for both
+    assert a.stats["data/train_rows"] == 232 and a.format == "prompt_completion"  # eval/exact_match for both
     cached = load_splits(cfg, tokenizer, cfg.data.path)
     assert list(cached.train) == a.train and list(cached.eval) == a.eval and cached.stats == a.stats
     other = tiny_cfg(tmp_path / "out", *mixture, "train.seed=7")
@@ -89,13 +115,14 @@ def test_mixture_holds_exact_ratios_and_is_deterministic(tmp_path, tokenizer, mi
 def test_all_exhausted_repeats_the_smaller_sources(tmp_path, tokenizer, mixture):
     cfg = tiny_cfg(tmp_path / "out", *mixture, "data.stopping_strategy=all_exhausted")
     s = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed)
-    # qa (58 train rows at 1/6) sets the size, 348 rows: every row at least once, the others repeat
-    assert Counter(_source_of(tokenizer, e) for e in s.train) == {"tiny_completions": 174, "qa": 58, "chats": 116}
+    # qa (58 train rows at 1/6) sets the size, 346 rows (its 57.67 rounds up): every row at least once, the others
+    # repeat
+    assert Counter(_source_of(tokenizer, e) for e in s.train) == {"tiny_completions": 173, "qa": 58, "chats": 115}
     assert len({(_source_of(tokenizer, e), e.row) for e in s.train}) == 154 + 58 + 77  # each train row, at least once
 
 
 def test_a_mixture_change_is_a_new_cache_entry(tmp_path, tokenizer, mixture):
-    from scale.cache import fingerprint
+    from scale.data.cache import fingerprint
 
     cfg = tiny_cfg(tmp_path / "out", *mixture)
     key = fingerprint(cfg, tokenizer, cfg.data.path)[0]
@@ -140,12 +167,12 @@ def test_mixing_formats_that_do_not_mix_is_one_line(tmp_path, tokenizer):
 def test_waiting_ranks_poll_the_build_record_and_share_the_builders_error(tmp_path, tokenizer, caplog):
     """A rank that is not the node's main process waits for the entry (no collective), logging its wait, and
     maps what the builder wrote; a build that fails in this run is raised by the waiting rank too."""
-    from scale.cache import load_splits, wait_for_splits
+    from scale.data.cache import load_splits, wait_for_splits
 
     cfg = tiny_cfg(tmp_path / "out", f"data.cache_dir={tmp_path / 'cache'}")
     builder = threading.Thread(target=lambda: (time.sleep(1.0), load_splits(cfg, tokenizer, cfg.data.path, "run-a")))
     builder.start()
-    with caplog.at_level(logging.INFO, logger="scale.cache"):
+    with caplog.at_level(logging.INFO, logger="scale.data.cache"):
         waited = wait_for_splits(cfg, tokenizer, cfg.data.path, "run-a", poll_s=0.2)
     builder.join()
     assert len(waited.train) == 128 and type(waited.train).__name__ == "TokenTable"
@@ -196,7 +223,7 @@ def test_the_tiny_job_trains_a_mixture_and_logs_per_source_counts(tmp_path, mixt
     first, step0 = losses(tmp_path / "a")
     assert {k: step0[k] for k in ("data/tiny_completions/train_rows", "data/qa/train_rows", "data/chats/train_rows",
                                   "data/train_rows")} == {"data/tiny_completions/train_rows": 116,
-                                                          "data/qa/train_rows": 38, "data/chats/train_rows": 77,
-                                                          "data/train_rows": 231}
+                                                          "data/qa/train_rows": 39, "data/chats/train_rows": 77,
+                                                          "data/train_rows": 232}
     assert losses(tmp_path / "b")[0] == first and len(first) == 2  # log_every=2
     assert len((tmp_path / "cache" / "builds.jsonl").read_text().splitlines()) == 1

@@ -95,7 +95,7 @@ def test_eval_path_evaluates_its_own_rows_and_trains_on_every_row(tmp_path, toke
 
 def test_long_csv_cell_is_read(tmp_path, tokenizer):
     """A cell over csv's default 131,072-character limit is text, not an 'unclosed quote' error."""
-    from scale.formats import load_rows
+    from scale.data.tasks import load_rows
 
     long = "word " * 40_000  # 200,000 characters
     (tmp_path / "long.csv").write_text(f'text,label\n"{long}",positive\nshort,negative\nNA,positive\n')
@@ -104,7 +104,7 @@ def test_long_csv_cell_is_read(tmp_path, tokenizer):
 
 
 def test_hub_id_offline_is_one_line(monkeypatch):
-    from scale.formats import load_rows
+    from scale.data.tasks import load_rows
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -124,7 +124,7 @@ def test_parquet_shards_that_differ_name_the_shard_and_column(tmp_path, drift):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from scale.formats import load_rows
+    from scale.data.tasks import load_rows
 
     rows = _rows(TINY_DATA)
     later = {"extra column": [{**r, "source": "web"} for r in rows[80:]],
@@ -151,7 +151,8 @@ def _cfg(tmp_path, *overrides):
 def test_cache_holds_the_in_memory_splits_and_a_hit_does_not_tokenize(tmp_path, tokenizer, monkeypatch, data, caplog):
     """Same seed -> the same examples in the same order as build_splits; the pool path (chunks of 16 rows,
     2 workers) is exact; the second load is a hit (one build in the record)."""
-    import scale.cache as cache
+    import scale.data.cache as cache
+    from scale.data.token_table import column, longest_first
 
     over = {"reviews": [], "completions": [f"data.path={TINY_COMPLETIONS}", "data.eval_size=16"],
             "messages": [f"data.path={tmp_path / 'chat.jsonl'}", "data.eval_size=8", "data.max_length=128",
@@ -163,22 +164,22 @@ def test_cache_holds_the_in_memory_splits_and_a_hit_does_not_tokenize(tmp_path, 
     monkeypatch.setattr(cache, "CHUNK_ROWS", 16)
     cfg = _cfg(tmp_path, "data.num_proc=2", *over)
     ref = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed)
-    with caplog.at_level(logging.INFO, logger="scale.cache"):
+    with caplog.at_level(logging.INFO, logger="scale.data.cache"):
         built = cache.load_splits(cfg, tokenizer, cfg.data.path)
         hit = cache.load_splits(cfg, tokenizer, cfg.data.path)
     assert isinstance(hit.train, cache.TokenTable) and _same(ref, built) and _same(ref, hit)
     assert [b["num_proc"] for b in _builds(tmp_path / "cache")] == [2]
     assert sum("data cache: hit" in r.message for r in caplog.records) == 1
-    assert cache.column(hit.train, "length").tolist() == [len(e.input_ids) for e in ref.train]
-    assert list(cache.longest_first(hit.eval)) == sorted(ref.eval, key=lambda e: -len(e.input_ids))
+    assert column(hit.train, "length").tolist() == [len(e.input_ids) for e in ref.train]
+    assert list(longest_first(hit.eval)) == sorted(ref.eval, key=lambda e: -len(e.input_ids))
 
 
 def test_multi_turn_chats_round_trip_the_cache_exactly(tmp_path, tokenizer, monkeypatch):
     """configs/data/tiny_chats.jsonl (1-3 exchanges per chat, every assistant turn trained): the cache (pool path:
     chunks of 8 rows, 2 workers) and a hit give the in-memory splits exactly, the tails' 0/1 ``trained`` flags and
     ``None`` included; the token fingerprint and template hash (the resume check) come back without a rebuild."""
-    import scale.cache as cache
-    from scale.tasks.base import Example
+    import scale.data.cache as cache
+    from scale.data.tasks.base import Example
 
     monkeypatch.setattr(cache, "CHUNK_ROWS", 8)
     cfg = _cfg(tmp_path, "data.num_proc=2", f"data.path={ROOT / 'configs' / 'data' / 'tiny_chats.jsonl'}",
@@ -198,10 +199,23 @@ def test_multi_turn_chats_round_trip_the_cache_exactly(tmp_path, tokenizer, monk
     assert {f.name for f in dataclasses.fields(Example)} == {"input_ids", *cache.SCALARS, *cache.LISTS} - {"length"}
 
 
+def test_the_cache_key_reads_every_module_that_shapes_tokens():
+    """The token cache's code hash (TOKEN_MODULES) reads every stage of scale/data/ up to the cache, every format
+    module included: a change to any is a new entry. Only the stages that batch (collation, order) and the
+    package's face are left out."""
+    from scale.data import cache
+
+    here = ROOT / "scale" / "data"
+    hashed = {f.relative_to(here).as_posix() for m in cache.TOKEN_MODULES for f in here.glob(m)}
+    every = {f.relative_to(here).as_posix() for f in here.rglob("*.py")}
+    assert every - hashed == {"__init__.py", "collate.py", "order.py"} and hashed <= every
+    assert {"tasks/messages.py", "tasks/base.py", "split.py", "mixing.py", "tokenize.py"} <= hashed
+
+
 def test_chat_template_inputs_change_the_fingerprint(tmp_path, tokenizer):
     """The chat-template inputs the messages format reads (data.chat_template_kwargs, data.train_on, the template
     file's text) are part of the cache key."""
-    from scale.cache import fingerprint
+    from scale.data.cache import fingerprint
 
     template = tmp_path / "chat.jinja"
     template.write_text((ROOT / "configs" / "chat" / "chatml.jinja").read_text())
@@ -216,7 +230,7 @@ def test_chat_template_inputs_change_the_fingerprint(tmp_path, tokenizer):
 
 def test_a_changed_input_is_a_new_entry(tmp_path, tokenizer):
     """Data file, tokenizer, chat template and token-shaping keys change the fingerprint; batching keys don't."""
-    from scale.cache import fingerprint
+    from scale.data.cache import fingerprint
 
     data = tmp_path / "reviews.jsonl"
     shutil.copy(TINY_DATA, data)
@@ -245,7 +259,7 @@ def test_a_changed_input_is_a_new_entry(tmp_path, tokenizer):
 
 
 def test_edited_data_file_is_rebuilt_not_read_stale(tmp_path, tokenizer):
-    from scale.cache import load_splits
+    from scale.data.cache import load_splits
 
     data = tmp_path / "reviews.jsonl"
     shutil.copy(TINY_DATA, data)
@@ -259,7 +273,7 @@ def test_edited_data_file_is_rebuilt_not_read_stale(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("damage", ["truncated", "bit flip", "no build record", "half-written"])
 def test_a_corrupt_or_half_written_entry_is_rebuilt(tmp_path, tokenizer, damage, caplog):
-    from scale.cache import default_cache_dir, fingerprint, load_splits
+    from scale.data.cache import default_cache_dir, fingerprint, load_splits
 
     cfg = _cfg(tmp_path)
     ref = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed)
@@ -278,7 +292,7 @@ def test_a_corrupt_or_half_written_entry_is_rebuilt(tmp_path, tokenizer, damage,
         shutil.rmtree(entry)
         (entry.with_name(entry.name + ".tmp")).mkdir()
         (entry.with_name(entry.name + ".tmp") / "train.arrow").write_bytes(b"ARROW1 half")
-    with caplog.at_level(logging.WARNING, logger="scale.cache"):
+    with caplog.at_level(logging.WARNING, logger="scale.data.cache"):
         again = load_splits(cfg, tokenizer, cfg.data.path)
     assert _same(ref, again) and len(_builds(tmp_path / "cache")) == 2
     assert not entry.with_name(entry.name + ".tmp").exists()
@@ -287,7 +301,7 @@ def test_a_corrupt_or_half_written_entry_is_rebuilt(tmp_path, tokenizer, damage,
 
 
 def test_a_data_error_leaves_no_entry(tmp_path, tokenizer):
-    from scale.cache import load_splits
+    from scale.data.cache import load_splits
 
     (tmp_path / "bad.jsonl").write_text('{"text": "fine", "label": "positive"}\n{"text": "x", "label": "meh"}\n')
     cfg = _cfg(tmp_path, f"data.path={tmp_path / 'bad.jsonl'}", "data.eval_size=1")

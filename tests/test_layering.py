@@ -1,46 +1,58 @@
-"""The package's import table: which room may import which, and who may touch accelerate/torch.distributed.
+"""The package's layout: which room may import which, who may touch accelerate/torch.distributed, and the three
+counts of issue 28 over the whole package: no import circle, no import that runs up the layers, no import of a
+scale module inside a function (the documented exceptions are listed here).
 
-A new module must be added to ``ALLOWED`` (with the rooms it may import): the layout is a decision, not an
-accident. Imports inside functions count too.
+A room is a module of ``scale/`` (``config``), a stage of ``scale/data/`` (``data.read``), the format package
+``scale/data/tasks/`` (``data.tasks``) or the data package's face (``data``: its ``__init__``). A new module
+must be added to ``ALLOWED`` (with the rooms it may import) and to a layer of ``LAYERS``: the layout is a
+decision, not an accident. Imports inside functions and under ``TYPE_CHECKING`` count too.
 """
 
 from __future__ import annotations
 
 import ast
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
 
-# module -> the scale modules it may import. Plain-tensor rooms first, then the loop side, then entry points.
+SCALE = ROOT / "scale"
+
+# room -> the rooms it may import. Plain-tensor rooms first, then the data stages, the loop side, the entry points.
 ALLOWED: dict[str, set[str]] = {
     "fileio": set(),
     "flops": set(),
     "signals": set(),
     "state": set(),  # TrainerState, SaveTimer (moved out of checkpoint, issue 20)
+    "validation": set(),  # the config's rules and ConfigError: the schema imports them
+    "schema": {"validation"},  # Config.__post_init__ runs the rules
     "best": {"config", "fileio", "state", "validation"},  # train.keep_best, early stopping (issue 20)
-    "schema": {"validation"},  # Config.__post_init__ runs the rules (imported there: validation imports schema)
-    "validation": {"schema"},  # the config's rules (schema.py was over 450 lines)
     "config": {"fileio", "schema"},
     "assets": {"fileio"},
     "schedule": {"config"},
-    "sources": {"assets", "fileio", "formats", "mixing"},  # formats/assets/mixing imported inside functions (issue 18)
-    "formats": {"config", "tasks"},  # tasks: the names that moved there, imported lazily (PEP 562)
-    "tasks": {"config", "formats", "loss", "sources", "tasks"},  # scale/tasks/: one module per data format
-    "data": {"config", "formats", "mixing", "sources", "tasks"},
-    # several data sets mixed by weight (issue 18); data/sources imported inside functions
-    "mixing": {"assets", "config", "data", "formats", "sources", "tasks", "validation"},
-    "token_table": {"tasks"},  # the cache's memory-mapped splits (issue 18)
-    "cache": {"data", "fileio", "sources", "tasks", "token_table"},  # the token cache (issue 18): numpy/pyarrow, no process group
-    "loss": {"config", "chunked"},  # loss_step picks the chunked loss (imported lazily: chunked imports loss)
-    "chunked": {"loss"},
+    "loss": {"config"},
+    "chunked": {"loss"},  # the chunked tail loss and loss_step, the step's loss (chunked when it pays)
     "modeling": {"config", "assets"},
-    "sampling": {"data"},
-    "export": {"config", "data", "fileio", "modeling"},
-    "generate": {"config", "export", "modeling"},
-    "census": {"config", "loss", "modeling", "chunked"},  # scale-plan's counts: meta/fake tensors only, no process group
+    "census": {"config", "loss", "modeling", "chunked"},  # scale-plan's counts: meta/fake tensors, no process group
     "layouts": {"census", "config"},
-    "plan": {"census", "config", "layouts", "assets", "data", "modeling"},  # data: the tails to plan for
+    # scale/data/: the stages, each importing only the ones before it (LAYERS)
+    "data.read": {"config"},                                   # files -> rows of cells; DataError
+    "data.sources": {"assets", "data.read", "fileio"},         # any source -> rows
+    "data.tasks": {"config", "data.read", "data.sources", "loss"},  # one module per format: rows -> tokens
+    "data.split": {"config", "data.read"},                     # one source's train/eval rows
+    "data.mixing": {"assets", "config", "data.read", "data.sources", "data.split", "data.tasks", "validation"},
+    "data.tokenize": {"config", "data.mixing", "data.read", "data.split", "data.tasks"},  # rows -> Splits
+    "data.token_table": {"data.tasks"},                        # the cache's memory-mapped splits
+    "data.cache": {"data.mixing", "data.read", "data.tasks", "data.token_table", "data.tokenize", "fileio"},
+    "data.collate": {"data.tasks"},                            # padded, padding-free and packed batches
+    "data.order": set(),                                       # length-grouped sampling, packing into bins
+    "data": {"data.collate", "data.read", "data.split", "data.tasks", "data.tokenize"},  # the face: hands names on
+    "export": {"config", "data", "data.tasks", "fileio", "modeling"},
+    "generate": {"config", "export", "modeling"},
+    # scale-lm-eval: the eval split (token cache, samples' prompt/answer split) as a harness task
+    "lmeval": {"assets", "config", "data", "data.cache", "data.read", "data.tasks", "export", "fileio", "modeling", "samples"},
+    "plan": {"assets", "census", "config", "data.tokenize", "layouts", "modeling"},  # data: the tails to plan for
     # the loop side: may import accelerate / torch.distributed
     "rendezvous": set(),
     "launch": {"config", "rendezvous"},
@@ -48,60 +60,174 @@ ALLOWED: dict[str, set[str]] = {
     "tracking": {"config", "fileio", "metrics"},
     "checks": {"modeling"},
     "checkpoint": {"config", "fileio", "launch", "modeling", "state"},
-    "evaluate": {"loss", "signals", "tasks"},
+    "evaluate": {"data.tasks", "loss", "signals"},
     "samples": {"checkpoint", "signals", "tracking"},  # generation at each evaluation (issue 20)
-    "job": {"assets", "cache", "checkpoint", "checks", "config", "data", "fileio", "flops", "launch", "loss",
-            "metrics", "mixing", "modeling", "sampling", "samples", "schedule", "sources", "tracking", "export"},
-    "train": {"best", "checkpoint", "checks", "config", "evaluate", "export", "job", "loss", "metrics",
+    "job": {"assets", "checkpoint", "checks", "config", "data.cache", "data.collate", "data.mixing", "data.order",
+            "data.read", "data.tasks", "data.token_table", "data.tokenize", "export", "flops", "launch", "loss",
+            "metrics", "modeling", "samples", "schedule", "tracking"},
+    "train": {"best", "checkpoint", "checks", "chunked", "config", "evaluate", "export", "job", "loss", "metrics",
               "samples", "signals", "tracking"},
-    "cli": {"assets", "checkpoint", "config", "data", "launch", "modeling", "signals", "train"},
+    "cli": {"assets", "checkpoint", "config", "data.read", "data.tokenize", "launch", "modeling", "signals", "train"},
     "report": {"config", "metrics", "schedule"},
-    "prepare": {"assets", "cache", "config", "data", "modeling"},  # scale-prepare (issue 18)
+    "prepare": {"assets", "config", "data.cache", "data.read", "data.token_table", "modeling"},  # scale-prepare
+    # aliases kept for scripts written against the modules' old paths
+    "formats": {"data.read", "data.tasks"},
+    "sampling": {"data.collate", "data.order"},
 }
 DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpoint", "evaluate", "job", "train", "cli",
                "samples"}
 
+# Bottom first. A room imports rooms of its own layer or below; an import into a higher layer runs upward. The data
+# stages are one layer each, in the order rows flow: files, sources, formats, split, mixing, tokens, cache, batches.
+LAYERS: list[tuple[str, set[str]]] = [
+    ("foundations", {"fileio", "flops", "signals", "state", "rendezvous", "validation", "schema", "config", "assets",
+                     "schedule"}),
+    ("model and loss (plain tensors)", {"loss", "chunked", "modeling", "census", "layouts"}),
+    ("data: reading files", {"data.read"}),
+    ("data: sources", {"data.sources"}),
+    ("data: tasks, one module per format", {"data.tasks"}),
+    ("data: split", {"data.split"}),
+    ("data: mixing", {"data.mixing"}),
+    ("data: tokenization", {"data.tokenize"}),
+    ("data: cache", {"data.token_table", "data.cache"}),
+    ("data: collation and order", {"data.collate", "data.order"}),
+    ("data: the package's face", {"data"}),
+    ("the loop side", {"metrics", "tracking", "launch", "checks", "checkpoint", "best", "evaluate", "samples", "export",
+                       "generate", "job", "train"}),
+    ("entry points and aliases", {"cli", "plan", "prepare", "report", "lmeval", "formats", "sampling"}),
+]
+# Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and
+# `--accelerate-config` import neither torch nor accelerate (scale/cli.py's module comment), and start_fast imports
+# the loop with the garbage collector paused. Nothing else may import inside a function.
+DEFERRED = {("cli", "checkpoint"), ("cli", "data.read"), ("cli", "data.tokenize"), ("cli", "launch"),
+            ("cli", "modeling"), ("cli", "train")}
 
-def _sources(name: str) -> list:
-    """The files of a room: ``scale/<name>.py``, or every file of the package ``scale/<name>/``."""
-    package = ROOT / "scale" / name
-    return sorted(package.glob("*.py")) if package.is_dir() else [ROOT / "scale" / f"{name}.py"]
+
+def _room(module: str) -> str | None:
+    """The room of a dotted module name (``scale.data.tasks.base`` -> ``data.tasks``); None outside ``scale``."""
+    parts = module.split(".")
+    if parts[0] != "scale" or len(parts) == 1:
+        return None
+    if parts[1] != "data" or len(parts) == 2:
+        return parts[1]
+    return "data.tasks" if parts[2] == "tasks" else f"data.{parts[2]}"
 
 
-def _imports(name: str) -> set[str]:
-    found = set()
-    for path in _sources(name):
-        found |= _file_imports(path)
-    return found
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name)."""
+    out = {}
+    for path in sorted(SCALE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
 
 
-def _file_imports(path) -> set[str]:
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """``name`` (a module, or a module's attribute) as the module it names."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _file_imports(path: Path) -> list[tuple[str, bool]]:
+    """``(imported name, inside a function)`` of every import of ``path`` (also ``from m import a`` as ``m.a``)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    found = set()
+    inside: set[int] = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            inside |= {id(n) for n in ast.walk(fn) if n is not fn}
+    found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
+            found += [(a.name, id(node) in inside) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            if node.module == "scale":
-                found |= {f"scale.{a.name}" for a in node.names}
+            found.append((node.module, id(node) in inside))
+            found += [(f"{node.module}.{a.name}", id(node) in inside) for a in node.names]
     return found
+
+
+def _links() -> list[tuple[str, str, bool]]:
+    """``(module, scale module it imports, inside a function)`` over the whole package."""
+    modules = _modules()
+    out = set()
+    for name, path in modules.items():
+        for imported, local in _file_imports(path):
+            target = _resolve(imported, modules) if imported.startswith("scale.") or imported == "scale" else None
+            if target not in (None, "scale", name):
+                out.add((name, target, local))
+    return sorted(out)
+
+
+def _imports(room: str) -> set[str]:
+    """Every name the files of ``room`` import."""
+    return {imported for name, path in _modules().items() if _room(name) == room for imported, _ in _file_imports(path)}
 
 
 def test_every_module_is_in_the_table():
-    modules = {p.stem for p in (ROOT / "scale").glob("*.py") if p.stem != "__init__"}
-    modules |= {p.name for p in (ROOT / "scale").iterdir() if (p / "__init__.py").is_file()}
-    assert modules == set(ALLOWED), f"add to / remove from ALLOWED: {modules ^ set(ALLOWED)}"
+    rooms = {_room(name) for name in _modules()} - {None}
+    assert rooms == set(ALLOWED), f"add to / remove from ALLOWED: {rooms ^ set(ALLOWED)}"
+    layered = [room for _, rooms_ in LAYERS for room in rooms_]
+    assert sorted(layered) == sorted(set(ALLOWED)), f"give each room one layer: {set(layered) ^ set(ALLOWED)}"
 
 
-@pytest.mark.parametrize("name", sorted(ALLOWED))
-def test_module_imports_only_what_the_table_allows(name):
-    imported = _imports(name)
-    ours = {m.split(".")[1] for m in imported if m.startswith("scale.")}
-    assert ours <= ALLOWED[name], f"scale/{name}.py imports {sorted(ours - ALLOWED[name])}, not in its row"
+@pytest.mark.parametrize("room", sorted(ALLOWED))
+def test_module_imports_only_what_the_table_allows(room):
+    imported = _imports(room)
+    ours = {_room(m) for m in imported if m.startswith("scale.")} - {room, None}
+    assert ours <= ALLOWED[room], f"{room} imports {sorted(ours - ALLOWED[room])}, not in its row"
     distributed = {m for m in imported if m.startswith(("accelerate", "torch.distributed", "deepspeed"))}
-    if name not in DISTRIBUTED:
-        assert not distributed, f"scale/{name}.py is plain-tensor code but imports {sorted(distributed)}"
+    if room not in DISTRIBUTED:
+        assert not distributed, f"{room} is plain-tensor code but imports {sorted(distributed)}"
+
+
+def test_no_import_circle():
+    """Tarjan's strongly connected components of the module graph (every import, at any depth): none has more than
+    one module."""
+    graph: dict[str, set[str]] = {}
+    for a, b, _ in _links():
+        graph.setdefault(a, set()).add(b)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = [stack.pop()]
+            while component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert circles == []
+
+
+def test_no_import_runs_upward():
+    """Every import stays in its layer or goes down (the package's own ``scale/__init__.py``, above every layer,
+    imports scale.signals to exit at once on a signal while the libraries load)."""
+    layer = {room: i for i, (_, rooms) in enumerate(LAYERS) for room in rooms}
+    upward = [f"{a} -> {b}" for a, b, _ in _links() if a != "scale" and layer[_room(b)] > layer[_room(a)]]
+    assert upward == []
+
+
+def test_no_scale_import_inside_a_function_but_the_deferred():
+    local = {(_room(a), _room(b)) for a, b, inside in _links() if inside}
+    assert local == DEFERRED, f"imports inside functions: {sorted(local - DEFERRED)}; no longer: {DEFERRED - local}"
+    cli = (SCALE / "cli.py").read_text(encoding="utf-8").splitlines()
+    for line in cli:  # each deferral says why
+        if line.startswith("    ") and line.lstrip().startswith(("from scale", "import scale")):
+            assert "deferred" in line, line
 
 
 def test_loop_has_no_print_empty_cache_or_len_batch():
@@ -133,16 +259,17 @@ def _format_names_in_code(path) -> list[str]:
 
 
 def test_format_names_live_in_scale_tasks_only():
-    """Issue 17: outside scale/tasks/ only the registry (scale/tasks/__init__.py) and the schema and its rules (data.format's
-    choices) name the formats; data.py, evaluate.py, loss.py, job.py... ask the format's module instead."""
+    """Issue 17: outside scale/data/tasks/ only the registry (scale/data/tasks/__init__.py) and the schema and its
+    rules (data.format's choices) name the formats; the other data stages, evaluate.py, loss.py, job.py... ask the
+    format's module instead."""
     offenders = {}
     for path in sorted((ROOT / "scale").rglob("*.py")):
         rel = path.relative_to(ROOT / "scale").as_posix()
-        if rel.startswith("tasks/") and rel != "tasks/__init__.py" or rel in ("schema.py", "validation.py"):
+        if rel.startswith("data/tasks/") and rel != "data/tasks/__init__.py" or rel in ("schema.py", "validation.py"):
             continue
-        if rel == "tasks/__init__.py":  # the registry: names each format once, in its table
+        if rel == "data/tasks/__init__.py":  # the registry: names each format once, in its table
             continue
         hits = _format_names_in_code(path)
         if hits:
             offenders[rel] = hits
-    assert offenders == {}, f"format names outside scale/tasks/: {offenders}"
+    assert offenders == {}, f"format names outside scale/data/tasks/: {offenders}"

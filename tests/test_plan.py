@@ -211,7 +211,7 @@ def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, ch
 
 def loss_step_saved_bytes(model: torch.nn.Module, batch: dict, spec) -> int:
     """Bytes autograd saves in the product's ``loss_step`` on ``batch`` (distinct storages, parameters excluded)."""
-    from scale.loss import loss_step
+    from scale.chunked import loss_step
 
     params_ptr = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -233,9 +233,9 @@ def test_predicted_packed_activations_within_10_percent_of_saved_tensor_hooks(ch
     every token trained) against what autograd saves in the product's own path (PackedCollator -> loss_step)
     for 8 bins of 64 tokens, each two examples of 32 tokens whose tails are all but their first token."""
     from scale.data import Example
+    from scale.data.collate import PackedCollator
     from scale.loss import LossSpec
     from scale.modeling import build_model
-    from scale.sampling import PackedCollator
 
     cfg, hf, params = planned([f"model.gradient_checkpointing={str(checkpointing).lower()}", "data.packing=true",
                                f"loss.chunk_size={chunk}", "loss.threshold=64"])  # N = T, as make_plan sets it
@@ -248,8 +248,7 @@ def test_predicted_packed_activations_within_10_percent_of_saved_tensor_hooks(ch
              for i in range(2)] for b in range(B)]
     batch = PackedCollator()(bins)
     assert batch["input_ids"].shape == (1, B * T)
-    spec = LossSpec(threshold=2, padding_side="left", type_weights=None, criterion=None, criterion_mode="plain",
-                    target_position=-1, task={"format": "messages"}, chunk_size=int(chunk))
+    spec = LossSpec(padding_side="left", type_weights=None, criterion=None, chunk_size=int(chunk))
     real = loss_step_saved_bytes(model, batch, spec)
     assert abs(predicted.total / real - 1) < 0.10, (predicted, real)
     assert predicted.loss_positions == (64 if chunk == "64" else B * T)
@@ -275,8 +274,7 @@ def test_predicted_padded_chunked_activations_within_10_percent_of_saved_tensor_
     mask[0, :5] = 0  # left padding, as the collator pads a batch of unequal rows
     batch = {"input_ids": ids, "attention_mask": mask, "tail_mask": torch.ones(B, N, dtype=torch.long),
              "type_indicator": torch.zeros(B, dtype=torch.long)}
-    spec = LossSpec(threshold=N, padding_side="left", type_weights=None, criterion=None, criterion_mode="plain",
-                    target_position=-1, task={"format": "prompt_completion"}, chunk_size=64)
+    spec = LossSpec(padding_side="left", type_weights=None, criterion=None, chunk_size=64)
     real = loss_step_saved_bytes(model, batch, spec)
     assert abs(predicted.total / real - 1) < 0.10, (predicted, real)
 
@@ -329,8 +327,8 @@ def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(sha
     import copy
 
     from scale import loss as scale_loss
-    from scale.modeling import add_lora, build_model
     from scale.job import make_optimizer
+    from scale.modeling import add_lora, build_model
 
     if "qlora" in shape:
         pytest.importorskip("bitsandbytes")

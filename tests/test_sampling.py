@@ -3,6 +3,7 @@ launch mode (it depends on the global batch only), less padding, and resume/epoc
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from scale.sampling import LengthGroupedSampler, length_grouped_order, pad_fraction
+from scale.data.order import LengthGroupedSampler, length_grouped_order, pad_fraction
 
 
 def _lengths(n, seed=0):
@@ -138,9 +139,10 @@ def test_padding_free_matches_padded_loss_and_gradients(tokenizer):
     """One packed row with restarting position ids = the padded batch: same tail loss and LoRA gradients."""
     from scale.config import LoraConfig, ModelConfig
     from scale.data import Collator, Example
-    from scale.loss import forward_tail, loss_step
+    from scale.chunked import loss_step
+    from scale.data.collate import PaddingFreeCollator
+    from scale.loss import forward_tail
     from scale.modeling import build_model
-    from scale.sampling import PaddingFreeCollator
 
     model = build_model(ModelConfig(name_or_path="tiny-llama", gradient_checkpointing=False),
                         LoraConfig(r=4, dropout=0.0), len(tokenizer), seed=0)
@@ -176,23 +178,79 @@ def test_padding_free_matches_padded_loss_and_gradients(tokenizer):
 def _spec():
     from scale.loss import LossSpec
 
-    return LossSpec(threshold=2, padding_side="left", type_weights=None, criterion=None, criterion_mode="plain",
-                    target_position=-2, task={"label_token_ids": [7, 8]})
+    return LossSpec(padding_side="left", type_weights=None, criterion=None)
 
 
-@pytest.mark.parametrize("data", ["tiny_reviews", "tiny_completions"])
+def _same_step_as_padded(out):
+    """What :mod:`tests.collate_launch` wrote: padding-free and packed batches of the same chats take padded's
+    step (loss, gradient norm, LoRA weights and the step's update within 1e-5) and train the same tokens, fewer
+    than the tails hold (the user turns inside them weigh 0). Returns the figures."""
+    from safetensors.torch import load_file
+
+    got = json.loads((out / "results.json").read_text())
+    ref = got["padded"]
+    assert ref["trained_tokens"] < ref["tail_tokens"], ref
+    a = load_file(out / "padded.safetensors")
+    for name in ("padding_free", "packed"):
+        assert got[name]["trained_tokens"] == ref["trained_tokens"] and got[name]["tail_tokens"] == ref["tail_tokens"]
+        assert abs(got[name]["loss"] - ref["loss"]) <= 1e-5 * ref["loss"], (name, got[name], ref)
+        assert abs(got[name]["grad_norm"] - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], (name, got[name], ref)
+        b = load_file(out / f"{name}.safetensors")
+        assert a.keys() == b.keys()
+        weights = [k for k in a if not k.startswith("delta.")]
+        worst = max(float((a[k] - b[k]).abs().max() / a[k].abs().max()) for k in weights)
+        # the update against the step's size (its largest element over every LoRA tensor): fp32 round-off only
+        step = max(float(a[k].abs().max()) for k in a if k.startswith("delta."))
+        update = max(float((a[k] - b[k]).abs().max()) for k in a if k.startswith("delta.")) / step
+        assert worst <= 1e-5 and update <= 1e-5, (name, worst, update)
+    return got
+
+
+def test_packed_and_padding_free_train_what_padded_trains_on_multi_turn_chats(tmp_path):
+    """Multi-turn chats (configs/data/tiny_chats.jsonl) whose tails hold weight-0 user turns: one SGD step on the
+    same examples, padded, padding-free and packed, in this process (one rank)."""
+    from tests.collate_launch import one_step
+
+    got = one_step(Accelerator(cpu=True), tmp_path)
+    assert _same_step_as_padded(tmp_path) == got
+
+
+@pytest.mark.launch
+def test_packed_and_padding_free_train_what_padded_trains_in_two_processes(tmp_path):
+    """The same step under DDP (2 CPU processes, 4 chats per rank): every collation gives padded's step."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    from tests.launching import free_port
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port()),
+           "-m", "tests.collate_launch", str(tmp_path)]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    got = _same_step_as_padded(tmp_path)
+    assert got["padded"]["trained_tokens"] > 0
+
+
+@pytest.mark.parametrize("data", ["tiny_reviews", "tiny_completions",
+                                  pytest.param("tiny_chats", marks=pytest.mark.slow)])  # chats: ~25 s
 def test_padding_free_job_matches_padded_job(tmp_path, data):
-    """The tiny jobs (2-token tails; completion tails of 2 to 12 tokens), grouped, padded vs padding-free: the
-    same per-step losses; no padded position at all."""
+    """The tiny jobs (2-token tails; completion tails of 2 to 12 tokens; multi-turn chats whose tails hold
+    weight-0 user turns), grouped, padded vs padding-free: the same per-step losses and gradient norms; no padded
+    position at all."""
     from accelerate.state import AcceleratorState, GradientState
 
     from scale.metrics import read_jsonl
     from scale.train import run
     from tests.conftest import ROOT, tiny_cfg
+    from tests.launching import CHATS
 
     job = ["data.max_train_examples=40", "train.max_steps=4", "train.log_every=1", "train.eval_every=0",
            "data.group_by_length=true", "optim.name=sgd", "optim.lr=0.5", "train.save_adapter=false",
-           f"data.path={ROOT / 'configs' / 'data' / f'{data}.jsonl'}"]
+           f"data.path={ROOT / 'configs' / 'data' / f'{data}.jsonl'}", *(CHATS[1:] if data == "tiny_chats" else [])]
     rows = {}
     for free in ("false", "true"):
         run(tiny_cfg(tmp_path / free, *job, f"data.padding_free={free}"))
@@ -201,14 +259,15 @@ def test_padding_free_job_matches_padded_job(tmp_path, data):
         rows[free] = [r for r in read_jsonl(tmp_path / free / "metrics.jsonl") if "train/loss" in r]
     for a, b in zip(rows["false"], rows["true"]):
         assert abs(a["train/loss"] - b["train/loss"]) <= 1e-5 * a["train/loss"]
-        assert a["train/tokens_per_s"] > 0 and b["train/pad_fraction"] == 0.0 < a["train/pad_fraction"]
+        assert abs(a["train/grad_norm"] - b["train/grad_norm"]) <= 1e-5 * a["train/grad_norm"]
+        assert a["train/tokens_per_s"] > 0 and b["train/pad_fraction"] == 0.0 <= a["train/pad_fraction"]
         assert 0 < b["train/mfu"] < 1
-    assert len(rows["true"]) == 4
+    assert len(rows["true"]) == 4 and any(a["train/pad_fraction"] > 0 for a in rows["false"])
 
 
 def test_pack_bfd_fills_bins_best_fit_decreasing():
     """Every row in exactly one bin, no bin over capacity, the textbook BFD result, deterministic, errors."""
-    from scale.sampling import pack_bfd
+    from scale.data.order import pack_bfd
 
     # Longest first: 7 opens bin 0, 6 bin 1, 5 bin 2; 3 goes to bin 0 (room 3, the best fit, not bin 1's 4),
     # 3 then to bin 1 (room 4 -> 1), 2 to bin 2 (room 5 -> 3), 2 again to bin 2 (3 -> 1); the last 1 fits bins
@@ -230,7 +289,7 @@ def test_packed_loader_trains_every_row_once_and_matches_padded(tmp_path, tokeni
     batch of the same examples within 1e-5."""
     from scale.data import Collator, build_splits
     from scale.job import make_loaders
-    from scale.loss import loss_step
+    from scale.chunked import loss_step
     from scale.modeling import build_model
     from tests.conftest import tiny_cfg
 
@@ -267,8 +326,8 @@ def test_packed_loader_trains_every_row_once_and_matches_padded(tmp_path, tokeni
 def test_packed_epoch_job_counts_its_steps_in_bins(tmp_path):
     """`train.num_epochs` with `data.packing`: one epoch is ceil(bins / global batch) optimizer steps (not rows),
     every step trains a padding-free micro-batch, and the run ends after exactly that many steps."""
+    from scale.data.order import pack_bfd
     from scale.metrics import read_jsonl
-    from scale.sampling import pack_bfd
     from scale.train import run
     from tests.conftest import tiny_cfg
 

@@ -1,17 +1,28 @@
 """A trained chat run serves as it trained (scale/export.py, scale/generate.py): the trained chat template and
-end-of-turn stop travel with adapter/ and merged/; plain transformers generates from merged/ and stops."""
+end-of-turn stop travel with adapter/ and merged/; plain transformers generates from merged/ and stops, and
+`transformers serve` (OpenAI-compatible, on 127.0.0.1) answers a held-out chat exactly as `scale-generate` and the
+run's own samples.jsonl did."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
 
 from scale.export import merge_run
 from scale.generate import generate_texts, load_for_generation, render_prompt
+from scale.generate import main as generate_main
 from scale.train import run
-from tests.conftest import ROOT, tiny_cfg
+from tests.conftest import CHAT_SYSTEM, ROOT, tiny_cfg
+from tests.launching import free_port
 
 CHATML = ROOT / "configs" / "chat" / "chatml.jinja"
 
@@ -55,3 +66,88 @@ def test_merged_model_serves_the_trained_template_and_stops(tmp_path):
         answers = generate_texts(model, tokenizer, [render_prompt(tokenizer, "Say something about item 99.")],
                                  stops, 12)
         assert answers == [tok.decode(new, skip_special_tokens=True).strip()]
+
+
+
+def _wait_until_serving(proc, port, timeout_s=180.0):
+    """Poll ``GET /v1/models`` until the server answers; fail at once when the process has exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"transformers serve exited with {proc.returncode}:\n{proc.stdout.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+                return json.loads(r.read())
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"transformers serve did not answer on 127.0.0.1:{port} within {timeout_s} s")
+
+
+def _stop(proc):
+    """SIGTERM the server by its process id (uvicorn shuts down cleanly), SIGKILL after 30 s."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+@pytest.mark.launch
+def test_transformers_serve_answers_as_scale_generate_and_samples(chat_run, tmp_path, capsys):
+    """A held-out two-turn chat, greedy: `transformers serve` on merged/ (through the OpenAI client), `scale-generate`
+    on merged/ and on base + adapter/, and the run's own samples.jsonl give the same text, which is the trained
+    answer, and the server stops at the end-of-turn marker (finish_reason "stop", the marker its last token)."""
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    out, merged, rows = chat_run
+    final = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()][-1]
+    assert final["step"] == 30
+    held_out = rows[final["row"]]["messages"]
+    prompt, reference = held_out[:-1], held_out[-1]["content"]
+    assert final["prompt"] == AutoTokenizer.from_pretrained(merged).apply_chat_template(
+        prompt, add_generation_prompt=True, tokenize=False)  # the run's sample prompt is what a server renders
+    assert final["completion"] == reference == "Added that one too."  # the run learnt the answer
+
+    chat_file = tmp_path / "held_out.jsonl"
+    chat_file.write_text(json.dumps({"messages": held_out}) + "\n")
+    answers = {}
+    for path in (merged, out):  # scale-generate, as a user runs it: merged/, then base + adapter/
+        capsys.readouterr()
+        assert generate_main([str(path), "--messages", str(chat_file), "--jsonl", "--max-new-tokens", "32"]) == 0
+        record = json.loads(capsys.readouterr().out)
+        assert record["messages"][:-1] == prompt and record["reference"] == reference
+        answers[path.name] = record["messages"][-1]["content"]
+    assert answers == {"merged": reference, "run": reference}
+
+    port = free_port()
+    exe = Path(sys.executable).parent / "transformers"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([str(exe), "serve", str(merged), "--host", "127.0.0.1", "--port", str(port),
+                             "--device", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        listed = _wait_until_serving(proc, port)
+        assert [m["id"] for m in listed["data"]] == [str(merged)]
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        reply = client.chat.completions.create(model=str(merged), messages=prompt, temperature=0, max_tokens=32)
+        choice = reply.choices[0]
+        assert choice.message.content == reference
+        assert choice.finish_reason == "stop"
+        tok = AutoTokenizer.from_pretrained(merged)
+        assert reply.usage.completion_tokens == len(tok(reference, add_special_tokens=False)["input_ids"]) + 1
+        assert reply.usage.prompt_tokens == len(tok(final["prompt"], add_special_tokens=False)["input_ids"])
+        # `transformers chat` against the same server, turns piped in: the first turn's trained answer, then the
+        # held-out one. Its client refuses 127.0.0.1 under HF_HUB_OFFLINE=1, so that variable is dropped here.
+        chat_env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"} | {"COLUMNS": "200"}
+        turns = f"{prompt[1]['content']}\n{prompt[3]['content']}\n"
+        chat = subprocess.run([str(exe), "chat", str(merged), f"http://127.0.0.1:{port}", "--system-prompt",
+                               CHAT_SYSTEM, "do_sample=False", "max_new_tokens=32"], input=turns, capture_output=True,
+                              text=True, env=chat_env, cwd=tmp_path, timeout=120, check=False)  # EOF: "Aborted!"
+        lines = chat.stdout.splitlines()
+        said = [lines[i + 1].strip() for i, line in enumerate(lines[:-1]) if line.strip() == f"<{merged}>:"]
+        assert said == [prompt[2]["content"], reference], chat.stdout[-2000:]
+    finally:
+        _stop(proc)
+    assert proc.returncode is not None

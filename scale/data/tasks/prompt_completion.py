@@ -1,7 +1,8 @@
 """``prompt_completion``: the prompt's tokens, then the trained completion's tokens + EOS.
 
 A *conversational* row (TRL's format: ``prompt`` and ``completion`` are lists of messages) becomes a chat
-(:mod:`scale.tasks.messages`) whose completion's assistant turns are trained, rendered by the chat template.
+(:mod:`scale.data.tasks.messages`) whose completion's assistant turns are trained, rendered by the chat template;
+a file of such rows is encoded by the chat task (:meth:`PromptCompletion.for_rows`).
 Evaluation: ``eval/loss`` is the completion NLL per token; ``eval/exact_match``: every completion token is the
 argmax (teacher forced).
 """
@@ -10,26 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from scale.config import DataConfig, LossConfig
-from scale.formats import text_cell
-from scale.tasks.base import Builder, Example, Task, encode
+from scale.data.read import text_cell
+from scale.data.tasks.base import Builder, CompletionTask, Example, Task, encode
+from scale.data.tasks.messages import Messages, conversational_row
 
 
-def exact_match(tail_logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
-    """``[B]`` 1.0 where every trained tail token (``mask [B, N]``) is the argmax of its prediction (teacher
-    forced)."""
-    hit = (tail_logits.argmax(-1) == targets) | (mask == 0)
-    return hit.all(1).float()
-
-
-class PromptCompletion(Task):
+class PromptCompletion(CompletionTask):
     """The ``prompt_completion`` format (text prompt and completion)."""
 
     name = "prompt_completion"
-    row_keys = {"prompt", "completion"}
 
     def columns(self, cfg: DataConfig) -> list[str]:
         return [cfg.prompt_column, cfg.completion_column]
@@ -37,11 +28,12 @@ class PromptCompletion(Task):
     def read(self, raw: dict[str, Any], cfg: DataConfig, i: int, path: str) -> dict[str, Any]:
         prompt, completion = raw.get(cfg.prompt_column), raw.get(cfg.completion_column)
         if isinstance(prompt, list) or isinstance(completion, list):
-            from scale.tasks.messages import conversational_row
-
             return conversational_row(raw, cfg, i, path)
         return {"prompt": text_cell(raw, cfg.prompt_column, i, path, strip=False),
                 "completion": text_cell(raw, cfg.completion_column, i, path, strip=False)}
+
+    def for_rows(self, rows: list[dict[str, Any]]) -> Task:
+        return Messages() if rows and "messages" in rows[0] else self
 
     def texts(self, row: dict[str, Any], cfg: DataConfig) -> list[str]:
         return [row["prompt"], row["completion"]]
@@ -53,10 +45,3 @@ class PromptCompletion(Task):
         if ids is None:
             return None
         return Example(ids, len(completion), int(row.get("type", 0)), 0, -1, row.get("row", -1))
-
-    def eval_columns(self, model: torch.nn.Module, batch: dict[str, Tensor], tail_logits: Tensor, targets: Tensor,
-                     spec: Any) -> list[Tensor]:
-        return [exact_match(tail_logits, targets, batch["tail_mask"])]
-
-    def summary(self, sums: list[float], n: int, spec: Any) -> dict[str, float]:
-        return {"eval/exact_match": sums[0] / n}

@@ -5,7 +5,8 @@
 A cache entry is ``<data.cache_dir>/<fingerprint>/`` holding ``train.arrow`` and ``eval.arrow`` (Arrow IPC files,
 one record batch per chunk of rows: ``input_ids`` (uint16/uint32) and ``trained`` (uint8 tail flags; empty: all)
 as lists, per row ``length``, ``tail_len``, ``type_indicator``, ``target_token``, ``label``, ``row``), ``meta.json``
-(every other :class:`Splits` field: format, label tokens, counts, token fingerprint) and ``build.json``: the build
+(the format and what its task found in the rows (label tokens, ...), the counts, the token fingerprint and template
+hash: a hit prepares the format's task again and restores what it found, reading no row) and ``build.json``: the build
 record (fingerprint inputs, host, pid, rank, seconds, rows, tokens, size and sha256 of every file).
 
 ``builds.jsonl`` beside the entries gets one line per build.
@@ -13,12 +14,13 @@ record (fingerprint inputs, host, pid, rank, seconds, rows, tokens, size and sha
 - **Fingerprint** (:func:`fingerprint`): the sha256 of each source (a file's bytes, a directory's file hashes, a
   hub id's revision), the tokenizer (serialized ``tokenizer.json``, special tokens, chat template, ids of a probe),
   the ``data.chat_template`` file, every ``data.*`` key that shapes tokens or the split (``chat_template_kwargs``,
-  ``train_on``...), ``loss.threshold``, ``train.seed``, the source of data/formats/sources/cache and scale/tasks/.
+  ``train_on``...), ``loss.threshold``, ``train.seed``, the source of the modules that shape tokens
+  (:data:`TOKEN_MODULES`: every stage of :mod:`scale.data` up to this one, the format modules included).
 - **One builder**: the entry is built under an exclusive ``flock`` on ``<fingerprint>.lock`` (one process per
   node builds; the others wait, then memory-map; on a shared filesystem one node builds for all), in
   ``<fingerprint>.tmp`` and renamed into place; ``build.json`` is written last. An entry whose files do not match
   its build record (half-written, truncated, edited) is deleted and rebuilt, never read.
-- **Memory**: :class:`TokenTable` is a sequence of :class:`scale.data.Example` read from the memory map on
+- **Memory**: :class:`TokenTable` is a sequence of :class:`scale.data.tasks.base.Example` read from the memory map on
   access; a rank holds the pages it touches (shared with the other ranks through the page cache), not the data set.
 
 No torch.distributed, no accelerate.
@@ -46,21 +48,24 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from scale.data import DataError, Splits, _tokenize, build_splits, fingerprint_bytes
+from scale.data.mixing import sources_digests
+from scale.data.read import DataError
+from scale.data.tasks import get
+from scale.data.tasks.base import Builder
+from scale.data.tasks.messages import chat_template_path
+from scale.data.token_table import LISTS, SCALARS, TokenTable
+from scale.data.tokenize import Splits, _tokenize, build_splits, fingerprint_bytes, with_task
 from scale.fileio import sha256_file, temp_dir_for, write_text_atomic
-from scale.sources import sources_digests
-from scale.tasks.base import Builder
-from scale.tasks.messages import chat_template_path
-from scale.token_table import LISTS, SCALARS, Reordered, TokenTable, column, longest_first  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 2  # bump when the cache layout changes (2: the trained flags, every Splits field in meta.json)
+CACHE_VERSION = 3  # bump when the cache layout changes (2: the trained flags; 3: meta.json holds format and found)
 # data.* keys that do not change the tokens or the split: batching and the cache itself.
 RUNTIME_KEYS = ("num_workers", "group_by_length", "mega_batch_steps", "padding_free", "packing", "padding_side", "cache",
                 "cache_dir", "cache_max_gib", "num_proc", "path", "eval_path", "chat_template")
-# their source is part of the fingerprint (scale/tasks/: every format module)
-TOKEN_MODULES = ("data.py", "formats.py", "sources.py", "cache.py", "token_table.py", "mixing.py", "tasks/*.py")
+# the stages of scale/data/ that shape tokens (tasks/: every format module): their source is part of the fingerprint
+TOKEN_MODULES = ("read.py", "sources.py", "tasks/*.py", "split.py", "mixing.py", "tokenize.py", "token_table.py",
+                 "cache.py")
 CHUNK_ROWS = 4096  # rows per tokenizer task and per record batch
 
 
@@ -93,7 +98,7 @@ def fingerprint(cfg: Any, tokenizer: Any, path: str) -> tuple[str, dict[str, Any
         ``(hex sha256, inputs)``; ``inputs`` is stored in the build record.
 
     Raises:
-        DataError: a source that cannot be hashed (see :func:`scale.sources.source_digest`).
+        DataError: a source that cannot be hashed (see :func:`scale.data.sources.source_digest`).
     """
     here = Path(__file__).resolve().parent
     code = hashlib.sha256(b"".join(f.read_bytes() for m in TOKEN_MODULES for f in sorted(here.glob(m))))
@@ -195,13 +200,13 @@ def write_table(path: Path, rows: list[dict[str, Any]], task: Any, builder: Buil
                 dtype: Any, progress: Path | None = None, digest: Any = None) -> dict[str, int]:
     """Tokenize ``rows`` in chunks (``num_proc`` forked workers, batched encoding) and stream them to ``path``;
     after each chunk, ``progress`` (a JSON file) says how many rows are done (what waiting ranks log), and
-    ``digest`` (a ``hashlib`` object) is updated with the chunk's :func:`scale.data.fingerprint_bytes`.
+    ``digest`` (a ``hashlib`` object) is updated with the chunk's :func:`scale.data.tokenize.fingerprint_bytes`.
 
     Returns:
         ``{"rows": written, "tokens": total}``.
 
     Raises:
-        DataError: the first bad row in row order, as :func:`scale.data.tokenize_rows` would raise it.
+        DataError: the first bad row in row order, as :func:`scale.data.tokenize.tokenize_rows` would raise it.
     """
     _WORK.update(rows=rows, task=task, builder=builder, loss=loss_cfg, dtype=dtype)
     spans = [(s, min(s + CHUNK_ROWS, len(rows))) for s in range(0, len(rows), CHUNK_ROWS)]
@@ -252,9 +257,10 @@ def _build(final: Path, cfg: Any, tokenizer: Any, path: str, key: str, inputs: d
     try:
         splits = build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed, tokenize=tokenize,
                               fingerprint_of=lambda train, held: digest.hexdigest())
-        # Every Splits field but the examples, so a hit reads the token fingerprint (rows_sha256 of the resume
-        # check) and the template hash from here, without reading a token.
-        meta = {f.name: getattr(splits, f.name) for f in dataclasses.fields(Splits) if f.name not in ("train", "eval")}
+        # The format and what its task found, and every Splits field but the examples, so a hit reads the token
+        # fingerprint (rows_sha256 of the resume check) and the template hash from here, without reading a token.
+        kept = [f.name for f in dataclasses.fields(Splits) if f.name not in ("train", "eval")]
+        meta = {"format": splits.format, "found": splits.task.found, **{k: getattr(splits, k) for k in kept}}
         write_text_atomic(tmp / "meta.json", json.dumps(meta))
         del splits  # unmap before the rename
         files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(tmp.iterdir())}
@@ -308,11 +314,20 @@ def _locked(lock: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def open_entry(final: Path) -> Splits:
-    """The splits of a complete entry, memory-mapped."""
+def open_entry(final: Path, cfg: Any, tokenizer: Any) -> Splits:
+    """The splits of a complete entry, memory-mapped, with their format's task prepared for ``cfg`` and
+    ``tokenizer`` and what it found in the rows restored from ``meta.json`` (no row is read).
+
+    Raises:
+        DataError: the format's task cannot be prepared (as the build that wrote the entry could).
+    """
     meta = json.loads((final / "meta.json").read_text(encoding="utf-8"))
     os.utime(final / "meta.json")  # last use, for pruning
-    return Splits(train=TokenTable(final / "train.arrow"), eval=TokenTable(final / "eval.arrow"), **meta)
+    task = get(meta.pop("format"))
+    task.prepare(tokenizer, cfg.data, cfg.loss)
+    task.restore(meta.pop("found"))
+    return Splits(train=with_task(TokenTable(final / "train.arrow"), task),
+                  eval=with_task(TokenTable(final / "eval.arrow"), task), **meta)
 
 
 def _marker(final: Path, kind: str) -> Path:
@@ -322,14 +337,14 @@ def _marker(final: Path, kind: str) -> Path:
 
 def load_splits(cfg: Any, tokenizer: Any, path: str, run_id: str | None = None) -> Splits:
     """The tokenized splits of ``cfg``: memory-mapped from the cache, built there first when missing or corrupt.
-    With ``data.cache=false``, :func:`scale.data.build_splits` in memory.
+    With ``data.cache=false``, :func:`scale.data.tokenize.build_splits` in memory.
 
     Args:
         run_id: the job's id, on the process the node's other ranks wait for (:func:`wait_for_splits`): an error
             is then written to ``<entry>.failed`` with it, so that they raise it too instead of waiting.
 
     Raises:
-        DataError: see :func:`scale.data.build_splits`; nothing is left in the cache then.
+        DataError: see :func:`scale.data.tokenize.build_splits`; nothing is left in the cache then.
     """
     if not cfg.data.cache:
         return build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed)
@@ -353,12 +368,12 @@ def _load_or_build(cfg: Any, tokenizer: Any, path: str, key: str, inputs: dict[s
             why = check_entry(final)
             if why is None:
                 logger.info("data cache: hit %s", final)
-                return open_entry(final)
+                return open_entry(final, cfg, tokenizer)
             logger.warning("data cache %s is incomplete or corrupt (%s): rebuilding it", final, why)
             shutil.rmtree(final)
         _build(final, cfg, tokenizer, path, key, inputs)
         prune(root, cfg.data.cache_max_gib, keep=final)
-        return open_entry(final)
+        return open_entry(final, cfg, tokenizer)
 
 
 def wait_for_splits(cfg: Any, tokenizer: Any, path: str, run_id: str, poll_s: float = 2.0,
@@ -387,7 +402,7 @@ def wait_for_splits(cfg: Any, tokenizer: Any, path: str, run_id: str, poll_s: fl
                     if time.monotonic() - start > poll_s:
                         logger.info("data cache: rank %s waited %.0f s; mapping %s", rank, time.monotonic() - start,
                                     final)
-                    return open_entry(final)
+                    return open_entry(final, cfg, tokenizer)
         failed = _failure(final, run_id)
         if failed is not None:
             if failed["type"] == "DataError":

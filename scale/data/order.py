@@ -1,7 +1,7 @@
-"""How train rows are ordered and batched: length-grouped sampling (less padding, the same optimizer steps in
-every launch mode) and padding-free micro-batches.
+"""Order: how train rows are ordered and grouped into micro-batches: length-grouped sampling (less padding, the
+same optimizer steps in every launch mode) and packing rows into bins (``data.packing``).
 
-    sampler = LengthGroupedSampler(lengths, global_batch_size=mb * ga * world, mega_batch_steps=16, seed=1234)
+    sampler = LengthGroupedSampler(lengths, cfg.train.global_batch_size(world), mega_batch_steps=16, seed=1234)
     DataLoader(train, batch_size=mb, sampler=sampler, ...)   # accelerate shards it by whole micro-batches
 
 Why it keeps parity: accelerate shards a map-style train loader by whole micro-batches (rank ``r`` of ``W``
@@ -23,8 +23,8 @@ Inside a global batch the rows run longest to shortest, so every micro-batch (a 
 does not depend on ``micro_batch_size`` or the number of processes; how they are padded does, and the tail
 loss does not see padding.
 
-:class:`PaddingFreeCollator` goes further: a micro-batch becomes one packed row with position ids that restart
-at every example, which transformers' attention masks treat as separate sequences (no padding at all).
+A padding-free micro-batch (:class:`scale.data.collate.PaddingFreeCollator`) is one packed row with position ids
+that restart at every example, which transformers' attention masks treat as separate sequences (no padding at all).
 With ``data.packing`` (:func:`pack_bfd`, :class:`PackedRows`) the rows are first packed, best-fit-decreasing,
 into bins of at most ``data.max_length`` tokens; the sampler and the loader then deal in bins, so a micro-batch
 holds ``micro_batch_size`` bins (about ``micro_batch_size x max_length`` tokens), whatever the row lengths.
@@ -42,10 +42,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
 from torch.utils.data import Dataset, Sampler
-
-from scale.data import per_example_fields
 
 
 def length_grouped_order(lengths: Sequence[int], global_batch_size: int, mega_batch_steps: int, seed: int,
@@ -128,38 +125,6 @@ def pad_fraction(lengths: Sequence[int], order: Sequence[int], micro_batch_size:
     return 1.0 - real / total if total else 0.0
 
 
-class PaddingFreeCollator:
-    """Pack a list of examples into one row without padding: transformers' packed-sequence format.
-
-    The examples are concatenated in order; ``position_ids`` restart at 0 for each, and no ``attention_mask``
-    is passed to the model, so transformers builds a block-diagonal causal mask from the position ids
-    (``masking_utils.find_packed_sequence_indices``; sdpa and eager on CPU, flash-attention varlen on GPU):
-    no token attends across examples. This is the semantics of ``transformers.DataCollatorWithFlattening``,
-    plus the fields the tail loss needs. Measured exact against the padded batch on CPU (fp32 round-off,
-    ``tests/test_sampling.py``); the model must be called with ``use_cache=False`` (a cache turns the
-    packed-sequence detection off), as :func:`scale.loss.forward_tail` does.
-
-    Returns a dict with ``input_ids`` ``[1, L]`` (``L`` = total tokens), ``position_ids`` ``[1, L]``,
-    ``seq_lens`` ``[B]`` (tokens of each example), ``tail_mask`` ``[B, N]`` and per example
-    ``type_indicator``, ``target_token``, ``label``, ``row`` ``[B]``, as :class:`scale.data.Collator` has them.
-    """
-
-    def __call__(self, examples: list[Any]) -> dict[str, Tensor]:
-        ids = [torch.tensor(e.input_ids, dtype=torch.long) for e in examples]
-        lens = torch.tensor([len(x) for x in ids], dtype=torch.long)
-        N = max(e.tail_len for e in examples)
-        tail = torch.zeros((len(examples), N), dtype=torch.long)
-        for b, e in enumerate(examples):
-            tail[b, N - e.tail_len:] = 1  # right-aligned, as scale.data.Collator has it
-        return {
-            "input_ids": torch.cat(ids)[None],
-            "position_ids": torch.cat([torch.arange(len(x)) for x in ids])[None],
-            "seq_lens": lens,
-            "tail_mask": tail,
-            **per_example_fields(examples),
-        }
-
-
 def pack_bfd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Pack rows into bins of at most ``capacity`` tokens, best-fit-decreasing; no row is split.
 
@@ -228,11 +193,3 @@ class PackedRows(Dataset):
     def lengths(self, row_lengths: Sequence[int]) -> list[int]:
         """Tokens of each bin, from the rows' lengths."""
         return [sum(int(row_lengths[j]) for j in b) for b in self.bins]
-
-
-class PackedCollator(PaddingFreeCollator):
-    """:class:`PaddingFreeCollator` for micro-batches of bins (:class:`PackedRows`): the bins' examples, in
-    order, become one packed row ``[1, L]`` (``L`` <= ``micro_batch_size x data.max_length``)."""
-
-    def __call__(self, bins: list[list[Any]]) -> dict[str, Tensor]:  # type: ignore[override]
-        return super().__call__([e for b in bins for e in b])

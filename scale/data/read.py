@@ -1,7 +1,8 @@
-"""Data files -> rows of named cells, read as text. No tokenizer, no torch, no format names.
+"""Reading files: a data file -> rows of named cells, read as text. No tokenizer, no torch, no format names.
 
-Which columns a format needs and how its rows are checked is :mod:`scale.tasks` (one module per format); this
-module reads the file and offers the cell checks the formats share.
+The first stage of :mod:`scale.data`. Which columns a format needs and how its rows are checked is
+:mod:`scale.data.tasks` (one module per format); this module reads the file and offers the cell checks the
+formats share, and :class:`DataError`, the one error every stage raises for bad data.
 
 Files are read with the standard library, every cell as the text it is: a CSV cell ``NA`` or ``None`` stays
 that string (no missing-value guessing), ``.tsv`` has no quoting (a ``"`` is a character), and a ``.csv``
@@ -31,7 +32,7 @@ class DataError(ValueError):
     """The data file or its rows cannot be used; the message names the field and the fix."""
 
 
-class Rows(list):
+class FileRows(list):
     """A source's rows (dicts, numbered from 0) and where each one is in its file(s), for error messages.
 
     Attributes:
@@ -46,7 +47,7 @@ class Rows(list):
 
 
 def row_line(rows: Any, i: int) -> str | None:
-    """Where row ``i`` of ``rows`` (a :class:`Rows`) is, as an editor shows it: ``line 21`` or ``line 3 of
+    """Where row ``i`` of ``rows`` (a :class:`FileRows`) is, as an editor shows it: ``line 21`` or ``line 3 of
     part-01.jsonl``; ``None`` when the rows have no lines."""
     lines = getattr(rows, "lines", None)
     if not lines or not 0 <= i < len(lines):
@@ -126,7 +127,7 @@ def _read_json(text: str, path: str) -> list[dict[str, Any]]:
         if not isinstance(row, dict):
             at = f" (line {lines[i]})" if lines else ""
             raise DataError(f"row {i}{at} of {path} is a {type(row).__name__}, not an object with named columns")
-    out = Rows(row for _, row in numbered)
+    out = FileRows(row for _, row in numbered)
     out.lines = lines
     return out
 
@@ -164,7 +165,7 @@ def _read_delimited(text: str, path: str, tsv: bool, names: list[str] | None) ->
         (_, header), records = records[0], records[1:]
     else:
         header = list(names)
-    rows = Rows()
+    rows = FileRows()
     for i, (line_no, cells) in enumerate(records):
         if len(cells) != len(header):
             raise DataError(f"row {i} of {path} (line {line_no}) has {len(cells)} cells but the header has "
@@ -211,14 +212,3 @@ def target_cell(value: Any, column: str, i: int, path: str) -> int | str:
     raise DataError(f"row {i} of {path}: {column!r} must be a token id (integer >= 0) or the text of one token, "
                     f"got {value!r}")
 
-
-_MOVED = ("load_rows", "detect_format", "columns_needed", "row_format", "FORMATS")
-
-
-def __getattr__(name: str) -> Any:
-    """The reading-and-checking entry points moved to :mod:`scale.tasks`; still importable from here."""
-    if name in _MOVED:
-        import scale.tasks
-
-        return getattr(scale.tasks, name)
-    raise AttributeError(f"module 'scale.formats' has no attribute {name!r}")

@@ -1,17 +1,18 @@
-"""Any data source -> rows (dicts) and their column names. No tokenizer, no torch.
+"""Sources: any data source -> rows (dicts) and their column names. No tokenizer, no torch.
 
 ``data.path`` (and ``data.eval_path``) may name:
 
 | source | read by |
 |---|---|
-| a ``.jsonl/.json/.csv/.tsv`` file | the strict readers of :mod:`scale.formats` (row-numbered errors, ``NA`` stays text) |
+| a ``.jsonl/.json/.csv/.tsv`` file | the strict readers of :mod:`scale.data.read` (row-numbered errors, ``NA`` stays text) |
 | a ``.parquet`` or ``.arrow`` file | Hugging Face ``datasets`` (``load_dataset("parquet"/"arrow")``) |
 | a ``save_to_disk`` directory | ``datasets.load_from_disk``; a ``DatasetDict`` gives ``data.split`` |
 | a directory of shards, or a glob (``shards/*.parquet``) | every matching file in sorted order, one format |
 | a hub id ``org/name`` | ``datasets.load_dataset(id, data.subset, split=data.split)``; offline: one line saying so |
 
 Rows are numbered from 0 across the shards in sorted order (the row number names a row in error messages).
-:func:`source_digest` hashes what a source holds (the data-changed guard on resume, the token cache's key).
+:func:`source_digest` hashes what a source holds (the data-changed guard on resume, the token cache's key;
+the digest of a whole data config, one source or a mixture, is :func:`scale.data.mixing.data_digest`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from scale.assets import resolve_data
+from scale.data.read import DataError, FileRows, read_table
 from scale.fileio import sha256_file
 
-TABLE_EXTENSIONS = (".csv", ".json", ".jsonl", ".tsv")   # scale.formats' strict readers
+TABLE_EXTENSIONS = (".csv", ".json", ".jsonl", ".tsv")   # scale.data.read's strict readers
 ARROW_EXTENSIONS = (".parquet", ".arrow")                 # read through datasets
 _HUB_ID = re.compile(r"^[\w\-.]{1,96}/[\w\-.]{1,96}$")     # huggingface_hub's repo-id shape
 _GLOB = re.compile(r"[*?\[]")
@@ -60,8 +63,6 @@ def shard_files(path: str) -> list[Path]:
     Raises:
         DataError: no file matches, or the files mix extensions.
     """
-    from scale.formats import DataError
-
     p = Path(path).expanduser()
     found = sorted(p.rglob("*")) if p.is_dir() else sorted(Path(f) for f in glob.glob(str(p), recursive=True))
     files = [f for f in found if f.is_file() and not any(part.startswith((".", "_")) for part in f.parts[-1:])
@@ -90,8 +91,6 @@ def read_source(cfg: Any, path: str) -> tuple[list[dict[str, Any]], list[str]]:
         DataError: a missing source, an unreadable file, a split that does not exist, or an unreachable hub
             (one line, no traceback).
     """
-    from scale.formats import DataError, Rows, read_table
-
     kind = source_kind(path)
     if kind == "table":
         return read_table(cfg, path)
@@ -104,7 +103,7 @@ def read_source(cfg: Any, path: str) -> tuple[list[dict[str, Any]], list[str]]:
     elif kind == "shards":
         files = shard_files(path)
         if files[0].suffix.lower() in TABLE_EXTENSIONS:
-            rows, lines, starts = Rows(), [], []
+            rows, lines, starts = FileRows(), [], []
             for f in files:
                 part = read_table(cfg, str(f))[0]
                 starts.append((len(rows), f.name))
@@ -134,8 +133,6 @@ def _rows(ds: Any) -> list[dict[str, Any]]:
 
 
 def _load_files(files: list[Path], path: str) -> Any:
-    from scale.formats import DataError
-
     datasets = _datasets()
     builder = "parquet" if files[0].suffix.lower() == ".parquet" else "arrow"
     drift = _shard_difference(files, coarse=True) if len(files) > 1 else None
@@ -210,8 +207,6 @@ def _shard_difference(files: list[Path], coarse: bool = False) -> str | None:
 
 
 def _load_disk(cfg: Any, path: str) -> Any:
-    from scale.formats import DataError
-
     datasets = _datasets()
     try:
         ds = datasets.load_from_disk(str(Path(path).expanduser()))
@@ -226,8 +221,6 @@ def _load_disk(cfg: Any, path: str) -> Any:
 
 
 def _load_hub(cfg: Any, path: str) -> Any:
-    from scale.formats import DataError
-
     datasets = _datasets()
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on") or \
             os.environ.get("HF_DATASETS_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
@@ -266,8 +259,6 @@ def eval_source_of(data_cfg: Any, path: str) -> tuple[Any, str] | None:
     (the eval rows are carved out of ``path``) [issue 18]."""
     if data_cfg.eval_path is None and data_cfg.eval_split is None:
         return None
-    from scale.assets import resolve_data
-
     cfg = replace(data_cfg, split=data_cfg.eval_split or data_cfg.split)
     return cfg, resolve_data(data_cfg.eval_path) if data_cfg.eval_path is not None else path
 
@@ -318,28 +309,3 @@ def _hub_revision(path: str) -> str:
     except Exception:  # noqa: BLE001 - offline or private
         return "unknown"
 
-
-def sources_digests(data_cfg: Any, path: str) -> dict[str, str | None]:
-    """``{"source": ..., "eval_source": ...}``: :func:`source_digest` of ``path`` (with ``data.datasets``: of every
-    source, :func:`scale.mixing.mixture_digest`; ``path`` is not read) and of the eval source, ``None`` when the
-    eval rows are carved out of the train source(s)."""
-    if data_cfg.datasets:
-        from scale.mixing import mixture_digest
-
-        # each source's own data.eval_split rows are in its digest (a file, a directory, a hub revision)
-        eval_source = eval_source_of(data_cfg, path) if data_cfg.eval_path is not None else None
-        return {"source": mixture_digest(data_cfg),
-                "eval_source": source_digest(*eval_source) if eval_source is not None else None}
-    eval_source = eval_source_of(data_cfg, path)
-    return {"source": source_digest(data_cfg, path),
-            "eval_source": source_digest(*eval_source) if eval_source is not None else None}
-
-
-def data_digest(cfg: Any, path: str) -> str:
-    """The data-changed guard of a checkpoint (``TrainerState.data_sha256``): :func:`source_digest` of
-    ``path`` (or every source of ``data.datasets``), combined with the eval source's when ``data.eval_path`` /
-    ``data.eval_split`` is set."""
-    digests = sources_digests(cfg.data, path)
-    if digests["eval_source"] is None:
-        return digests["source"]
-    return hashlib.sha256(f"{digests['source']}\0{digests['eval_source']}".encode()).hexdigest()

@@ -1,13 +1,15 @@
 """What every data format shares: the tokenized :class:`Example`, the :class:`Task` interface a format implements,
-and the tokenization helpers (special tokens, EOS, the length limit). Plain tensors, no accelerate.
+the :class:`Rows` a source is read into, and the tokenization helpers (special tokens, EOS, the length limit).
+Plain tensors, no accelerate.
 
-A format is one module of :mod:`scale.tasks` with a ``TASK`` object that says
+A format is one module of :mod:`scale.data.tasks` with a :class:`Task` subclass that says
 
 - which columns it needs (:meth:`Task.columns`) and how a file row becomes a checked row (:meth:`Task.read`);
 - how a row becomes token ids plus the trained positions and their weights (:meth:`Task.encode`);
 - what its evaluation adds to ``eval/loss`` (:meth:`Task.eval_columns`, :meth:`Task.summary`).
 
-The registry (:mod:`scale.tasks`) decides the format once, from ``data.format`` or the file's columns.
+The registry (:mod:`scale.data.tasks`) decides the format once, from ``data.format`` or the file's columns, and the
+rows carry that task from then on (:class:`Rows`); the prepared task rides with the tokenized splits to evaluation.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch import Tensor
 
 from scale.config import DataConfig, LossConfig
-from scale.formats import DataError
+from scale.data.read import DataError
 
 
 @dataclass
@@ -35,7 +37,8 @@ class Example:
         label: index of the label in ``data.labels``; -1 outside classification.
         row: index of the row in the data file (for error messages); -1 when unknown.
         trained: ``tail_len`` 0/1 flags, 1 where a tail token is trained (a chat's user/tool turns between two
-            assistant turns are 0); ``None``: every tail token is trained.
+            assistant turns are 0); ``None``: every tail token is trained (the compact form; :meth:`tail_flags` is
+            every example's per-token mask, which every collator copies).
     """
 
     input_ids: list[int]
@@ -135,13 +138,12 @@ class Builder:
 class Task:
     """One data format. Subclasses set :attr:`name` and override what differs from these defaults.
 
-    The per-run state a format needs (label tokens, the chat template) is built by :meth:`prepare` and kept on
-    the instance; the registry hands out a fresh instance per call of :func:`scale.tasks.get`.
+    The per-run state a format needs (label tokens, the chat template, the pad token evaluation pads with) is built
+    by :meth:`prepare` and kept on the instance, with :attr:`found`, what the rows showed (:meth:`info`); the
+    registry hands out a fresh instance per call of :func:`scale.data.tasks.get`.
     """
 
     name: ClassVar[str] = ""
-    #: the keys every row of this format holds (:func:`scale.tasks.row_format`)
-    row_keys: ClassVar[set[str]] = set()
     #: the row's ``type_indicator`` defaults to its label index (``loss.type_weights`` needs one per label)
     types_are_labels: ClassVar[bool] = False
     #: ``loss.threshold`` / ``loss.target_position`` decide this format's tail
@@ -149,6 +151,9 @@ class Task:
     #: the :attr:`Builder.notes` counts this format reports per split (``data/<split>_<name>``, zeros included):
     #: rows whose start ``data.truncation`` cut, and what else the format counts
     counted: ClassVar[tuple[str, ...]] = ("rows_truncated",)
+
+    def __init__(self) -> None:
+        self.found: dict[str, Any] = {}  # what the rows showed (:meth:`info`), for evaluation and the split's fields
 
     def columns(self, cfg: DataConfig) -> list[str]:
         """The columns this format needs (detection: a file whose columns include them all)."""
@@ -186,17 +191,28 @@ class Task:
 
     def texts(self, row: dict[str, Any], cfg: DataConfig) -> list[str]:
         """The texts :meth:`encode` passes to ``tokenizer(text, add_special_tokens=False)`` for ``row``, so
-        :mod:`scale.cache` can encode a chunk of rows in one batched call [issue 18]; ``[]``: none known (each
-        text is then encoded on its own, with the same ids)."""
+        :mod:`scale.data.cache` can encode a chunk of rows in one batched call; ``[]``: none known (each text is
+        then encoded on its own, with the same ids)."""
         return []
 
+    def for_rows(self, rows: list[dict[str, Any]]) -> Task:
+        """The task that encodes ``rows`` as :meth:`read` returned them: this one, unless the format reads its rows
+        as another's (a prompt/completion file of conversations is a chat)."""
+        return self
+
     def info(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """What the loss and evaluation need to know (:class:`scale.data.Splits` fields and eval context)."""
+        """What evaluation and :class:`scale.data.tokenize.Splits` need to know about ``rows`` (label tokens,
+        whether rows carry a target), as plain data: the token cache keeps it (``meta.json``)."""
         return {}
+
+    def restore(self, found: dict[str, Any]) -> None:
+        """Keep :meth:`info`'s answer in :attr:`found` (a token cache hit reads no row: it restores the stored one)."""
+        self.found = dict(found)
 
     def eval_columns(self, model: torch.nn.Module, batch: dict[str, Tensor], tail_logits: Tensor, targets: Tensor,
                      spec: Any) -> list[Tensor]:
-        """``[B]`` per-row figures this format adds to the evaluation table (summed over the split)."""
+        """``[B]`` per-row figures this format adds to the evaluation table (summed over the split); ``spec`` is
+        the run's :class:`scale.loss.LossSpec` (how the batches are padded)."""
         return []
 
     def summary(self, sums: list[float], n: int, spec: Any) -> dict[str, float]:
@@ -206,3 +222,40 @@ class Task:
     def fingerprint(self) -> str:
         """Text that decides the tokens besides the data file and the config (a chat template); '' for none."""
         return ""
+
+
+def exact_match(tail_logits: Tensor, targets: Tensor, mask: Tensor) -> Tensor:
+    """``[B]`` 1.0 where every trained tail token (``mask [B, N]``) is the argmax of its prediction (teacher
+    forced)."""
+    hit = (tail_logits.argmax(-1) == targets) | (mask == 0)
+    return hit.all(1).float()
+
+
+class CompletionTask(Task):
+    """A format whose tail is a completion (prompt/completion rows, chats): ``eval/loss`` is the completion NLL per
+    trained token, and ``eval/exact_match`` the share of rows whose every trained token is the argmax."""
+
+    def eval_columns(self, model: torch.nn.Module, batch: dict[str, Tensor], tail_logits: Tensor, targets: Tensor,
+                     spec: Any) -> list[Tensor]:
+        return [exact_match(tail_logits, targets, batch["tail_mask"])]
+
+    def summary(self, sums: list[float], n: int, spec: Any) -> dict[str, float]:
+        return {"eval/exact_match": sums[0] / n}
+
+
+class Rows(list):
+    """The rows of one source as the registry read them (:func:`scale.data.tasks.load_rows`): a list of dicts that
+    carries the format's :attr:`task`, decided once; a slice keeps it.
+
+    Args:
+        rows: checked rows (dicts).
+        task: the task that read them and encodes them.
+    """
+
+    def __init__(self, rows: list[dict[str, Any]], task: Task) -> None:
+        super().__init__(rows)
+        self.task = task
+
+    def __getitem__(self, i: Any) -> Any:
+        got = super().__getitem__(i)
+        return Rows(got, self.task) if isinstance(i, slice) else got

@@ -1,5 +1,6 @@
 """The memory-mapped side of the token cache: a split read from an Arrow IPC file without copying it, and the
-per-row columns (lengths, types) read without a token. Split out of :mod:`scale.cache` [issue 18].
+per-row columns (lengths, types) read without a token, in memory or cached (the sampler's lengths, the
+evaluation's longest-first order). :mod:`scale.data.cache` writes the files.
 
 No torch.distributed, no accelerate.
 """
@@ -8,12 +9,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from scale.tasks.base import Example
+from scale.data.tasks.base import Example
 
 SCALARS = ("length", "tail_len", "type_indicator", "target_token", "label", "row")
 # Example fields stored as lists beside input_ids: ``trained`` (the tail's 0/1 flags; an empty list is ``None``)
@@ -24,14 +26,16 @@ class TokenTable(Sequence):
     """The examples of one split, read from a memory-mapped Arrow file: ``table[i]`` is an :class:`Example`.
 
     Only the record batches' buffers are mapped; nothing is copied until an item (or :meth:`column`) is read.
-    Pickles as its path (DataLoader workers map the file again).
+    Pickles as its path and task (DataLoader workers map the file again).
 
     Args:
-        path: an ``.arrow`` file written by :func:`scale.cache.write_table`.
+        path: an ``.arrow`` file written by :func:`scale.data.cache.write_table`.
+        task: the prepared task that evaluates the split (``.task``; set by :func:`scale.data.tokenize.with_task`).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, task: Any = None) -> None:
         self.path = str(path)
+        self.task = task
         self._open()
 
     def _open(self) -> None:
@@ -47,10 +51,10 @@ class TokenTable(Sequence):
         self._starts = starts
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path}
+        return {"path": self.path, "task": self.task}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.path = state["path"]
+        self.path, self.task = state["path"], state.get("task")
         self._open()
 
     def __len__(self) -> int:

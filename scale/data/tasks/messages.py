@@ -42,7 +42,7 @@ Template hygiene, each with one outcome:
 - a special-token spelling inside message text is encoded as text, never as a control token (counted in the log);
 - the template's own BOS is kept once, the tokenizer's is never added again;
 - a template that reads the clock (``strftime_now``) is refused unless ``data.chat_template_kwargs`` pins what
-  it renders (e.g. ``date_string``); the template text enters the resume fingerprint (:mod:`scale.data`).
+  it renders (e.g. ``date_string``); the template text enters the resume fingerprint (:mod:`scale.data.tokenize`).
 """
 
 from __future__ import annotations
@@ -54,9 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from scale.config import DataConfig, LossConfig, configs_dir
-from scale.formats import DataError
-from scale.tasks.base import Builder, Example, encode, encode_literal
-from scale.tasks.prompt_completion import PromptCompletion
+from scale.data.read import DataError
+from scale.data.tasks.base import Builder, CompletionTask, Example, encode, encode_literal
 
 logger = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
@@ -408,12 +407,11 @@ def _cuts(messages: list[dict[str, Any]]) -> list[list[int]]:
     return out + [out[-1][1:]] if system else out
 
 
-class Messages(PromptCompletion):
+class Messages(CompletionTask):
     """The ``messages`` format (evaluation as prompt/completion: completion NLL and exact match)."""
 
     name = "messages"
-    row_keys = {"messages"}
-    counted = PromptCompletion.counted + COUNTS
+    counted = CompletionTask.counted + COUNTS
 
     def columns(self, cfg: DataConfig) -> list[str]:
         return [cfg.messages_column]

@@ -1,7 +1,7 @@
 """``classification``: ``data.template`` rendered with the row's ``text`` and ``label``; the label's tokens + EOS
 are trained. Evaluation ranks every label after the prompt (``eval/accuracy``) and reports the label's NLL.
 
-Labels and file values are compared after :func:`scale.formats.normalize_label` (Unicode NFC, stripped). A
+Labels and file values are compared after :func:`scale.data.read.normalize_label` (Unicode NFC, stripped). A
 label's tokens are exactly the tokens that follow the rendered prompt: a separator before ``{label}`` that is
 its own token (a newline, a colon) belongs to the prompt, never to the label.
 """
@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from scale.config import DataConfig, LossConfig
-from scale.formats import DataError, normalize_label, text_cell
+from scale.data.read import DataError, normalize_label, text_cell
+from scale.data.tasks.base import Builder, Example, Task, encode
 from scale.loss import forward_tail
-from scale.tasks.base import Builder, Example, Task, encode
 
 _FIELD = re.compile(r"\{(text|label)\}")
 
@@ -152,7 +152,6 @@ class Classification(Task):
     """The ``classification`` format."""
 
     name = "classification"
-    row_keys = {"text", "label"}
     types_are_labels = True
 
     def columns(self, cfg: DataConfig) -> list[str]:
@@ -169,6 +168,8 @@ class Classification(Task):
     def prepare(self, tokenizer: Any, data_cfg: DataConfig, loss_cfg: LossConfig) -> None:
         self.seqs = label_sequences(tokenizer, data_cfg)
         self.labels = [normalize_label(x) for x in data_cfg.labels]
+        pad = tokenizer.pad_token_id
+        self.pad_token_id = 0 if pad is None else pad  # evaluation pads its label candidates with it (masked)
 
     def texts(self, row: dict[str, Any], cfg: DataConfig) -> list[str]:
         return [render_template(cfg.template, row["text"], row["label"])]
@@ -203,15 +204,14 @@ class Classification(Task):
         (``recommend`` / ``recommend against``) then ranks by whether the answer ends there.
         """
         scores = []
-        for cand in label_candidates(batch, spec.task["label_seqs"], spec.task.get("pad_token_id", 0),
-                                     spec.padding_side):
+        for cand in label_candidates(batch, self.found["label_seqs"], self.pad_token_id, spec.padding_side):
             logits, targets = forward_tail(model, cand, padding_side=spec.padding_side)
             scores.append(sequence_logprob(logits, targets, cand["tail_mask"]))
         return torch.stack(scores, dim=1)
 
     def eval_columns(self, model: torch.nn.Module, batch: dict[str, Tensor], tail_logits: Tensor, targets: Tensor,
                      spec: Any) -> list[Tensor]:
-        ids = spec.task.get("label_token_ids")
+        ids = self.found.get("label_token_ids")
         if ids is not None:                                   # the fast path: one forward
             ids = torch.as_tensor(ids, device=tail_logits.device)
             stats = target_stats(tail_logits, batch["target_token"], ids, -2)   # label, then EOS

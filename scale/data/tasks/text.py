@@ -13,8 +13,9 @@ import torch
 from torch import Tensor
 
 from scale.config import DataConfig, LossConfig
-from scale.formats import DataError, target_cell, text_cell
-from scale.tasks.base import Builder, Example, Task, encode
+from scale.data.read import DataError, target_cell, text_cell
+from scale.data.tasks.base import Builder, Example, Task, encode
+from scale.data.tasks.classification import target_stats
 
 
 def _target_id(tokenizer: Any, target: int | str, i: int) -> int:
@@ -33,7 +34,6 @@ class Text(Task):
     """The ``text`` format (the fallback of detection)."""
 
     name = "text"
-    row_keys = {"text"}
     uses_threshold = True
 
     def columns(self, cfg: DataConfig) -> list[str]:
@@ -47,6 +47,9 @@ class Text(Task):
         if cfg.target_column in raw:
             row["target"] = target_cell(raw.get(cfg.target_column), cfg.target_column, i, path)
         return row
+
+    def prepare(self, tokenizer: Any, data_cfg: DataConfig, loss_cfg: LossConfig) -> None:
+        self.target_position = loss_cfg.target_position
 
     def texts(self, row: dict[str, Any], cfg: DataConfig) -> list[str]:
         return [row["text"]]
@@ -70,11 +73,9 @@ class Text(Task):
 
     def eval_columns(self, model: torch.nn.Module, batch: dict[str, Tensor], tail_logits: Tensor, targets: Tensor,
                      spec: Any) -> list[Tensor]:
-        if not spec.task.get("has_target"):
+        if not self.found.get("has_target"):
             return []
-        from scale.tasks.classification import target_stats
-
-        return [target_stats(tail_logits, batch["target_token"], None, spec.target_position).logprob]
+        return [target_stats(tail_logits, batch["target_token"], None, self.target_position).logprob]
 
     def summary(self, sums: list[float], n: int, spec: Any) -> dict[str, float]:
-        return {"eval/target_nll": -sums[0] / n} if spec.task.get("has_target") else {}
+        return {"eval/target_nll": -sums[0] / n} if self.found.get("has_target") else {}

@@ -1,6 +1,6 @@
-"""The data formats, one module each, and the registry that decides a file's format once.
+"""Tasks: the data formats, one module each, and the registry that decides a source's format once (:func:`load_rows`).
 
-| format | columns | what is trained (the *tail*, see :mod:`scale.data`) |
+| format | columns | what is trained (the *tail*, see :mod:`scale.data.tokenize`) |
 |---|---|---|
 | ``text`` | ``text``, optional ``type``, optional ``target`` | the last ``loss.threshold`` tokens of each row |
 | ``classification`` | ``text``, ``label`` (one of ``data.labels``) | the label's tokens + EOS |
@@ -9,7 +9,8 @@
 
 The format is ``data.format``, or (``auto``) the first of :data:`TASKS` (in order) whose columns the file has;
 the last one is the fallback and is detected only when no column is left over. Column names come from
-``data.*_column``. A new format is one module with a ``TASK`` (:class:`scale.tasks.base.Task`) and one line here.
+``data.*_column``. A new format is one module with a :class:`scale.data.tasks.base.Task` and one line here. The
+rows :func:`load_rows` returns carry their task (:class:`scale.data.tasks.base.Rows`): no later stage asks again.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 from scale.config import DataConfig
-from scale.formats import DataError, Rows, integer_cell, with_line
-from scale.sources import read_source
-from scale.tasks import classification, messages, prompt_completion, text
-from scale.tasks.base import Task
+from scale.data.read import DataError, integer_cell, with_line
+from scale.data.sources import read_source
+from scale.data.tasks import classification, messages, prompt_completion, text
+from scale.data.tasks.base import Rows, Task
 
 # Detection order: the first whose columns the file has; the last is the fallback.
 TASKS: dict[str, type[Task]] = {
@@ -33,12 +34,11 @@ FORMATS = tuple(reversed(TASKS))  # as data.format lists them
 # Formats whose rows may share one mixture (data.datasets, issue 18) besides one format alone, and the format that
 # evaluates it: both train their completions, and eval/exact_match over the trained tail means the same for both.
 MIXABLE: dict[frozenset[str], str] = {frozenset({"prompt_completion", "messages"}): "prompt_completion"}
-DEFAULT = "classification"        # the format of a LossSpec built without one (the default config's)
 
 
-def get(name: str | None) -> Task:
-    """A fresh instance of format ``name`` (``None``: :data:`DEFAULT`)."""
-    return TASKS[name or DEFAULT]()
+def get(name: str) -> Task:
+    """A fresh instance of format ``name``."""
+    return TASKS[name]()
 
 
 def columns_needed(cfg: DataConfig) -> dict[str, list[str]]:
@@ -81,42 +81,40 @@ def detect_format(cfg: DataConfig, columns: list[str], path: str) -> str:
                     f"the columns, set data.*_column, or set data.format")
 
 
-def load_rows(cfg: DataConfig, path: str) -> list[dict[str, Any]]:
-    """Read the file, decide its format once and check every row (:meth:`Task.read`).
+def load_rows(cfg: DataConfig, path: str) -> Rows:
+    """Read a source, decide its format once and check every row (:meth:`Task.read`).
 
     Args:
         cfg: the data section (columns, format, labels).
-        path: a file, directory, glob or hub id (:mod:`scale.sources`; already resolved from an embedded name).
+        path: a file, directory, glob or hub id (:mod:`scale.data.sources`; already resolved from an embedded name).
 
     Returns:
-        :class:`scale.formats.Rows` (with the line of each row in a line-based file): dicts with a ``row`` index
-        (file order), the format's fields (``text`` (+ ``target``); ``text``,
-        ``label``; ``prompt``, ``completion``; ``messages`` (+ ``tools``)) and ``type`` when there is a type column.
+        Rows as dicts with a ``row`` index (file order), the format's fields (``text`` (+ ``target``); ``text``,
+        ``label``; ``prompt``, ``completion``; ``messages`` (+ ``tools``)) and ``type`` when there is a type column;
+        ``.task`` is the format's task that encodes them, ``.lines``/``.files`` where each row is in a line-based
+        file (:func:`scale.data.read.row_line`).
 
     Raises:
-        DataError: see :func:`scale.sources.read_source`, :func:`detect_format` and the format's row checks; a
+        DataError: see :func:`scale.data.sources.read_source`, :func:`detect_format` and the format's row checks; a
             non-integer type.
     """
-    table, columns = read_source(cfg, path)  # [issue 18] any source (tables: scale.formats.read_table)
+    table, columns = read_source(cfg, path)  # any source (tables: scale.data.read.read_table)
     fmt = detect_format(cfg, columns, path)
     task = get(fmt)
     type_column = cfg.type_column or ("type" if "type" in task.optional_columns(cfg) and "type" in columns else None)
     if cfg.type_column is not None and cfg.type_column not in columns:
         raise DataError(f"data.type_column={cfg.type_column!r} is not a column of {path}; its columns are "
                         f"{columns}. Set data.type_column (or data.column_names for a header-less file).")
-    rows = Rows()
-    rows.lines, rows.files = getattr(table, "lines", None), getattr(table, "files", [])
+    rows = []
     for i, raw in enumerate(table):
         try:
             row: dict[str, Any] = {"row": i, **task.read(raw, cfg, i, path)}
             if type_column is not None:
                 row["type"] = integer_cell(raw.get(type_column), type_column, i, path)
-        except DataError as e:
-            raise DataError(with_line(str(e), rows)) from None
+        except DataError as e:  # name the line an editor shows the row on
+            raise DataError(with_line(str(e), table)) from None
         rows.append(row)
-    return rows
+    out = Rows(rows, task.for_rows(rows))
+    out.lines, out.files = getattr(table, "lines", None), getattr(table, "files", [])
+    return out
 
-
-def row_format(row: dict[str, Any]) -> str:
-    """The format of a row returned by :func:`load_rows` (each format's rows hold its own keys)."""
-    return next(name for name, task in TASKS.items() if task.row_keys <= set(row))
