@@ -38,7 +38,7 @@ from scale.data.order import LengthGroupedSampler, PackedRows, pack_bfd
 from scale.data.read import DataError
 from scale.data.tasks.base import Task
 from scale.data.token_table import column, longest_first
-from scale.data.tokenize import Splits, show_example, show_legend
+from scale.data.tokenize import Splits, removed_lines, show_example, show_legend, stats_line
 from scale.export import serving_tokenizer
 from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
@@ -234,7 +234,7 @@ def setup(cfg: Config) -> Job:
                     "trainable=%d total=%d (%.3f%%) train=%d eval=%d format=%s max_steps=%d", plan.mode, world, mb,
                     ga, G, G * mean_len, mean_len, G * mean_tail, trainable,
                     total, 100 * trainable / total, len(splits.train), len(splits.eval), splits.format, max_steps)
-        log_data_stats(splits.stats)
+        log_data_stats(splits.stats, cfg.data)
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))
         logger.info("mode plan: %s; parameter dtypes: %s%s", "; ".join(plan.notes) or "defaults", dtype_census(model),
                     f"; CPU bf16 paths: {', '.join(cpu_paths)}" if cpu_paths else "")
@@ -389,9 +389,13 @@ def check_type_weights(cfg: Config, splits: Splits) -> None:
                         f"{len(weights) - 1} only; give one weight per type id")
 
 
-def log_data_stats(stats: dict[str, int]) -> None:
-    """One line with the data counts; a warning when eval rows are exact copies of training rows."""
-    logger.info("data: %s", " ".join(f"{k.removeprefix('data/')}={v}" for k, v in stats.items()))
+def log_data_stats(stats: dict[str, int], data_cfg: Any = None) -> None:
+    """One line with the data counts (:func:`scale.data.stats_line`); a warning for each kind of thing the chat
+    template or truncation removed (:func:`scale.data.removed_lines`), and when eval rows are exact copies of
+    training rows."""
+    logger.info("data: %s", stats_line(stats))
+    for line in removed_lines(stats, data_cfg) if data_cfg is not None else []:
+        logger.warning("data: %s", line)
     if stats.get("data/eval_rows_in_train"):
         logger.warning("%d of %d eval rows are exact copies of training rows: eval figures are not fully held "
                        "out. Set data.deduplicate=true to drop duplicates before the split.",

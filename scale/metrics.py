@@ -398,7 +398,8 @@ def model_flops(cfg: Config, model_config: Any, trainable: int) -> Callable[...,
         ``flops_fn`` (:mod:`scale.flops`: LoRA count, only the tail's logits, padding positions counted).
     """
     def flops_fn(rows: int, seq_len: int, kept: int | None = None) -> float:
-        kept = cfg.loss.threshold if kept is None else kept
+        if kept is None:  # loss.threshold: all keeps every position
+            kept = seq_len if cfg.loss.threshold == "all" else cfg.loss.threshold
         per_position = flops_per_token(model_config, seq_len, lora_params=trainable,
                                        logits_fraction=min(1.0, kept / seq_len))
         return rows * seq_len * per_position

@@ -173,18 +173,21 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
 def data_tail(cfg: Config) -> tuple[int, str]:
     """``N``, the tail positions per row to plan the LM head and loss for, and the assumption in words.
 
-    The ``text`` format's tail is ``loss.threshold`` tokens; classification, prompt/completion and chat tails
-    are read from the data (the harness's own tokenizer and :func:`scale.data.tokenize.build_splits`): the longest
-    trained span of the train split, since a micro-batch's tail is padded to its longest row and the peak step
-    is the one holding it. When the data cannot be read, ``loss.threshold`` with a note saying so.
+    Every format's tails are read from the data (the harness's own tokenizer and
+    :func:`scale.data.tokenize.build_splits`): the ``text`` format's is ``loss.threshold`` tokens, or the whole row
+    but its first token with ``loss.threshold: all``; classification, prompt/completion and chat tails vary. ``N``
+    is the longest trained span of the train split, since a micro-batch's tail is padded to its longest row and the
+    peak step is the one holding it. When the data cannot be read, ``loss.threshold`` (``all``:
+    ``data.max_length - 1``) with a note saying so.
     """
     try:
         tok = load_tokenizer(cfg.model)
         splits = build_splits(cfg.data, cfg.loss, tok, resolve_data(cfg.data.path), cfg.train.seed)
     except Exception as e:  # noqa: BLE001 - a plan without the data still answers, and says so
-        return cfg.loss.threshold, (f"tail: loss.threshold={cfg.loss.threshold} positions per row (the data could "
-                                    f"not be read for its tail lengths: {type(e).__name__}: {str(e)[:160]})")
-    tails = sorted(e.tail_len for e in splits.train) or [cfg.loss.threshold]
+        n = cfg.data.max_length - 1 if cfg.loss.threshold == "all" else cfg.loss.threshold  # all: the whole row
+        return n, (f"tail: loss.threshold={cfg.loss.threshold}: {n} positions per row (the data could not be read "
+                   f"for its tail lengths: {type(e).__name__}: {str(e)[:160]})")
+    tails = sorted(e.tail_len for e in splits.train) or [1]
     return tails[-1], (f"tail: N = {tails[-1]} positions per row, the longest trained span of the {splits.format} "
                        f"train split ({len(tails)} rows, median {tails[len(tails) // 2]}): every micro-batch's tail "
                        f"is as wide as its longest row, and the peak step holds the longest")

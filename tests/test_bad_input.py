@@ -5,6 +5,7 @@ the fix. Data and config entries run in milliseconds; launch and resume entries 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from types import SimpleNamespace
@@ -55,7 +56,8 @@ def test_label_that_merges_with_the_template(tokenizer):
 def test_label_not_in_label_set(tmp_path):
     path = _write(tmp_path / "d.jsonl", [{"text": "fine", "label": "positive"}, {"text": "meh", "label": "neutral"}])
     assert _message(DataError, load_rows, DataConfig(), path) == (
-        f"row 1 of {path}: label 'neutral' is not in data.labels=['negative', 'positive']; fix the row or add "
+        f"row 1 (line 2) of {path}: label 'neutral' is not in data.labels=['negative', 'positive']; fix the row or "
+        f"add "
         f"the label to data.labels")
 
 
@@ -260,8 +262,9 @@ def test_cli_prints_the_message_and_exits_2(tmp_path, capsys):
     assert "Traceback" not in err
     assert main(["--config", str(TINY_YAML), f"output_dir={tmp_path}", "data.path=nowhere.jsonl"]) == 2
     assert capsys.readouterr().err == ("scale-train: error: DataError: data.path='nowhere.jsonl' does not exist; "
-                                       "point it at a .jsonl/.json/.csv/.tsv file (a relative path is read from the "
-                                       "current directory)\n")
+                                       "point it at a data file (.jsonl/.json/.csv/.tsv/.parquet/.arrow), a directory "
+                                       "or glob of shards, a save_to_disk directory or a hub id org/name (a relative "
+                                       f"path is read from the current directory, {os.getcwd()})\n")
 
 
 # ---- issue 11: bad input is one line before anything is written; finished runs are never replaced ----
@@ -770,23 +773,24 @@ def _hi(answer="Hello."):
       "classification needs text, label (no 'text', 'label'); text needs text (+ type, target) (no 'text'). "
       "Rename the columns, set data.*_column, or set data.format")),
     ([{"prompt": "Q", "completion": "A"}, {"prompt": "Q2", "completion": "  "}], [],
-     "row 1 of {path}: empty 'completion'"),
+     "row 1 (line 2) of {path}: empty 'completion'"),
     ([{"messages": _hi()}, {"messages": [{"role": "system", "content": "Be brief."},
                                          {"role": "user", "content": "Hi"}]}], [],
-     ("row 1 of {path}: no assistant message; the messages format trains the last assistant turn, so every "
-      "conversation needs one")),
+     ("row 1 (line 2) of {path}: no assistant message; the messages format trains assistant turns "
+      "(data.train_on), so every conversation needs one")),
     ([{"messages": _hi() + [{"role": "user", "content": "And?"}]}], [],
-     ("row 0 of {path}: the last message is from 'user', not 'assistant'; the messages format trains the last "
-      "assistant turn, so end every conversation with it")),
+     ("row 0 (line 1) of {path}: the last message is from 'user', not 'assistant'; a conversation ends with an "
+      "assistant turn (the row is cut after it), so end every conversation with one")),
     ([{"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Yo"}]}], [],
-     ("row 0 of {path}: message 1 must be {{'role': one of ['system', 'user', 'assistant', 'tool'], 'content': "
-      "text}}, got {{'role': 'bot', 'content': 'Yo'}}")),
+     ("row 0 (line 1) of {path}: message 1 must be {{'role': one of ['system', 'user', 'assistant', 'tool'], "
+      "'content': text}}, got {{'role': 'bot', 'content': 'Yo'}}")),
     ([{"prompt": "Q", "completion": " A"}] * 40 + [{"prompt": "Q", "completion": " one two three four five six"}],
      ["data.max_length=6", "data.eval_size=4"],
-     ("row 40: the trained tail is 7 tokens; with 1 token(s) before it the row needs 8 > data.max_length=6. "
+     ("row 40 (line 41): the trained tail is 7 tokens; with 1 token(s) before it the row needs 8 > data.max_length=6. "
       "Raise data.max_length, or set data.drop_long_completions=true to drop such rows (counted in the log).")),
     ([{"messages": _hi()}] * 40, ["data.chat_template=/nonexistent/chat.jinja"],
-     "data.chat_template='/nonexistent/chat.jinja' is not a file; point it at a Jinja chat-template file"),
+     "data.chat_template='/nonexistent/chat.jinja' is not a file; point it at a Jinja chat-template file, or name a "
+     "shipped one: ['chatml', 'chatml_tools']"),
 ])
 def test_format_errors_exit_2_before_anything_is_written(tmp_path, capsys, rows, overrides, message):
     path = _write(tmp_path / "d.jsonl", rows)
