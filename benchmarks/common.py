@@ -309,6 +309,10 @@ class Harness:
         self.device = device or self.acc.device
         self.model = model if model is not None else build_lora_model(job.shape, self.cfg.model, self.cfg.lora,
                                                                       job.seed, self.device, job.seq)
+        if model is None and torch.device(self.device).type == "cpu" and self.cfg.train.mixed_precision == "bf16":
+            from scale.modeling import use_cpu_mixed_paths
+
+            use_cpu_mixed_paths(self.model)  # as scale.job.setup does for a CPU bf16 run
         self.spec = LossSpec.from_config(self.cfg)
         # the synthetic rows are classification rows whose two labels are one token each: what evaluation ranks
         self.task = get("classification")

@@ -18,6 +18,9 @@ double quantization, LoRA r=16 all-linear, micro-batch 8, the review data):
   auto``, the default: bf16 where the probe's bf16 GEMMs measure >= 1.3x fp32) against fp32 forced
   (``--contestants fp32,auto``: the speedup line is then auto over fp32; each MFU is against the peak of the
   dtype that run used). On a CPU without fast bf16 both run fp32 and the ratio is ~1.
+- ``auto-without-paths``: ``auto`` with ``scale.modeling``'s CPU bf16 paths (``CPU_MIXED_PATHS``: fp32 attention
+  for short keys, adapter inputs cast once, the LM head's cast kept, the 4-bit backward dequantized to bf16)
+  switched off after setup: the bf16 path before them (``--contestants fp32,auto-without-paths,auto``).
 
 Each run is a fresh process (``--worker``) that builds the job with ``scale.job.setup`` and trains it with
 ``scale.train.fit`` for ``--steps`` optimizer steps (``train.log_every=1``; the evaluations at step 0 and at
@@ -66,6 +69,8 @@ CONTESTANTS: dict[str, list[str]] = {
     # issue 19: the dtype the start-up probe picks (bf16 where its GEMMs measure >= 1.3x fp32) against fp32
     "auto": ["train.mixed_precision=auto", "model.bnb_4bit_compute_dtype=auto"],
     "fp32": ["train.mixed_precision='no'", "model.bnb_4bit_compute_dtype=float32"],
+    # auto with scale.modeling's CPU bf16 paths switched off after setup: the bf16 path as it was before them
+    "auto-without-paths": ["train.mixed_precision=auto", "model.bnb_4bit_compute_dtype=auto"],
 }
 
 
@@ -90,6 +95,10 @@ def worker(name: str, steps: int, out: str, profile: int) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_config(DEFAULT, job_overrides(name, steps + (1 if profile else 0), out))
     job = setup(cfg)
+    if name == "auto-without-paths":
+        from scale.modeling import use_cpu_mixed_paths
+
+        use_cpu_mixed_paths(job.model, on=False)
     # Evaluation is not timed; one batch keeps the run short (the step-0 and final evaluations still run).
     ev = sorted(job.eval_dl.dataset, key=lambda e: -len(e.input_ids))[: cfg.train.micro_batch_size]
     job.eval_dl = job.acc.prepare(DataLoader(ev, batch_size=len(ev), collate_fn=Collator(

@@ -33,6 +33,12 @@ Trainer overhead switched off: ``eval_strategy/save_strategy/logging_strategy="n
 ``dataloader_pin_memory=False``, ``remove_unused_columns=False``; the optimizer and scheduler are passed in
 (``optimizers=``), so it creates neither.
 
+A contestant may name its precision: ``ours@bf16``, ``trainer+keep@fp32`` (bf16 autocast, the Trainer with
+``bf16=True``; fp32 without autocast); without a suffix it follows ``--bf16``. On a CPU with fast bf16 each loop's
+best dtype is compared: ``--contestants ours@bf16,trainer+keep@bf16,trainer+keep@fp32`` (our bf16 runs get
+``scale.modeling``'s CPU bf16 paths, as ``scale-train`` applies them; the Trainer runs the model as transformers
+and peft ship it). The last line then compares ours with the Trainer at its faster dtype.
+
 Contestants alternate (ours, trainer+keep, ours, ...), each run on a freshly built model (same seed) and a fresh
 accelerate state; the first ``--warmup`` optimizer steps of each run are not timed. Reported: real (unpadded)
 tokens per second (median, min-max over repeats), the ratio ours/other per adjacent run, each contestant's
@@ -45,6 +51,7 @@ optimizer step. The last line is ``ratio vs Trainer (best settings): <r>``, the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import sys
@@ -169,28 +176,38 @@ def ours_run(job: Job, device: torch.device) -> RunResult:
     return res
 
 
+def split_name(contestant: str, job: Job) -> tuple[str, Job]:
+    """``"trainer+keep@bf16"`` -> ``("trainer+keep", job in bf16)``; no suffix: ``job`` as it is."""
+    name, _, dtype = contestant.partition("@")
+    if not dtype:
+        return name, job
+    return name, dataclasses.replace(job, mixed_precision="bf16" if dtype == "bf16" else "no")
+
+
 def compare(job: Job, repeats: int, contestants: tuple[str, ...] = CONTESTANTS, device: str | None = None) -> dict:
-    """Alternate the contestants ``repeats`` times; return tokens/s, ratios to ``ours`` and losses."""
+    """Alternate the contestants ``repeats`` times; return tokens/s, ratios to the first ``ours`` and losses."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     examples = job.examples()
     runs: dict[str, list[RunResult]] = {c: [] for c in contestants}
     for _ in range(repeats):
         for c in contestants:
-            if c == "ours":
-                runs[c].append(ours_run(job, dev))
+            name, cjob = split_name(c, job)
+            if name == "ours":
+                runs[c].append(ours_run(cjob, dev))
             else:
-                runs[c].append(trainer_run(job, examples, keep_logits=c == "trainer+keep", device=dev))
+                runs[c].append(trainer_run(cjob, examples, keep_logits=name == "trainer+keep", device=dev))
             gc.collect()
     reset_accelerate()
     out = {"tokens_per_s": {c: [r.tokens_per_s for r in v] for c, v in runs.items()},
            "run_loss": {c: [r.extra["run_loss"] for r in v] for c, v in runs.items()},
            "losses": {c: v[0].losses for c, v in runs.items()}, "ratio": {},
            "pad_fraction": {c: v[0].extra["pad_fraction"] for c, v in runs.items()}}
-    if "ours" in runs:
+    ours = next((c for c in contestants if c.partition("@")[0] == "ours"), None)
+    if ours is not None:
         for c in contestants:
-            if c != "ours":
-                out["ratio"][c] = [a.tokens_per_s / b.tokens_per_s for a, b in zip(runs["ours"], runs[c])]
-        first = runs["ours"][0].extra["run_loss"]
+            if c != ours:
+                out["ratio"][c] = [a.tokens_per_s / b.tokens_per_s for a, b in zip(runs[ours], runs[c])]
+        first = runs[ours][0].extra["run_loss"]
         out["loss_rel_diff"] = {c: max_rel_diff([first], [runs[c][0].extra["run_loss"]]) for c in contestants}
     return out
 
@@ -203,17 +220,24 @@ def table(job: Job, res: dict, repeats: int) -> str:
              "trainer": f"Trainer + compute_loss_func (full logits){grouped}",
              "trainer+keep": f"Trainer + compute_loss_func + logits_to_keep{grouped}"}
     for c, tps in res["tokens_per_s"].items():
+        name, _, dtype = c.partition("@")
         ratio = "**" + fmt_spread(res["ratio"][c]) + "**" if c in res["ratio"] else "1"
         loss = res["run_loss"][c][0]
-        rows.append(f"| {names[c]} | {fmt_spread(tps)} | {ratio} | {res['pad_fraction'][c]:.3f} | {loss:.6f} |")
-    diffs = ", ".join(f"{c} {d:.1e}" for c, d in res.get("loss_rel_diff", {}).items() if c != "ours")
+        label = names[name] + (f", {dtype}" if dtype else "")
+        rows.append(f"| {label} | {fmt_spread(tps)} | {ratio} | {res['pad_fraction'][c]:.3f} | {loss:.6f} |")
+    diffs = ", ".join(f"{c} {d:.1e}" for c, d in res.get("loss_rel_diff", {}).items() if c.partition("@")[0] != "ours")
     order = ("each loop groups with its own sampler (ours: mega-batches of "
              f"{job.mega_batch_steps} global batches; the Trainer's: min(rows / (4 x global batch), 50)), so the "
              "rows per step and the losses differ" if job.group_by_length else "same rows in the same order")
-    lines = [f"{job.describe()}, {repeats} repeats, alternating; {job.rows or 'one epoch of'} rows; {order}", *rows,
+    per = any("@" in c for c in res["tokens_per_s"])
+    describe = job.describe() + (" (unless the contestant names its own: @bf16, @fp32)" if per else "")
+    lines = [f"{describe}, {repeats} repeats, alternating; {job.rows or 'one epoch of'} rows; {order}", *rows,
              "", f"train loss over the run (first repeat), relative difference from ours: {diffs}", machine_line()]
-    if "trainer+keep" in res["ratio"]:
-        lines.append(f"ratio vs Trainer (best settings): {statistics.median(res['ratio']['trainer+keep']):.3f}")
+    best = [c for c in res["ratio"] if c.partition("@")[0] == "trainer+keep"]
+    if best:  # the Trainer at its faster dtype (median tokens/s) when several were run
+        fastest = max(best, key=lambda c: statistics.median(res["tokens_per_s"][c]))
+        lines.append(f"ratio vs Trainer (best settings): {statistics.median(res['ratio'][fastest]):.3f}"
+                     + (f" ({fastest})" if len(best) > 1 else ""))
     return "\n".join(lines)
 
 
@@ -240,11 +264,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="rows in the data set (default: 200 global batches with grouping, so that the Trainer's "
                         "grouping reaches its 50-batch mega-batches; else exactly --steps global batches)")
     p.add_argument("--log-every", type=int, default=None, help="ours: metrics interval (default: only the last step)")
-    p.add_argument("--contestants", default="ours,trainer+keep", help=f"comma-separated subset of {CONTESTANTS}")
+    p.add_argument("--contestants", default="ours,trainer+keep",
+                   help=f"comma-separated subset of {CONTESTANTS}, each optionally @bf16 or @fp32")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     a = p.parse_args(argv)
     contestants = tuple(c.strip() for c in a.contestants.split(","))
-    unknown = set(contestants) - set(CONTESTANTS)
+    unknown = {c for c in contestants if c.partition("@")[0] not in CONTESTANTS
+               or c.partition("@")[2] not in ("", "bf16", "fp32")}
     if unknown:
         p.error(f"unknown contestants {sorted(unknown)}; choose from {CONTESTANTS}")
     rows = a.rows or (200 * a.batch * a.ga if a.group_by_length else None)

@@ -379,7 +379,8 @@ def show_rows(cfg: Any, n: int) -> None:
     import dataclasses
 
     from scale.data.read import DataError  # deferred: scale.data imports torch
-    from scale.data.tokenize import build_splits, show_example, show_legend  # deferred: torch
+    from scale.data.tokenize import (build_splits, removed_lines, show_example, show_legend,  # deferred: torch
+                                     stats_line)
     from scale.modeling import load_tokenizer  # deferred: transformers
 
     tokenizer = load_tokenizer(cfg.model)
@@ -393,7 +394,9 @@ def show_rows(cfg: Any, n: int) -> None:
         except DataError:
             raise e from None
         problem = e
-    sys.stdout.write(f"format={splits.format}; {show_legend()}\n")
+    sys.stdout.write(f"format={splits.format}; {show_legend()}\ndata: {stats_line(splits.stats)}\n")
+    for line in removed_lines(splits.stats, cfg.data):
+        sys.stdout.write(f"data: {line}\n")
     for e in splits.train[:n]:
         trained = sum(e.tail_flags())
         sys.stdout.write(f"--- data-file row {e.row}: {len(e.input_ids)} tokens, {trained} trained\n"

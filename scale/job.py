@@ -10,6 +10,7 @@ the data and the model were accepted; the model is measured for MFU before ``pre
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,9 +26,9 @@ from accelerate.utils import broadcast_object_list, set_seed
 from torch.utils.data import DataLoader
 
 from scale.assets import EMBEDDED_MODEL, resolve_data, resolve_model
-from scale.checkpoint import (TrainerState, check_resume, clear_previous_run, load_checkpoint, register_hooks,
-                              resolve_resume)
 from scale.best import check_reported
+from scale.checkpoint import (STATE_FILE, TrainerState, adapt_to_checkpoint, check_resume, clear_previous_run,
+                              load_checkpoint, pick_resume, register_hooks, resolve_resume)
 from scale.checks import dtype_census
 from scale.config import Config, ConfigError, dump_config
 from scale.data.cache import load_splits, wait_for_splits
@@ -38,7 +39,7 @@ from scale.data.order import LengthGroupedSampler, PackedRows, pack_bfd
 from scale.data.read import DataError
 from scale.data.tasks.base import Task
 from scale.data.token_table import column, longest_first
-from scale.data.tokenize import Splits, show_example, show_legend
+from scale.data.tokenize import Splits, removed_lines, show_example, show_legend, stats_line
 from scale.export import serving_tokenizer
 from scale.evaluate import metric_names
 from scale.flops import model_shape
@@ -46,7 +47,7 @@ from scale.launch import ModePlan, build_accelerator, main_process_first, plan_f
 from scale.loss import LossSpec
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
 from scale.modeling import (TINY, build_model, check_attention, check_packing, load_tokenizer, parameter_counts,
-                            tokenizer_source)
+                            tokenizer_source, use_cpu_mixed_paths)
 from scale.names import differences_from_trl
 from scale.samples import SAMPLES_FILE, Generation, pick_samples, sample_metric_names, start_samples_file
 from scale.schedule import lr_factor, steps_for_epochs, warmup_steps
@@ -144,12 +145,21 @@ def setup(cfg: Config) -> Job:
             that an edited data file is detected when the checkpoint is loaded).
     """
     check_attention(cfg.model)  # before the process group, the data and the model
-    # train.mixed_precision=auto resolved in place: config.yaml and the Accelerator get the choice
-    precision = resolve_mixed_precision(cfg, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    acc = build_accelerator(cfg)
-    plan = plan_for_mode(cfg, acc)
+    # train.mixed_precision=auto resolved in place, once for every rank (rank 0 decides, a resume keeps its
+    # checkpoint's): config.yaml, the checkpoints and the Accelerator get the choice
     out = Path(cfg.output_dir)
-    resume = resolve_resume(cfg.train.resume_from, out)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # A resume on another number of processes keeps the checkpoint's global batch: the accumulation is set before
+    # the accelerator (and a DeepSpeed config) reads it. WORLD_SIZE is the launcher's (1 without one).
+    regrouped = adapt_to_checkpoint(cfg, cfg.train.data_parallel_size(int(os.environ.get("WORLD_SIZE", "1"))))
+    decided: list[Any] = []
+    acc = build_accelerator(cfg, settle=lambda: decided.append(
+        resolve_mixed_precision(cfg, device, saved=saved_precision(cfg.train.resume_from, out))))  # collective
+    precision = decided[-1]
+    plan = plan_for_mode(cfg, acc)
+    if regrouped and acc.is_main_process:
+        logger.info(regrouped)
+    resume = pick_resume(acc, cfg)  # collective: latest/auto -> the newest checkpoint that verifies
     saved_state = check_resume(acc, cfg, plan, resume)  # collective; before anything is written
     set_seed(cfg.train.seed)
     together = plan.mode == "zero3"  # from_pretrained under ZeRO-3 runs collectives: every rank loads at once
@@ -188,6 +198,9 @@ def setup(cfg: Config) -> Job:
         model = build_model_on_every_rank(acc, cfg, plan, len(tokenizer))  # collective
     else:
         model = (on_every_rank if model_here else main_process_first)(acc, prepare_model)  # collective
+    # bf16 autocast on CPU: attention, casts and the 4-bit backward where they are fastest (scale.modeling)
+    cpu_paths = (use_cpu_mixed_paths(model) if device.type == "cpu" and cfg.train.mixed_precision == "bf16"
+                 and not plan.partitioned else [])
     mb, ga, world = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, plan.data_parallel_size
     G = cfg.train.global_batch_size(world)
     train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id, world)
@@ -230,16 +243,18 @@ def setup(cfg: Config) -> Job:
         logger.info("per step: tokens~%d (mean %.1f tokens/row), tail tokens~%d; rows: train=%d eval=%d format=%s; "
                     "parameters: trainable=%d total=%d (%.3f%%)", G * mean_len, mean_len, G * mean_tail,
                     len(splits.train), len(splits.eval), splits.format, trainable, total, 100 * trainable / total)
-        log_data_stats(splits.stats)
+        log_data_stats(splits.stats, cfg.data)
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))
         for difference in differences_from_trl(cfg, min(warmup_steps(cfg.optim, max_steps), max_steps - 1)):
             logger.info("unlike TRL: %s", difference)
-        logger.info("mode plan: %s; parameter dtypes: %s", "; ".join(plan.notes) or "defaults", dtype_census(model))
+        logger.info("mode plan: %s; parameter dtypes: %s%s", "; ".join(plan.notes) or "defaults", dtype_census(model),
+                    f"; CPU bf16 paths: {', '.join(cpu_paths)}" if cpu_paths else "")
     state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=world, data_sha256=data_digest(cfg, data_path),
-                         template_sha256=splits.template_sha256, rows_sha256=splits.fingerprint)
+                         template_sha256=splits.template_sha256, rows_sha256=splits.fingerprint,
+                         mixed_precision=cfg.train.mixed_precision)
     if resume is not None:
-        state = load_checkpoint(acc, plan, resume, saved_state, state.data_sha256, state.template_sha256,
-                                state.rows_sha256)  # collective
+        state = load_checkpoint(acc, cfg, plan, resume, saved_state, model, optimizer, scheduler, state.data_sha256,
+                                state.template_sha256, state.rows_sha256)  # collective
     elif cfg.train.resume_from in ("latest", "auto") and acc.is_main_process:
         logger.info("resume_from=%s: no checkpoint in %s yet, starting fresh", cfg.train.resume_from,
                     out / "checkpoints")
@@ -264,6 +279,24 @@ def setup(cfg: Config) -> Job:
         start_samples_file(gen.path, acc.is_main_process, state.step if resume else None)
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
                flops_fn, peak.flops, max_steps, gen, splits.task)
+
+
+def saved_precision(resume_from: str | None, output_dir: Path) -> str | None:
+    """The autocast the checkpoint ``train.resume_from`` names trained in (``bf16``, ``fp16``, ``no``), or None: a
+    fresh start, or a checkpoint that cannot be read (:func:`scale.checkpoint.check_resume` then says why, on every
+    rank). Read from its :class:`TrainerState` (``mixed_precision``), else from the config it saved (checkpoints
+    written before the field existed hold the resolved value there)."""
+    import json
+
+    try:
+        path = resolve_resume(resume_from, output_dir)
+        if path is None:
+            return None
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+        value = state.get("mixed_precision") or state.get("config", {}).get("train", {}).get("mixed_precision")
+    except Exception:  # noqa: BLE001 - reported by check_resume, collectively
+        return None
+    return value if value in ("bf16", "fp16", "no") else None
 
 
 def build_model_on_every_rank(acc: Accelerator, cfg: Config, plan: ModePlan, vocab_size: int) -> torch.nn.Module:
@@ -365,9 +398,13 @@ def check_type_weights(cfg: Config, splits: Splits) -> None:
                         f"{len(weights) - 1} only; give one weight per type id")
 
 
-def log_data_stats(stats: dict[str, int]) -> None:
-    """One line with the data counts; a warning when eval rows are exact copies of training rows."""
-    logger.info("data: %s", " ".join(f"{k.removeprefix('data/')}={v}" for k, v in stats.items()))
+def log_data_stats(stats: dict[str, int], data_cfg: Any = None) -> None:
+    """One line with the data counts (:func:`scale.data.stats_line`); a warning for each kind of thing the chat
+    template or truncation removed (:func:`scale.data.removed_lines`), and when eval rows are exact copies of
+    training rows."""
+    logger.info("data: %s", stats_line(stats))
+    for line in removed_lines(stats, data_cfg) if data_cfg is not None else []:
+        logger.warning("data: %s", line)
     if stats.get("data/eval_rows_in_train"):
         logger.warning("%d of %d eval rows are exact copies of training rows: eval figures are not fully held "
                        "out. Set data.deduplicate=true to drop duplicates before the split.",

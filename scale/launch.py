@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate import Accelerator, DataLoaderConfiguration, PartialState
 from accelerate.utils import (DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration,
                                broadcast_object_list)
 
@@ -80,13 +80,23 @@ def check_inputs(cfg: Config) -> None:
     group, file or model exists. Every rank runs it and reaches the same verdict (shared storage).
 
     Raises:
-        ConfigError: ``train.mixed_precision=fp16`` without a GPU; ``output_dir`` is a file or not writable;
+        ConfigError: ``train.mixed_precision=fp16`` without a GPU; ``loss.fused=liger`` without a GPU or
+            liger-kernel; ``output_dir`` is a file or not writable;
             ``model.name_or_path``/``model.tokenizer``/``train.deepspeed_config`` name a path that does not exist;
             an unknown tracker or one whose package is missing.
     """
     if cfg.train.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("train.mixed_precision=fp16 needs a CUDA GPU: on CPU it would silently run in fp32 while "
                           "config.yaml says fp16; use train.mixed_precision=bf16 or no")
+    if cfg.loss.fused == "liger":
+        if not torch.cuda.is_available():
+            raise ConfigError("loss.fused=liger needs a CUDA GPU (Liger-Kernel's Triton kernels); on CPU set "
+                              "loss.fused=null (scale.chunked's loss, exact on any device)")
+        try:
+            import liger_kernel.transformers.functional  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(f"loss.fused=liger needs liger-kernel ({e}): pip install liger-kernel, or set "
+                              f"loss.fused=null") from None
     check_output_dir(cfg.output_dir)
     for key in ("model.name_or_path", "model.tokenizer"):
         value = get_key(cfg, key)
@@ -249,8 +259,16 @@ def deepspeed_op_notice(ds: dict[str, Any]) -> str | None:
             f"DS_BUILD_CPU_ADAM=1 pip install deepspeed)")
 
 
-def build_accelerator(cfg: Config) -> Accelerator:
+def build_accelerator(cfg: Config, settle: Callable[[], Any] | None = None) -> Accelerator:
     """Create the Accelerator for the launch mode found in the environment, with start-up guards.
+
+    Args:
+        cfg: the run's config; ``train.mixed_precision`` must be resolved (not ``auto``) when the Accelerator is
+            made.
+        settle: called on every rank once the process group is up and before the Accelerator is made, to agree
+            on what the Accelerator needs (``scale.job`` resolves ``train.mixed_precision: auto`` there, rank 0's
+            choice broadcast); collectives allowed. The group is started as the Accelerator starts it
+            (accelerate's ``PartialState`` with the same ``cpu`` flag and process-group arguments).
 
     Raises:
         ConfigError: see :func:`check_inputs`.
@@ -284,6 +302,9 @@ def build_accelerator(cfg: Config) -> Accelerator:
     def start() -> Accelerator:
         init_elastic_process_group(next(tries), timedelta(seconds=min(cfg.train.rendezvous_timeout_s,
                                                                       cfg.train.collective_timeout_s)))
+        if settle is not None:
+            PartialState(on_cpu and not use_deepspeed, **handlers[0].to_kwargs())  # what Accelerator() would start
+            settle()
         return make()
 
     make = lambda: Accelerator(
@@ -398,7 +419,7 @@ def plan_for_mode(cfg: Config, acc: Accelerator) -> ModePlan:
             DistributedType.FSDP: "fsdp"}.get(dt, "ddp")
     m = cfg.model
     plan = ModePlan(mode=mode, deepspeed=ds, partitioned=mode in ("zero3", "fsdp"), use_reentrant=m.use_reentrant,
-                    data_parallel_size=acc.num_processes)
+                    data_parallel_size=cfg.train.data_parallel_size(acc.num_processes))
     if m.gradient_checkpointing and m.use_reentrant and mode in ("ddp", "zero1", "zero2") and acc.num_processes > 1:
         raise LaunchError("model.use_reentrant=true with LoRA under data parallelism fails with 'marked ready "
                           "twice' (peft#313, trl#921); set model.use_reentrant=false")

@@ -384,7 +384,8 @@ class LossSpec:
         criterion: a user criterion (:func:`load_criterion`: it takes the type ids whatever ``loss.criterion_mode``
             says), or ``None`` for cross-entropy.
         chunk_size: ``loss.chunk_size``: ``"auto"``, 0 (unchunked) or positions per chunk of the tail loss
-            (:mod:`scale.chunked`).
+            (:mod:`scale.chunked`); ``"liger"`` under ``loss.fused: liger`` (chunks where ``auto`` would, with
+            Liger-Kernel's fused linear cross-entropy).
     """
 
     padding_side: str = "left"
@@ -409,7 +410,7 @@ class LossSpec:
             padding_side=cfg.data.padding_side,
             type_weights=cfg.loss.type_weights,
             criterion=load_criterion(cfg.loss.criterion, cfg.loss.criterion_mode) if cfg.loss.criterion else None,
-            chunk_size=cfg.loss.chunk_size,
+            chunk_size="liger" if cfg.loss.fused == "liger" else cfg.loss.chunk_size,
         )
 
     def weights(self, batch: dict[str, Tensor]) -> Tensor:

@@ -287,26 +287,42 @@ class PrecisionChoice:
         return out
 
 
-def resolve_mixed_precision(cfg: Config, device: torch.device) -> PrecisionChoice | None:
+def resolve_mixed_precision(cfg: Config, device: torch.device, saved: str | None = None) -> PrecisionChoice | None:
     """Resolve ``train.mixed_precision: auto`` for ``device`` (and ``model.bnb_4bit_compute_dtype: auto`` with it),
     in place on ``cfg``'s sections; return the choice, or None when the precision was set explicitly.
 
+    - a resumed run (``saved``: the precision its checkpoint trained in, :attr:`TrainerState.mixed_precision`):
+      kept, not measured again, so that a probe within noise of the threshold cannot change the dtype mid-run
+      (an explicit setting that differs is the resume's maths-change error, scale.checkpoint.check_resume);
     - QLoRA with ``model.bnb_4bit_compute_dtype: float32``: ``no`` (autocast needs a matching compute dtype);
     - a CUDA GPU: ``bf16`` when ``torch.cuda.is_bf16_supported()`` (tensor cores run it at 2x+ fp32), else ``no``;
     - CPU: both GEMMs timed (:func:`measure_peak_flops`, bounded in time); ``bf16`` when bf16 measures at least
       :data:`AUTO_BF16_RATIO` x fp32 (AMX CPUs: ~7x), else ``no`` (AVX2 CPUs have no bf16 kernel: ~0.5x).
 
-    Each process decides on its own measurement: ranks on one machine measure the same hardware; a ratio within
-    noise of 1.3 could split them (the log of each rank says what it chose).
+    Decided once per launch: rank 0 decides (it alone measures) and broadcasts its choice, and every rank applies
+    it; ranks deciding on their own measurements could split on a ratio within noise of the threshold and train
+    one model in two dtypes. Collective when a process group is up (every rank calls it, after the group starts
+    and before the Accelerator is made: ``scale.launch.build_accelerator``'s ``settle``).
     """
     if cfg.train.mixed_precision != "auto":
         if cfg.model.bnb_4bit_compute_dtype == "auto":
             cfg.model.bnb_4bit_compute_dtype = "bfloat16" if cfg.train.mixed_precision == "bf16" else "float32"
         return None
-    choice = _auto_precision(cfg, device)
+    import torch.distributed as dist
+
+    group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    box: list[PrecisionChoice | None] = [None]
+    if not group or dist.get_rank() == 0:
+        box[0] = (PrecisionChoice(saved, None, None, "kept from the checkpoint this run resumes")
+                  if saved in ("bf16", "fp16", "no") else _auto_precision(cfg, device))
+    if group:
+        dist.broadcast_object_list(box, src=0)  # collective
+    choice = box[0]
+    if choice is None:
+        raise RuntimeError("train.mixed_precision=auto: rank 0's choice did not arrive")
     cfg.train.mixed_precision = choice.choice
     if cfg.model.bnb_4bit_compute_dtype == "auto":
-        cfg.model.bnb_4bit_compute_dtype = "bfloat16" if choice.choice == "bf16" else "float32"
+        cfg.model.bnb_4bit_compute_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(choice.choice, "float32")
     return choice
 
 
@@ -448,7 +464,8 @@ def model_flops(cfg: Config, model_config: Any, trainable: int) -> Callable[...,
         ``flops_fn`` (:mod:`scale.flops`: LoRA count, only the tail's logits, padding positions counted).
     """
     def flops_fn(rows: int, seq_len: int, kept: int | None = None) -> float:
-        kept = cfg.loss.threshold if kept is None else kept
+        if kept is None:  # loss.threshold: all keeps every position
+            kept = seq_len if cfg.loss.threshold == "all" else cfg.loss.threshold
         per_position = flops_per_token(model_config, seq_len, lora_params=trainable,
                                        logits_fraction=min(1.0, kept / seq_len))
         return rows * seq_len * per_position

@@ -111,6 +111,8 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     meter = StepMeter(acc.device, job.flops_fn, job.peak_flops, cfg.data.max_length)  # after the step-0 eval
     pbar = Progress(job.max_steps, state.step, acc.is_local_main_process)  # a bar, or lines in a log file
     timer = SaveTimer(t.save_every_minutes)
+    if state.eval_pending:  # resumed from a checkpoint whose evaluation a signal cut short: that evaluation first
+        last_eval, _ = conclude_step(job, pbar, preemption, timer, True, False, state.step >= job.max_steps)
     job.model.train()
     while state.step < job.max_steps and state.reason != "early_stopped":  # an early-stopped run resumes stopped
         ready = time.perf_counter()
@@ -135,23 +137,10 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
                 job.log.write(state.step, metrics)
                 pbar.show(state.step, metrics)
             paused = time.perf_counter()
-            best = stopping = False
-            if done or (t.eval_every and state.step % t.eval_every == 0):
-                try:
-                    last_eval = evaluate_and_log(job, preemption)
-                except EvalInterrupted:  # a signal during the evaluation: this step's checkpoint, within seconds
-                    preempted(job, pbar)
-                best, stopping = judge(job, last_eval)
-            interval = t.save_every and state.step % t.save_every == 0
-            if interval or window.save_due or best or stopping or (done and (t.save_every or t.save_every_minutes)):
-                why = "end" if done else "early_stopped" if stopping else "best" if best else "interval"
-                path = save_checkpoint(acc, cfg, job.plan, state.with_reason(why))
-                if best and acc.is_main_process:
-                    write_best(cfg.output_dir, state, t.keep_best)  # after the checkpoint it names is whole
-                if cfg.log.wandb_log_model == "checkpoint":
-                    log_model(acc, cfg, path, "adapter", state.step, [path.name], (ADAPTER_FILE, STATE_FILE))
-                timer.reset()
-            if done or stopping:
+            due = bool(done or (t.eval_every and state.step % t.eval_every == 0))
+            evaluated, stop = conclude_step(job, pbar, preemption, timer, due, window.save_due, done)
+            last_eval = evaluated if evaluated is not None else last_eval
+            if stop:
                 break
             ready = time.perf_counter()
             meter.paused_s += ready - paused  # evaluation and checkpoints are not training time
@@ -163,13 +152,52 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     return last_eval or evaluate(acc, job.model, job.eval_dl, job.spec, task=job.task)
 
 
+def conclude_step(job: Job, pbar: Any, preemption: Preemption | None, timer: SaveTimer, evaluate_now: bool,
+                  save_due: bool, done: bool) -> tuple[dict[str, float] | None, bool]:
+    """What follows optimizer step ``job.state.step``: its evaluation when due, the ``train.keep_best`` /
+    early-stopping verdict, and its checkpoint (interval, time, best, early stop, end). Collective.
+
+    A signal during the evaluation checkpoints the step with the evaluation marked pending
+    (``TrainerState.eval_pending``); the resumed run calls this first for that step (:func:`fit`), so its eval
+    lines, ``best.json``, early stop and checkpoints are those of an uninterrupted run.
+
+    Returns:
+        ``(metrics, stop)``: the evaluation's metrics (``None`` when none was due), and whether training ends here
+        (the last step, or early stopping).
+
+    Raises:
+        Preempted: a signal arrived during the evaluation; the checkpoint was written.
+    """
+    cfg, acc, state, t = job.cfg, job.acc, job.state, job.cfg.train
+    metrics, best, stopping = None, False, False
+    if evaluate_now:
+        try:
+            metrics = evaluate_and_log(job, preemption)
+        except EvalInterrupted:  # a signal during the evaluation: this step's checkpoint, within seconds
+            state.eval_pending = True
+            preempted(job, pbar)
+        state.eval_pending = False
+        best, stopping = judge(job, metrics)
+    interval = t.save_every and state.step % t.save_every == 0
+    if interval or save_due or best or stopping or (done and (t.save_every or t.save_every_minutes)):
+        why = "end" if done else "early_stopped" if stopping else "best" if best else "interval"
+        path = save_checkpoint(acc, cfg, job.plan, state.with_reason(why), job.model, job.optimizer)
+        if best and acc.is_main_process:
+            write_best(cfg.output_dir, state, t.keep_best)  # after the checkpoint it names is whole
+        if cfg.log.wandb_log_model == "checkpoint":
+            log_model(acc, cfg, path, "adapter", state.step, [path.name], (ADAPTER_FILE, STATE_FILE))
+        timer.reset()
+    return metrics, done or stopping
+
+
 def preempted(job: Job, pbar: Any) -> None:
     """Checkpoint the last finished optimizer step and raise :class:`Preempted`. Collective.
 
     Raises:
         Preempted: always.
     """
-    save_checkpoint(job.acc, job.cfg, job.plan, job.state.with_reason("preempted"))  # collective
+    save_checkpoint(job.acc, job.cfg, job.plan, job.state.with_reason("preempted"), job.model,
+                    job.optimizer)  # collective
     pbar.close()
     raise Preempted(f"pre-empted at step {job.state.step}: checkpoint written; rerun with "
                     f"train.resume_from=latest to continue")

@@ -28,12 +28,14 @@ _CHOICES = {
     "model.bnb_4bit_compute_dtype": ("float32", "bfloat16", "float16", "auto"),
     "model.bnb_4bit_quant_storage": ("uint8", "float32", "bfloat16", "float16"),
     "data.padding_side": ("left", "right"),
-    "data.train_on": ("all_assistant", "last_assistant"),
+    "data.train_on": ("all_assistant", "all_assistant_as_last", "last_assistant"),
+    "data.truncation": ("keep_end", "drop"),
     "model.gradient_checkpointing": (True, False, "every_n", "offload"),
     "model.attn_implementation": (None, "sdpa", "eager", "flash_attention_2", "flex_attention"),
     "data.format": ("auto", "text", "classification", "prompt_completion", "messages"),
     "data.stopping_strategy": ("first_exhausted", "all_exhausted"),
     "loss.criterion_mode": ("plain", "input"),
+    "loss.fused": (None, "liger"),
     "optim.name": ("adamw", "sgd"),
     "optim.schedule": ("cosine", "linear", "constant"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
@@ -41,7 +43,7 @@ _CHOICES = {
     "train.keep_best_mode": ("auto", "min", "max"),
 }
 _POSITIVE = ("train.micro_batch_size", "train.gradient_accumulation_steps",
-             "train.eval_micro_batch_size", "train.log_every", "loss.threshold", "data.max_length", "lora.r",
+             "train.eval_micro_batch_size", "train.log_every", "data.max_length", "lora.r",
              "data.mega_batch_steps", "model.checkpoint_every_n_layers")
 
 
@@ -86,10 +88,15 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"train.collective_timeout_s={cfg.train.collective_timeout_s} must be > 0 (seconds)")
     if not cfg.data.template.endswith("{label}") or "{text}" not in cfg.data.template:
         raise ConfigError(f"data.template={cfg.data.template!r} must contain '{{text}}' and end with '{{label}}'")
-    if not (-cfg.loss.threshold <= cfg.loss.target_position <= -1):
+    threshold = cfg.loss.threshold
+    if threshold != "all" and not (isinstance(threshold, int) and threshold >= 1):
+        raise ConfigError(f"loss.threshold={threshold!r} must be a number of tokens >= 1, or 'all' (the text format "
+                          f"trains every token of the row after the first)")
+    if cfg.loss.target_position > -1 or threshold != "all" and cfg.loss.target_position < -threshold:
         raise ConfigError(
             f"loss.target_position={cfg.loss.target_position} is outside the tail: it must be between "
-            f"-{cfg.loss.threshold} and -1 (loss.threshold={cfg.loss.threshold}); raise loss.threshold or move it")
+            f"-{cfg.loss.threshold if threshold != 'all' else 'the row length'} and -1 (loss.threshold="
+            f"{cfg.loss.threshold}); raise loss.threshold or move it")
     if len({label.strip() for label in cfg.data.labels}) < 2 or any(not label.strip() for label in cfg.data.labels):
         raise ConfigError(f"data.labels={cfg.data.labels} needs at least two distinct, non-empty labels "
                           f"(surrounding spaces are ignored)")
@@ -101,6 +108,9 @@ def validate(cfg: Any) -> None:
         raise ConfigError("loss.criterion and loss.type_weights cannot be combined: a user criterion gets weight 1 "
                           "for every tail token, so the weights would be ignored. Drop loss.type_weights, or weigh "
                           "inside the criterion (loss.criterion_mode=input passes it the type ids)")
+    if cfg.loss.fused == "liger" and (cfg.loss.type_weights is not None or cfg.loss.criterion is not None):
+        raise ConfigError("loss.fused=liger computes an unweighted cross-entropy: it cannot apply loss.type_weights or "
+                          "loss.criterion. Drop them, or set loss.fused=null (scale.chunked's loss takes both)")
     chunk = cfg.loss.chunk_size
     if chunk != "auto" and not (isinstance(chunk, int) and chunk >= 0):
         raise ConfigError(f"loss.chunk_size={chunk!r} must be 'auto', 0 (unchunked) or a number of positions >= 1")

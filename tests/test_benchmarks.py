@@ -51,6 +51,20 @@ def test_trainer_and_ours_same_first_steps():
         assert res["ratio"][name][0] > 0
 
 
+def test_trainer_and_ours_in_bf16_track_each_other():
+    """Each contestant at a dtype of its own (``@bf16``): ours with scale.modeling's CPU bf16 paths, the Trainer
+    with transformers' stock bf16 autocast, on the same model and rows: the losses agree within bf16 round-off."""
+    from benchmarks.vs_trainer import compare
+
+    res = compare(Job(**MICRO, log_every=1), repeats=1, contestants=("ours@bf16", "trainer+keep@bf16",
+                                                                     "trainer+keep@fp32"))
+    ours = res["losses"]["ours@bf16"]
+    for name in ("trainer+keep@bf16", "trainer+keep@fp32"):
+        assert len(res["losses"][name]) == len(ours) == 3
+        assert max(abs(a - b) / a for a, b in zip(ours, res["losses"][name])) < 2e-2, (name, ours, res["losses"][name])
+    assert set(res["ratio"]) == {"trainer+keep@bf16", "trainer+keep@fp32"}
+
+
 def test_checkpointing_worker_same_losses_less_saved():
     from benchmarks.checkpointing_speed import worker
 

@@ -186,7 +186,7 @@ def test_waiting_ranks_poll_the_build_record_and_share_the_builders_error(tmp_pa
                    f"data.cache_dir={tmp_path / 'cache'}")
     with pytest.raises(DataError, match="label 'meh'"):
         load_splits(bad, tokenizer, bad.data.path, "run-b")
-    with pytest.raises(DataError, match="row 1 of .*label 'meh' is not in data.labels"):
+    with pytest.raises(DataError, match=r"row 1 \(line 2\) of .*label 'meh' is not in data.labels"):
         wait_for_splits(bad, tokenizer, bad.data.path, "run-b", poll_s=0.05)
     # another launch's failure marker is not this launch's: its ranks keep waiting for their own builder
     with pytest.raises(TimeoutError):

@@ -2,7 +2,9 @@
 
 - bf16 QLoRA on the real SmolLM2-135M: trains, stays bf16 where it should, and is faster per step than
   the fp32 LoRA baseline on the same job;
-- FSDP2 + QLoRA through ``accelerate launch`` (2 GPUs): same per-step loss as single-GPU within bf16 noise.
+- FSDP2 + QLoRA through ``accelerate launch`` (2 GPUs): same per-step loss as single-GPU within bf16 noise;
+- ``loss.fused: liger`` (Liger-Kernel's fused linear cross-entropy, Triton): the chunked loss's numbers (not yet
+  run: no GPU machine has run this file since it was added).
 """
 
 from __future__ import annotations
@@ -60,3 +62,31 @@ def test_fsdp2_qlora_matches_single_gpu(tmp_path):
     assert len(single["loss"]) == len(fsdp["loss"])
     for a, b in zip(single["loss"], fsdp["loss"]):
         assert abs(a - b) <= 2e-2 * abs(a)   # bf16
+
+
+@needs_cuda
+def test_liger_fused_loss_matches_the_chunked_loss():
+    """Liger's fused linear cross-entropy against scale.chunked's fused path on the same tail hidden states: loss
+    and hidden-state gradient within fp32 round-off (both compute the logits chunk by chunk in fp32)."""
+    pytest.importorskip("liger_kernel")
+    from scale import chunked
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    M, H, V = 700, 576, 49152  # a long SFT tail of SmolLM2's shape: chunked by loss.chunk_size=auto
+    head = torch.nn.Linear(H, V, bias=False, device="cuda").requires_grad_(False)
+    model = torch.nn.Module()
+    model.get_output_embeddings = lambda: head
+    hidden = torch.randn(1, M, H, device="cuda", generator=g)
+    targets = torch.randint(0, V, (1, M), device="cuda", generator=g)
+    weights = (torch.rand(1, M, device="cuda", generator=g) > 0.2).float()  # some positions outside the tail
+    chunk = chunked.resolve_chunk_size("auto", M, V)
+    assert chunk and chunked.resolve_chunk_size("liger", M, V) == chunk
+    out = {}
+    for fused in (None, "liger"):
+        h = hidden.clone().requires_grad_(True)
+        num, den = chunked.chunked_tail_loss(model, h, targets, weights, chunk, fused=fused)
+        num.backward()
+        out[fused] = (num.item(), den.item(), h.grad)
+    assert out["liger"][1] == out[None][1] == weights.sum().item()
+    assert out["liger"][0] == pytest.approx(out[None][0], rel=1e-5)
+    torch.testing.assert_close(out["liger"][2], out[None][2], rtol=1e-4, atol=1e-6)

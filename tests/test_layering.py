@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "fileio": set(),
     "flops": set(),
     "signals": set(),
-    "state": set(),  # TrainerState, SaveTimer (moved out of checkpoint, issue 20)
+    "state": {"config"},  # TrainerState, SaveTimer (moved out of checkpoint, issue 20), the global batch of a resume
     "validation": set(),  # the config's rules and ConfigError: the schema imports them
     "schema": {"validation"},  # Config.__post_init__ runs the rules
     "best": {"config", "fileio", "state", "validation"},  # train.keep_best, early stopping (issue 20)
@@ -54,14 +54,16 @@ ALLOWED: dict[str, set[str]] = {
     "generate": {"config", "export", "modeling"},
     # scale-lm-eval: the eval split (token cache, samples' prompt/answer split) as a harness task
     "lmeval": {"assets", "config", "data", "data.cache", "data.read", "data.tasks", "export", "fileio", "modeling", "samples"},
-    "plan": {"assets", "census", "config", "data.tokenize", "layouts", "modeling"},  # data: the tails to plan for
+    "plan": {"assets", "census", "config", "data.tokenize", "layouts", "modeling", "state"},  # data: the tails;
+    # state: --resume reads a checkpoint's trainer_state.json
     # the loop side: may import accelerate / torch.distributed
     "rendezvous": set(),
     "launch": {"config", "rendezvous", "topology"},
     "metrics": {"config", "fileio", "flops"},
     "tracking": {"config", "fileio", "metrics"},
     "checks": {"modeling"},
-    "checkpoint": {"config", "fileio", "launch", "modeling", "state"},
+    "portable": {"launch"},  # the mode-independent checkpoint state: any launch mode loads it (issue 30)
+    "checkpoint": {"config", "fileio", "launch", "modeling", "portable", "state"},
     "evaluate": {"data.tasks", "loss", "signals"},
     "samples": {"checkpoint", "signals", "tracking"},  # generation at each evaluation (issue 20)
     "job": {"assets", "best", "checkpoint", "checks", "config", "data.cache", "data.collate", "data.mixing",
@@ -78,7 +80,7 @@ ALLOWED: dict[str, set[str]] = {
     "sampling": {"data.collate", "data.order"},
 }
 DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpoint", "evaluate", "job", "train", "cli",
-               "samples"}
+               "samples", "portable"}
 
 # Bottom first. A room imports rooms of its own layer or below; an import into a higher layer runs upward. The data
 # stages are one layer each, in the order rows flow: files, sources, formats, split, mixing, tokens, cache, batches.
@@ -95,8 +97,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("data: cache", {"data.token_table", "data.cache"}),
     ("data: collation and order", {"data.collate", "data.order"}),
     ("data: the package's face", {"data"}),
-    ("the loop side", {"metrics", "tracking", "launch", "checks", "checkpoint", "best", "evaluate", "samples", "export",
-                       "generate", "job", "train"}),
+    ("the loop side", {"metrics", "tracking", "launch", "checks", "portable", "checkpoint", "best", "evaluate", "samples",
+                       "export", "generate", "job", "train"}),
     ("entry points and aliases", {"cli", "plan", "prepare", "report", "lmeval", "formats", "sampling"}),
 ]
 # Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and
