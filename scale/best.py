@@ -49,6 +49,21 @@ def observe(state: TrainerState, metrics: dict[str, Any], metric: str, mode: str
     return better
 
 
+def check_reported(metric: str | None, reported: set[str]) -> None:
+    """``train.keep_best`` names one of the metrics every evaluation of this run reports: checked before step 1,
+    so that a metric the run never reports does not stop it at its first evaluation after training started.
+
+    Raises:
+        ConfigError: ``metric`` is not in ``reported`` (the message lists them).
+    """
+    if metric is None or metric in reported:
+        return
+    why = (" (eval/gen_* metrics need eval.generate_samples > 0)" if metric.startswith("eval/gen_") and
+           not any(k.startswith("eval/gen_") for k in reported) else "")
+    raise ConfigError(f"train.keep_best={metric!r} is not an evaluation metric of this run{why}; it reports "
+                      f"{sorted(reported)}: set train.keep_best to one of them")
+
+
 def out_of_patience(state: TrainerState, patience: int | None) -> bool:
     """Whether ``patience`` evaluations in a row have not improved the best (``None``: never)."""
     return patience is not None and state.evals_since_best >= patience

@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from scale.assets import resolve_data
-from scale.config import Config, ConfigError, load_config, named_config, yaml_load
+from scale.config import Config, ConfigError, configs_dir, keys_help, load_config, named_config, yaml_load
 from scale.signals import EXIT_PREEMPTED, Preempted, Preemption
+from scale.topology import processes_for, usable_cores, visible_gpus
 
 # torch, transformers and the loop are imported when a job runs (start_fast, main): `scale-train --accelerate-config`
 # and `--help` only start a launcher or print, without the ~4 s of CPU their import costs. The imports of scale
@@ -102,6 +103,28 @@ class _ErrorsOnly(logging.Filter):
         return not quiet or record.levelno >= logging.ERROR
 
 
+# Third-party start-up notices that say nothing is wrong, rewritten as INFO lines that say what they mean:
+# (logger name prefix, start of the message, the line instead).
+NOTICES = (
+    # bitsandbytes 0.50 on an AVX512-BF16 CPU tries the hub kernel first; its built-in CPU kernel runs instead. The
+    # advice to `pip install kernels` is wrong here: kernels would then download from the model hub (STACK.md).
+    ("bitsandbytes", "Failed to load CPU gemm_4bit_forward from kernels-community",
+     "bitsandbytes: 4-bit GEMMs use its built-in CPU kernel (the hub kernel is not used)"),
+    # DeepSpeed on a machine without a GPU: the CPU accelerator is what runs (gloo), as intended.
+    ("DeepSpeed", "Setting accelerator to CPU", "DeepSpeed runs on the CPU accelerator (no GPU found)"),
+)
+
+
+class _Notices(logging.Filter):
+    """Rewrite the :data:`NOTICES` as INFO records with their plain meaning; every other record passes as it is."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for prefix, start, instead in NOTICES:
+            if record.name.startswith(prefix) and str(record.msg).startswith(start):
+                record.msg, record.args, record.levelno, record.levelname = instead, (), logging.INFO, "INFO"
+        return True
+
+
 def configure_logging(env: dict[str, str], uses_deepspeed: bool = False) -> None:
     """Our log lines on stderr; third-party warnings once per run, on the main rank.
 
@@ -112,10 +135,22 @@ def configure_logging(env: dict[str, str], uses_deepspeed: bool = False) -> None
       DeepSpeed. A filter, not a level: DeepSpeed resets its logger's level when it is imported.
     - peft calls transformers' deprecated ``is_gradient_checkpointing`` on every model it wraps (transformers 5.x
       FutureWarning, not ours to fix): ignored.
+    - Start-up notices that are not problems (:data:`NOTICES`) become INFO lines saying what they mean; accelerate's
+      per-file checkpoint lines are dropped (the loop logs one line per checkpoint).
+    - Where stderr is not a terminal (a log file), the progress bars of datasets, transformers and the hub are off
+      (``HF_DATASETS_DISABLE_PROGRESS_BARS``, ``HF_HUB_DISABLE_PROGRESS_BARS``): a redrawn bar makes kilobyte lines
+      there; the loop writes plain lines instead (:func:`scale.metrics.plain_progress`).
     """
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    for noisy in ("httpx", "urllib3", "datasets", "filelock"):
+    for noisy in ("httpx", "urllib3", "datasets", "filelock", "accelerate.checkpointing", "accelerate.accelerator"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()) and env.get("SCALE_PROGRESS") != "bar":
+        for name in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+            os.environ.setdefault(name, "1")
+    notices = _Notices()
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(notices)
+    logging.getLogger("DeepSpeed").addFilter(notices)  # it has its own handler and does not propagate
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
     uses_deepspeed = uses_deepspeed or env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     main_rank = env.get("RANK", "0") == "0"
@@ -129,7 +164,8 @@ def configure_logging(env: dict[str, str], uses_deepspeed: bool = False) -> None
         warnings.filterwarnings("ignore")  # python warnings come from libraries; rank 0 shows them
 
 
-OWN_OPTIONS = ("--config", "--accelerate-config", "--local_rank", "--local-rank", "--help")
+OWN_OPTIONS = ("--config", "--accelerate-config", "--local_rank", "--local-rank", "--help", "--show-rows",
+               "--num-processes", "--num_processes")
 
 
 def override_form(argv: list[str]) -> list[str]:
@@ -138,24 +174,47 @@ def override_form(argv: list[str]) -> list[str]:
     return [a[2:] if a.startswith("--") and "=" in a and a.split("=", 1)[0] not in OWN_OPTIONS else a for a in argv]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """``--config PATH`` and the dotted overrides (``key=value`` or ``--key=value``), before and after it."""
-    parser = argparse.ArgumentParser(prog="scale-train", description=__doc__,
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``scale-train`` (:func:`parse_args`)."""
+    parser = argparse.ArgumentParser(prog="scale-train", description=__doc__, add_help=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-h", "--help", nargs="?", const="", default=None, metavar="SECTION|KEY",
+                        help="this help and every config key (type, default, one line); --help optim: one section "
+                             "in full, --help optim.lr: one key, --help trl: TRL/transformers names -> scale keys")
     parser.add_argument("--config", default=None, help="training YAML, or a shipped config's name such as tiny_cpu "
                                                        "(default: default)")
     parser.add_argument("--accelerate-config", default=None, metavar="NAME|PATH",
                         help="start the job through `accelerate launch` with this accelerate config (a shipped name "
                              "such as cpu_zero2, ddp, zero3, or a YAML; its DeepSpeed JSON is read relative to it); "
                              "the exit code is the job's")
+    parser.add_argument("--num-processes", "--num_processes", type=int, default=None, metavar="N",
+                        help="with --accelerate-config: start N processes (default: one per visible GPU for the "
+                             "shipped GPU topologies, 2 CPU processes without a GPU, else the YAML's num_processes); "
+                             "more than this machine's GPUs (or, without a GPU, max(2, CPU cores)) is refused")
     parser.add_argument("--show-rows", type=int, default=None, metavar="N",
                         help="print the first N train rows as the model reads them, trained tokens between [[ and ]], "
                              "and exit (nothing is trained or written)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=50")
     # The `deepspeed` launcher appends --local_rank=N; the rank is read from LOCAL_RANK in the environment.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``--config PATH`` and the dotted overrides (``key=value`` or ``--key=value``), before and after it."""
     argv = override_form(sys.argv[1:] if argv is None else list(argv))
-    return parser.parse_intermixed_args(argv)  # overrides may come before and after --config
+    return build_parser().parse_intermixed_args(argv)  # overrides may come before and after --config
+
+
+def print_help(topic: str) -> int:
+    """``scale-train --help [TOPIC]`` on stdout (:func:`scale.config.keys_help`); return the exit code."""
+    try:
+        text = keys_help(topic) if topic else build_parser().format_help() + "\n" + keys_help()
+    except ConfigError as e:
+        _error(e)
+        return EXIT_BAD_INPUT
+    sys.stdout.write(text)
+    return 0
 
 
 def bad_input_errors() -> tuple[type[Exception], ...]:
@@ -256,12 +315,19 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     :func:`start_fast` does."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.help is not None:
+        return print_help(args.help)
     if args.accelerate_config is not None:
         try:
-            return launch_with_accelerate(args.accelerate_config, _without_accelerate_config(argv))
+            return launch_with_accelerate(args.accelerate_config, _without_accelerate_config(argv),
+                                          args.num_processes)
         except ConfigError as e:
             _error(e)
             return EXIT_BAD_INPUT
+    if args.num_processes is not None:
+        _error(ConfigError("--num-processes needs --accelerate-config (the launcher starts the processes), e.g. "
+                           "scale-train --accelerate-config ddp --num-processes 2"))
+        return EXIT_BAD_INPUT
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
@@ -304,52 +370,81 @@ def show_rows(cfg: Any, n: int) -> None:
     builds them), each with its data-file row, its token counts and its text, trained tokens between ``[[`` and
     ``]]``; printed on stdout. Nothing is trained or written.
 
+    A ``data.eval_size`` the data cannot hold does not hide the rows (one looks at them to choose it): they are
+    shown as split with one held-out row, and the run's error follows them on stderr.
+
     Raises:
-        DataError, ConfigError: as the run would raise them.
+        DataError, ConfigError: as the run would raise them (except for ``data.eval_size``).
     """
-    from scale.data.tokenize import build_splits, show_example, show_legend  # deferred: torch
+    import dataclasses
+
+    from scale.data.read import DataError  # deferred: scale.data imports torch
+    from scale.data.tokenize import (build_splits, removed_lines, show_example, show_legend,  # deferred: torch
+                                     stats_line)
     from scale.modeling import load_tokenizer  # deferred: transformers
 
     tokenizer = load_tokenizer(cfg.model)
-    splits = build_splits(cfg.data, cfg.loss, tokenizer, resolve_data(cfg.data.path), cfg.train.seed)
-    sys.stdout.write(f"format={splits.format}; {show_legend()}\n")
+    path = resolve_data(cfg.data.path)
+    problem = None
+    try:
+        splits = build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed)
+    except DataError as e:
+        try:  # the same with the smallest eval split: if that builds, eval_size was what did not fit
+            splits = build_splits(dataclasses.replace(cfg.data, eval_size=1), cfg.loss, tokenizer, path, cfg.train.seed)
+        except DataError:
+            raise e from None
+        problem = e
+    sys.stdout.write(f"format={splits.format}; {show_legend()}\ndata: {stats_line(splits.stats)}\n")
+    for line in removed_lines(splits.stats, cfg.data):
+        sys.stdout.write(f"data: {line}\n")
     for e in splits.train[:n]:
         trained = sum(e.tail_flags())
         sys.stdout.write(f"--- data-file row {e.row}: {len(e.input_ids)} tokens, {trained} trained\n"
                          f"{show_example(tokenizer, e)}\n")
     sys.stdout.flush()
+    if problem is not None:
+        sys.stderr.write(f"scale-train: note: rows shown with data.eval_size=1; a run would stop: {problem}\n")
 
 
 def _without_accelerate_config(argv: list[str]) -> list[str]:
+    """``argv`` without the wrapper's own options (``--accelerate-config``, ``--num-processes``): the job's."""
+    own = ("--accelerate-config", "--num-processes", "--num_processes")
     out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
-        elif arg == "--accelerate-config":
+        elif arg in own:
             skip = True
-        elif not arg.startswith("--accelerate-config="):
+        elif not arg.startswith(tuple(f"{o}=" for o in own)):
             out.append(arg)
     return out
 
 
-def launch_with_accelerate(name_or_path: str, job_args: list[str]) -> int:
+def launch_with_accelerate(name_or_path: str, job_args: list[str], num_processes: int | None = None) -> int:
     """Run ``scale-train job_args`` under ``accelerate launch`` with a (shipped or own) accelerate config.
 
-    The config's relative ``deepspeed_config_file`` is read relative to the YAML and passed on as an absolute
-    ``--deepspeed_config_file``, so the launch works from any directory. SIGTERM/SIGINT are forwarded to the
-    launcher (which forwards them to the ranks: pre-emption works as without the wrapper). When a rank
-    reported an outcome (:func:`_error`), its message is printed last and its exit code is returned, whatever
-    the launcher's own code (torch elastic turns every failure into 1).
+    The process count is ``num_processes``, else one per visible GPU for a shipped GPU topology (2 CPU processes
+    without a GPU), else the YAML's (:func:`scale.topology.processes_for`), passed as ``--num_processes``; a count
+    this machine cannot hold is refused before anything starts. The config's relative ``deepspeed_config_file``
+    is read relative to the YAML and passed on as an absolute ``--deepspeed_config_file``, so the launch works from
+    any directory. SIGTERM/SIGINT are forwarded to the launcher (which forwards them to the ranks: pre-emption
+    works as without the wrapper). When a rank reported an outcome (:func:`_error`), its message is printed last
+    and its exit code is returned, whatever the launcher's own code (torch elastic turns every failure into 1).
 
     Returns:
         The job's exit code.
 
     Raises:
-        ConfigError: the accelerate config is neither a file nor a shipped name.
+        ConfigError: the accelerate config is neither a file nor a shipped name; the process count does not fit.
     """
     yaml_path = named_config(name_or_path, kind="accelerate").resolve()
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_path)]
     tree = yaml_load(yaml_path.read_text(encoding="utf-8")) or {}
+    shipped = yaml_path.parent == (configs_dir() / "accelerate").resolve()
+    count, why = processes_for(tree, yaml_path.stem, num_processes, visible_gpus(), usable_cores(), shipped)
+    sys.stderr.write(f"scale-train: accelerate launch --config_file {yaml_path.name} --num_processes {count} "
+                     f"({why})\n")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_path),
+           "--num_processes", str(count)]
     ds = (tree.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if isinstance(ds, str) and ds != "none" and not Path(ds).is_absolute() and (yaml_path.parent / ds).is_file():
         cmd += ["--deepspeed_config_file", str((yaml_path.parent / ds).resolve())]

@@ -12,8 +12,11 @@ No torch, no accelerate: this module is imported by every other one.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 import os
 import re
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -22,6 +25,7 @@ from typing import Any
 import yaml
 
 from scale.fileio import write_text_atomic
+from scale.names import TRL_NAMES, default_of, other_name, schema_fields, suggest, trl_table
 from scale.schema import (Config, ConfigError, DataConfig, DatasetConfig, LogConfig, LoraConfig,  # noqa: F401
                           LossConfig, ModelConfig, OptimConfig, TrainConfig, get_key)
 
@@ -68,6 +72,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if dataclasses.is_dataclass(tp):  # an entry of data.datasets [issue 18]
         return _build(tp, value, f"{key}.")
     if origin in (typing.Union, types.UnionType):
+        if value == "None" and type(None) in typing.get_args(tp):  # Python's null: `wandb agent` passes --key=None
+            return None
         for arm in typing.get_args(tp):
             if arm is type(None):
                 if value is None:
@@ -149,10 +155,15 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping{example}, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - names, key=str)
     if unknown:
-        raise ConfigError(f"unknown config key {prefix}{unknown[0]!s}; known keys in "
-                          f"{prefix.rstrip('.') or 'the top level'}: {sorted(names)}")
+        key = f"{prefix}{unknown[0]!s}"
+        more = f" (and {len(unknown) - 1} more unknown: {', '.join(map(str, unknown[1:4]))})" if len(unknown) > 1 else ""
+        hint = suggest(key, None if cls is not DatasetConfig else [f"{prefix}{n}" for n in sorted(names)])
+        if hint:
+            raise ConfigError(f"unknown config key {key}: {hint}{more}")
+        raise ConfigError(f"unknown config key {key}; known keys in {prefix.rstrip('.') or 'the top level'}: "
+                          f"{sorted(names)}{more}; scale-train --help lists them")
     kwargs = {}
     for name, value in data.items():
         tp = hints[name]
@@ -223,11 +234,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), _parse_value(raw))
+        for dotted, value in _key_by_key(key.strip(), _parse_value(raw)):
+            _set_dotted(tree, dotted, value)
     ds = tree.get("train", {}).get("deepspeed_config") if isinstance(tree.get("train"), dict) else None
     if isinstance(ds, str) and not Path(ds).exists() and (configs_dir() / "deepspeed" / f"{ds}.json").is_file():
         tree["train"]["deepspeed_config"] = str(configs_dir() / "deepspeed" / f"{ds}.json")  # a shipped name
     return _build(Config, tree, "")
+
+
+def _is_section(dotted: str) -> bool:
+    """Whether ``dotted`` names a section of the schema (``optim``, ``data.datasets.0``), not a key."""
+    tp: Any = Config
+    for part in dotted.split("."):
+        if typing.get_origin(tp) is list and part.isdigit():
+            tp = typing.get_args(tp)[0]
+        elif dataclasses.is_dataclass(tp):
+            tp = typing.get_type_hints(tp).get(part)
+        else:
+            return False
+    return dataclasses.is_dataclass(tp)
+
+
+def _key_by_key(dotted: str, value: Any) -> list[tuple[str, Any]]:
+    """An override as ``(dotted key, value)`` pairs: a mapping given for a whole section (``optim={lr: 0.002}``,
+    as ``wandb agent`` passes a nested sweep parameter: ``--optim={'lr': 0.002}``) sets its keys one by one, so
+    the section's other keys keep the values of the config file instead of the schema defaults."""
+    if isinstance(value, dict) and _is_section(dotted):
+        return [pair for k, v in value.items() for pair in _key_by_key(f"{dotted}.{k}", v)]
+    return [(dotted, value)]
 
 
 def _parse_value(raw: str) -> Any:
@@ -311,40 +345,132 @@ def dump_config(cfg: Config, path: str | Path, comment: str | None = None) -> No
     write_text_atomic(path, head + yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
+def type_text(tp: Any) -> str:
+    """A schema annotation as the help shows it: ``int``, ``float | null``, ``list[str] | str``."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(type_text(arm) for arm in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) is list:
+        (arm,) = typing.get_args(tp)
+        return f"list[{'mapping' if dataclasses.is_dataclass(arm) else type_text(arm)}]"
+    if typing.get_origin(tp) is dict:
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _yaml_text(value: Any) -> str:
+    """A default as it would be written on the command line (``null``, ``true``, ``[q_proj, v_proj]``)."""
+    if isinstance(value, str) and "\n" in value:
+        return json.dumps(value)  # one line: "Review: {text}\nSentiment: {label}"
+    return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...").strip()
+
+
 def help_table() -> str:
-    """Markdown table of every key, its default and its help text (used for the README reference)."""
-    rows = ["| key | default | meaning (unit) |", "|---|---|---|"]
-
-    def walk(cls: type, prefix: str) -> None:
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(hints[f.name]):
-                walk(hints[f.name], f"{prefix}{f.name}.")
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            help_text = f.metadata.get("help", "").replace("|", "\\|")
-            rows.append(f"| `{prefix}{f.name}` | `{default!r}` | {help_text} |")
-            if f.name == "datasets":  # the keys of one entry [issue 18]
-                walk(DatasetConfig, f"{prefix}{f.name}[i].")
-
-    walk(Config, "")
+    """Markdown table of every key: its type, default and help text (``docs/config.md``)."""
+    rows = ["| key | type | default | meaning (unit) |", "|---|---|---|---|"]
+    for key, tp, f in schema_fields():
+        help_text = f.metadata.get("help", "").replace("|", "\\|")
+        rows.append(f"| `{key}` | {type_text(tp).replace('|', chr(92) + '|')} | `{default_of(f)!r}` | {help_text} |")
     return "\n".join(rows)
+
+
+def _first_sentence(text: str, width: int = 110) -> str:
+    """The first sentence of a help text, cut at a word to ``width`` characters."""
+    match = re.search(r"\.(?=\s+[A-Z(`]|$)", text)
+    first = text[:match.end()] if match else text
+    if len(first) > width:
+        first = first[:width - 3].rsplit(" ", 1)[0] + "..."
+    return first
+
+
+def keys_help(topic: str | None = None) -> str:
+    """The config keys as ``scale-train --help [TOPIC]`` prints them.
+
+    Args:
+        topic: None or ``""``: every key on one line each (type, default, the first sentence of its help); a
+            section (``optim``): its keys with their whole help; a key (``optim.lr``): that key; ``trl``: the
+            TRL/transformers names and their scale keys; a TRL/transformers name (``learning_rate``): its key.
+
+    Raises:
+        ConfigError: ``topic`` is none of these (the message suggests the closest keys).
+    """
+    fields = schema_fields()
+    if not topic:
+        lines = ["config keys: section.key=value on the command line (values parse as YAML), or in the --config "
+                 "YAML;", "scale-train --help SECTION or KEY: whole help texts; --help trl: TRL/transformers names "
+                 "-> scale keys", ""]
+        width = max(len(k) for k, _, _ in fields)
+        section = None
+        for key, tp, f in fields:
+            head = key.split(".")[0] if "." in key else ""
+            if head != section:
+                section = head
+                doc = (typing.get_type_hints(Config)[head].__doc__ or "").split("\n")[0] if head else "the run"
+                lines.append(f"{head or '(top level)'}: {doc}")
+            lines.append(f"  {key:<{width}}  {type_text(tp)} = {_yaml_text(default_of(f))}  "
+                         f"{_first_sentence(f.metadata.get('help', ''))}")
+        return "\n".join(lines) + "\n"
+    if topic.lower() in ("trl", "transformers", "hf"):
+        return "\n".join(f"{n.name:<30} -> {', '.join(n.keys) or '(none)'}" + (f"  ({n.note})" if n.note else "")
+                          for n in TRL_NAMES) + "\n"
+    chosen = [(k, tp, f) for k, tp, f in fields if k == topic or k.startswith(topic + ".") or
+              k.startswith(topic + "[")]
+    if not chosen:
+        trl = other_name(topic) if "." not in topic else None
+        if trl is not None:
+            return f"{trl.name} (TRL/transformers, default {trl.default}) -> {', '.join(trl.keys) or '(none)'}" + \
+                (f": {trl.note}" if trl.note else "") + "\n"
+        sections = sorted({k.split(".")[0] for k, _, _ in fields if "." in k})
+        close = difflib.get_close_matches(topic, sections, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else suggest(topic)
+        raise ConfigError(f"--help {topic}: no such section or key{': ' + hint if hint else ''} (sections: "
+                          f"{', '.join(sections)}; --help trl lists TRL/transformers names)")
+    out = []
+    for key, tp, f in chosen:
+        out.append(f"{key}: {type_text(tp)} = {_yaml_text(default_of(f))}")
+        out += textwrap.wrap(f.metadata.get("help", ""), width=100, initial_indent="    ", subsequent_indent="    ")
+    return "\n".join(out) + "\n"
 
 
 CONFIG_DOC_HEADER = """# Config reference
 
-Every key, its schema default and its unit. The shipped YAMLs (`configs/train/default.yaml`, which plain
+Every key, its type, its schema default and its unit. The shipped YAMLs (`configs/train/default.yaml`, which plain
 `scale-train` runs, and `tiny_cpu.yaml`) set some of them differently. Override any key on the command line as
 `section.key=value` (values parse as YAML: `lora.target_modules=[q_proj,v_proj]`, `loss.type_weights=null`;
-text that YAML would read as a mapping, such as `Text: {text}`, stays text). Unknown keys and wrong types are
-errors that name the key.
+text that YAML would read as a mapping, such as `Text: {text}`, stays text; `None` is null, as `wandb agent` writes
+it; a mapping for a whole section, `optim={lr: 0.002}`, sets those keys and keeps the section's others). Unknown
+keys and wrong types are errors that name the key and the closest keys (a TRL/transformers name gets its scale
+key). `scale-train --help` lists every key on one line, `scale-train --help optim` one section in full.
 
-This table is generated from the schema (`scale/schema.py`); `tests/test_config.py` fails when it is stale.
-Regenerate it with `python -m scale.config > docs/config.md`.
+This page is generated from the schema (`scale/schema.py`) and `scale/names.py`; `tests/test_config.py` fails when
+it is stale. Regenerate it with `python -m scale.config > docs/config.md`.
+
+## From TRL / transformers
+
+TRL's `SFTConfig` (TRL 1.16; the fields it inherits from transformers 5's `TrainingArguments`), peft's `LoraConfig`
+and `BitsAndBytesConfig`, and the scale key that does the same. A run logs at start-up the settings in which it
+differs from TRL's defaults (`unlike TRL: ...` lines). The ones that surprise most:
+
+- the schedule: 10 warmup steps, then cosine decay to 0.1 x `optim.lr` (TRL: linear to 0, no warmup); `optim.lr`
+  2e-4 (TRL 2e-5);
+- truncation: a row longer than `data.max_length` (128; TRL 1024) loses its *oldest* tokens, so the trained end
+  survives (TRL's `keep_start` cuts the end);
+- evaluation at step 0, every `train.eval_every` steps and at the end (TRL: none unless `eval_strategy`);
+- what is trained: a chat's assistant turns, a completion, a label (+ EOS), or a text row's last
+  `loss.threshold` tokens (TRL: every token unless `completion_only_loss`/`assistant_only_loss`);
+- `train.micro_batch_size` is per device, as `per_device_train_batch_size`; `global_batch_size =
+  micro_batch_size x gradient_accumulation_steps x num_processes`.
+
 """
+
+
+def config_doc() -> str:
+    """``docs/config.md``: the header, the TRL/transformers table and every key (:func:`help_table`)."""
+    return CONFIG_DOC_HEADER + trl_table() + "\n\n## Every key\n\n" + help_table() + "\n"
 
 
 if __name__ == "__main__":  # python -m scale.config > docs/config.md
     import sys
 
-    sys.stdout.write(CONFIG_DOC_HEADER + "\n" + help_table() + "\n")
+    sys.stdout.write(config_doc())

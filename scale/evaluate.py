@@ -43,6 +43,13 @@ def _per_row_loss(tail_logits: Tensor, targets: Tensor, weights: Tensor, batch: 
     return num, den
 
 
+def metric_names(task: Task, spec: LossSpec) -> set[str]:
+    """The ``eval/*`` keys :func:`evaluate` returns with ``task`` (the split's prepared task), known before any
+    evaluation (a ``train.keep_best`` metric is checked against them at start-up). A task's ``summary`` is
+    arithmetic on the sums of its columns, so any sums give its keys."""
+    return {"eval/loss", "eval/examples"} | set(task.summary([1.0] * 64, 1, spec))
+
+
 @torch.no_grad()
 def evaluate(acc: Accelerator, model: torch.nn.Module, eval_dl: DataLoader, spec: LossSpec,
              stop: Callable[[], bool] | None = None, task: Task | None = None,

@@ -10,6 +10,7 @@ the data and the model were accepted; the model is measured for MFU before ``pre
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,8 +26,9 @@ from accelerate.utils import broadcast_object_list, set_seed
 from torch.utils.data import DataLoader
 
 from scale.assets import EMBEDDED_MODEL, resolve_data, resolve_model
-from scale.checkpoint import (STATE_FILE, TrainerState, check_resume, clear_previous_run, load_checkpoint,
-                              register_hooks, resolve_resume)
+from scale.best import check_reported
+from scale.checkpoint import (STATE_FILE, TrainerState, adapt_to_checkpoint, check_resume, clear_previous_run,
+                              load_checkpoint, pick_resume, register_hooks, resolve_resume)
 from scale.checks import dtype_census
 from scale.config import Config, ConfigError, dump_config
 from scale.data.cache import load_splits, wait_for_splits
@@ -38,16 +40,19 @@ from scale.data.read import DataError
 from scale.data.sequence import ShardCollator
 from scale.data.tasks.base import Task
 from scale.data.token_table import column, longest_first
-from scale.data.tokenize import Splits, show_example, show_legend
+from scale.data.tokenize import Splits, removed_lines, show_example, show_legend, stats_line
 from scale.export import serving_tokenizer
+from scale.evaluate import metric_names
 from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.loss import LossSpec
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
-from scale.modeling import (CPU_MIXED_PATHS, TINY, build_model, check_packing, check_sequence_parallel, load_tokenizer,
-                            parameter_counts, tokenizer_source, use_cpu_mixed_paths)
-from scale.samples import SAMPLES_FILE, Generation, pick_samples, start_samples_file
-from scale.schedule import lr_factor, steps_for_epochs
+from scale.modeling import (CPU_MIXED_PATHS, TINY, build_model, check_attention, check_packing,
+                            check_sequence_parallel, load_tokenizer, parameter_counts, tokenizer_source,
+                            use_cpu_mixed_paths)
+from scale.names import differences_from_trl
+from scale.samples import SAMPLES_FILE, Generation, pick_samples, sample_metric_names, start_samples_file
+from scale.schedule import lr_factor, steps_for_epochs, warmup_steps
 from scale.tracking import start_trackers
 from scale.ulysses import SequenceParallel
 
@@ -148,16 +153,22 @@ def setup(cfg: Config) -> Job:
         DataError, ConfigError, LaunchError, CheckpointError: bad input, before anything is written (except
             that an edited data file is detected when the checkpoint is loaded).
     """
+    check_attention(cfg.model)  # before the process group, the data and the model
     # train.mixed_precision=auto resolved in place, once for every rank (rank 0 decides, a resume keeps its
     # checkpoint's): config.yaml, the checkpoints and the Accelerator get the choice
     out = Path(cfg.output_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # A resume on another number of processes keeps the checkpoint's global batch: the accumulation is set before
+    # the accelerator (and a DeepSpeed config) reads it. WORLD_SIZE is the launcher's (1 without one).
+    regrouped = adapt_to_checkpoint(cfg, cfg.train.data_parallel_size(int(os.environ.get("WORLD_SIZE", "1"))))
     decided: list[Any] = []
     acc = build_accelerator(cfg, settle=lambda: decided.append(
         resolve_mixed_precision(cfg, device, saved=saved_precision(cfg.train.resume_from, out))))  # collective
     precision = decided[-1]
     plan = plan_for_mode(cfg, acc)
-    resume = resolve_resume(cfg.train.resume_from, out)
+    if regrouped and acc.is_main_process:
+        logger.info(regrouped)
+    resume = pick_resume(acc, cfg)  # collective: latest/auto -> the newest checkpoint that verifies
     saved_state = check_resume(acc, cfg, plan, resume)  # collective; before anything is written
     set_seed(cfg.train.seed)
     sp = cfg.train.sequence_parallel_size
@@ -214,6 +225,10 @@ def setup(cfg: Config) -> Job:
                         f"({items} {unit}): a rank's shard would hold less than one micro-batch. "
                         f"Lower train.micro_batch_size to at most {max(1, items // world)} or add data.")
     check_type_weights(cfg, splits)
+    spec = LossSpec.from_config(cfg)
+    samples = pick_samples(splits.eval, cfg.eval.generate_samples, cfg.data.labels) if cfg.eval.generate_samples \
+        else []
+    check_reported(cfg.train.keep_best, metric_names(splits.task, spec) | sample_metric_names(samples))  # before step 1
     if G > items and acc.is_main_process:
         logger.warning("global_batch_size=%d (micro_batch_size x gradient_accumulation_steps x data-parallel ranks) is "
                        "larger than the train split (%d %s): every optimizer step sees at most one epoch",
@@ -245,24 +260,26 @@ def setup(cfg: Config) -> Job:
     trainable, total = parameter_counts(model)
     mean_len = float(column(splits.train, "length").mean())  # [issue 18] per-row columns, no token read
     mean_tail = float(column(splits.train, "tail_len").mean())
-    if acc.is_main_process:
-        logger.info("start: mode=%s world_size=%d data_parallel_size=%d sequence_parallel_size=%d "
-                    "micro_batch_size=%d gradient_accumulation_steps=%d "
-                    "global_batch_size=%d tokens_per_step~%d (mean %.1f tokens/row) tail_tokens_per_step~%d "
-                    "trainable=%d total=%d (%.3f%%) train=%d eval=%d format=%s max_steps=%d", plan.mode,
-                    acc.num_processes, world, plan.sequence_parallel_size, mb,
-                    ga, G, G * mean_len, mean_len, G * mean_tail, trainable,
-                    total, 100 * trainable / total, len(splits.train), len(splits.eval), splits.format, max_steps)
-        log_data_stats(splits.stats)
+    if acc.is_main_process:  # lines under 300 characters: they end up in SLURM and nohup logs
+        logger.info("start: mode=%s world_size=%d (data_parallel_size=%d x sequence_parallel_size=%d) "
+                    "global_batch_size=%d (micro_batch_size=%d x gradient_accumulation_steps=%d x %d data-parallel "
+                    "ranks) max_steps=%d", plan.mode, acc.num_processes, world, plan.sequence_parallel_size, G, mb, ga,
+                    world, max_steps)
+        logger.info("per step: tokens~%d (mean %.1f tokens/row), tail tokens~%d; rows: train=%d eval=%d format=%s; "
+                    "parameters: trainable=%d total=%d (%.3f%%)", G * mean_len, mean_len, G * mean_tail,
+                    len(splits.train), len(splits.eval), splits.format, trainable, total, 100 * trainable / total)
+        log_data_stats(splits.stats, cfg.data)
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))
+        for difference in differences_from_trl(cfg, min(warmup_steps(cfg.optim, max_steps), max_steps - 1)):
+            logger.info("unlike TRL: %s", difference)
         logger.info("mode plan: %s; parameter dtypes: %s%s", "; ".join(plan.notes) or "defaults", dtype_census(model),
                     f"; CPU bf16 paths: {', '.join(cpu_paths)}" if cpu_paths else "")
     state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=acc.num_processes, data_sha256=data_digest(cfg, data_path),
                          template_sha256=splits.template_sha256, rows_sha256=splits.fingerprint,
                          mixed_precision=cfg.train.mixed_precision)
     if resume is not None:
-        state = load_checkpoint(acc, plan, resume, saved_state, state.data_sha256, state.template_sha256,
-                                state.rows_sha256)  # collective
+        state = load_checkpoint(acc, cfg, plan, resume, saved_state, model, optimizer, scheduler, state.data_sha256,
+                                state.template_sha256, state.rows_sha256)  # collective
     elif cfg.train.resume_from in ("latest", "auto") and acc.is_main_process:
         logger.info("resume_from=%s: no checkpoint in %s yet, starting fresh", cfg.train.resume_from,
                     out / "checkpoints")
@@ -280,12 +297,10 @@ def setup(cfg: Config) -> Job:
     if acc.is_main_process:
         logger.info("MFU peak: %s", peak.source)
     flops_fn = model_flops(cfg, shape, trainable) if shape is not None else None
-    spec = LossSpec.from_config(cfg)
     gen = None
     if cfg.eval.generate_samples:
         serving, stops, _ = serving_tokenizer(cfg)  # the trained chat template's end-of-turn marker and EOS
-        gen = Generation(pick_samples(splits.eval, cfg.eval.generate_samples, cfg.data.labels), serving, stops,
-                         cfg.eval.max_new_tokens, plan.partitioned, out / SAMPLES_FILE)
+        gen = Generation(samples, serving, stops, cfg.eval.max_new_tokens, plan.partitioned, out / SAMPLES_FILE)
         start_samples_file(gen.path, acc.is_main_process, state.step if resume else None)
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
                flops_fn, peak.flops, max_steps, gen, splits.task, sequence)
@@ -415,9 +430,13 @@ def check_type_weights(cfg: Config, splits: Splits) -> None:
                         f"{len(weights) - 1} only; give one weight per type id")
 
 
-def log_data_stats(stats: dict[str, int]) -> None:
-    """One line with the data counts; a warning when eval rows are exact copies of training rows."""
-    logger.info("data: %s", " ".join(f"{k.removeprefix('data/')}={v}" for k, v in stats.items()))
+def log_data_stats(stats: dict[str, int], data_cfg: Any = None) -> None:
+    """One line with the data counts (:func:`scale.data.stats_line`); a warning for each kind of thing the chat
+    template or truncation removed (:func:`scale.data.removed_lines`), and when eval rows are exact copies of
+    training rows."""
+    logger.info("data: %s", stats_line(stats))
+    for line in removed_lines(stats, data_cfg) if data_cfg is not None else []:
+        logger.warning("data: %s", line)
     if stats.get("data/eval_rows_in_train"):
         logger.warning("%d of %d eval rows are exact copies of training rows: eval figures are not fully held "
                        "out. Set data.deduplicate=true to drop duplicates before the split.",

@@ -25,6 +25,7 @@ from accelerate.utils import (DistributedType, GradientAccumulationPlugin, InitP
 
 from scale.config import Config, ConfigError, configs_dir, get_key
 from scale.rendezvous import init_elastic_process_group, with_rendezvous_retries
+from scale.topology import ranks_problem, usable_cores
 
 
 T = TypeVar("T")
@@ -50,6 +51,23 @@ def check_launch_environment(env: dict[str, str] | None = None) -> None:
                           "--num_processes > 1, or distributed_type: MULTI_CPU). Use "
                           "--config_file configs/accelerate/cpu_ddp.yaml (MULTI_GPU, num_processes: 2): on a "
                           "machine without CUDA the loop then runs a real gloo process group.")
+
+
+def check_ranks_per_machine(env: dict[str, str] | None = None) -> None:
+    """Refuse more ranks on this machine than it has devices (:func:`scale.topology.ranks_problem`): an
+    ``accelerate launch`` of a YAML written for 8 GPUs started 8 ranks, and an 8x global batch, on a 2-core CPU.
+
+    Raises:
+        LaunchError: ``LOCAL_WORLD_SIZE`` (torchrun, accelerate) or ``LOCAL_SIZE`` (deepspeed) exceeds the visible
+            GPUs, or without a GPU ``max(2, CPU cores)``.
+    """
+    env = os.environ if env is None else env
+    local = int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", "1")))
+    problem = ranks_problem(local, torch.cuda.device_count() if torch.cuda.is_available() else 0, usable_cores())
+    if local > 1 and problem:
+        raise LaunchError(f"{problem}: launch with --num_processes N (accelerate launch, or scale-train "
+                          f"--accelerate-config NAME --num-processes N; without it the shipped topologies take one "
+                          f"process per visible GPU)")
 
 
 _EMBEDDED_MODELS = ("smollm2-135m", "tiny-llama")
@@ -259,6 +277,7 @@ def build_accelerator(cfg: Config, settle: Callable[[], Any] | None = None) -> A
             see also :func:`check_launch_environment`.
     """
     check_launch_environment()
+    check_ranks_per_machine()
     check_inputs(cfg)
     resolve_deepspeed_file()
     use_deepspeed = (os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
@@ -453,7 +472,7 @@ def plan_for_mode(cfg: Config, acc: Accelerator) -> ModePlan:
     m = cfg.model
     sp = cfg.train.sequence_parallel_size
     plan = ModePlan(mode=mode, deepspeed=ds, partitioned=mode in ("zero3", "fsdp"), use_reentrant=m.use_reentrant,
-                    data_parallel_size=acc.num_processes // sp, sequence_parallel_size=sp,
+                    data_parallel_size=cfg.train.data_parallel_size(acc.num_processes), sequence_parallel_size=sp,
                     gradient_average_size=acc.num_processes)
     if sp > 1 and zero in (1, 2):
         plan.gradient_average_size = plan.data_parallel_size

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -158,6 +160,70 @@ def bar_text(metrics: dict[str, Any]) -> str:
     return (f"loss {loss:.4f} " if loss is not None else "loss - ") + (
         f"lr {metrics['train/lr']:.2e} tok/s {metrics['train/tokens_per_s']:.3g} "
         f"gnorm {metrics['train/grad_norm']:.3g}")
+
+
+def plain_progress(stream: Any = None) -> bool:
+    """Whether progress goes out as plain log lines instead of a bar: ``SCALE_PROGRESS=lines`` or ``bar``, else
+    lines when ``stream`` (default stderr, where tqdm draws) is not a terminal (SLURM, nohup, ``2> file``): a bar
+    redrawn with carriage returns there makes one line of kilobytes."""
+    choice = os.environ.get("SCALE_PROGRESS", "").lower()
+    if choice in ("lines", "bar"):
+        return choice == "lines"
+    stream = sys.stderr if stream is None else stream
+    return not (hasattr(stream, "isatty") and stream.isatty())
+
+
+def duration_text(seconds: float) -> str:
+    """``3h05m``, ``4m20s`` or ``37s``."""
+    seconds = max(int(round(seconds)), 0)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def step_line(step: int, total: int, metrics: dict[str, Any]) -> str:
+    """One log line for a log step: ``step 20/100 (20%) loss 2.3456 lr 2.00e-04 tok/s 1.2e+03 mfu 0.39 gnorm 0.81
+    eta 2m40s`` (the ETA from this interval's optimizer steps per second, evaluations not counted)."""
+    line = f"step {step}/{total} ({100 * step / max(total, 1):.0f}%) {bar_text(metrics)}"
+    if metrics.get("train/mfu") is not None:
+        line += f" mfu {metrics['train/mfu']:.3f}"
+    rate = metrics.get("train/steps_per_s")
+    if rate:
+        line += f" eta {duration_text((total - step) / rate)}"
+    return line
+
+
+class Progress:
+    """Progress of the optimizer steps on the local main process: a tqdm bar on a terminal, else (a log file) one
+    plain line per ``train.log_every`` steps (:func:`step_line`), never longer than a few hundred characters.
+
+    Args:
+        total: the run's optimizer steps; initial: the step it starts from (a resumed run).
+        enabled: this process shows progress (the local main process).
+    """
+
+    def __init__(self, total: int, initial: int, enabled: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.total, self.enabled, self.lines = total, enabled, plain_progress()
+        self.bar = tqdm(total=total, initial=initial, desc="optimizer steps") if enabled and not self.lines else None
+
+    def update(self) -> None:
+        """One optimizer step done."""
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def show(self, step: int, metrics: dict[str, Any]) -> None:
+        """The figures of a log step: the bar's text, or a log line."""
+        if self.bar is not None:
+            self.bar.set_postfix_str(bar_text(metrics), refresh=False)
+        elif self.enabled:
+            logger.info(step_line(step, self.total, metrics))
+
+    def close(self) -> None:
+        """End the bar (nothing for lines)."""
+        if self.bar is not None:
+            self.bar.close()
 
 
 class JsonlSink:
@@ -407,7 +473,8 @@ def model_flops(cfg: Config, model_config: Any, trainable: int) -> Callable[...,
         ``flops_fn`` (:mod:`scale.flops`: LoRA count, only the tail's logits, padding positions counted).
     """
     def flops_fn(rows: int, seq_len: int, kept: int | None = None) -> float:
-        kept = cfg.loss.threshold if kept is None else kept
+        if kept is None:  # loss.threshold: all keeps every position
+            kept = seq_len if cfg.loss.threshold == "all" else cfg.loss.threshold
         per_position = flops_per_token(model_config, seq_len, lora_params=trainable,
                                        logits_fraction=min(1.0, kept / seq_len))
         return rows * seq_len * per_position

@@ -117,6 +117,36 @@ def needs_bitsandbytes(cfg: ModelConfig) -> bool:
         return True  # let the load report what is wrong with it
 
 
+def check_attention(cfg: ModelConfig) -> None:
+    """``model.attn_implementation`` can run on this machine, checked before anything is loaded or written.
+
+    transformers raises an ``ImportError`` from inside ``from_pretrained`` for ``flash_attention_2`` without the
+    ``flash-attn`` package or a CUDA device (``is_flash_attn_2_available``, which also accepts the hub kernel
+    fallback when the ``kernels`` package is installed).
+
+    Raises:
+        ConfigError: the kernel cannot run here; the message names the missing piece and the kernels that run.
+    """
+    if cfg.attn_implementation != "flash_attention_2":
+        return
+    import importlib.util
+
+    from transformers.utils import is_flash_attn_2_available, is_torch_flex_attn_available
+
+    try:
+        available = is_flash_attn_2_available(kernels_fallback_ok=True)
+    except TypeError:  # transformers without the hub kernel fallback
+        available = is_flash_attn_2_available()
+    if available:
+        return
+    missing = ("the flash-attn package is not installed (pip install flash-attn, on a CUDA machine)"
+               if importlib.util.find_spec("flash_attn") is None else "flash-attn needs a CUDA GPU and none is visible")
+    runs = ["sdpa (null: transformers' default)", "eager"] + (["flex_attention"] if is_torch_flex_attn_available()
+                                                              else [])
+    raise ConfigError(f"model.attn_implementation=flash_attention_2 cannot run here: {missing}; kernels that run "
+                      f"here: {', '.join(runs)}; set model.attn_implementation=sdpa (or null)")
+
+
 def bnb_config(cfg: ModelConfig) -> Any:
     """The ``BitsAndBytesConfig`` for QLoRA (NF4, double quantization, compute and storage dtypes)."""
     from transformers import BitsAndBytesConfig

@@ -4,6 +4,7 @@
     scale-plan --config configs/train/default.yaml model.name_or_path=configs/models/llama-3.1-70b.json \\
         model.dtype=bfloat16 train.mixed_precision=bf16 model.bnb_4bit_compute_dtype=bfloat16 --gpus 16 --nodes 2
     scale-plan --gpus 2 --gpu-mem 24 --model-config configs/models/llama-3.1-8b.json --json
+    scale-plan --resume runs/x/checkpoints/step_000400 --gpus 4 --gpu-mem 24   # continue that run on 4 GPUs
 
 It reads the training config (the same YAML and dotted overrides as ``scale-train``) and the model's
 ``config.json`` only: no weights are loaded, so it answers for a 70B model on a laptop and for node counts that
@@ -33,6 +34,10 @@ activations depend on the routing, which fake tensors cannot know (in fp32 their
 and the plan stops with a one-line error).
 
 Shapes: ``B`` = ``train.micro_batch_size``, ``T`` = ``data.max_length``, ``N`` = ``loss.threshold``, ``V`` vocab.
+``--resume CKPT`` plans the run that wrote a checkpoint (its config, plus any overrides) on ``--gpus``: it prints the
+``train.gradient_accumulation_steps`` that keeps the checkpoint's global batch there (the value ``scale-train``
+computes itself when the config is the checkpoint's, :func:`scale.state.resume_accumulation`), or why none does.
+
 No ``accelerate`` or ``torch.distributed`` import (``tests/test_layering.py``): planning never starts a process
 group.
 """
@@ -58,6 +63,7 @@ from scale.config import Config, ConfigError, ModelConfig, load_config
 from scale.data.tokenize import build_splits
 from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, SP_MODES, Rank, predict_mode
 from scale.modeling import load_tokenizer
+from scale.state import read_state, resume_accumulation, saved_global_batch
 
 # A mode "fits" when its total leaves this fraction of the GPU free: the predictions are checked to within 10% on
 # CPU, not on every GPU stack. Between that and 100% the plan says "tight".
@@ -85,6 +91,7 @@ class Plan:
     fits: dict[str, bool]
     recommended: str | None
     assumptions: list[str]
+    resume: str | None = None  # --resume: the accumulation that keeps the checkpoint's global batch, in words
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -183,18 +190,21 @@ def modes_in_order(cfg: Config) -> tuple[str, ...]:
 def data_tail(cfg: Config) -> tuple[int, str]:
     """``N``, the tail positions per row to plan the LM head and loss for, and the assumption in words.
 
-    The ``text`` format's tail is ``loss.threshold`` tokens; classification, prompt/completion and chat tails
-    are read from the data (the harness's own tokenizer and :func:`scale.data.tokenize.build_splits`): the longest
-    trained span of the train split, since a micro-batch's tail is padded to its longest row and the peak step
-    is the one holding it. When the data cannot be read, ``loss.threshold`` with a note saying so.
+    Every format's tails are read from the data (the harness's own tokenizer and
+    :func:`scale.data.tokenize.build_splits`): the ``text`` format's is ``loss.threshold`` tokens, or the whole row
+    but its first token with ``loss.threshold: all``; classification, prompt/completion and chat tails vary. ``N``
+    is the longest trained span of the train split, since a micro-batch's tail is padded to its longest row and the
+    peak step is the one holding it. When the data cannot be read, ``loss.threshold`` (``all``:
+    ``data.max_length - 1``) with a note saying so.
     """
     try:
         tok = load_tokenizer(cfg.model)
         splits = build_splits(cfg.data, cfg.loss, tok, resolve_data(cfg.data.path), cfg.train.seed)
     except Exception as e:  # noqa: BLE001 - a plan without the data still answers, and says so
-        return cfg.loss.threshold, (f"tail: loss.threshold={cfg.loss.threshold} positions per row (the data could "
-                                    f"not be read for its tail lengths: {type(e).__name__}: {str(e)[:160]})")
-    tails = sorted(e.tail_len for e in splits.train) or [cfg.loss.threshold]
+        n = cfg.data.max_length - 1 if cfg.loss.threshold == "all" else cfg.loss.threshold  # all: the whole row
+        return n, (f"tail: loss.threshold={cfg.loss.threshold}: {n} positions per row (the data could not be read "
+                   f"for its tail lengths: {type(e).__name__}: {str(e)[:160]})")
+    tails = sorted(e.tail_len for e in splits.train) or [1]
     return tails[-1], (f"tail: N = {tails[-1]} positions per row, the longest trained span of the {splits.format} "
                        f"train split ({len(tails)} rows, median {tails[len(tails) // 2]}): every micro-batch's tail "
                        f"is as wide as its longest row, and the peak step holds the longest")
@@ -326,8 +336,41 @@ def format_plan(plan: Plan) -> str:
                 "model.gradient_checkpointing, use model.quantize_4bit, or add GPUs")
     notes = [f"  {MODE_LABELS[r.mode]}: {n}" for r in plan.ranks for n in r.notes]
     notes += [f"  {MODE_LABELS[r.mode]} refused: {r.refused}" for r in plan.ranks if r.refused]
-    return "\n".join([*head, *lines, "", rec, "", "notes:", *notes, "", "assumptions:",
-                      *(f"  - {x}" for x in plan.assumptions)])
+    return "\n".join([*([plan.resume, ""] if plan.resume else []), *head, *lines, "", rec, "", "notes:", *notes, "",
+                      "assumptions:", *(f"  - {x}" for x in plan.assumptions)])
+
+
+def resume_config(checkpoint: str | Path, overrides: list[str], gpus: int) -> tuple[Config, str]:
+    """The config of the run that wrote ``checkpoint`` (plus ``overrides``) as it resumes on ``gpus`` processes:
+    ``train.gradient_accumulation_steps`` set to keep its global batch; and that in one line.
+
+    Raises:
+        PlanError: ``checkpoint`` holds no readable ``trainer_state.json``.
+        ConfigError: the global batch cannot be kept on ``gpus`` (the message lists the valid choices).
+    """
+    import tempfile
+
+    import yaml
+
+    try:
+        state = read_state(checkpoint)
+    except (OSError, ValueError, TypeError) as e:
+        raise PlanError(f"--resume {checkpoint}: not a checkpoint ({type(e).__name__}: {str(e)[:160]}); give a "
+                        f"<output_dir>/checkpoints/step_XXXXXX directory") from e
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(yaml.safe_dump(state.config), encoding="utf-8")
+        cfg = load_config(path, overrides)
+    t, G = state.config.get("train", {}), saved_global_batch(state)
+    dp = cfg.train.data_parallel_size(gpus)
+    ga = resume_accumulation(G, t.get("micro_batch_size", 0), t.get("gradient_accumulation_steps", 0),
+                             cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, dp,
+                             f"checkpoint {checkpoint}")
+    cfg.train.gradient_accumulation_steps = ga
+    wrote = f"{state.mode or 'an earlier version'} on {state.world_size} process(es)"
+    return cfg, (f"resume {checkpoint} (step {state.step}, written by {wrote}) on {gpus} GPU(s): global_batch_size "
+                 f"{G} = micro_batch_size {cfg.train.micro_batch_size} x train.gradient_accumulation_steps={ga} x {dp} "
+                 f"data-parallel rank(s); scale-train sets it when the config is the checkpoint's")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,11 +389,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-rows", action="store_true",
                         help="every row fills data.max_length (no padding): attention keeps no mask")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--resume", default=None, metavar="CKPT",
+                        help="a checkpoint directory: plan its run (its config, + overrides) on --gpus, with the "
+                             "gradient_accumulation_steps that keeps its global batch")
     args = parser.parse_intermixed_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        cfg = load_config(args.config, args.overrides)
+        note = None
+        if args.resume is not None:
+            cfg, note = resume_config(args.resume, args.overrides, args.gpus)
+        else:
+            cfg = load_config(args.config, args.overrides)
         plan = make_plan(cfg, args.gpus, args.gpu_mem, args.nodes, args.model_config, padded=not args.full_rows)
+        plan.resume = note
     except (ConfigError, PlanError, FileNotFoundError) as e:
         sys.stderr.write(f"scale-plan: error: {type(e).__name__}: {e}\n")
         return 2

@@ -62,6 +62,7 @@ FIGURES: list[tuple[str, str, list[Panel]]] = [
      [Panel("MFU (fraction of peak FLOP/s)", [("train/mfu", "")], from_zero=True)]),
     ("loss_scale.png", "Mixed-precision loss scale", [Panel("loss scale", [("train/loss_scale", "")], log=True)]),
 ]
+MAX_STEP_LABELS = 12  # eval points labelled with their step when a run has at most this many evaluations
 HEADROOM = 1.15  # from_zero panels end 15% above their largest value, so no line runs along the top frame
 
 
@@ -154,8 +155,9 @@ def summarize(runs: dict[str, Rows]) -> str:
 def plot(runs: dict[str, Rows], out: Path, run_dirs: dict[str, Path] | None = None) -> list[Path]:
     """Write one PNG per figure in :data:`FIGURES` that has data; return their paths.
 
-    Colour identifies the run; within a panel, line style identifies the key. Eval keys get round markers
-    (a run evaluates only a few times); train keys get dots when they have few points. With ``run_dirs``, the
+    Colour identifies the run; within a panel, line style identifies the key. Eval keys are round points, not
+    joined (a run evaluates only a few times), each labelled with its step; train keys are lines, with dots when
+    they have few points. With ``run_dirs``, the
     learning-rate panel draws each run's schedule at every step and the gradient-norm panel its clipping
     threshold, both read from the run's ``config.yaml``.
 
@@ -194,8 +196,10 @@ def draw_panel(ax: Any, panel: Panel, runs: dict[str, Rows], run_dirs: dict[str,
             if not steps:
                 continue
             top = max(top, *values)
-            marker = "o" if key.startswith("eval/") else ("." if len(steps) <= 50 else None)
-            style = ("-", "--", ":")[j % 3]
+            evaluated = key.startswith("eval/")
+            marker = "o" if evaluated else ("." if len(steps) <= 50 else None)
+            # An evaluation is a measurement at its step, not a curve: points, no line joining them.
+            style = "none" if evaluated else ("-", "--", ":")[j % 3]
             line = (schedule_line(run_dir, max(int(r["step"]) for r in rows))
                     if key == "train/lr" and run_dir is not None else None)
             if line is not None:  # the schedule as a line, the logged rates as dots on it
@@ -203,6 +207,10 @@ def draw_panel(ax: Any, panel: Panel, runs: dict[str, Rows], run_dirs: dict[str,
                 top = max(top, *line[1])
                 style, label, marker = "none", "logged", marker or "."
             ax.plot(steps, values, color=f"C{i % 10}", linestyle=style, marker=marker, label=f"{name} {label}".strip())
+            if evaluated and len(steps) <= MAX_STEP_LABELS:  # each point says its step
+                for step, value in zip(steps, values):
+                    ax.annotate(f"step {step}", (step, value), textcoords="offset points", xytext=(4, 4),
+                                fontsize="x-small", color=f"C{i % 10}")
             clip = clip_threshold(run_dir) if key == "train/grad_norm" and run_dir is not None else None
             if clip is not None and clip <= 2 * max(values):  # far above the curve it would flatten it
                 ax.axhline(clip, color=f"C{i % 10}", linestyle="--", linewidth=0.8)

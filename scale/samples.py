@@ -193,6 +193,12 @@ def sample_metrics(records: list[dict[str, Any]]) -> dict[str, float]:
     return out | {"eval/gen_samples": len(records)}
 
 
+def sample_metric_names(samples: list[Sample]) -> set[str]:
+    """The ``eval/gen_*`` keys every evaluation reports when it generates ``samples`` (:func:`sample_metrics`)."""
+    return set(sample_metrics([{"exact": False, "completion": "", **({"label": s.label} if s.label is not None else {})}
+                               for s in samples]))
+
+
 def start_samples_file(path: Path, enabled: bool, keep_until: int | None) -> None:
     """Start ``samples.jsonl`` for this attempt: empty for a fresh run; resumed from step ``keep_until``, its
     lines of steps ``<= keep_until`` (a line cut by a crash is dropped). Main process (``enabled``)."""

@@ -1,7 +1,7 @@
 """Learning-rate schedule as a pure function of the optimizer step. No torch.distributed.
 
 ``lr_factor(step)`` is the multiplier of ``optim.lr`` used by optimizer step ``step`` (0-based):
-linear warmup ``(step + 1) / warmup_steps`` for ``step < warmup_steps``, then cosine or linear decay
+linear warmup ``(step + 1) / W`` for ``step < W`` (``W`` = :func:`warmup_steps`), then cosine or linear decay
 from 1 to ``min_lr_ratio``, reaching ``min_lr_ratio`` at the last step ``max_steps - 1``.
 """
 
@@ -12,9 +12,17 @@ import math
 from scale.config import OptimConfig
 
 
+def warmup_steps(optim: OptimConfig, max_steps: int) -> int:
+    """Warmup length in optimizer steps: ``ceil(optim.warmup_ratio * max_steps)`` when the ratio is set (as
+    transformers' ``TrainingArguments.get_warmup_steps`` computes ``warmup_ratio``), else ``optim.warmup_steps``."""
+    if optim.warmup_ratio is not None:
+        return math.ceil(optim.warmup_ratio * max_steps)
+    return optim.warmup_steps
+
+
 def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
     """Multiplier of the peak LR at optimizer step ``step`` (0-based; unitless, in (0, 1])."""
-    warmup = min(optim.warmup_steps, max_steps - 1)
+    warmup = min(warmup_steps(optim, max_steps), max_steps - 1)
     if step < warmup:
         return (step + 1) / warmup
     if optim.schedule == "constant":

@@ -112,9 +112,12 @@ class DataConfig:
                                           "chat template.")
     tools_column: str = _f("tools", "messages: column with the tool (function) schemas, passed as the chat "
                                     "template's `tools`.")
-    train_on: str = _f("all_assistant", "messages: which assistant turns are trained: all_assistant (every turn, "
-                                        "from its first content token through its end-of-turn marker) | "
-                                        "last_assistant.")
+    train_on: str = _f("all_assistant", "messages: which assistant turns are trained, each from its first content "
+                                        "token through its end-of-turn marker: all_assistant (every turn, one row "
+                                        "per conversation, an earlier turn as the template renders it in history) "
+                                        "| all_assistant_as_last (every turn in a row of its own that ends with it, "
+                                        "rendered as the last turn: reasoning a template drops from history is "
+                                        "kept) | last_assistant.")
     chat_template_kwargs: dict[str, Any] = _f({}, "messages: extra variables for the chat template (e.g. "
                                                   "{date_string: 26 Jul 2024} pins a template that reads the clock, "
                                                   "enable_thinking: false).")
@@ -128,9 +131,15 @@ class DataConfig:
     template: str = _f("Review: {text}\nSentiment: {label}", "classification: prompt template ending with "
                                                               "'{label}'; other braces are literal. EOS is appended.")
     chat_template: str | None = _f(None, "messages: a Jinja chat-template file used instead of the tokenizer's.")
-    max_length: int = _f(128, "Maximum sequence length (tokens); longer rows lose tokens from the prompt start.")
-    drop_long_completions: bool = _f(False, "A row whose trained tail cannot fit in `max_length` is an error "
-                                            "naming it; true drops such rows and logs how many.")
+    max_length: int = _f(128, "Maximum sequence length (tokens); see `truncation` for longer rows.")
+    truncation: str = _f("keep_end", "Rows over `max_length`: keep_end (cut their start: prompt tokens after the "
+                                     "BOS; a chat's oldest whole messages, then the start of its last user text, "
+                                     "never a turn's markers; counted as data/*_rows_truncated, what a chat lost as "
+                                     "data/*_turns_cut, *_tool_calls_cut, *_system_cut, *_user_text_cut) | drop "
+                                     "(drop them, counted as data/dropped_long_rows).")
+    drop_long_completions: bool = _f(False, "A row whose trained tail (a chat: its last exchange) cannot fit in "
+                                            "`max_length` is an error naming it; true drops such rows and logs how "
+                                            "many.")
     deduplicate: bool = _f(False, "Drop exact duplicate rows before the split (logged); false keeps them and "
                                   "logs how many eval rows are copies of training rows (data/eval_rows_in_train).")
     max_text_chars: int | None = _f(None, "Drop rows whose text is longer than this (characters); null keeps all.")
@@ -179,7 +188,9 @@ class DataConfig:
 class LossConfig:
     """The tail loss: cross-entropy over the last `threshold` real tokens of each row."""
 
-    threshold: int = _f(2, "Tail length (tokens): CE over the last `threshold` real tokens of each row.")
+    threshold: int | str = _f(2, "text format: tail length (tokens): CE over the last `threshold` real tokens of "
+                                 "each row; all: every token after the first (the whole row, as TRL's "
+                                 "dataset_text_field and axolotl's completion type train).")
     type_weights: list[float] | None = _f(None, "Per-`type_indicator` weight of each tail token (the original "
                                                 "loop's mode='input'); null weights every token 1.")
     criterion: str | None = _f(None, "Own criterion as 'module:function' taking (logits [M, V], labels [M]) "
@@ -205,7 +216,10 @@ class OptimConfig:
     weight_decay: float = _f(0.0, "AdamW decoupled weight decay.")
     betas: list[float] = _f([0.9, 0.999], "AdamW betas.")
     eps: float = _f(1e-8, "AdamW epsilon.")
-    warmup_steps: int = _f(10, "Linear warmup length (optimizer steps).")
+    warmup_steps: int = _f(10, "Linear warmup length (optimizer steps); `warmup_ratio`, when set, replaces it.")
+    warmup_ratio: float | None = _f(None, "Warmup length as a fraction of the run's optimizer steps (TRL's "
+                                          "warmup_ratio): ceil(warmup_ratio x steps) steps, replacing "
+                                          "`warmup_steps`; null: `warmup_steps`.")
     schedule: str = _f("cosine", "Decay after warmup: cosine | linear | constant.")
     min_lr_ratio: float = _f(0.1, "Final LR as a fraction of `lr` at `train.max_steps`.")
     max_grad_norm: float | None = _f(1.0, "Clip the global gradient L2 norm to this (> 0); null disables clipping "
@@ -279,6 +293,15 @@ class TrainConfig:
         over all ranks. The one place it is computed; ``data_parallel_size`` is the number of data-parallel ranks
         (:attr:`scale.launch.ModePlan.data_parallel_size`: the world size, divided by any sequence-parallel degree)."""
         return self.micro_batch_size * self.gradient_accumulation_steps * data_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel ranks of ``world_size`` processes: ``world_size / sequence_parallel_size`` (each
+        sequence-parallel group shares its rows and counts once; the launch refuses a size that does not divide the
+        world, :func:`scale.launch.check_sequence_parallel_launch`). The one place it is derived from a process
+        count: :func:`scale.launch.plan_for_mode` (``ModePlan.data_parallel_size``), a resume before the accelerator
+        exists (:func:`scale.checkpoint.adapt_to_checkpoint`, from the launcher's ``WORLD_SIZE``) and
+        ``scale-plan --resume``."""
+        return max(1, world_size // self.sequence_parallel_size)
 
 @dataclass
 class EvalConfig:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -31,7 +31,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 
 from scale.best import observe, out_of_patience, write_best
 from scale.checkpoint import ADAPTER_FILE, STATE_FILE, SaveTimer, save_adapter, save_checkpoint
@@ -42,7 +41,7 @@ from scale.evaluate import evaluate
 from scale.export import save_serving_files, serving_tokenizer
 from scale.job import Job, setup
 from scale.loss import LossSpec, batch_bad_rows, describe_batch_row
-from scale.metrics import StepMeter, bar_text
+from scale.metrics import Progress, StepMeter, duration_text
 from scale.samples import generate_samples, sample_metrics, write_samples
 from scale.signals import EvalInterrupted, Preempted, Preemption
 from scale.tracking import finish_trackers, log_model
@@ -113,8 +112,10 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
         preemption.defer()  # until here a signal stopped the start-up at once; now it ends an optimizer step
     meter = StepMeter(acc.device, job.flops_fn, job.peak_flops, cfg.data.max_length,
                       job.plan.sequence_parallel_size)  # after the step-0 eval
-    pbar = tqdm(total=job.max_steps, initial=state.step, disable=not acc.is_local_main_process, desc="optimizer steps")
+    pbar = Progress(job.max_steps, state.step, acc.is_local_main_process)  # a bar, or lines in a log file
     timer = SaveTimer(t.save_every_minutes)
+    if state.eval_pending:  # resumed from a checkpoint whose evaluation a signal cut short: that evaluation first
+        last_eval, _ = conclude_step(job, pbar, preemption, timer, True, False, state.step >= job.max_steps)
     job.model.train()
     while state.step < job.max_steps and state.reason != "early_stopped":  # an early-stopped run resumes stopped
         ready = time.perf_counter()
@@ -128,7 +129,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
             state.step += 1
             state.windows_in_epoch += 1
             meter.steps += 1
-            pbar.update(1)
+            pbar.update()
             done = state.step >= job.max_steps
             if state.step % t.log_every == 0 or done:
                 metrics = meter.flush(acc, lr)  # collective + host sync: the log interval's only one
@@ -137,25 +138,12 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
                 if 0.0 in (job.spec.type_weights or ()):
                     metrics["train/zero_weight_steps"] = state.zero_weight_steps
                 job.log.write(state.step, metrics)
-                pbar.set_postfix_str(bar_text(metrics), refresh=False)
+                pbar.show(state.step, metrics)
             paused = time.perf_counter()
-            best = stopping = False
-            if done or (t.eval_every and state.step % t.eval_every == 0):
-                try:
-                    last_eval = evaluate_and_log(job, preemption)
-                except EvalInterrupted:  # a signal during the evaluation: this step's checkpoint, within seconds
-                    preempted(job, pbar)
-                best, stopping = judge(job, last_eval)
-            interval = t.save_every and state.step % t.save_every == 0
-            if interval or window.save_due or best or stopping or (done and (t.save_every or t.save_every_minutes)):
-                why = "end" if done else "early_stopped" if stopping else "best" if best else "interval"
-                path = save_checkpoint(acc, cfg, job.plan, state.with_reason(why))
-                if best and acc.is_main_process:
-                    write_best(cfg.output_dir, state, t.keep_best)  # after the checkpoint it names is whole
-                if cfg.log.wandb_log_model == "checkpoint":
-                    log_model(acc, cfg, path, "adapter", state.step, [path.name], (ADAPTER_FILE, STATE_FILE))
-                timer.reset()
-            if done or stopping:
+            due = bool(done or (t.eval_every and state.step % t.eval_every == 0))
+            evaluated, stop = conclude_step(job, pbar, preemption, timer, due, window.save_due, done)
+            last_eval = evaluated if evaluated is not None else last_eval
+            if stop:
                 break
             ready = time.perf_counter()
             meter.paused_s += ready - paused  # evaluation and checkpoints are not training time
@@ -167,13 +155,52 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     return last_eval or evaluate(acc, job.model, job.eval_dl, job.spec, task=job.task, sequence=job.sequence)
 
 
+def conclude_step(job: Job, pbar: Any, preemption: Preemption | None, timer: SaveTimer, evaluate_now: bool,
+                  save_due: bool, done: bool) -> tuple[dict[str, float] | None, bool]:
+    """What follows optimizer step ``job.state.step``: its evaluation when due, the ``train.keep_best`` /
+    early-stopping verdict, and its checkpoint (interval, time, best, early stop, end). Collective.
+
+    A signal during the evaluation checkpoints the step with the evaluation marked pending
+    (``TrainerState.eval_pending``); the resumed run calls this first for that step (:func:`fit`), so its eval
+    lines, ``best.json``, early stop and checkpoints are those of an uninterrupted run.
+
+    Returns:
+        ``(metrics, stop)``: the evaluation's metrics (``None`` when none was due), and whether training ends here
+        (the last step, or early stopping).
+
+    Raises:
+        Preempted: a signal arrived during the evaluation; the checkpoint was written.
+    """
+    cfg, acc, state, t = job.cfg, job.acc, job.state, job.cfg.train
+    metrics, best, stopping = None, False, False
+    if evaluate_now:
+        try:
+            metrics = evaluate_and_log(job, preemption)
+        except EvalInterrupted:  # a signal during the evaluation: this step's checkpoint, within seconds
+            state.eval_pending = True
+            preempted(job, pbar)
+        state.eval_pending = False
+        best, stopping = judge(job, metrics)
+    interval = t.save_every and state.step % t.save_every == 0
+    if interval or save_due or best or stopping or (done and (t.save_every or t.save_every_minutes)):
+        why = "end" if done else "early_stopped" if stopping else "best" if best else "interval"
+        path = save_checkpoint(acc, cfg, job.plan, state.with_reason(why), job.model, job.optimizer)
+        if best and acc.is_main_process:
+            write_best(cfg.output_dir, state, t.keep_best)  # after the checkpoint it names is whole
+        if cfg.log.wandb_log_model == "checkpoint":
+            log_model(acc, cfg, path, "adapter", state.step, [path.name], (ADAPTER_FILE, STATE_FILE))
+        timer.reset()
+    return metrics, done or stopping
+
+
 def preempted(job: Job, pbar: Any) -> None:
     """Checkpoint the last finished optimizer step and raise :class:`Preempted`. Collective.
 
     Raises:
         Preempted: always.
     """
-    save_checkpoint(job.acc, job.cfg, job.plan, job.state.with_reason("preempted"))  # collective
+    save_checkpoint(job.acc, job.cfg, job.plan, job.state.with_reason("preempted"), job.model,
+                    job.optimizer)  # collective
     pbar.close()
     raise Preempted(f"pre-empted at step {job.state.step}: checkpoint written; rerun with "
                     f"train.resume_from=latest to continue")
@@ -364,6 +391,11 @@ def evaluate_and_log(job: Job, preemption: Preemption | None = None) -> dict[str
         EvalInterrupted: ``preemption`` was requested during it (checked between eval batches and samples).
     """
     stop = (lambda: preemption.requested) if preemption is not None else None
+    started = time.perf_counter()
+    if job.acc.is_main_process:  # a line before it starts: the first evaluation of a real run takes minutes
+        generating = f" + {len(job.gen.samples)} generated answers" if job.gen is not None and job.gen.samples else ""
+        logger.info("eval step %d: evaluating %s held-out rows%s", job.state.step,
+                    len(getattr(job.eval_dl, "dataset", ())), generating)
     metrics = evaluate(job.acc, job.model, job.eval_dl, job.spec, stop=stop, task=job.task, sequence=job.sequence)
     if job.gen is not None and job.gen.samples:
         records = generate_samples(job.acc, job.model, job.gen, stop)  # collective
@@ -371,10 +403,25 @@ def evaluate_and_log(job: Job, preemption: Preemption | None = None) -> dict[str
         write_samples(job.acc, job.gen.path, job.state.step, records, job.state.step >= job.log.skip_below)
     job.log.write(job.state.step, metrics)
     if job.acc.is_main_process:
-        logger.info("eval step %d: %s", job.state.step, "  ".join(
+        logger.info("eval step %d (%s): %s", job.state.step, duration_text(time.perf_counter() - started), "  ".join(
             f"{k.removeprefix('eval/')} {v:.4f}" if isinstance(v, float) else f"{k.removeprefix('eval/')} {v}"
             for k, v in metrics.items()))
     return metrics
+
+
+def outputs_text(output_dir: str | Path) -> str:
+    """What a finished run left in ``output_dir``, for the run's last log line: ``runs/x: adapter/, checkpoints/
+    (2: step_000050, step_000100), config.yaml, metrics.jsonl, samples.jsonl, wandb/``."""
+    out = Path(output_dir)
+    parts = []
+    for entry in sorted(out.iterdir()) if out.is_dir() else []:
+        if entry.name == "checkpoints" and entry.is_dir():
+            steps = sorted(p.name for p in entry.iterdir() if p.is_dir() and not p.name.endswith(".tmp"))
+            shown = ", ".join(steps if len(steps) <= 3 else [steps[0], "...", steps[-1]])
+            parts.append(f"checkpoints/ ({len(steps)}{': ' + shown if steps else ''})")
+        else:
+            parts.append(entry.name + ("/" if entry.is_dir() else ""))
+    return f"{out}: {', '.join(parts) or 'nothing'}"
 
 
 def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
@@ -404,9 +451,13 @@ def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
         if cfg.log.wandb_log_model:
             log_model(acc, cfg, Path(cfg.output_dir) / "adapter", "adapter", job.max_steps, ["final", "latest"])
     finish_trackers(acc, final)  # the W&B summary is the final evaluation
-    if acc.is_main_process:
-        logger.info("final: %s", json.dumps(final))
-    acc.end_training()
+    main = acc.is_main_process
+    if main:
+        logger.info("final: %s", "  ".join(f"{k.removeprefix('eval/')} {v:.4g}" if isinstance(v, float) else
+                                           f"{k.removeprefix('eval/')} {v}" for k, v in final.items()))
+    acc.end_training()  # W&B prints its footer here
+    if main:  # the last line: where the outputs are (after the trackers' own output)
+        logging.getLogger(__name__).info("done: %s", outputs_text(cfg.output_dir))
     return final
 
 

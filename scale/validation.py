@@ -28,7 +28,8 @@ _CHOICES = {
     "model.bnb_4bit_compute_dtype": ("float32", "bfloat16", "float16", "auto"),
     "model.bnb_4bit_quant_storage": ("uint8", "float32", "bfloat16", "float16"),
     "data.padding_side": ("left", "right"),
-    "data.train_on": ("all_assistant", "last_assistant"),
+    "data.train_on": ("all_assistant", "all_assistant_as_last", "last_assistant"),
+    "data.truncation": ("keep_end", "drop"),
     "model.gradient_checkpointing": (True, False, "every_n", "offload"),
     "model.attn_implementation": (None, "sdpa", "eager", "flash_attention_2", "flex_attention"),
     "data.format": ("auto", "text", "classification", "prompt_completion", "messages"),
@@ -42,7 +43,7 @@ _CHOICES = {
     "train.keep_best_mode": ("auto", "min", "max"),
 }
 _POSITIVE = ("train.micro_batch_size", "train.gradient_accumulation_steps",
-             "train.eval_micro_batch_size", "train.log_every", "loss.threshold", "data.max_length", "lora.r",
+             "train.eval_micro_batch_size", "train.log_every", "data.max_length", "lora.r",
              "data.mega_batch_steps", "model.checkpoint_every_n_layers",
              "train.sequence_parallel_size")
 
@@ -88,10 +89,15 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"train.collective_timeout_s={cfg.train.collective_timeout_s} must be > 0 (seconds)")
     if not cfg.data.template.endswith("{label}") or "{text}" not in cfg.data.template:
         raise ConfigError(f"data.template={cfg.data.template!r} must contain '{{text}}' and end with '{{label}}'")
-    if not (-cfg.loss.threshold <= cfg.loss.target_position <= -1):
+    threshold = cfg.loss.threshold
+    if threshold != "all" and not (isinstance(threshold, int) and threshold >= 1):
+        raise ConfigError(f"loss.threshold={threshold!r} must be a number of tokens >= 1, or 'all' (the text format "
+                          f"trains every token of the row after the first)")
+    if cfg.loss.target_position > -1 or threshold != "all" and cfg.loss.target_position < -threshold:
         raise ConfigError(
             f"loss.target_position={cfg.loss.target_position} is outside the tail: it must be between "
-            f"-{cfg.loss.threshold} and -1 (loss.threshold={cfg.loss.threshold}); raise loss.threshold or move it")
+            f"-{cfg.loss.threshold if threshold != 'all' else 'the row length'} and -1 (loss.threshold="
+            f"{cfg.loss.threshold}); raise loss.threshold or move it")
     if len({label.strip() for label in cfg.data.labels}) < 2 or any(not label.strip() for label in cfg.data.labels):
         raise ConfigError(f"data.labels={cfg.data.labels} needs at least two distinct, non-empty labels "
                           f"(surrounding spaces are ignored)")
@@ -127,6 +133,8 @@ def validate(cfg: Any) -> None:
                           ("optim.weight_decay", 0 <= o.weight_decay < math.inf, "must be >= 0 and finite"),
                           ("optim.min_lr_ratio", 0 <= o.min_lr_ratio <= 1, "must lie in [0, 1]"),
                           ("optim.warmup_steps", o.warmup_steps >= 0, "must be >= 0"),
+                          ("optim.warmup_ratio", o.warmup_ratio is None or 0 <= o.warmup_ratio <= 1,
+                           "must lie in [0, 1] (a fraction of the run's optimizer steps), or null"),
                           ("optim.betas", len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
                            "must be two numbers in [0, 1)"),
                           ("lora.dropout", 0 <= cfg.lora.dropout < 1, "must lie in [0, 1)"),

@@ -304,3 +304,57 @@ def run_elastic(out: Path, overrides: list[str], kill_at: list[int], max_restart
     return {"returncode": proc.returncode, "weights": load_file(adapter) if adapter.exists() else None,
             "losses": {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}, "recovery_s": recovery,
             "log": log_path.read_text(errors="replace")}
+
+
+def run_node_range(out: Path, overrides: list[str], kill_at: int | None, timeout: float = 900) -> dict:
+    """Two "nodes" of 1 process on loopback, each ``launch/elastic.sh`` with ``NNODES=1:2`` (torchrun, c10d
+    rendezvous, ``train.resume_from=auto``, a checkpoint every step); once step ``kill_at`` is logged the second node
+    (agent and worker) is SIGKILLed: the first one's group restarts alone and resumes on 1 process.
+
+    Returns:
+        ``returncode`` (the surviving node's), ``weights``, ``losses`` (step -> train/loss as finally logged),
+        ``recovery_s`` (seconds from the kill until the restarted group logged a new step, or None), ``log``.
+    """
+    import time
+
+    import psutil
+    from safetensors.torch import load_file
+
+    port = free_port()
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}", "NNODES": "1:2", "NPROC_PER_NODE": "1",
+           "MAX_RESTARTS": "2", "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": f"scale-range-{port}",
+           "RDZV_CONF": "last_call_timeout=3"}
+    args = ["--config", str(TINY), f"output_dir={out}", *JOB, "train.save_every=1", *overrides]
+    logs = [out.with_name(f"{out.name}.node{i}.log") for i in (0, 1)]
+    nodes = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as fh:  # the first node starts the rendezvous store, then the second joins
+            nodes.append(subprocess.Popen(["bash", str(ROOT / "launch" / "elastic.sh"), *args], cwd=ROOT, env=env,
+                                          stdout=fh, stderr=subprocess.STDOUT, start_new_session=True))
+        time.sleep(2.0 if i == 0 else 0)
+    deadline, recovery = time.time() + timeout, None
+    if kill_at is not None:
+        while nodes[0].poll() is None and time.time() < deadline and max(_logged_steps(out), default=0) < kill_at:
+            time.sleep(0.05)
+        at, killed = max(_logged_steps(out), default=0), time.time()
+        agent = psutil.Process(nodes[1].pid)  # bash exec'd torchrun: the agent; its workers run in sessions of their own
+        for proc in [*agent.children(recursive=True), agent]:  # the node's agent and its workers: a lost machine
+            proc.kill()
+        while nodes[0].poll() is None and time.time() < deadline and max(_logged_steps(out), default=0) <= at:
+            time.sleep(0.05)
+        recovery = time.time() - killed if max(_logged_steps(out), default=0) > at else None
+    for node in nodes:
+        try:
+            node.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for proc in [*psutil.Process(node.pid).children(recursive=True), psutil.Process(node.pid)]:
+                proc.kill()
+            node.wait()
+    adapter = out / "adapter" / "adapter_model.safetensors"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] \
+        if (out / "metrics.jsonl").exists() else []
+    return {"returncode": nodes[0].returncode, "weights": load_file(adapter) if adapter.exists() else None,
+            "losses": {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}, "recovery_s": recovery,
+            "log": "\n".join(log.read_text(errors="replace") for log in logs)}

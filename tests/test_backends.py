@@ -90,3 +90,27 @@ def test_padding_free_refused_on_families_whose_layers_leak(config_class, kw, na
         check_packing(model, padding_free=True)
     with pytest.raises(ConfigError, match=f"data.packing=true cannot be exact here: model type {named}"):
         check_packing(model, padding_free=False, packing=True)
+
+
+def test_flash_attention_without_flash_attn_is_one_line_before_anything_is_written(tmp_path, capsys):
+    """transformers raises an ImportError from inside from_pretrained (after the data were tokenized); the run
+    refuses at start in one line naming the key, what is missing and the kernels that run here."""
+    import importlib.util
+
+    from scale.cli import main
+    from scale.modeling import check_attention
+
+    if importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available():
+        pytest.skip("flash-attn runs on this machine")
+    for ok in (None, "sdpa", "eager", "flex_attention"):
+        check_attention(ModelConfig(attn_implementation=ok))  # nothing to check
+    out = tmp_path / "out"
+    assert main(["--config", "tiny_cpu", "model.attn_implementation=flash_attention_2", f"output_dir={out}",
+                 "log.trackers=[]"]) == 2
+    err = capsys.readouterr().err
+    missing = ("the flash-attn package is not installed (pip install flash-attn, on a CUDA machine)"
+               if importlib.util.find_spec("flash_attn") is None else "flash-attn needs a CUDA GPU and none is visible")
+    assert err == (f"scale-train: error: ConfigError: model.attn_implementation=flash_attention_2 cannot run here: "
+                   f"{missing}; kernels that run here: sdpa (null: transformers' default), eager, flex_attention; set "
+                   f"model.attn_implementation=sdpa (or null)\n")
+    assert not out.exists()

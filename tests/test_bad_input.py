@@ -5,6 +5,7 @@ the fix. Data and config entries run in milliseconds; launch and resume entries 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from scale.checkpoint import CheckpointError, list_checkpoints
+from scale.checkpoint import CheckpointError, list_checkpoints, record_files
 from scale.config import ConfigError, DataConfig, LossConfig, dump_config, load_config
 from scale.data import DataError, label_token_ids, load_rows, tokenize_rows
 from scale.data.tasks import get
@@ -55,7 +56,8 @@ def test_label_that_merges_with_the_template(tokenizer):
 def test_label_not_in_label_set(tmp_path):
     path = _write(tmp_path / "d.jsonl", [{"text": "fine", "label": "positive"}, {"text": "meh", "label": "neutral"}])
     assert _message(DataError, load_rows, DataConfig(), path) == (
-        f"row 1 of {path}: label 'neutral' is not in data.labels=['negative', 'positive']; fix the row or add "
+        f"row 1 (line 2) of {path}: label 'neutral' is not in data.labels=['negative', 'positive']; fix the row or "
+        f"add "
         f"the label to data.labels")
 
 
@@ -137,7 +139,7 @@ def test_config_value_errors(override, message):
 
 def test_misspelled_config_key():
     msg = _message(ConfigError, load_config, TINY_YAML, ["train.max_stpes=5"])
-    assert msg.startswith("unknown config key train.max_stpes; known keys in train: ")
+    assert msg == "unknown config key train.max_stpes: did you mean train.max_steps?"
 
 
 # ---- launch config vs training config ----
@@ -183,15 +185,23 @@ def checkpoint(tmp_path_factory):
     return list_checkpoints(out)[-1]
 
 
-def test_resume_from_another_world_size(checkpoint, tmp_path):
+def test_resume_that_would_change_the_global_batch(checkpoint, tmp_path):
+    """A checkpoint of 2 processes (micro-batch 8 x GA 2 x 2 ranks = 32 rows per step) resumes on 1 with GA 4
+    computed; a GA given for the resume that changes the 32 is refused, listing the choices."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoint, ckpt)
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    state["world_size"] = 2
+    state.update(world_size=2, data_parallel_size=2, global_batch_size=32, mode="ddp")
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
-    msg = _message(CheckpointError, run, tiny_cfg(tmp_path, "train.max_steps=2", f"train.resume_from={ckpt}"))
-    assert msg == (f"checkpoint {ckpt} was written by 2 processes, this run has 1: the data shards and the global "
-                   f"batch would change. Launch with num_processes=2.")
+    msg = _message(ConfigError, run, tiny_cfg(tmp_path, "train.max_steps=2", "train.gradient_accumulation_steps=3",
+                                              f"train.resume_from={ckpt}"))
+    assert msg == (f"checkpoint {ckpt} was trained with global_batch_size=32; train.micro_batch_size=8 x "
+                   f"train.gradient_accumulation_steps=3 x 1 data-parallel rank(s) = 24 would train other rows in "
+                   f"every later step. Keep 32: on 1 data-parallel rank(s) set train.micro_batch_size x "
+                   f"train.gradient_accumulation_steps to one of 1 x 32, 2 x 16, 4 x 8, 8 x 4, 16 x 2, 32 x 1 (with "
+                   f"the checkpoint's micro_batch_size=8 and gradient_accumulation_steps=2 the accumulation is "
+                   f"computed for you)")
+    assert not (tmp_path / "config.yaml").exists()
 
 
 def test_resume_where_a_rank_cannot_see_the_checkpoint(checkpoint, tmp_path):
@@ -218,6 +228,12 @@ def test_resume_refuses_pickled_code(checkpoint, tmp_path):
             return (__import__("os").system, (f"touch {marker}",))
 
     (ckpt / "optimizer.bin").write_bytes(pickle.dumps({"state": Payload()}))
+    with pytest.raises(CheckpointError, match="is damaged: optimizer.bin is"):  # not what was written at save
+        run(tiny_cfg(tmp_path, "train.max_steps=2", f"train.resume_from={ckpt}"))
+    assert not marker.exists()
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["files"] = record_files(ckpt)  # a payload with matching hashes recorded: still never unpickled
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(Exception, match="Weights only load failed"):
         run(tiny_cfg(tmp_path, "train.max_steps=2", f"train.resume_from={ckpt}"))
     assert not marker.exists()
@@ -243,12 +259,13 @@ def test_cli_prints_the_message_and_exits_2(tmp_path, capsys):
 
     assert main(["--config", str(TINY_YAML), "train.max_stpes=5"]) == EXIT_BAD_INPUT == 2
     err = capsys.readouterr().err
-    assert err.startswith("scale-train: error: ConfigError: unknown config key train.max_stpes; known keys in train")
+    assert err == "scale-train: error: ConfigError: unknown config key train.max_stpes: did you mean train.max_steps?\n"
     assert "Traceback" not in err
     assert main(["--config", str(TINY_YAML), f"output_dir={tmp_path}", "data.path=nowhere.jsonl"]) == 2
     assert capsys.readouterr().err == ("scale-train: error: DataError: data.path='nowhere.jsonl' does not exist; "
-                                       "point it at a .jsonl/.json/.csv/.tsv file (a relative path is read from the "
-                                       "current directory)\n")
+                                       "point it at a data file (.jsonl/.json/.csv/.tsv/.parquet/.arrow), a directory "
+                                       "or glob of shards, a save_to_disk directory or a hub id org/name (a relative "
+                                       f"path is read from the current directory, {os.getcwd()})\n")
 
 
 # ---- issue 11: bad input is one line before anything is written; finished runs are never replaced ----
@@ -757,23 +774,24 @@ def _hi(answer="Hello."):
       "classification needs text, label (no 'text', 'label'); text needs text (+ type, target) (no 'text'). "
       "Rename the columns, set data.*_column, or set data.format")),
     ([{"prompt": "Q", "completion": "A"}, {"prompt": "Q2", "completion": "  "}], [],
-     "row 1 of {path}: empty 'completion'"),
+     "row 1 (line 2) of {path}: empty 'completion'"),
     ([{"messages": _hi()}, {"messages": [{"role": "system", "content": "Be brief."},
                                          {"role": "user", "content": "Hi"}]}], [],
-     ("row 1 of {path}: no assistant message; the messages format trains the last assistant turn, so every "
-      "conversation needs one")),
+     ("row 1 (line 2) of {path}: no assistant message; the messages format trains assistant turns "
+      "(data.train_on), so every conversation needs one")),
     ([{"messages": _hi() + [{"role": "user", "content": "And?"}]}], [],
-     ("row 0 of {path}: the last message is from 'user', not 'assistant'; the messages format trains the last "
-      "assistant turn, so end every conversation with it")),
+     ("row 0 (line 1) of {path}: the last message is from 'user', not 'assistant'; a conversation ends with an "
+      "assistant turn (the row is cut after it), so end every conversation with one")),
     ([{"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Yo"}]}], [],
-     ("row 0 of {path}: message 1 must be {{'role': one of ['system', 'user', 'assistant', 'tool'], 'content': "
-      "text}}, got {{'role': 'bot', 'content': 'Yo'}}")),
+     ("row 0 (line 1) of {path}: message 1 must be {{'role': one of ['system', 'user', 'assistant', 'tool'], "
+      "'content': text}}, got {{'role': 'bot', 'content': 'Yo'}}")),
     ([{"prompt": "Q", "completion": " A"}] * 40 + [{"prompt": "Q", "completion": " one two three four five six"}],
      ["data.max_length=6", "data.eval_size=4"],
-     ("row 40: the trained tail is 7 tokens; with 1 token(s) before it the row needs 8 > data.max_length=6. "
+     ("row 40 (line 41): the trained tail is 7 tokens; with 1 token(s) before it the row needs 8 > data.max_length=6. "
       "Raise data.max_length, or set data.drop_long_completions=true to drop such rows (counted in the log).")),
     ([{"messages": _hi()}] * 40, ["data.chat_template=/nonexistent/chat.jinja"],
-     "data.chat_template='/nonexistent/chat.jinja' is not a file; point it at a Jinja chat-template file"),
+     "data.chat_template='/nonexistent/chat.jinja' is not a file; point it at a Jinja chat-template file, or name a "
+     "shipped one: ['chatml', 'chatml_tools']"),
 ])
 def test_format_errors_exit_2_before_anything_is_written(tmp_path, capsys, rows, overrides, message):
     path = _write(tmp_path / "d.jsonl", rows)

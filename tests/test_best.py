@@ -100,3 +100,61 @@ def test_tiny_job_stops_early_and_keeps_its_best_checkpoint(tmp_path):
     again = run(tiny_cfg(out, *job, "train.resume_from=latest"))
     assert max(r["step"] for r in read_jsonl(out / "metrics.jsonl")) == 3
     assert again["eval/accuracy"] == final["eval/accuracy"]
+
+
+CHATS = ["--config", "tiny_cpu", "data.format=messages", "data.eval_size=8", "train.max_steps=8",
+         "train.micro_batch_size=4", "train.gradient_accumulation_steps=1", "train.eval_every=4",
+         "eval.generate_samples=0", "log.trackers=[]"]
+
+
+@pytest.mark.parametrize("metric, why", [
+    ("eval/accuracy", ""),
+    ("eval/gen_exact_match", " (eval/gen_* metrics need eval.generate_samples > 0)"),
+])
+def test_keep_best_metric_the_run_never_reports_is_refused_before_step_1(tmp_path, capsys, metric, why):
+    """A chat run reports eval/loss and eval/exact_match; asking to keep the best eval/accuracy used to stop the
+    run at its first evaluation after training started (the steps trained lost). Refused at start-up, nothing
+    written."""
+    from scale.cli import main
+    from tests.conftest import ROOT
+
+    out = tmp_path / "out"
+    code = main([*CHATS, f"data.path={ROOT / 'configs/data/tiny_chats.jsonl'}", f"output_dir={out}",
+                 f"data.chat_template={ROOT / 'configs/chat/chatml.jinja'}", f"data.cache_dir={tmp_path / 'cache'}",
+                 f"train.keep_best={metric}"])
+    assert code == 2 and not out.exists()
+    assert capsys.readouterr().err == (
+        f"scale-train: error: ConfigError: train.keep_best='{metric}' is not an evaluation metric of this run{why}; "
+        f"it reports ['eval/exact_match', 'eval/examples', 'eval/loss']: set train.keep_best to one of them\n")
+
+
+def test_the_metrics_a_run_will_report_are_known_before_it_evaluates():
+    from scale.best import check_reported
+    from scale.config import load_config
+    from scale.data import tasks
+    from scale.evaluate import metric_names
+    from scale.loss import LossSpec
+    from scale.samples import Sample, sample_metric_names
+    from tests.conftest import TINY_YAML
+
+    spec = LossSpec.from_config(load_config(TINY_YAML))
+
+    def task(fmt, has_target):
+        t = tasks.get(fmt)
+        t.restore({"has_target": has_target})  # what the data pipeline found in the rows (text: a target column)
+        return t
+
+    names = {(fmt, target): metric_names(task(fmt, target), spec)
+             for fmt, target in (("classification", False), ("messages", False), ("prompt_completion", False),
+                                 ("text", False), ("text", True))}
+    base = {"eval/loss", "eval/examples"}
+    assert names == {("classification", False): base | {"eval/target_nll", "eval/accuracy"},
+                     ("messages", False): base | {"eval/exact_match"},
+                     ("prompt_completion", False): base | {"eval/exact_match"},
+                     ("text", False): base, ("text", True): base | {"eval/target_nll"}}
+    labelled, plain = Sample(3, [1, 2], [5, 6], " positive"), Sample(4, [1, 2], [5, 6])
+    assert sample_metric_names([labelled]) == {"eval/gen_exact_match", "eval/gen_accuracy", "eval/gen_samples"}
+    assert sample_metric_names([plain]) == {"eval/gen_exact_match", "eval/gen_samples"}
+    assert sample_metric_names([]) == set()
+    check_reported("eval/gen_exact_match", names[("messages", False)] | sample_metric_names([plain]))
+    check_reported(None, set())

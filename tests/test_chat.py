@@ -133,16 +133,20 @@ def test_tool_calls_and_tools_reach_the_template(tmp_path, tokenizer, caplog):
     trained = tokenizer.decode([t for t, f in zip(e.input_ids[-e.tail_len:], e.tail_flags()) if f])
     assert trained == ('<tool_call>\n{"name": "get_temperature", "arguments": {"city": "Paris"}}\n</tool_call>'
                        '<|im_end|>It is 10 degrees Celsius in Paris.<|im_end|>')
-    # A key the template never reads is reported once.
-    rows[0]["messages"][1]["reasoning_content"] = "Look it up."
+    # The same rows on plain ChatML (no tool calls, no tools): refused, naming the shipped tool-aware template;
+    # on chatml_tools a key it does not render (a tool turn's name) is reported once.
+    path = _write(tmp_path / "r.jsonl", [{k: v for k, v in r.items() if k != "row"} for r in rows])
+    with pytest.raises(DataError, match=r"^row \d+ \(line \d+\): data.chat_template=.*chatml.jinja does not render tool calls "
+                                        r"\(message 1 has tool_calls\).*set data.chat_template=chatml_tools"):
+        build_splits(DataConfig(chat_template=str(CHATML), max_length=256, eval_size=8), LossConfig(), tokenizer,
+                     path, seed=0)
     with caplog.at_level("WARNING"):
-        build = DataConfig(chat_template=str(CHATML), max_length=256, eval_size=8)
-        path = _write(tmp_path / "r.jsonl", [{k: v for k, v in r.items() if k != "row"} for r in rows])
-        build_splits(build, LossConfig(), tokenizer, path, seed=0)
-    lines = [r.getMessage() for r in caplog.records if "never reads" in r.getMessage()]
-    assert lines == ["data: the chat template never reads ['name', 'reasoning_content', 'tool_calls', 'tools'], so "
-                     "that part of the rows is not rendered (nor trained); use a template that renders it "
-                     "(data.chat_template)"]
+        build_splits(DataConfig(chat_template="chatml_tools", max_length=512, eval_size=8), LossConfig(), tokenizer,
+                     path, seed=0)
+    lines = [r.getMessage() for r in caplog.records if "does not render the message key" in r.getMessage()]
+    assert lines == ["data: the chat template does not render the message key(s) ['name'] (a row renders the same "
+                     "without them), so they are not part of the trained text; use a template that renders them "
+                     "(data.chat_template) if they matter"]
 
 
 def test_conversational_prompt_completion_trains_the_completion_turns(tmp_path, tokenizer):
@@ -166,7 +170,7 @@ def test_a_template_that_raises_is_one_line_naming_the_row(tmp_path, capsys):
         pytest.skip("../shared/cases is absent")
     code, err = _cli(tmp_path, capsys, f"data.path={case / 'system_row.jsonl'}", "data.format=messages",
                      f"data.chat_template={case / 'gemma.jinja'}", "data.eval_size=8")
-    assert code == 2 and err == ("row 7: the chat template refuses this conversation (TemplateError: System role not "
+    assert code == 2 and err == ("row 7 (line 8): the chat template refuses this conversation (TemplateError: System role not "
                                  "supported); fix the row or data.chat_template")
 
 
@@ -257,7 +261,8 @@ def test_show_rows_prints_the_trained_tokens(tmp_path, capsys):
                  f"data.chat_template={CHATML}", "--show-rows", "2", f"output_dir={tmp_path / 'out'}"])
     out = capsys.readouterr().out
     assert code == 0 and not (tmp_path / "out").exists()
-    assert out.startswith("format=messages; trained tokens between [[ and ]]\n--- data-file row ")
+    assert out.startswith("format=messages; trained tokens between [[ and ]]\ndata: train_rows=10 eval_rows=2 ")
+    assert "; trained tokens per row: train " in out.splitlines()[1]
     assert out.count("--- data-file row") == 2 and "<|im_start|>assistant\n[[" in out and "<|im_end|>]]" in out
 
 

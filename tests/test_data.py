@@ -61,7 +61,9 @@ def test_rows_render_with_label_tail_and_collate(tokenizer):
     assert batch["target_token"].tolist() == [e.target_token for e in splits.train[:4]]
     assert batch["tail_mask"].tolist() == [[1, 1]] * 4
     assert splits.stats == {"data/train_rows": 128, "data/eval_rows": 32, "data/duplicates_removed": 0,
-                            "data/eval_rows_in_train": 25, "data/dropped_long_rows": 0}
+                            "data/eval_rows_in_train": 25, "data/dropped_long_rows": 0,
+                            "data/train_trained_tokens": 256, "data/eval_trained_tokens": 64,   # label + EOS a row
+                            "data/train_rows_truncated": 128, "data/eval_rows_truncated": 32}  # every row > 12
 
 
 def test_split_is_deterministic_by_seed():
@@ -196,11 +198,13 @@ def test_messages_tail_is_every_assistant_turn_or_the_last(tmp_path, tokenizer):
     last = DataConfig(max_length=256, train_on="last_assistant")
     (ex,) = tokenize_rows(rows, tokenizer, last, LossConfig())
     assert ex.input_ids[-ex.tail_len:] == _enc(tokenizer, "Paris.<|im_end|>") and ex.trained is None
-    (cut,) = tokenize_rows(rows, tokenizer, DataConfig(max_length=10, train_on="last_assistant"), LossConfig())
-    assert cut.input_ids == ex.input_ids[-10:] and cut.tail_len == ex.tail_len   # prompt tokens dropped
-    # all_assistant with too little room: the oldest turns become prompt, the last turn is kept
-    (cut,) = tokenize_rows(rows, tokenizer, DataConfig(max_length=10), LossConfig())
-    assert cut.input_ids == ex.input_ids[-10:] and cut.tail_len == ex.tail_len and cut.trained is None
+    # too little room: the oldest exchange goes whole (never part of a turn); the rest is rendered again
+    alone = tokenizer.apply_chat_template(messages[2:], tokenize=False)
+    room = len(_enc(tokenizer, alone.rstrip("\n")))
+    for train_on in ("last_assistant", "all_assistant"):
+        (cut,) = tokenize_rows(rows, tokenizer, DataConfig(max_length=room, train_on=train_on), LossConfig())
+        assert tokenizer.decode(cut.input_ids) == alone.rstrip("\n") and cut.trained is None
+        assert cut.input_ids[-cut.tail_len:] == _enc(tokenizer, "Paris.<|im_end|>")
 
 
 def test_messages_with_a_chat_template_file(tmp_path, tokenizer):
@@ -279,8 +283,13 @@ def test_embedded_dialog_data_of_the_sft_job(tokenizer):
                                         "constructing machines that think."}]
     cfg = load_config(ROOT / "configs" / "train" / "sft.yaml", [f"data.chat_template={ROOT}/configs/chat/chatml.jinja"])
     splits = build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed)
-    assert splits.format == "messages" and splits.stats == {
-        "data/train_rows": 785, "data/eval_rows": 98, "data/duplicates_removed": 1127, "data/eval_rows_in_train": 0,
-        "data/dropped_long_rows": 15}
+    # 17 rows dropped: 15 whose answer alone is over 128 tokens, 2 (data-file rows 151, 184) whose answer leaves no
+    # room for the user turn's markers (the prompt was cut inside them before); 3 chats lost their oldest exchanges
+    # (12 assistant turns not trained) and 2 (rows 142, 185) the start of their user text, the markers kept
+    assert splits.format == "messages" and {k: v for k, v in splits.stats.items() if v} == {
+        "data/train_rows": 783, "data/eval_rows": 98, "data/duplicates_removed": 1127, "data/dropped_long_rows": 17,
+        "data/train_trained_tokens": 12491, "data/eval_trained_tokens": 1663, "data/train_rows_truncated": 4,
+        "data/eval_rows_truncated": 1, "data/train_turns_cut": 11, "data/eval_turns_cut": 1,
+        "data/train_user_text_cut": 2}
     ex = splits.eval[0]
     assert tokenizer.decode(ex.input_ids[-ex.tail_len:]) == "Classical<|im_end|>"

@@ -133,7 +133,8 @@ def test_a_mixture_change_is_a_new_cache_entry(tmp_path, tokenizer, mixture):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("data.datasets=[{path: a.jsonl, wieght: 2}]", "unknown config key data.datasets[0].wieght; known keys"),
+    ("data.datasets=[{path: a.jsonl, wieght: 2}]",
+     "unknown config key data.datasets[0].wieght: did you mean data.datasets[0].weight?"),
     ("data.datasets=[a.jsonl]", "data.datasets[0] must be a mapping (e.g. {path: data/a.jsonl, weight: 1})"),
     ("data.datasets=[{path: a.jsonl}, {weight: 2}]", "data.datasets[1].path is missing"),
     ("data.datasets=[{path: a.jsonl, weight: -1}]", "data.datasets[0].weight=-1.0 must be > 0"),
@@ -185,7 +186,7 @@ def test_waiting_ranks_poll_the_build_record_and_share_the_builders_error(tmp_pa
                    f"data.cache_dir={tmp_path / 'cache'}")
     with pytest.raises(DataError, match="label 'meh'"):
         load_splits(bad, tokenizer, bad.data.path, "run-b")
-    with pytest.raises(DataError, match="row 1 of .*label 'meh' is not in data.labels"):
+    with pytest.raises(DataError, match=r"row 1 \(line 2\) of .*label 'meh' is not in data.labels"):
         wait_for_splits(bad, tokenizer, bad.data.path, "run-b", poll_s=0.05)
     # another launch's failure marker is not this launch's: its ranks keep waiting for their own builder
     with pytest.raises(TimeoutError):

@@ -116,6 +116,31 @@ def test_hub_id_offline_is_one_line(monkeypatch):
     assert "the hub is offline (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)" in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("drift", ["extra column", "integer label", "missing column"])
+def test_parquet_shards_that_differ_name_the_shard_and_column(tmp_path, drift):
+    """Shards written at different times: one line naming the shard and the column, before anything is read (an
+    integer label would otherwise be cast to the text '1' without a word, an extra column stop datasets'
+    reader with a DatasetGenerationError naming neither)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from scale.data.tasks import load_rows
+
+    rows = _rows(TINY_DATA)
+    later = {"extra column": [{**r, "source": "web"} for r in rows[80:]],
+             "integer label": [{"text": r["text"], "label": int(r["label"] == "positive")} for r in rows[80:]],
+             "missing column": [{"text": r["text"]} for r in rows[80:]]}[drift]
+    pq.write_table(pa.Table.from_pylist(rows[:80]), tmp_path / "part-00000.parquet")
+    pq.write_table(pa.Table.from_pylist(later), tmp_path / "part-00001.parquet")
+    with pytest.raises(DataError) as err:
+        load_rows(DataConfig(), str(tmp_path))
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"data.path={str(tmp_path)!r}: ")
+    assert {"extra column": "shard part-00001.parquet has the column(s) ['source'] that part-00000.parquet lacks",
+            "integer label": "column 'label' is int64 in shard part-00001.parquet but string in part-00000.parquet",
+            "missing column": "shard part-00001.parquet has no column(s) ['label']"}[drift] in msg
+
+
 # ---- the token cache ----
 
 def _cfg(tmp_path, *overrides):
@@ -280,7 +305,7 @@ def test_a_data_error_leaves_no_entry(tmp_path, tokenizer):
 
     (tmp_path / "bad.jsonl").write_text('{"text": "fine", "label": "positive"}\n{"text": "x", "label": "meh"}\n')
     cfg = _cfg(tmp_path, f"data.path={tmp_path / 'bad.jsonl'}", "data.eval_size=1")
-    with pytest.raises(DataError, match="row 1 of .*label 'meh' is not in data.labels"):
+    with pytest.raises(DataError, match=r"row 1 \(line 2\) of .*label 'meh' is not in data.labels"):
         load_splits(cfg, tokenizer, cfg.data.path)
     assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
 
@@ -294,7 +319,7 @@ def test_scale_prepare_builds_what_scale_train_reads(tmp_path, capsys):
     line = capsys.readouterr().out
     assert "format=classification train_rows=128 eval_rows=32" in line and str(tmp_path / "cache") in line
     assert main([*args, "data.labels=[good,bad]"]) == 2
-    assert "scale-prepare: error: DataError: row 0 of" in capsys.readouterr().err
+    assert "scale-prepare: error: DataError: row 0 (line 1) of" in capsys.readouterr().err
     assert len(_builds(tmp_path / "cache")) == 1
 
 

@@ -136,7 +136,8 @@ def test_prompt_completion_job_with_epochs(tmp_path):
     train = [r for r in rows if "train/loss" in r]
     evals = [r for r in rows if "eval/loss" in r]
     assert rows[0] == {"step": 0, "data/train_rows": 40, "data/eval_rows": 32, "data/duplicates_removed": 0,
-                       "data/eval_rows_in_train": 4, "data/dropped_long_rows": 0}
+                       "data/eval_rows_in_train": 4, "data/dropped_long_rows": 0, "data/train_trained_tokens": 226,
+                       "data/eval_trained_tokens": 158, "data/train_rows_truncated": 0, "data/eval_rows_truncated": 0}
     assert [r["step"] for r in train] == [2, 4, 6] and [r["step"] for r in evals] == [0, 6]
     assert train[-1]["train/lr"] == pytest.approx(5e-4)          # the cosine floor at the last step
     assert set(evals[0]) == {"step", "eval/loss", "eval/exact_match", "eval/examples", "eval/gen_exact_match",

@@ -24,11 +24,13 @@ ALLOWED: dict[str, set[str]] = {
     "fileio": set(),
     "flops": set(),
     "signals": set(),
-    "state": set(),  # TrainerState, SaveTimer (moved out of checkpoint, issue 20)
+    "state": {"config"},  # TrainerState, SaveTimer (moved out of checkpoint, issue 20), the global batch of a resume
     "validation": set(),  # the config's rules and ConfigError: the schema imports them
     "schema": {"validation"},  # Config.__post_init__ runs the rules
     "best": {"config", "fileio", "state", "validation"},  # train.keep_best, early stopping (issue 20)
-    "config": {"fileio", "schema"},
+    "config": {"fileio", "names", "schema"},
+    "names": {"schema"},  # TRL/transformers names -> scale keys, closest keys to a typo
+    "topology": {"config"},  # processes per machine: one per visible GPU (torch only where a GPU driver is)
     "assets": {"fileio"},
     "schedule": {"config"},
     "loss": {"config"},
@@ -53,23 +55,27 @@ ALLOWED: dict[str, set[str]] = {
     "generate": {"config", "export", "modeling"},
     # scale-lm-eval: the eval split (token cache, samples' prompt/answer split) as a harness task
     "lmeval": {"assets", "config", "data", "data.cache", "data.read", "data.tasks", "export", "fileio", "modeling", "samples"},
-    "plan": {"assets", "census", "config", "data.tokenize", "layouts", "modeling"},  # data: the tails to plan for
+    "plan": {"assets", "census", "config", "data.tokenize", "layouts", "modeling", "state"},  # data: the tails;
+    # state: --resume reads a checkpoint's trainer_state.json
     # the loop side: may import accelerate / torch.distributed
     "rendezvous": set(),
-    "launch": {"config", "rendezvous"},
+    "launch": {"config", "rendezvous", "topology"},
     "ulysses": {"data.sequence"},  # the sequence-parallel attention, loaders and eval forward (DeepSpeed Ulysses)
     "metrics": {"config", "fileio", "flops"},
     "tracking": {"config", "fileio", "metrics"},
     "checks": {"modeling"},
-    "checkpoint": {"config", "fileio", "launch", "modeling", "state"},
+    "portable": {"launch"},  # the mode-independent checkpoint state: any launch mode loads it (issue 30)
+    "checkpoint": {"config", "fileio", "launch", "modeling", "portable", "state"},
     "evaluate": {"data.tasks", "loss", "signals"},
     "samples": {"checkpoint", "signals", "tracking"},  # generation at each evaluation (issue 20)
-    "job": {"assets", "checkpoint", "checks", "config", "data.cache", "data.collate", "data.mixing", "data.order",
-            "data.read", "data.tasks", "data.token_table", "data.tokenize", "export", "flops", "launch", "loss",
-            "metrics", "modeling", "samples", "schedule", "tracking", "data.sequence", "ulysses"},
+    "job": {"assets", "best", "checkpoint", "checks", "config", "data.cache", "data.collate", "data.mixing",
+            "data.order", "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize", "evaluate",
+            "export", "flops", "launch", "loss", "metrics", "modeling", "names", "samples", "schedule", "tracking",
+            "ulysses"},
     "train": {"best", "checkpoint", "checks", "chunked", "config", "evaluate", "export", "job", "loss", "metrics",
               "samples", "signals", "tracking", "ulysses"},
-    "cli": {"assets", "checkpoint", "config", "data.read", "data.tokenize", "launch", "modeling", "signals", "train"},
+    "cli": {"assets", "checkpoint", "config", "data.read", "data.tokenize", "launch", "modeling", "signals", "topology",
+            "train"},
     "report": {"config", "metrics", "schedule"},
     "prepare": {"assets", "config", "data.cache", "data.read", "data.token_table", "modeling"},  # scale-prepare
     # aliases kept for scripts written against the modules' old paths
@@ -77,13 +83,13 @@ ALLOWED: dict[str, set[str]] = {
     "sampling": {"data.collate", "data.order"},
 }
 DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpoint", "evaluate", "job", "train", "cli",
-               "samples", "ulysses"}
+               "samples", "portable", "ulysses"}
 
 # Bottom first. A room imports rooms of its own layer or below; an import into a higher layer runs upward. The data
 # stages are one layer each, in the order rows flow: files, sources, formats, split, mixing, tokens, cache, batches.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundations", {"fileio", "flops", "signals", "state", "rendezvous", "validation", "schema", "config", "assets",
-                     "schedule"}),
+    ("foundations", {"fileio", "flops", "signals", "state", "rendezvous", "validation", "schema", "names", "config",
+                     "assets", "schedule", "topology"}),
     ("model and loss (plain tensors)", {"loss", "chunked", "modeling", "census", "layouts"}),
     ("data: reading files", {"data.read"}),
     ("data: sources", {"data.sources"}),
@@ -94,8 +100,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("data: cache", {"data.token_table", "data.cache"}),
     ("data: collation and order", {"data.collate", "data.order", "data.sequence"}),
     ("data: the package's face", {"data"}),
-    ("the loop side", {"metrics", "tracking", "launch", "ulysses", "checks", "checkpoint", "best", "evaluate", "samples",
-                       "export", "generate", "job", "train"}),
+    ("the loop side", {"metrics", "tracking", "launch", "ulysses", "checks", "portable", "checkpoint", "best", "evaluate",
+                       "samples", "export", "generate", "job", "train"}),
     ("entry points and aliases", {"cli", "plan", "prepare", "report", "lmeval", "formats", "sampling"}),
 ]
 # Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and

@@ -109,3 +109,12 @@ def test_readme_command_dry_runs(command):
 
 def test_readme_is_a_front_door():
     assert len((ROOT / "README.md").read_text(encoding="utf-8").splitlines()) <= 162
+
+
+def test_make_train_example_has_its_own_output_dir():
+    """The README's `make train ARGS=...` example runs after `make train`: with the default job's output_dir it was
+    refused as another run's directory."""
+    from scale.config import load_config
+
+    example = re.search(r'make train ARGS="([^"]+)"', (ROOT / "README.md").read_text(encoding="utf-8")).group(1)
+    assert load_config(None, example.split()).output_dir != load_config(None).output_dir

@@ -12,8 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scale.checkpoint import (STATE_FILE, CheckpointError, compare_configs, list_checkpoints, resolve_resume)
+from scale.checkpoint import (STATE_FILE, CheckpointError, compare_configs, list_checkpoints, record_files,
+                              resolve_resume)
 from scale.config import ConfigError
+from scale.fileio import sha256_file
 from scale.metrics import read_jsonl
 from scale.train import run
 from tests.conftest import tiny_cfg
@@ -37,6 +39,13 @@ def _adapter(out):
     return load_file(out / "adapter" / "adapter_model.safetensors")
 
 
+def _record(ckpt):
+    """Record a hand-edited checkpoint's files as if it had been written so (the edit is not damage)."""
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    state["files"] = record_files(ckpt)
+    (ckpt / STATE_FILE).write_text(json.dumps(state))
+
+
 def _losses(out):
     return {r["step"]: r["train/loss"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r}
 
@@ -55,9 +64,17 @@ def test_checkpoint_layout_is_safetensors_and_state(reference):
     assert [p.name for p in ckpts] == ["step_000007", "step_000014"]
     files = sorted(p.name for p in ckpts[0].iterdir())
     assert files == ["adapter_model.safetensors", "custom_checkpoint_0.pkl", "optimizer.bin",
-                     "random_states_0.pkl", STATE_FILE]
+                     "optimizer_state.safetensors", "random_states_0.pkl", STATE_FILE]
     state = json.loads((ckpts[0] / STATE_FILE).read_text())
     assert (state["step"], state["epoch"], state["windows_in_epoch"], state["world_size"]) == (7, 1, 2, 1)
+    # where it can be resumed: the mode, the data-parallel ranks and G = 2 x 2 x 1; every other file's size and hash
+    assert (state["mode"], state["data_parallel_size"], state["global_batch_size"]) == ("single", 1, 4)
+    assert sorted(state["files"]) == [f for f in files if f != STATE_FILE]
+    for name, (size, digest) in state["files"].items():
+        assert (ckpts[0] / name).stat().st_size == size and sha256_file(ckpts[0] / name) == digest
+    # the portable optimizer state: AdamW's two moments and step count of every trainable tensor, whole
+    moments = load_file(ckpts[0] / "optimizer_state.safetensors")
+    assert len(moments) == 3 * 28 and all(moments[k].item() == 7.0 for k in moments if k.endswith("::step"))
     # Only the trainable tensors: LoRA A/B of 7 linear layers x 2 decoder layers.
     tensors = load_file(ckpts[0] / "adapter_model.safetensors")
     assert len(tensors) == 28 and all("lora_" in k for k in tensors)
@@ -77,6 +94,7 @@ def test_resume_needs_the_rng_state(reference, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(reference / "checkpoints" / f"step_{K:06d}", ckpt)
     shutil.copy(reference / "checkpoints" / f"step_{2 * K:06d}" / "random_states_0.pkl", ckpt)
+    _record(ckpt)  # a checkpoint written with that state, not a damaged one
     run(tiny_cfg(tmp_path / "out", *JOB, f"train.resume_from={ckpt}"))
     ref, got = _adapter(reference), _adapter(tmp_path / "out")
     assert max((ref[k] - got[k]).abs().max().item() for k in ref) > 1e-4
@@ -197,3 +215,21 @@ def test_epoch_extension_is_handled_like_a_step_extension():
     assert errors == ["train.num_epochs: checkpoint 1 -> now 2 (the cosine LR schedule is a function of num_epochs: "
                       "the remaining steps would follow another curve; a run trained with optim.schedule=constant "
                       "can be extended by train.max_steps or train.num_epochs)"]
+
+
+def test_portable_state_alone_resumes_bit_exact(reference, tmp_path, monkeypatch):
+    """The mode-independent files (adapter_model + optimizer_state.safetensors, the scheduler, the RNG states) hold
+    everything: read instead of accelerate's optimizer.bin, the resume is still bit-exact."""
+    import scale.checkpoint
+
+    monkeypatch.setattr(scale.checkpoint, "native", lambda *a: False)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference / "checkpoints" / f"step_{K:06d}", ckpt)
+    (ckpt / "optimizer.bin").unlink()  # not read on this path
+    _record(ckpt)
+    run(tiny_cfg(tmp_path / "out", *JOB, f"train.resume_from={ckpt}"))
+    ref, got = _adapter(reference), _adapter(tmp_path / "out")
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    ref_losses, got_losses = _losses(reference), _losses(tmp_path / "out")
+    assert sorted(got_losses) == list(range(K + 1, 2 * K + 1))
+    assert all(got_losses[s] == ref_losses[s] for s in got_losses)

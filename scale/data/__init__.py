@@ -15,8 +15,10 @@ from scale.data.tasks import load_rows
 from scale.data.tasks.base import Example, special_affixes
 from scale.data.tasks.classification import label_candidates, label_sequences, label_token_ids, render_template
 from scale.data.tasks.messages import chat_template, render_chat
-from scale.data.tokenize import Splits, build_splits, show_example, show_legend, tokenize_rows
+from scale.data.tokenize import (Splits, build_splits, removed_lines, show_example, show_legend, stats_line,
+                                 tokenize_rows)
 
 __all__ = ["Collator", "DataError", "Example", "PackedCollator", "PaddingFreeCollator", "Splits", "build_splits",
            "chat_template", "label_candidates", "label_sequences", "label_token_ids", "load_rows", "render_chat",
-           "render_template", "show_example", "show_legend", "special_affixes", "split_rows", "tokenize_rows"]
+           "removed_lines", "render_template", "show_example", "show_legend", "special_affixes", "split_rows",
+           "stats_line", "tokenize_rows"]

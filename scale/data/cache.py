@@ -52,6 +52,7 @@ from scale.data.mixing import sources_digests
 from scale.data.read import DataError
 from scale.data.tasks import get
 from scale.data.tasks.base import Builder
+from scale.data.tasks.messages import chat_template_path
 from scale.data.token_table import LISTS, SCALARS, TokenTable
 from scale.data.tokenize import Splits, _tokenize, build_splits, fingerprint_bytes, with_task
 from scale.fileio import sha256_file, temp_dir_for, write_text_atomic
@@ -101,13 +102,13 @@ def fingerprint(cfg: Any, tokenizer: Any, path: str) -> tuple[str, dict[str, Any
     """
     here = Path(__file__).resolve().parent
     code = hashlib.sha256(b"".join(f.read_bytes() for m in TOKEN_MODULES for f in sorted(here.glob(m))))
-    template = cfg.data.chat_template
+    template = chat_template_path(cfg.data.chat_template)  # a file, or a shipped template's name
     inputs = {
         "cache_version": CACHE_VERSION,
         "code": code.hexdigest(),
         **sources_digests(cfg.data, path),
         "tokenizer": tokenizer_digest(tokenizer),
-        "chat_template": sha256_file(template) if template is not None and Path(template).is_file() else template,
+        "chat_template": sha256_file(template) if template is not None else cfg.data.chat_template,
         "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in RUNTIME_KEYS},
         "loss.threshold": cfg.loss.threshold,
         "train.seed": cfg.train.seed,

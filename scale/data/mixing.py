@@ -179,6 +179,7 @@ class MixedTask(Task):
             self.tasks.setdefault(task.name, task)
         self.of_source = {i: self.tasks[task.name] for i, task in of_source.items()}
         self.evaluating = self.tasks[evaluated]
+        self.counted = tuple(dict.fromkeys(c for t in self.tasks.values() for c in t.counted))  # every format's
 
     def task_of(self, row: dict[str, Any]) -> Task:
         return self.of_source[row["source"]]
@@ -217,7 +218,8 @@ class Mixture:
     ``train.seed``), ``eval``, every row read (``rows``, for the format's figures), the task that encodes them
     (``task``: the source's, or a :class:`MixedTask`), the task that evaluates them (``evaluating``), duplicates
     removed and, for a mixture, the per-source counts (``data/<name>/rows``, ``/train_rows``, ``/eval_rows``) and
-    the sources' names."""
+    the sources' names; ``lines``: the rows as read, whose ``.lines`` say where a row number is in its file
+    (:func:`scale.data.read.with_line`), or ``None`` where row numbers name rows of several files."""
 
     train: list[dict[str, Any]]
     eval: list[dict[str, Any]]
@@ -227,6 +229,7 @@ class Mixture:
     removed: int
     stats: dict[str, int]
     names: list[str]
+    lines: Any = None
 
 
 def read_rows(data_cfg: DataConfig, path: str, seed: int) -> Mixture:
@@ -250,7 +253,8 @@ def read_rows(data_cfg: DataConfig, path: str, seed: int) -> Mixture:
                             f"{rows.task.name} rows; give both sources the same columns (or set data.format)")
     part = split_source(data_cfg, rows, seed, data_cfg.eval_size, held)
     train = part.train if data_cfg.max_train_examples is None else part.train[: data_cfg.max_train_examples]
-    return Mixture(train, part.eval, part.rows, rows.task, rows.task, part.removed, {}, [])
+    return Mixture(train, part.eval, part.rows, rows.task, rows.task, part.removed, {}, [],
+                   rows if eval_source is None else None)  # eval_path rows: numbers of another file
 
 
 def _tagged(rows: Rows, index: int) -> Rows:

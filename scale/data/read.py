@@ -7,7 +7,8 @@ formats share, and :class:`DataError`, the one error every stage raises for bad 
 Files are read with the standard library, every cell as the text it is: a CSV cell ``NA`` or ``None`` stays
 that string (no missing-value guessing), ``.tsv`` has no quoting (a ``"`` is a character), and a ``.csv``
 record must sit on one physical line, so a stray quote cannot swallow the following lines unnoticed.
-Rows are numbered from 0 in file order (the header is not a row); errors name the row.
+Rows are numbered from 0 in file order (the header is not a row); errors name the row and, for a line-based
+file, the line an editor shows it on (:func:`with_line`: ``row 20 (line 21)``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
+import re
 import sys
 import unicodedata
 from pathlib import Path
@@ -29,6 +32,38 @@ class DataError(ValueError):
     """The data file or its rows cannot be used; the message names the field and the fix."""
 
 
+class FileRows(list):
+    """A source's rows (dicts, numbered from 0) and where each one is in its file(s), for error messages.
+
+    Attributes:
+        lines: the 1-based line of each row (``lines[i]`` for row ``i``) in a line-based file (.jsonl, .csv,
+            .tsv); ``None`` where rows have no line (a JSON array, Parquet, a hub data set).
+        files: ``[(first row, file name)]`` of the shards the rows came from (a directory or glob); ``[]`` for
+            one file.
+    """
+
+    lines: list[int] | None = None
+    files: list[tuple[int, str]] = []
+
+
+def row_line(rows: Any, i: int) -> str | None:
+    """Where row ``i`` of ``rows`` (a :class:`FileRows`) is, as an editor shows it: ``line 21`` or ``line 3 of
+    part-01.jsonl``; ``None`` when the rows have no lines."""
+    lines = getattr(rows, "lines", None)
+    if not lines or not 0 <= i < len(lines):
+        return None
+    name = next((n for start, n in reversed(getattr(rows, "files", []) or []) if start <= i), None)
+    return f"line {lines[i]}" + (f" of {name}" if name else "")
+
+
+def with_line(message: str, rows: Any) -> str:
+    """``message`` with the editor's line of the row it names after its first ``row N`` (rows count from 0, an
+    editor's lines from 1, and a CSV header takes a line): ``row 20 (line 21) of data.jsonl: ...``."""
+    m = re.search(r"\brow (\d+)\b(?! \(line)", message)
+    where = row_line(rows, int(m.group(1))) if m else None
+    return message if where is None else f"{message[:m.end()]} ({where}){message[m.end():]}"
+
+
 def read_table(cfg: DataConfig, path: str) -> tuple[list[dict[str, Any]], list[str]]:
     """Read a .jsonl/.json/.csv/.tsv file into rows (dicts) and its column names.
 
@@ -40,8 +75,9 @@ def read_table(cfg: DataConfig, path: str) -> tuple[list[dict[str, Any]], list[s
     file = Path(path)
     if not file.is_file():
         what = "is a directory" if file.is_dir() else "does not exist"
-        raise DataError(f"data.path={path!r} {what}; point it at a .jsonl/.json/.csv/.tsv file (a relative path is "
-                        f"read from the current directory)")
+        raise DataError(f"data.path={path!r} {what}; point it at a data file (.jsonl/.json/.csv/.tsv/.parquet/"
+                        f".arrow), a directory or glob of shards, a save_to_disk directory or a hub id org/name (a "
+                        f"relative path is read from the current directory, {os.getcwd()})")
     suffix = file.suffix.lower()
     if suffix not in EXTENSIONS:
         raise DataError(f"data.path={path!r}: unknown extension {file.suffix!r}; use one of {list(EXTENSIONS)}")
@@ -72,9 +108,9 @@ def _read_json(text: str, path: str) -> list[dict[str, Any]]:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
             raise DataError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from e
-        numbered = list(enumerate(rows))
+        numbered, lines = list(enumerate(rows)), None
     else:
-        numbered, i = [], 0
+        numbered, i, lines = [], 0, []
         # Only "\n" ends a JSON line: str.splitlines() would also split at U+2028, U+0085, ... that JSON text
         # may hold raw (json.dumps(ensure_ascii=False) writes them as they are).
         for line_no, line in enumerate(text.split("\n"), start=1):
@@ -82,14 +118,18 @@ def _read_json(text: str, path: str) -> list[dict[str, Any]]:
                 continue
             try:
                 numbered.append((i, json.loads(line)))
+                lines.append(line_no)
             except json.JSONDecodeError as e:
                 raise DataError(f"line {line_no} of {path} is not JSON ({e.msg}); write one JSON object per "
                                 f"line") from e
             i += 1
     for i, row in numbered:
         if not isinstance(row, dict):
-            raise DataError(f"row {i} of {path} is a {type(row).__name__}, not an object with named columns")
-    return [row for _, row in numbered]
+            at = f" (line {lines[i]})" if lines else ""
+            raise DataError(f"row {i}{at} of {path} is a {type(row).__name__}, not an object with named columns")
+    out = FileRows(row for _, row in numbered)
+    out.lines = lines
+    return out
 
 
 def _read_delimited(text: str, path: str, tsv: bool, names: list[str] | None) -> list[dict[str, Any]]:
@@ -125,12 +165,13 @@ def _read_delimited(text: str, path: str, tsv: bool, names: list[str] | None) ->
         (_, header), records = records[0], records[1:]
     else:
         header = list(names)
-    rows = []
+    rows = FileRows()
     for i, (line_no, cells) in enumerate(records):
         if len(cells) != len(header):
             raise DataError(f"row {i} of {path} (line {line_no}) has {len(cells)} cells but the header has "
                             f"{len(header)} ({header}); fix the row or its delimiters")
         rows.append(dict(zip(header, cells)))
+    rows.lines = [line_no for line_no, _ in records]
     return rows
 
 

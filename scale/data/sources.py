@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from scale.assets import resolve_data
-from scale.data.read import DataError, read_table
+from scale.data.read import DataError, FileRows, read_table
 from scale.fileio import sha256_file
 
 TABLE_EXTENSIONS = (".csv", ".json", ".jsonl", ".tsv")   # scale.data.read's strict readers
@@ -103,9 +103,13 @@ def read_source(cfg: Any, path: str) -> tuple[list[dict[str, Any]], list[str]]:
     elif kind == "shards":
         files = shard_files(path)
         if files[0].suffix.lower() in TABLE_EXTENSIONS:
-            rows = []
+            rows, lines, starts = FileRows(), [], []
             for f in files:
-                rows.extend(read_table(cfg, str(f))[0])
+                part = read_table(cfg, str(f))[0]
+                starts.append((len(rows), f.name))
+                rows.extend(part)
+                lines = None if lines is None or part.lines is None else lines + part.lines
+            rows.lines, rows.files = lines, starts
         else:
             rows = _rows(_load_files(files, path))
     elif kind == "hub":
@@ -113,9 +117,9 @@ def read_source(cfg: Any, path: str) -> tuple[list[dict[str, Any]], list[str]]:
     elif Path(path).suffix.lower() in TABLE_EXTENSIONS:
         return read_table(cfg, path)  # its own message for a missing file
     else:
-        raise DataError(f"data.path={path!r} does not exist; point it at a .jsonl/.json/.csv/.tsv/.parquet file, a "
-                        f"directory or glob of shards, a save_to_disk directory or a hub id org/name (a relative "
-                        f"path is read from the current directory, {os.getcwd()})")
+        raise DataError(f"data.path={path!r} does not exist; point it at a data file (.jsonl/.json/.csv/.tsv/"
+                        f".parquet/.arrow), a directory or glob of shards, a save_to_disk directory or a hub id "
+                        f"org/name (a relative path is read from the current directory, {os.getcwd()})")
     if not rows:
         raise DataError(f"data.path={path!r} has no rows")
     return rows, list(rows[0])
@@ -131,12 +135,75 @@ def _rows(ds: Any) -> list[dict[str, Any]]:
 def _load_files(files: list[Path], path: str) -> Any:
     datasets = _datasets()
     builder = "parquet" if files[0].suffix.lower() == ".parquet" else "arrow"
+    drift = _shard_difference(files, coarse=True) if len(files) > 1 else None
+    if drift:
+        raise DataError(f"data.path={path!r}: {drift}; give every shard the same columns and types, or list the "
+                        f"shards as data.datasets entries")
     try:
         return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
                                      cache_dir=str(Path(_hf_cache()) / "sources"))
     except Exception as e:  # noqa: BLE001 - datasets/pyarrow raise many types for one unreadable file
+        differs = _shard_difference(files) if len(files) > 1 else None
+        if differs:
+            raise DataError(f"data.path={path!r}: {differs}; give every shard the same columns and types, or list "
+                            f"the shards as data.datasets entries (each with its own *_column keys)") from None
         raise DataError(f"data.path={path!r} cannot be read as {builder} ({type(e).__name__}: "
                         f"{_first_line(e)})") from e
+
+
+def _schema(f: Path) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if f.suffix.lower() == ".parquet":
+        return pq.read_schema(str(f))
+    with pa.memory_map(str(f)) as source:  # datasets writes .arrow files as IPC streams; files work too
+        try:
+            return pa.ipc.open_stream(source).schema
+        except pa.ArrowInvalid:
+            return pa.ipc.open_file(source).schema
+
+
+def _kind(t: Any) -> str | None:
+    """A column type's kind: text, number, bool, list or struct (``None`` for all-null: matches any)."""
+    import pyarrow.types as pt
+
+    for kind, test in (("text", lambda x: pt.is_string(x) or pt.is_large_string(x)),
+                       ("number", lambda x: pt.is_integer(x) or pt.is_floating(x)), ("bool", pt.is_boolean),
+                       ("list", lambda x: pt.is_list(x) or pt.is_large_list(x)), ("struct", pt.is_struct)):
+        if test(t):
+            return kind
+    return None if pt.is_null(t) else str(t)
+
+
+def _shard_difference(files: list[Path], coarse: bool = False) -> str | None:
+    """The first shard whose columns (or a column's type) differ from the first shard's, in words; ``None`` when
+    every schema matches or one cannot be read (the caller then reports the reader's own error).
+
+    A column of all-null values in one shard matches any type (the reader unifies it). ``coarse``: column types
+    only by kind (text against a number, :func:`_kind`: the reader would cast an integer label to the text '1'
+    without a word); other type differences are left to the reader and diagnosed when it fails. Column names
+    must match either way (the reader refuses a shard with an extra column but fills a missing one with nulls).
+    """
+    try:
+        first, *rest = [(f, _schema(f)) for f in files]
+    except Exception:  # noqa: BLE001 - an unreadable file: the reader's error says more
+        return None
+    f0, s0 = first
+    for f, s in rest:
+        if s.names != s0.names:
+            extra = [c for c in s.names if c not in s0.names]
+            missing = [c for c in s0.names if c not in s.names]
+            what = (f"the column(s) {extra} that {f0.name} lacks" if extra else "") + (
+                " and " if extra and missing else "") + (f"no column(s) {missing}" if missing else "")
+            return (f"shard {f.name} has {what or 'its columns in another order'} (its columns {s.names}, "
+                    f"{f0.name}'s {s0.names})")
+        for name in s0.names:
+            a, b = s0.field(name).type, s.field(name).type
+            differ = _kind(a) != _kind(b) if coarse else a != b
+            if differ and None not in (_kind(a), _kind(b)):
+                return f"column {name!r} is {b} in shard {f.name} but {a} in {f0.name}"
+    return None
 
 
 def _load_disk(cfg: Any, path: str) -> Any:

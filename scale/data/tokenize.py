@@ -26,7 +26,7 @@ from typing import Any
 
 from scale.config import DataConfig, LossConfig
 from scale.data.mixing import dropped_per_source, read_rows
-from scale.data.read import DataError
+from scale.data.read import DataError, with_line
 from scale.data.split import count_copies
 from scale.data.tasks.base import Builder, Example, Rows, Task
 
@@ -50,7 +50,14 @@ def tokenize_rows(rows: Rows, tokenizer: Any, data_cfg: DataConfig, loss_cfg: Lo
 
 
 def _tokenize(rows: list[dict[str, Any]], task: Any, b: Builder, loss_cfg: LossConfig) -> list[Example]:
-    return [e for e in (task.encode(r, b, loss_cfg) for r in rows) if e is not None]
+    """Every row's examples (a format may make none, one or several of a row), and ``b.notes["trained_tokens"]``
+    counts their trained tokens."""
+    out: list[Example] = []
+    for r in rows:
+        e = task.encode(r, b, loss_cfg)
+        out.extend(e if isinstance(e, list) else [] if e is None else [e])
+    b.count("trained_tokens", sum(sum(e.trained) if e.trained is not None else e.tail_len for e in out))
+    return out
 
 
 class Examples(list):
@@ -155,15 +162,20 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
     mix = read_rows(data_cfg, path, seed)
     task = mix.task
     if not task.uses_threshold and (loss_cfg.threshold, loss_cfg.target_position) != (2, -2):
-        logger.warning("loss.threshold=%d and loss.target_position=%d apply to the text format only; the %s format "
+        logger.warning("loss.threshold=%s and loss.target_position=%d apply to the text format only; the %s format "
                        "trains each row's own tail (see the README's format table)", loss_cfg.threshold,
                        loss_cfg.target_position, mix.evaluating.name)
     overlap = count_copies(mix.eval, mix.train)
     task.prepare(tokenizer, data_cfg, loss_cfg)
-    task.check(tokenizer, mix.train + mix.eval)
     builder = Builder(tokenizer, data_cfg)
     tokenize = tokenize or (lambda name, part, t, b: _tokenize(part, t, b, loss_cfg))  # the token cache's seam
-    train, held = tokenize("train", mix.train, task, builder), tokenize("eval", mix.eval, task, builder)
+    try:
+        task.check(tokenizer, mix.train + mix.eval)
+        train = tokenize("train", mix.train, task, builder)
+        train_notes = dict(builder.notes)
+        held = tokenize("eval", mix.eval, task, builder)
+    except DataError as e:  # name the line an editor shows the row on
+        raise DataError(with_line(str(e), mix.lines)) from None
     if not train or not held:
         raise DataError(f"data.drop_long_completions dropped every {'train' if not train else 'eval'} row; raise "
                         f"data.max_length")
@@ -171,9 +183,12 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
              "data/eval_rows_in_train": overlap, "data/dropped_long_rows": len(builder.dropped),
              # a mixture, per source: rows read, train rows mixed in, eval rows, rows dropped
              **mix.stats, **dropped_per_source(builder.notes, mix.names)}
-    if builder.dropped:
-        logger.warning("data.drop_long_completions: dropped %d rows whose tail does not fit in data.max_length=%d "
-                       "(data-file rows %s)", len(builder.dropped), data_cfg.max_length, builder.dropped[:20])
+    for name in ("trained_tokens", *task.counted):  # per split: the train split's notes, then what eval added
+        stats[f"data/train_{name}"] = train_notes.get(name, 0)
+        stats[f"data/eval_{name}"] = builder.notes.get(name, 0) - train_notes.get(name, 0)
+    if builder.dropped:  # which rows: once, when they are tokenized (the start-up log says how many, every start)
+        logger.info("data: dropped data-file rows %s%s (data.max_length=%d)", builder.dropped[:20],
+                    " ..." if len(builder.dropped) > 20 else "", data_cfg.max_length)
     if builder.notes.get("special_spellings_as_text"):
         logger.warning("data: %d special-token spellings inside message text (e.g. a quoted end-of-turn marker) "
                        "were encoded as text, not as control tokens", builder.notes["special_spellings_as_text"])
@@ -182,6 +197,60 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
     return Splits(train=with_task(train, mix.evaluating), eval=with_task(held, mix.evaluating), stats=stats,
                   fingerprint=(fingerprint_of or (lambda a, b: token_fingerprint(itertools.chain(a, b))))(train, held),
                   template_sha256=hashlib.sha256(extra.encode()).hexdigest() if extra else "")
+
+
+_MAIN_STATS = ("data/train_rows", "data/eval_rows", "data/duplicates_removed", "data/eval_rows_in_train",
+               "data/dropped_long_rows")
+
+
+def _per_split(stats: dict[str, int], name: str) -> tuple[int, int]:
+    return stats.get(f"data/train_{name}", 0), stats.get(f"data/eval_{name}", 0)
+
+
+def stats_line(stats: dict[str, int]) -> str:
+    """The start-up log's data line: the row counts, the trained tokens per row of each split, and every other
+    count that is not 0 (``data/*`` of :attr:`Splits.stats`; all of them are in ``metrics.jsonl`` at step 0)."""
+    main = [f"{k.removeprefix('data/')}={stats[k]}" for k in _MAIN_STATS if k in stats]
+    per_row = [f"{split} {stats[f'data/{split}_trained_tokens'] / stats[f'data/{split}_rows']:.1f}"
+               for split in ("train", "eval") if stats.get(f"data/{split}_rows") and
+               f"data/{split}_trained_tokens" in stats]
+    rest = [f"{k.removeprefix('data/')}={v}" for k, v in stats.items() if k not in _MAIN_STATS and v
+            and not k.endswith("_trained_tokens")]
+    return " ".join(main + rest) + (f"; trained tokens per row: {', '.join(per_row)}" if per_row else "")
+
+
+def removed_lines(stats: dict[str, int], data_cfg: DataConfig) -> list[str]:
+    """One line for each kind of thing the chat template or ``data.truncation`` removed from the rows (counted per
+    split in ``stats``), naming the option that keeps it; ``[]`` when nothing was removed."""
+    out = []
+    cut, dropped = _per_split(stats, "rows_truncated"), stats.get("data/dropped_long_rows", 0)
+    if sum(cut):
+        lost = [f"{sum(n)} {what}" for key, what in (("turns_cut", "assistant turn(s), not trained"),
+                                                      ("tool_calls_cut", "tool call(s)"),
+                                                      ("system_cut", "system turn(s)"),
+                                                      ("user_text_cut", "user text start(s)"))
+                if sum(n := _per_split(stats, key))]
+        out.append(f"data.max_length={data_cfg.max_length} cut the start of {cut[0]} train and {cut[1]} eval rows "
+                   f"(data.truncation=keep_end)" + (f", removing {', '.join(lost)}" if lost else "") +
+                   "; a larger data.max_length keeps them, data.truncation=drop drops such rows")
+    if dropped:
+        out.append(f"dropped {dropped} rows over data.max_length={data_cfg.max_length} (data.truncation="
+                   f"{data_cfg.truncation}, data.drop_long_completions={str(data_cfg.drop_long_completions).lower()})"
+                   f"; a larger data.max_length keeps them")
+    if sum(n := _per_split(stats, "history_reasoning_dropped")):
+        out.append(f"{sum(n)} reasoning blocks of earlier assistant turns are not trained ({n[0]} train, {n[1]} eval): "
+                   f"the chat template renders those turns as history, without it; data.train_on="
+                   f"all_assistant_as_last trains each turn as the last of its own row, with its reasoning")
+    if sum(n := _per_split(stats, "reasoning_not_rendered")):
+        out.append(f"the chat template does not render {sum(n)} reasoning blocks of trained turns ({n[0]} train, "
+                   f"{n[1]} eval); a template that renders reasoning_content (data.chat_template) keeps them")
+    if sum(n := _per_split(stats, "system_not_rendered")):
+        out.append(f"the chat template does not render {sum(n)} system turns ({n[0]} train, {n[1]} eval); a "
+                   f"template that renders them (data.chat_template) keeps them")
+    if sum(n := _per_split(stats, "empty_turns")):
+        out.append(f"{sum(n)} assistant turns render as no text but their end-of-turn marker (an empty message) and "
+                   f"are not trained ({n[0]} train, {n[1]} eval)")
+    return out
 
 
 TRAINED_OPEN, TRAINED_CLOSE = "[[", "]]"

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from scale.config import DataConfig
-from scale.data.read import DataError, integer_cell
+from scale.data.read import DataError, integer_cell, with_line
 from scale.data.sources import read_source
 from scale.data.tasks import classification, messages, prompt_completion, text
 from scale.data.tasks.base import Rows, Task
@@ -91,7 +91,8 @@ def load_rows(cfg: DataConfig, path: str) -> Rows:
     Returns:
         Rows as dicts with a ``row`` index (file order), the format's fields (``text`` (+ ``target``); ``text``,
         ``label``; ``prompt``, ``completion``; ``messages`` (+ ``tools``)) and ``type`` when there is a type column;
-        ``.task`` is the format's task that encodes them.
+        ``.task`` is the format's task that encodes them, ``.lines``/``.files`` where each row is in a line-based
+        file (:func:`scale.data.read.row_line`).
 
     Raises:
         DataError: see :func:`scale.data.sources.read_source`, :func:`detect_format` and the format's row checks; a
@@ -106,9 +107,14 @@ def load_rows(cfg: DataConfig, path: str) -> Rows:
                         f"{columns}. Set data.type_column (or data.column_names for a header-less file).")
     rows = []
     for i, raw in enumerate(table):
-        row: dict[str, Any] = {"row": i, **task.read(raw, cfg, i, path)}
-        if type_column is not None:
-            row["type"] = integer_cell(raw.get(type_column), type_column, i, path)
+        try:
+            row: dict[str, Any] = {"row": i, **task.read(raw, cfg, i, path)}
+            if type_column is not None:
+                row["type"] = integer_cell(raw.get(type_column), type_column, i, path)
+        except DataError as e:  # name the line an editor shows the row on
+            raise DataError(with_line(str(e), table)) from None
         rows.append(row)
-    return Rows(rows, task.for_rows(rows))
+    out = Rows(rows, task.for_rows(rows))
+    out.lines, out.files = getattr(table, "lines", None), getattr(table, "files", [])
+    return out
 

@@ -100,9 +100,27 @@ class Builder:
             return self.prefix, prompt[len(self.prefix):]
         return self.prefix, prompt
 
+    def count(self, note: str, n: int = 1) -> None:
+        """Add ``n`` to the count ``note`` (:attr:`notes`)."""
+        self.notes[note] = self.notes.get(note, 0) + n
+
+    def too_long(self, i: int, n: int) -> bool:
+        """Whether row ``i`` of ``n`` tokens is dropped: over ``data.max_length`` with ``data.truncation=drop``
+        (listed in :attr:`dropped`). A row over the limit that is kept and cut is counted (``rows_truncated``)."""
+        if n <= self.cfg.max_length:
+            return False
+        if self.cfg.truncation == "drop":
+            self.dropped.append(i)
+            return True
+        self.count("rows_truncated")
+        return False
+
     def assemble(self, prefix: list[int], prompt: list[int], tail: list[int], i: int) -> list[int] | None:
-        """``prefix + prompt + tail``, losing prompt tokens after ``prefix`` to fit ``data.max_length``."""
+        """``prefix + prompt + tail``, losing prompt tokens after ``prefix`` to fit ``data.max_length``
+        (``data.truncation=keep_end``), or ``None`` for a row over it that is dropped (``drop``)."""
         room = self.cfg.max_length - len(prefix) - len(tail)
+        if prompt and room >= 1 and self.too_long(i, len(prefix) + len(prompt) + len(tail)):
+            return None
         if room < 1 or not prompt:
             if not prompt:
                 raise DataError(f"row {i}: nothing precedes the tail, so its first token has no prediction; "
@@ -130,6 +148,9 @@ class Task:
     types_are_labels: ClassVar[bool] = False
     #: ``loss.threshold`` / ``loss.target_position`` decide this format's tail
     uses_threshold: ClassVar[bool] = False
+    #: the :attr:`Builder.notes` counts this format reports per split (``data/<split>_<name>``, zeros included):
+    #: rows whose start ``data.truncation`` cut, and what else the format counts
+    counted: ClassVar[tuple[str, ...]] = ("rows_truncated",)
 
     def __init__(self) -> None:
         self.found: dict[str, Any] = {}  # what the rows showed (:meth:`info`), for evaluation and the split's fields

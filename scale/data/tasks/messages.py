@@ -1,15 +1,41 @@
 """``messages``: a conversation rendered by the chat template; its assistant turns are trained.
 
-``data.train_on=all_assistant`` (default, as TRL, axolotl, torchtune and LLaMA-Factory do) trains every assistant
-turn; ``last_assistant`` only the last. Each trained turn runs from its first content token (where the template's
-generation prompt for the conversation so far ends) through the end-of-turn marker the template renders after it;
-a template without a special end-of-turn token gets EOS appended to the last turn. The row is cut after the last
-assistant turn. The tail (:mod:`scale.data.tokenize`) starts at the first trained token; the user/tool tokens
-inside it weigh 0 (``Example.trained``).
+``data.train_on`` (default ``all_assistant``, as TRL, axolotl, torchtune and LLaMA-Factory do):
 
-Every message key passes to the template (``tool_calls``, a tool turn's ``name``/``tool_call_id``,
-``reasoning_content``/``thinking``); a ``tools`` column (``data.tools_column``) is the template's ``tools``;
-``data.chat_template_kwargs`` are passed as template variables. Template hygiene, each with one outcome:
+- ``all_assistant``: every assistant turn, in one row per conversation, each as the template renders it in that
+  conversation (an earlier turn as history: a Qwen3-style template renders a ``<think>`` block for the last turn
+  only, so the reasoning of earlier turns is not trained; counted, ``data/*_history_reasoning_dropped``);
+- ``all_assistant_as_last``: every assistant turn in a row of its own (the conversation up to and including it),
+  rendered as the last turn, as inference renders it (its reasoning kept); a conversation of n assistant turns
+  is n rows;
+- ``last_assistant``: the last turn only.
+
+**Spans from rendering positions only.** A trained turn starts right after its own rendered prompt (the
+template's generation prompt for the conversation before it, which must be the start of the rendering) and ends
+right after the end-of-turn marker the template renders for it in this conversation. When the template renders
+the turn differently as history, its span there is the longest end of its last-turn rendering that the
+conversation holds at that start, through its end-of-turn marker; a turn whose span cannot be told that way is
+one line naming the template and the turn. The turn's text is never searched for (an answer "Yes" that the user's
+message also holds is trained where the answer is). A template without a special end-of-turn token gets EOS
+appended to the last turn; the row is cut after the last assistant turn. The tail (:mod:`scale.data`) starts at
+the first trained token; the user/tool tokens inside it weigh 0 (``Example.trained``). A turn that renders as no
+text but its end-of-turn marker (an empty message) is not trained (counted).
+
+**Tools.** Every message key passes to the template (``tool_calls``, a tool turn's ``name``/``tool_call_id``,
+``reasoning_content``/``thinking``); a ``tools`` column (``data.tools_column``) is the template's ``tools``. A
+tool call's ``arguments`` given as a JSON string (OpenAI's format) is decoded once into a mapping, as
+transformers' templates expect. Tool calls or a ``tools`` column on a template that does not render them (plain
+ChatML, SmolLM2's own) are refused with one line naming the shipped ``chatml_tools`` template.
+
+**Truncation** (``data.truncation``): a conversation over ``data.max_length`` tokens is cut, never inside a
+turn's markers: ``keep_end`` (default) drops its oldest exchanges (a user turn and the turns answering it) and
+renders what is left again; if its last exchange alone is still too long, the start of that exchange's user text
+goes (the turn's markers stay); the system turn is kept until nothing else helps. ``drop`` drops the
+conversation. A conversation that cannot fit even so is an error naming it, or dropped with
+``data.drop_long_completions``. What is removed (assistant turns, tool calls, system turns, the start of a user
+text) is counted per split (``data/<split>_turns_cut``...) and named once in the start-up log.
+
+Template hygiene, each with one outcome:
 
 - a template that raises (``raise_exception``): one line naming the row and the template's message;
 - the generation prompt must be the start of the rendered last turn (else one line showing where they differ);
@@ -27,22 +53,51 @@ import re
 from pathlib import Path
 from typing import Any
 
-from scale.config import DataConfig, LossConfig
+from scale.config import DataConfig, LossConfig, configs_dir
 from scale.data.read import DataError
 from scale.data.tasks.base import Builder, CompletionTask, Example, encode, encode_literal
 
 logger = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
 _PLAIN_KEYS = {"role", "content"}
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # where chat data holds an assistant turn's reasoning
+TOOLS_TEMPLATE = "chatml_tools"  # configs/chat/chatml_tools.jinja: ChatML with <tools> and <tool_call>
+# What this format counts per split (data/<split>_<name>, scale.data): removed by truncation, or not rendered.
+COUNTS = ("turns_cut", "tool_calls_cut", "system_cut", "user_text_cut", "empty_turns",
+          "history_reasoning_dropped", "reasoning_not_rendered", "system_not_rendered")
+
+
+def _arguments(call: Any, i: int, path: str, j: int) -> Any:
+    """A tool call whose ``arguments`` is a JSON string, with it decoded once into its value (OpenAI's format
+    carries ``"arguments": "{\"city\": \"Oslo\"}"``; transformers' templates write ``arguments | tojson``, so a
+    string would be encoded a second time). Calls as ``{"function": {...}}`` or flat ``{name, arguments}``.
+
+    Raises:
+        DataError: the string is not JSON.
+    """
+    if not isinstance(call, dict):
+        return call
+    fn = call.get("function") if isinstance(call.get("function"), dict) else None
+    args = (fn if fn is not None else call).get("arguments")
+    if not isinstance(args, str):
+        return call
+    try:
+        value = json.loads(args) if args.strip() else {}
+    except json.JSONDecodeError as e:
+        name = (fn if fn is not None else call).get("name")
+        raise DataError(f"row {i} of {path}: message {j} calls {name!r} with arguments that are not JSON ({e.msg}: "
+                        f"{args[:80]!r}); write them as a JSON object (a string or a mapping)") from None
+    return {**call, "function": {**fn, "arguments": value}} if fn is not None else {**call, "arguments": value}
 
 
 def read_messages(value: Any, column: str, i: int, path: str) -> list[dict[str, Any]]:
-    """Check one row's conversation; every key of a message is kept (the template decides what it renders).
+    """Check one row's conversation; every key of a message is kept (the template decides what it renders), a
+    tool call's JSON-string ``arguments`` decoded into a mapping.
 
     Raises:
         DataError: not a non-empty list of messages, a role outside :data:`ROLES`, content that is not text (an
-            assistant turn with ``tool_calls`` may have none), no assistant turn, a last turn that is not the
-            assistant's or is empty.
+            assistant turn with ``tool_calls`` may have none), tool-call arguments that are not JSON, no assistant
+            turn, a last turn that is not the assistant's or is empty.
     """
     if isinstance(value, str):  # a CSV cell holding JSON
         try:
@@ -59,14 +114,17 @@ def read_messages(value: Any, column: str, i: int, path: str) -> list[dict[str, 
                 isinstance(m.get("content"), str) or calls and m.get("content") is None):
             raise DataError(f"row {i} of {path}: message {j} must be {{'role': one of {list(ROLES)}, 'content': "
                             f"text}}, got {m!r}"[:400])
-        messages.append({**m, "content": m.get("content") or ""})
+        m = {**m, "content": m.get("content") or ""}
+        if calls:
+            m["tool_calls"] = [_arguments(c, i, path, j) for c in m["tool_calls"]]
+        messages.append(m)
     if not any(m["role"] == "assistant" for m in messages):
-        raise DataError(f"row {i} of {path}: no assistant message; the messages format trains the last "
-                        f"assistant turn, so every conversation needs one")
+        raise DataError(f"row {i} of {path}: no assistant message; the messages format trains assistant turns "
+                        f"(data.train_on), so every conversation needs one")
     if messages[-1]["role"] != "assistant":
-        raise DataError(f"row {i} of {path}: the last message is from {messages[-1]['role']!r}, not "
-                        f"'assistant'; the messages format trains the last assistant turn, so end every "
-                        f"conversation with it")
+        raise DataError(f"row {i} of {path}: the last message is from {messages[-1]['role']!r}, not 'assistant'; "
+                        f"a conversation ends with an assistant turn (the row is cut after it), so end every "
+                        f"conversation with one")
     if not messages[-1]["content"].strip() and not messages[-1].get("tool_calls"):
         raise DataError(f"row {i} of {path}: the last assistant message is empty")
     return messages
@@ -99,17 +157,30 @@ def conversational_row(raw: dict[str, Any], cfg: DataConfig, i: int, path: str) 
     return {"messages": messages, "completion_from": len(prompt), **_tools(raw, cfg, i, path)}
 
 
+def chat_template_path(value: str | None) -> Path | None:
+    """``data.chat_template`` as a file: the path itself, else a shipped template of that name
+    (``chatml``, ``chatml_tools``: ``configs/chat/<name>.jinja``); ``None`` when neither exists."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path
+    shipped = configs_dir() / "chat" / f"{path.name.removesuffix('.jinja')}.jinja"
+    return shipped if len(path.parts) == 1 and shipped.is_file() else None
+
+
 def chat_template(tokenizer: Any, cfg: DataConfig) -> str:
-    """The chat template (Jinja text): ``data.chat_template``'s file, else the tokenizer's own.
+    """The chat template (Jinja text): ``data.chat_template``'s file (or shipped name), else the tokenizer's own.
 
     Raises:
         DataError: the file does not exist, or there is no template at all.
     """
     if cfg.chat_template is not None:
-        path = Path(cfg.chat_template)
-        if not path.is_file():
+        path = chat_template_path(cfg.chat_template)
+        if path is None:
+            shipped = sorted(p.stem for p in (configs_dir() / "chat").glob("*.jinja"))
             raise DataError(f"data.chat_template={cfg.chat_template!r} is not a file; point it at a Jinja "
-                            f"chat-template file")
+                            f"chat-template file, or name a shipped one: {shipped}")
         return path.read_text(encoding="utf-8")
     template = getattr(tokenizer, "chat_template", None)
     if not template:
@@ -117,6 +188,13 @@ def chat_template(tokenizer: Any, cfg: DataConfig) -> str:
                         "data.chat_template to a Jinja file (e.g. the chat_template of a tokenizer_config.json "
                         "of the same model family), or write the data as prompt/completion columns")
     return template
+
+
+def template_name(cfg: DataConfig) -> str:
+    """The chat template in words, for messages: ``data.chat_template=...`` or the tokenizer's own."""
+    if cfg.chat_template is not None:
+        return f"data.chat_template={cfg.chat_template}"
+    return "the tokenizer's chat template"
 
 
 def special_strings(tokenizer: Any) -> list[str]:
@@ -170,6 +248,14 @@ def _end_of_turn(text: str, specials: list[str]) -> int | None:
     return None
 
 
+def _without_marker(text: str, specials: list[str]) -> str:
+    """A turn's text without the special token that ends it (what the turn says)."""
+    for s in specials:
+        if text.endswith(s):
+            return text[:-len(s)]
+    return text
+
+
 def _first_difference(a: str, b: str) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -177,29 +263,62 @@ def _first_difference(a: str, b: str) -> int:
     return n
 
 
-def spans(tokenizer: Any, template: str, messages: list[dict[str, Any]], i: int, train_on: str,
-          first: int = 0, tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None
-          ) -> tuple[str, list[tuple[int, int]], bool]:
-    """Render a conversation and find the character spans of its trained assistant turns.
+def _history_end(full: str, start: int, as_last: str, specials: list[str]) -> int | None:
+    """Where a turn that the template renders differently in history ends in ``full``, from its own rendering.
 
-    Turn ``k`` starts where the generation prompt of ``messages[:k]`` ends, and ends right after the special
-    token that closes the rendered turn (or after its text, trailing whitespace dropped). An earlier turn the
-    template renders differently in the history (reasoning dropped) starts at its content and ends at the first
-    special token after it.
+    ``as_last`` is the turn as the template renders it when it is the last one (after its generation prompt). The
+    history rendering at ``start`` is the shortest run ``full[start:p]`` ending with the same end-of-turn marker
+    that is an end of ``as_last`` (a Qwen3-style template drops the ``<think>`` block in front of the answer).
+    Returns ``p - start``, or ``None`` when no such run exists.
+    """
+    end = _end_of_turn(as_last, specials)
+    if end is None:
+        return None
+    body = as_last[:end]
+    marker = next(s for s in specials if body.endswith(s))
+    p = full.find(marker, start)
+    while p >= 0:
+        if body.endswith(full[start:p + len(marker)]):
+            return p + len(marker) - start
+        p = full.find(marker, p + 1)
+    return None
+
+
+def _reasoning(message: dict[str, Any]) -> str:
+    return next((str(message[k]).strip() for k in REASONING_KEYS if isinstance(message.get(k), str)
+                 and message[k].strip()), "")
+
+
+def spans(tokenizer: Any, template: str, messages: list[dict[str, Any]], i: int, train_on: str,
+          first: int = 0, tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None,
+          name: str = "the chat template", notes: dict[str, int] | None = None
+          ) -> tuple[str, list[tuple[int, int]], bool]:
+    """Render a conversation and find the character spans of its trained assistant turns, from renderings only.
+
+    Turn ``k`` starts where the generation prompt of ``messages[:k]`` ends (that prompt must be the start of the
+    rendering; of an earlier turn's prompt, the part the rendering holds after the messages before it) and ends
+    right after the special token that closes the rendered turn (or after its text, trailing whitespace dropped).
+    A turn the template renders differently as history ends where :func:`_history_end` finds it. A turn that renders as nothing but its end-of-turn marker is not trained (``notes["empty_turns"]``);
+    a trained turn's reasoning (``reasoning_content``/``thinking``) that the rendering lacks is counted
+    (``history_reasoning_dropped`` when its last-turn rendering holds it, else ``reasoning_not_rendered``).
 
     Args:
         train_on: ``all_assistant`` or ``last_assistant``.
         first: only messages from this index on are trained (a conversational prompt/completion row).
+        name: the template in words (:func:`template_name`), for messages.
+        notes: counts to add to (see above); ``None``: not counted.
 
     Returns:
         ``(text, spans, append_eos)``: the rendered conversation, ``[(start, end)]`` ascending, and whether the
         last turn has no end-of-turn special token (EOS is then appended to it).
 
     Raises:
-        DataError: the template raises, the generation prompt is not the start of the rendered last turn, or a
-            turn's content cannot be found in the rendering.
+        DataError: the template raises, the generation prompt is not the start of the rendered last turn, the
+            last turn renders as nothing, or an earlier turn has no exact location in the rendering (one line
+            naming the template and the turn).
     """
     specials = special_strings(tokenizer)
+    notes = {} if notes is None else notes
     full = render(tokenizer, template, messages, i, tools=tools, kwargs=kwargs)
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k >= first]
     if train_on == "last_assistant":
@@ -211,38 +330,62 @@ def spans(tokenizer: Any, template: str, messages: list[dict[str, Any]], i: int,
         prompt = render(tokenizer, template, messages[:k], i, generation=True, tools=tools, kwargs=kwargs)
         whole = full if last else render(tokenizer, template, messages[:k + 1], i, tools=tools, kwargs=kwargs)
         lo = out[-1][1] if out else 0
-        if whole.startswith(prompt) and full.startswith(whole) and len(prompt) >= lo:
-            start, turn = len(prompt), whole[len(prompt):]
-            end = _end_of_turn(turn, specials)
-            if end is None:
-                end, add_eos = len(turn.rstrip()), last
-            if end == 0:
-                raise DataError(f"row {i}: the chat template renders assistant message {k} as nothing; check "
-                                f"data.chat_template")
-            out.append((start, start + end))
-            continue
-        if last:
-            n = _first_difference(prompt, full)
-            raise DataError(f"row {i}: the chat template's generation prompt is not the start of the rendered last "
-                            f"assistant turn: after {full[max(0, n - 30):n]!r} the prompt continues "
-                            f"{prompt[n:n + 40]!r} but the conversation {full[n:n + 40]!r}; the model would be "
+        if not whole.startswith(prompt) or last and not full.startswith(prompt):
+            n = _first_difference(prompt, whole)
+            which = "last assistant turn" if last else f"assistant turn (message {k})"
+            raise DataError(f"row {i}: the chat template's generation prompt is not the start of the rendered "
+                            f"{which}: after {whole[max(0, n - 30):n]!r} the prompt continues "
+                            f"{prompt[n:n + 40]!r} but the conversation {whole[n:n + 40]!r}; the model would be "
                             f"trained after a prompt inference never sends. Fix data.chat_template so that its "
                             f"generation prompt is what the rendered turn starts with")
-        content = messages[k]["content"].strip()
-        at = full.find(content, lo) if content else -1
-        if at < 0:
-            raise DataError(f"row {i}: the chat template does not render assistant message {k}'s content as "
-                            f"written, so its tokens cannot be found; check data.chat_template, or set "
-                            f"data.train_on=last_assistant")
-        end = at + len(content)
-        markers = [p + len(s) for s in specials if (p := full.find(s, end)) >= 0 and not full[end:p].strip()]
-        out.append((at, min(markers) if markers else end))
+        start, as_last = len(prompt), whole[len(prompt):]
+        if not full.startswith(prompt) or start < lo:
+            # The history rendering may hold only the start of the generation prompt (Qwen3 with enable_thinking:
+            # false opens every generation with an empty <think> block that history turns lack): the turn then
+            # starts after the part of its prompt the conversation holds, if all of the messages before it are.
+            before = render(tokenizer, template, messages[:k], i, tools=tools, kwargs=kwargs)
+            start = _first_difference(prompt, full)
+            if not full.startswith(before) or start < max(len(before), lo):
+                raise DataError(f"row {i}: {name} renders the messages before assistant message {k} differently "
+                                f"once later messages follow, so where that turn starts cannot be told from the "
+                                f"template's own rendering; set data.train_on=all_assistant_as_last (every assistant "
+                                f"turn the last of a row of its own) or data.train_on=last_assistant")
+        if last or start == len(prompt) and full.startswith(whole):
+            turn = as_last
+        else:
+            length = _history_end(full, start, as_last, specials)
+            if length is None:
+                raise DataError(f"row {i}: {name} renders assistant message {k} differently once later messages "
+                                f"follow (as history), and its rendering there is no end of its rendering as the "
+                                f"last turn, so its span has no exact location; set data.train_on="
+                                f"all_assistant_as_last (every assistant turn the last of a row of its own) or "
+                                f"data.train_on=last_assistant")
+            turn = full[start:start + length]
+        end = _end_of_turn(turn, specials)
+        if end is None:
+            end, add_eos = len(turn.rstrip()), last
+        said = _without_marker(turn[:end], specials)
+        if not said.strip():
+            if last:
+                raise DataError(f"row {i}: {name} renders the last assistant message ({k}) as no text but its "
+                                f"end-of-turn marker, so nothing would be trained; check the row and "
+                                f"data.chat_template")
+            notes["empty_turns"] = notes.get("empty_turns", 0) + 1
+            continue
+        reasoning = _reasoning(messages[k])
+        if reasoning and reasoning not in said:
+            key = "history_reasoning_dropped" if reasoning in as_last else "reasoning_not_rendered"
+            notes[key] = notes.get(key, 0) + 1
+        out.append((start, start + end))
+    for m in messages:
+        if m["role"] == "system" and m["content"].strip() and m["content"].strip() not in full:
+            notes["system_not_rendered"] = notes.get("system_not_rendered", 0) + 1
     return full, out, add_eos
 
 
 def _content_ranges(full: str, messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
     """Character ranges of the messages' text in the rendering (found in order; text the template changed is
-    not found and not protected)."""
+    not found and not protected). Only for encoding special-token spellings as text, never for trained spans."""
     ranges, pos = [], 0
     for m in messages:
         content = m.get("content") or ""
@@ -253,10 +396,22 @@ def _content_ranges(full: str, messages: list[dict[str, Any]]) -> list[tuple[int
     return ranges
 
 
+def _cuts(messages: list[dict[str, Any]]) -> list[list[int]]:
+    """The conversations ``data.truncation: keep_end`` tries, least cut first, as indices into ``messages``: the
+    whole, then without its oldest exchanges (each cut starts at a user turn; a system turn kept), then the
+    shortest without its system turn. Every one ends with the last (trained) assistant turn."""
+    n = len(messages)
+    system = [0] if messages[0]["role"] == "system" else []
+    starts = [j for j in range(len(system) + 1, n - 1) if messages[j]["role"] == "user"]
+    out = [list(range(n))] + [system + list(range(j, n)) for j in starts]
+    return out + [out[-1][1:]] if system else out
+
+
 class Messages(CompletionTask):
     """The ``messages`` format (evaluation as prompt/completion: completion NLL and exact match)."""
 
     name = "messages"
+    counted = CompletionTask.counted + COUNTS
 
     def columns(self, cfg: DataConfig) -> list[str]:
         return [cfg.messages_column]
@@ -270,10 +425,10 @@ class Messages(CompletionTask):
 
     def prepare(self, tokenizer: Any, data_cfg: DataConfig, loss_cfg: LossConfig) -> None:
         self.template = chat_template(tokenizer, data_cfg)
+        self.template_name = template_name(data_cfg)
         self.kwargs = dict(data_cfg.chat_template_kwargs or {})
         self.train_on = data_cfg.train_on
         self.specials = special_strings(tokenizer)
-        self.reported: set[str] = set()
 
     def fingerprint(self) -> str:
         return json.dumps({"template": self.template, "kwargs": self.kwargs, "train_on": self.train_on},
@@ -282,7 +437,8 @@ class Messages(CompletionTask):
     def check(self, tokenizer: Any, rows: list[dict[str, Any]]) -> None:
         if rows:
             self.check_clock(tokenizer, rows[0])
-            self.report_unused_keys(rows)
+            self.check_tools(tokenizer, rows)
+            self.report_unused_keys(tokenizer, rows)
 
     def check_clock(self, tokenizer: Any, row: dict[str, Any]) -> None:
         """Refuse a template that reads the clock (the rows would change with the day a run starts or resumes).
@@ -313,48 +469,192 @@ class Messages(CompletionTask):
         finally:
             ctu.datetime = real
 
-    def report_unused_keys(self, rows: list[dict[str, Any]]) -> None:
-        """Warn once about message keys (and a ``tools`` column) the template never reads."""
-        keys = {k for r in rows for m in r["messages"] for k in m} - _PLAIN_KEYS
-        if any("tools" in r for r in rows):
-            keys.add("tools")
-        unused = sorted(k for k in keys if not re.search(rf"\b{re.escape(k)}\b", self.template))
+    def _renders(self, tokenizer: Any, row: dict[str, Any], messages: list[dict[str, Any]],
+                 tools: list[dict[str, Any]] | None) -> bool:
+        """Whether the row renders otherwise with ``messages``/``tools`` instead of its own (a template that
+        refuses the changed row renders it otherwise)."""
+        i = row.get("row", -1)
+        own = render(tokenizer, self.template, row["messages"], i, tools=row.get("tools"), kwargs=self.kwargs)
+        try:
+            return render(tokenizer, self.template, messages, i, tools=tools, kwargs=self.kwargs) != own
+        except DataError:
+            return True
+
+    def check_tools(self, tokenizer: Any, rows: list[dict[str, Any]]) -> None:
+        """Refuse tool calls or a ``tools`` column that the template does not render (the call's assistant turn
+        would train as an empty turn; the model would call tools it was never shown).
+
+        Raises:
+            DataError: one line naming the row, the template and the shipped tool-aware one.
+        """
+        fix = (f"set data.chat_template={TOOLS_TEMPLATE} (shipped: ChatML with <tools> and <tool_call>, as Qwen2.5 "
+               f"and Hermes render them) or the tool-aware template of the model's family")
+        row = next((r for r in rows if any(m.get("tool_calls") for m in r["messages"])), None)
+        if row is not None:
+            k = next(k for k, m in enumerate(row["messages"]) if m.get("tool_calls"))
+            bare = [{x: v for x, v in m.items() if x != "tool_calls"} for m in row["messages"]]
+            if not self._renders(tokenizer, row, bare, row.get("tools")):
+                raise DataError(f"row {row.get('row', -1)}: {self.template_name} does not render tool calls "
+                                f"(message {k} has tool_calls), so that assistant turn would train as an empty "
+                                f"turn; {fix}")
+        row = next((r for r in rows if r.get("tools")), None)
+        if row is not None and not self._renders(tokenizer, row, row["messages"], None):
+            raise DataError(f"row {row.get('row', -1)}: {self.template_name} does not render the "
+                            f"{'tools'!r} column (tool schemas), so the model would learn to call tools it is "
+                            f"never shown; {fix}")
+
+    def report_unused_keys(self, tokenizer: Any, rows: list[dict[str, Any]]) -> None:
+        """Warn once about message keys the template does not render: the first row holding a key renders the
+        same without it. (Tool calls and tools are checked by :meth:`check_tools`; reasoning is counted.)"""
+        keys = sorted({k for r in rows for m in r["messages"] for k in m} - _PLAIN_KEYS - {"tool_calls"}
+                      - set(REASONING_KEYS))
+        unused = []
+        for key in keys:
+            row = next(r for r in rows if any(key in m for m in r["messages"]))
+            bare = [{x: v for x, v in m.items() if x != key} for m in row["messages"]]
+            if not self._renders(tokenizer, row, bare, row.get("tools")):
+                unused.append(key)
         if unused:
-            logger.warning("data: the chat template never reads %s, so that part of the rows is not rendered (nor "
-                           "trained); use a template that renders it (data.chat_template)", unused)
+            logger.warning("data: the chat template does not render the message key(s) %s (a row renders the same "
+                           "without them), so they are not part of the trained text; use a template that renders "
+                           "them (data.chat_template) if they matter", unused)
 
     def texts(self, row: dict[str, Any], cfg: DataConfig) -> list[str]:
         return []  # rendered per row, encoded in pieces
 
-    def encode(self, row: dict[str, Any], b: Builder, loss_cfg: LossConfig) -> Example | None:
-        i, tok = row.get("row", -1), b.tokenizer
-        full, cut, add_eos = spans(tok, self.template, row["messages"], i, self.train_on,
-                                   row.get("completion_from", 0), row.get("tools"), self.kwargs)
-        protect = [(p, p + len(s)) for a, z in _content_ranges(full[:cut[-1][1]], row["messages"])
+    def encode(self, row: dict[str, Any], b: Builder, loss_cfg: LossConfig) -> Example | list[Example] | None:
+        messages, first = row["messages"], row.get("completion_from", 0)
+        if self.train_on != "all_assistant_as_last":
+            return self._encode(row, messages, first, self.train_on, b)
+        out = []
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant" or k < first:
+                continue
+            if not m["content"].strip() and not m.get("tool_calls"):
+                b.notes["empty_turns"] = b.notes.get("empty_turns", 0) + 1
+                continue
+            e = self._encode(row, messages[:k + 1], first, "last_assistant", b)
+            if e is not None:
+                out.append(e)
+        return out
+
+    def _render(self, row: dict[str, Any], messages: list[dict[str, Any]], first: int, train_on: str, b: Builder,
+                notes: dict[str, int]) -> tuple[str, list[int], bool, list[tuple[int, int]]]:
+        """The conversation's text, the character bounds of its pieces (prompt, trained, gap, trained, ...,
+        trained), whether EOS is appended, and the special-token spellings inside message text (kept as text)."""
+        full, cut, add_eos = spans(b.tokenizer, self.template, messages, row.get("row", -1), train_on, first,
+                                   row.get("tools"), self.kwargs, self.template_name, notes)
+        protect = [(p, p + len(s)) for a, z in _content_ranges(full[:cut[-1][1]], messages)
                    for s in self.specials for p in _find_all(full, s, a, z)]
         if protect:
-            b.notes["special_spellings_as_text"] = b.notes.get("special_spellings_as_text", 0) + len(protect)
-        bounds = [0] + [x for s in cut for x in s]
-        pieces = [self._encode(tok, full, bounds[j], bounds[j + 1], protect) for j in range(len(bounds) - 1)]
+            notes["special_spellings_as_text"] = notes.get("special_spellings_as_text", 0) + len(protect)
+        return full, [0] + [x for s in cut for x in s], add_eos, protect
+
+    def _pieces(self, full: str, bounds: list[int], add_eos: bool, protect: list[tuple[int, int]],
+                b: Builder) -> list[list[int]]:
+        """The tokens of ``full`` between consecutive ``bounds``; EOS appended to the last piece if asked."""
+        pieces = [self._encode_span(b.tokenizer, full, bounds[j], bounds[j + 1], protect)
+                  for j in range(len(bounds) - 1)]
         if add_eos:
             pieces[-1] = b.with_eos(pieces[-1])
-        # pieces: prompt, trained, gap, trained, ..., trained. Turns that do not fit become prompt, oldest first.
-        prompt = pieces[0]
-        front = prompt[:1] if b.prefix and prompt[:1] == b.prefix[:1] else []   # a BOS the template rendered
-        start = 1
-        while start < len(pieces) - 1 and len(front) + sum(map(len, pieces[start:])) + 1 > b.cfg.max_length:
-            start += 2
-        tail = [t for p in pieces[start:] for t in p]
-        flags = [int((start + j) % 2 == 1) for j, p in enumerate(pieces[start:]) for _ in p]
-        before = [t for p in pieces[:start] for t in p][len(front):]
-        ids = b.assemble(front, before, tail, i)
-        if ids is None:
+        return pieces
+
+    def _text_of(self, tokenizer: Any, row: dict[str, Any], messages: list[dict[str, Any]], u: int,
+                 full: str) -> tuple[int, int]:
+        """Where message ``u``'s text lies in ``full``, from renderings with other text in its place (it starts
+        where they first differ and ends where they last differ), never by searching for it."""
+        starts, ends = [], []
+        for probe in ("a", "b"):  # two probes: one of them differs from the text's first and last character
+            other = [dict(m, content=probe) if k == u else m for k, m in enumerate(messages)]
+            alt = render(tokenizer, self.template, other, row.get("row", -1), tools=row.get("tools"),
+                         kwargs=self.kwargs)
+            starts.append(_first_difference(full, alt))
+            ends.append(len(full) - _first_difference(full[::-1], alt[::-1]))
+        return min(starts), max(ends)
+
+    def _shorten(self, row: dict[str, Any], messages: list[dict[str, Any]], first: int, train_on: str,
+                 b: Builder) -> tuple[list[list[int]], dict[str, int]] | None:
+        """The conversation with the start of its first user turn's text cut to fit ``data.max_length`` (the
+        turn's markers and everything else kept), or ``None`` when that cannot make it fit."""
+        u = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
+        if u is None or not messages[u]["content"]:
             return None
-        return Example(ids, len(tail), int(row.get("type", 0)), 0, -1, i,
+        notes: dict[str, int] = {}
+        full, bounds, add_eos, protect = self._render(row, messages, first, train_on, b, notes)
+        a, z = self._text_of(b.tokenizer, row, messages, u, full)
+        if not 0 < a < z <= bounds[1]:  # the text lies inside the prompt, after its first token
+            return None
+        pieces = self._pieces(full, [0, a, z] + bounds[1:], add_eos, protect, b)
+        excess = sum(map(len, pieces)) - b.cfg.max_length
+        if excess >= len(pieces[1]):
+            return None
+        notes["user_text_cut"] = 1
+        return [pieces[0] + pieces[1][excess:] + pieces[2], *pieces[3:]], notes
+
+    def _encode(self, row: dict[str, Any], messages: list[dict[str, Any]], first: int, train_on: str,
+                b: Builder) -> Example | None:
+        """One row's tokens; a conversation over ``data.max_length`` cut at message boundaries (then the start of
+        its last user turn's text; ``data.truncation``, see the module docstring) or dropped."""
+        i, limit = row.get("row", -1), b.cfg.max_length
+        trained = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k >= first]
+        if train_on == "last_assistant":
+            trained = trained[-1:]
+        options = _cuts(messages)
+        system = messages[0]["role"] == "system"
+
+        def attempt(c: int, shorten: bool = False) -> tuple[list[list[int]], dict[str, int]] | None:
+            conv, at = [messages[k] for k in options[c]], sum(k < first for k in options[c])
+            if shorten:
+                return self._shorten(row, conv, at, train_on, b)
+            notes: dict[str, int] = {}
+            pieces = self._pieces(*self._render(row, conv, at, train_on, b, notes), b)
+            return (pieces, notes) if sum(map(len, pieces)) <= limit else None
+
+        got, chosen = attempt(0), 0
+        if got is None and b.cfg.truncation == "keep_end":
+            with_system = len(options) - 1 if system else len(options)
+            lo, hi = 1, with_system - 1  # the longest that fits without its oldest exchanges, system kept
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                found = attempt(mid)
+                if found is None:
+                    lo = mid + 1
+                else:
+                    got, chosen, hi = found, mid, mid - 1
+            # Then the last exchange with its user text cut; the system turn goes last.
+            last = len(options) - 1
+            tries = [(with_system - 1, True)] + ([(last, False), (last, True)] if system else [])
+            for c, shorten in tries if got is None else []:
+                got, chosen = attempt(c, shorten), c
+                if got is not None:
+                    break
+        if got is None:
+            if b.cfg.truncation == "drop" or b.cfg.drop_long_completions:
+                b.dropped.append(i)
+                return None
+            raise DataError(f"row {i}: the conversation does not fit in data.max_length={limit} tokens even cut to "
+                            f"its last exchange with the start of its user turn's text cut (data.truncation=keep_end "
+                            f"never cuts inside a turn's markers). Raise data.max_length, or set "
+                            f"data.drop_long_completions=true to drop such rows (counted in the log).")
+        pieces, notes = got
+        for key, n in notes.items():
+            b.count(key, n)
+        if chosen or notes.get("user_text_cut"):
+            gone = sorted(set(range(len(messages))) - set(options[chosen]))
+            b.count("rows_truncated")
+            b.count("turns_cut", sum(k in trained for k in gone))
+            b.count("tool_calls_cut", sum(len(messages[k].get("tool_calls") or []) for k in gone))
+            b.count("system_cut", sum(messages[k]["role"] == "system" for k in gone))
+        if not pieces[0]:
+            raise DataError(f"row {i}: nothing precedes the tail, so its first token has no prediction; "
+                            f"give the row a prompt")
+        tail = [t for p in pieces[1:] for t in p]
+        flags = [int(j % 2 == 1) for j, p in enumerate(pieces) for _ in p][len(pieces[0]):]
+        return Example(pieces[0] + tail, len(tail), int(row.get("type", 0)), 0, -1, i,
                        None if all(flags) else flags)
 
     @staticmethod
-    def _encode(tok: Any, full: str, a: int, z: int, protect: list[tuple[int, int]]) -> list[int]:
+    def _encode_span(tok: Any, full: str, a: int, z: int, protect: list[tuple[int, int]]) -> list[int]:
         ids, pos = [], a
         for p, q in sorted(x for x in protect if a <= x[0] and x[1] <= z):
             ids += encode(tok, full[pos:p]) if p > pos else []

@@ -1,4 +1,5 @@
-"""``text``: plain text rows; the last ``loss.threshold`` tokens (+ EOS) are trained.
+"""``text``: plain text rows; the last ``loss.threshold`` tokens (+ EOS) are trained, or with ``loss.threshold:
+all`` every token after the first (the whole row: TRL's ``dataset_text_field``, axolotl's ``type: completion``).
 
 Columns: ``text``, optional ``type`` (``data.type_column``) and ``target`` (a token id or the text of one token:
 ``eval/target_nll`` is its NLL at ``loss.target_position``).
@@ -56,13 +57,16 @@ class Text(Task):
     def encode(self, row: dict[str, Any], b: Builder, loss_cfg: LossConfig) -> Example | None:
         i, cfg = row.get("row", -1), b.cfg
         prefix, body = b.front(encode(b.tokenizer, row["text"]))
-        ids = prefix + b.with_eos(body)[-(cfg.max_length - len(prefix)):]
-        need = loss_cfg.threshold + 1
-        if len(ids) < need:
+        body = b.with_eos(body)
+        if b.too_long(i, len(prefix) + len(body)):
+            return None
+        ids = prefix + body[-(cfg.max_length - len(prefix)):]
+        tail = len(ids) - 1 if loss_cfg.threshold == "all" else loss_cfg.threshold
+        if len(ids) < tail + 1 or tail < 1:
             raise DataError(f"row {i} has {len(ids)} tokens; loss.threshold={loss_cfg.threshold} needs at "
-                            f"least {need}. Lower loss.threshold, raise data.max_length or drop the row.")
+                            f"least {max(tail, 1) + 1}. Lower loss.threshold, raise data.max_length or drop the row.")
         target = _target_id(b.tokenizer, row["target"], i) if "target" in row else 0
-        return Example(ids, loss_cfg.threshold, int(row.get("type", 0)), target, -1, i)
+        return Example(ids, tail, int(row.get("type", 0)), target, -1, i)
 
     def info(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         return {"has_target": "target" in rows[0]}
