@@ -174,7 +174,9 @@ def test_show_rows_shows_the_rows_when_eval_size_does_not_fit(tmp_path, capsys):
                  f"output_dir={tmp_path / 'out'}", f"data.cache_dir={tmp_path / 'cache'}"])
     captured = capsys.readouterr()
     assert code == 0 and not (tmp_path / "out").exists()
-    assert captured.out.startswith("format=classification; trained tokens between [[ and ]]\n--- data-file row ")
+    lines = captured.out.splitlines()
+    assert lines[0] == "format=classification; trained tokens between [[ and ]]"
+    assert lines[1].startswith("data: train_rows=159 eval_rows=1 ") and lines[2].startswith("--- data-file row ")
     assert captured.out.count("--- data-file row") == 2 and "Sentiment:[[" in captured.out
     assert captured.err == ("scale-train: note: rows shown with data.eval_size=1; a run would stop: data has 160 rows "
                             "but data.eval_size=400; lower data.eval_size\n")
