@@ -261,10 +261,10 @@ def setup(cfg: Config) -> Job:
     mean_len = float(column(splits.train, "length").mean())  # [issue 18] per-row columns, no token read
     mean_tail = float(column(splits.train, "tail_len").mean())
     if acc.is_main_process:  # lines under 300 characters: they end up in SLURM and nohup logs
-        logger.info("start: mode=%s world_size=%d (data_parallel_size=%d x sequence_parallel_size=%d) "
-                    "global_batch_size=%d (micro_batch_size=%d x gradient_accumulation_steps=%d x %d data-parallel "
-                    "ranks) max_steps=%d", plan.mode, acc.num_processes, world, plan.sequence_parallel_size, G, mb, ga,
-                    world, max_steps)
+        shared = f" sequence_parallel_size={sp}" if sp > 1 else ""  # world_size = data-parallel x sequence ranks
+        logger.info("start: mode=%s world_size=%d%s global_batch_size=%d (micro_batch_size=%d x "
+                    "gradient_accumulation_steps=%d x %d data-parallel ranks) max_steps=%d", plan.mode,
+                    acc.num_processes, shared, G, mb, ga, world, max_steps)
         logger.info("per step: tokens~%d (mean %.1f tokens/row), tail tokens~%d; rows: train=%d eval=%d format=%s; "
                     "parameters: trainable=%d total=%d (%.3f%%)", G * mean_len, mean_len, G * mean_tail,
                     len(splits.train), len(splits.eval), splits.format, trainable, total, 100 * trainable / total)
