@@ -449,10 +449,14 @@ def _needed_files(acc: Accelerator, plan: ModePlan, path: Path, state: TrainerSt
     return files
 
 
-def check_resume(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path | None) -> TrainerState | None:
+def check_resume(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path | None,
+                 regrouped: bool = False) -> TrainerState | None:
     """Before anything is built or written: every rank resumes from the same complete checkpoint, can read
     the files it needs, an explicitly named checkpoint verifies, the global batch is the checkpoint's, and the
     config agrees with the checkpoint's. Collective.
+
+    Keys that differ without changing the maths are warnings, except ``train.gradient_accumulation_steps`` when
+    ``regrouped``: :func:`adapt_to_checkpoint` set it to keep the checkpoint's global batch and logged that.
 
     Returns:
         The checkpoint's :class:`TrainerState`, or ``None`` for a fresh start.
@@ -512,7 +516,8 @@ def check_resume(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path | Non
                           + "; ".join(errors) + ". Resume with the checkpoint's config (" + str(path / STATE_FILE)
                           + ") or start a new run in another output_dir.")
     for line in warnings:
-        logger.warning("resume: %s (does not change the maths)", line, main_process_only=True)
+        if not (regrouped and line.startswith("train.gradient_accumulation_steps:")):
+            logger.warning("resume: %s (does not change the maths)", line, main_process_only=True)
     if not native(state, plan, acc) and not (path / OPTIMIZER_FILE).is_file():
         raise CheckpointError(f"checkpoint {path} was written by {state.world_size} process(es) before checkpoints "
                               f"held a portable state: it resumes only as it was written. Launch with "
@@ -608,7 +613,7 @@ def load_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path, s
                           f"template renders). Restore it, or start a new run in another output_dir.")
     if native(state, plan, acc):
         acc.load_state(str(path), **plan.load_state_kwargs)  # collective under DeepSpeed
-        how = f"{plan.mode} on {acc.num_processes} process(es), as written"
+        how, rng = f"{plan.mode} on {acc.num_processes} process(es), as written", None
     else:
         try:
             load_portable(acc, plan, model, optimizer, scheduler, path)  # collective
@@ -616,10 +621,18 @@ def load_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path, s
             raise CheckpointError(str(e)) from e
         rng = restore_rng(acc, path, state.world_size, cfg.train.seed, state.step)
         how = (f"portable state: written by {state.mode or 'an older version'} on {state.world_size} process(es), "
-               f"resumed as {plan.mode} on {acc.num_processes}; RNG: {rng}")
-    logger.info("resumed from %s at step %d (epoch %d, %d windows into it; %s)", path, state.step, state.epoch,
-                state.windows_in_epoch, how, main_process_only=True)
+               f"resumed as {plan.mode} on {acc.num_processes}")
+    for line in resume_lines(path, state, how, rng):
+        logger.info(line, main_process_only=True)
     return state
+
+
+def resume_lines(path: Path, state: TrainerState, how: str, rng: str | None) -> list[str]:
+    """The log lines of a resume: where it continues (step, epoch, windows into the epoch) and how the state was
+    read (``how``), then how the RNG was restored (``rng``, :func:`scale.portable.restore_rng`; None: with the
+    mode's own files). Two lines, so that each stays under the 300 characters of a log file's line."""
+    return ([f"resumed from {path} at step {state.step} (epoch {state.epoch}, {state.windows_in_epoch} windows into "
+             f"it): {how}"] + ([f"resume RNG: {rng}"] if rng else []))
 
 
 def save_adapter(acc: Accelerator, plan: ModePlan, model: torch.nn.Module, out: Path) -> None:

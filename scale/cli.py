@@ -49,6 +49,8 @@ from scale.topology import processes_for, usable_cores, visible_gpus
 EXIT_BAD_INPUT = 2  # config, data, launch or checkpoint rejected before training; the message names the fix
 
 logger = logging.getLogger("scale.train")
+# A log line: timestamp, level and logger name take ~45 of the 300 characters docs/outputs.md allows a line
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 OUTCOME_DIR = "SCALE_OUTCOME_DIR"  # set by --accelerate-config: ranks leave their exit code and message there
@@ -141,7 +143,7 @@ def configure_logging(env: dict[str, str], uses_deepspeed: bool = False) -> None
       (``HF_DATASETS_DISABLE_PROGRESS_BARS``, ``HF_HUB_DISABLE_PROGRESS_BARS``): a redrawn bar makes kilobyte lines
       there; the loop writes plain lines instead (:func:`scale.metrics.plain_progress`).
     """
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    logging.basicConfig(format=LOG_FORMAT, level=logging.INFO)
     for noisy in ("httpx", "urllib3", "datasets", "filelock", "accelerate.checkpointing", "accelerate.accelerator"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()) and env.get("SCALE_PROGRESS") != "bar":

@@ -12,7 +12,6 @@ No torch, no accelerate: this module is imported by every other one.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 import re
@@ -174,6 +173,31 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def _unknown_keys(cls: type, data: Any, prefix: str = "") -> list[str]:
+    """Every dotted key of the mapping ``data`` that the schema section ``cls`` does not have, in file order
+    (the entries of ``data.datasets`` are checked when they are built)."""
+    if not isinstance(data, dict):
+        return []
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    out = []
+    for name, value in data.items():
+        if name not in fields:
+            out.append(f"{prefix}{name!s}")
+        elif dataclasses.is_dataclass(hints[name]):
+            out += _unknown_keys(hints[name], value, f"{prefix}{name}.")
+    return out
+
+
+def unknown_keys_message(path: Path, keys: list[str]) -> str:
+    """One line naming the config file and each of its unknown ``keys`` with the closest key
+    (:func:`scale.names.suggest`)."""
+    hints = [suggest(k) or "no close key (scale-train --help lists them)" for k in keys]
+    if len(keys) == 1:
+        return f"{path}: unknown config key {keys[0]}: {hints[0]}"
+    return f"{path}: {len(keys)} unknown config keys: " + "; ".join(f"{k}: {h}" for k, h in zip(keys, hints))
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     """``tree[a][b] = value`` for ``a.b``; a number indexes a list (``data.datasets.1.weight=2``)."""
     parts = dotted.split(".")
@@ -219,6 +243,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         tree = yaml_load(fh) or {}
     if not isinstance(tree, dict):
         raise ConfigError(f"{path} must hold a mapping of config sections")
+    unknown = _unknown_keys(Config, tree)
+    if unknown:  # every one, naming the file (an override's unknown key is named when the config is built)
+        raise ConfigError(unknown_keys_message(path, unknown))
     for key in FILE_KEYS:
         section, _, name = key.partition(".")
         value = tree.get(section, {}).get(name) if isinstance(tree.get(section), dict) else None
@@ -422,8 +449,7 @@ def keys_help(topic: str | None = None) -> str:
             return f"{trl.name} (TRL/transformers, default {trl.default}) -> {', '.join(trl.keys) or '(none)'}" + \
                 (f": {trl.note}" if trl.note else "") + "\n"
         sections = sorted({k.split(".")[0] for k, _, _ in fields if "." in k})
-        close = difflib.get_close_matches(topic, sections, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" if close else suggest(topic)
+        hint = suggest(topic)  # as an override of that key would be answered
         raise ConfigError(f"--help {topic}: no such section or key{': ' + hint if hint else ''} (sections: "
                           f"{', '.join(sections)}; --help trl lists TRL/transformers names)")
     out = []

@@ -128,6 +128,65 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_s
     return train_dl, eval_dl
 
 
+# The message part of a start-up line: the CLI's timestamp, level, logger name and rank prefix take up to ~60 of the
+# 300 characters docs/outputs.md promises for a line of a log file.
+LINE_WIDTH = 240
+
+
+def lines_within(head: str, parts: list[str], width: int = LINE_WIDTH) -> list[str]:
+    """``parts`` joined by ``"; "`` after ``head``, as few lines as keep each within ``width`` characters where a part
+    allows (a part longer than that gets a line of its own); every line after the first starts ``head`` too.
+
+    >>> lines_within("mode plan: ", ["a", "b"], width=20)
+    ['mode plan: a; b']
+    """
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + 2 + len(part) <= width:
+            lines[-1] += f"; {part}"
+        else:
+            lines.append(head + part)
+    return lines or [head.rstrip(": ")]
+
+
+def step_text(lengths: np.ndarray, tails: np.ndarray, global_batch_size: int,
+              bins: list[list[int]] | None = None) -> str:
+    """What one optimizer step holds, for the start-up line ``per step: ...``.
+
+    Without packing a step is ``global_batch_size`` rows; with ``data.packing`` it is ``global_batch_size`` bins
+    (:func:`scale.data.order.pack_bfd`), each holding several rows, so the figures come from the bins.
+
+    Args:
+        lengths: ``[N]`` tokens of each train row.
+        tails: ``[N]`` tail tokens (``tail_len``) of each train row.
+        global_batch_size: rows (or bins) per optimizer step, ``G``.
+        bins: the train rows' bins (row indices), or None without packing.
+
+    Returns:
+        ``tokens~T (...), tail tokens~X`` with ``T`` and ``X`` the mean tokens and tail tokens of a full step.
+    """
+    total, tail = float(np.sum(lengths)), float(np.sum(tails))
+    if bins is None:
+        n = max(len(lengths), 1)
+        g = min(global_batch_size, n)  # a split smaller than the global batch: every step is the whole split
+        return f"tokens~{g * total / n:.0f} (mean {total / n:.1f} tokens/row), tail tokens~{g * tail / n:.0f}"
+    k = max(len(bins), 1)
+    g = min(global_batch_size, k)
+    return (f"tokens~{g * total / k:.0f} ({g} bins x mean {total / k:.1f} tokens, {len(lengths) / k:.2f} rows/bin), "
+            f"tail tokens~{g * tail / k:.0f}")
+
+
+def packing_text(rows: int, bins: list[list[int]], lengths: np.ndarray, max_length: int,
+                 global_batch_size: int) -> str:
+    """The start-up line of ``data.packing``: how many bins the train rows went into, how full they are, and the
+    optimizer steps of an epoch (``ceil(bins / global_batch_size)``, :func:`scale.schedule.steps_for_epochs`)."""
+    k = max(len(bins), 1)
+    full = float(np.sum(lengths)) / (k * max_length)
+    return (f"packing: {rows} train rows into {len(bins)} bins of up to data.max_length={max_length} tokens "
+            f"({rows / k:.2f} rows/bin, {full:.0%} full); an epoch is ceil({len(bins)} bins / global_batch_size "
+            f"{global_batch_size}) = {steps_for_epochs(len(bins), global_batch_size, 1)} optimizer step(s)")
+
+
 def make_optimizer(cfg: Config, model: torch.nn.Module, max_steps: int | None = None
                    ) -> tuple[torch.optim.Optimizer, Any]:
     """AdamW (or SGD) over the trainable parameters, and the LR schedule of :mod:`scale.schedule` over
@@ -169,7 +228,7 @@ def setup(cfg: Config) -> Job:
     if regrouped and acc.is_main_process:
         logger.info(regrouped)
     resume = pick_resume(acc, cfg)  # collective: latest/auto -> the newest checkpoint that verifies
-    saved_state = check_resume(acc, cfg, plan, resume)  # collective; before anything is written
+    saved_state = check_resume(acc, cfg, plan, resume, regrouped=regrouped is not None)  # collective; before writing
     set_seed(cfg.train.seed)
     sp = cfg.train.sequence_parallel_size
     sequence = SequenceParallel.for_process(acc, sp, cfg.model.attn_implementation) if sp > 1 else None
@@ -219,6 +278,7 @@ def setup(cfg: Config) -> Job:
     G = cfg.train.global_batch_size(world)
     train_dl, eval_dl = make_loaders(cfg, splits, tokenizer.pad_token_id, world, sequence)
     items = len(train_dl.dataset)  # rows, or with data.packing the bins of rows the loader deals in
+    train_bins = train_dl.dataset if isinstance(train_dl.dataset, PackedRows) else None
     unit = f"bins of up to data.max_length={cfg.data.max_length} tokens" if cfg.data.packing else "rows"
     if mb * world > items:
         raise DataError(f"train.micro_batch_size={mb} x data-parallel ranks={world} is larger than the train split "
@@ -258,22 +318,24 @@ def setup(cfg: Config) -> Job:
     register_hooks(acc)
 
     trainable, total = parameter_counts(model)
-    mean_len = float(column(splits.train, "length").mean())  # [issue 18] per-row columns, no token read
-    mean_tail = float(column(splits.train, "tail_len").mean())
+    lengths = column(splits.train, "length")  # per-row columns, no token read
+    bins = train_bins.bins if train_bins is not None else None
     if acc.is_main_process:  # lines under 300 characters: they end up in SLURM and nohup logs
         shared = f" sequence_parallel_size={sp}" if sp > 1 else ""  # world_size = data-parallel x sequence ranks
         logger.info("start: mode=%s world_size=%d%s global_batch_size=%d (micro_batch_size=%d x "
                     "gradient_accumulation_steps=%d x %d data-parallel ranks) max_steps=%d", plan.mode,
                     acc.num_processes, shared, G, mb, ga, world, max_steps)
-        logger.info("per step: tokens~%d (mean %.1f tokens/row), tail tokens~%d; rows: train=%d eval=%d format=%s; "
-                    "parameters: trainable=%d total=%d (%.3f%%)", G * mean_len, mean_len, G * mean_tail,
-                    len(splits.train), len(splits.eval), splits.format, trainable, total, 100 * trainable / total)
+        if bins is not None:
+            logger.info(packing_text(len(splits.train), bins, lengths, cfg.data.max_length, G))
+        logger.info("per step: %s; rows: train=%d eval=%d format=%s; parameters: trainable=%d total=%d (%.3f%%)",
+                    step_text(lengths, column(splits.train, "tail_len"), G, bins), len(splits.train),
+                    len(splits.eval), splits.format, trainable, total, 100 * trainable / total)
         log_data_stats(splits.stats, cfg.data)
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))
         for difference in differences_from_trl(cfg, min(warmup_steps(cfg.optim, max_steps), max_steps - 1)):
             logger.info("unlike TRL: %s", difference)
-        logger.info("mode plan: %s; parameter dtypes: %s%s", "; ".join(plan.notes) or "defaults", dtype_census(model),
-                    f"; CPU bf16 paths: {', '.join(cpu_paths)}" if cpu_paths else "")
+        for line in mode_plan_lines(plan.notes, dtype_census(model), cpu_paths):
+            logger.info(line)
     state = TrainerState(step=0, epoch=0, windows_in_epoch=0, world_size=acc.num_processes, data_sha256=data_digest(cfg, data_path),
                          template_sha256=splits.template_sha256, rows_sha256=splits.fingerprint,
                          mixed_precision=cfg.train.mixed_precision)
@@ -304,6 +366,13 @@ def setup(cfg: Config) -> Job:
         start_samples_file(gen.path, acc.is_main_process, state.step if resume else None)
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
                flops_fn, peak.flops, max_steps, gen, splits.task, sequence)
+
+
+def mode_plan_lines(notes: list[str], dtypes: dict[str, int], cpu_paths: list[str]) -> list[str]:
+    """The start-up lines of the mode plan (:attr:`scale.launch.ModePlan.notes`), the parameters' dtypes
+    (:func:`scale.checks.dtype_census`) and the CPU bf16 paths in use, each within :data:`LINE_WIDTH`."""
+    tail = [f"parameter dtypes: {dtypes}"] + ([f"CPU bf16 paths: {', '.join(cpu_paths)}"] if cpu_paths else [])
+    return lines_within("mode plan: ", notes or ["defaults"]) + lines_within("", tail)
 
 
 def launch_comment(plan: ModePlan, processes: int, global_batch_size: int) -> str:

@@ -162,7 +162,8 @@ def suggest(dotted: str, known: list[str] | None = None) -> str:
 
     A TRL/transformers name (``learning_rate``, ``per_device_train_batch_size``) gets its scale key; any other
     key gets the closest keys (:func:`difflib.get_close_matches`) of its own section, then of every section by its
-    last part (``train.warmup_steps`` -> ``optim.warmup_steps``).
+    last part (``train.warmup_steps`` -> ``optim.warmup_steps``), then, for a word without a dot, the closest
+    section (``optm`` -> ``optim``). The one rule for overrides, YAML files and ``scale-train --help TOPIC``.
 
     Args:
         dotted: the unknown key as written (``optim.learning_rate``).
@@ -186,6 +187,9 @@ def suggest(dotted: str, known: list[str] | None = None) -> str:
         close = [same[name] for name in difflib.get_close_matches(last, list(same), n=2, cutoff=0.7)]
     if not close:
         close = [k for name in difflib.get_close_matches(last, list(by_last), n=2, cutoff=0.75) for k in by_last[name]]
+    if not close and not section:  # a section's name: --help optm, optm={lr: 0.1}
+        sections = sorted({k.split(".")[0] for k in known if "." in k})
+        close = difflib.get_close_matches(last, sections, n=1, cutoff=0.6)
     return f"did you mean {' or '.join(close[:3])}?" if close else ""
 
 

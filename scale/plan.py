@@ -2,7 +2,8 @@
 
     scale-plan --config configs/train/default.yaml --gpus 8 --gpu-mem 80
     scale-plan --config configs/train/default.yaml model.name_or_path=configs/models/llama-3.1-70b.json \\
-        model.dtype=bfloat16 train.mixed_precision=bf16 model.bnb_4bit_compute_dtype=bfloat16 --gpus 16 --nodes 2
+        model.dtype=bfloat16 train.mixed_precision=bf16 model.bnb_4bit_compute_dtype=bfloat16 \\
+        model.bnb_4bit_quant_storage=bfloat16 --gpus 16 --nodes 2
     scale-plan --gpus 2 --gpu-mem 24 --model-config configs/models/llama-3.1-8b.json --json
     scale-plan --resume runs/x/checkpoints/step_000400 --gpus 4 --gpu-mem 24   # continue that run on 4 GPUs
 
@@ -92,6 +93,7 @@ class Plan:
     recommended: str | None
     assumptions: list[str]
     resume: str | None = None  # --resume: the accumulation that keeps the checkpoint's global batch, in words
+    advice: str = ""  # no mode fits: what would make one fit, in words (:func:`none_fits_advice`)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -162,6 +164,9 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
             for r in ranks}
     candidates = ("single",) if gpus == 1 else order[1:]
     recommended = next((mode for mode in candidates if fits[mode]), None)
+    advice = "" if recommended is not None else none_fits_advice(
+        user_cfg, cfg.model.bnb_4bit_compute_dtype, ranks,
+        lambda c: make_plan(c, gpus, gpu_mem_gib, nodes, model_config, root, padded))
     a_off, a_on = acts_by_gc[False][False], acts_by_gc[True][False]
     N, T = cfg.loss.threshold, cfg.data.max_length
     name = str(model_config or cfg.model.name_or_path)
@@ -174,9 +179,40 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         activations={"checkpointing_off": a_off.decoder, "checkpointing_on": a_on.decoder, "lm_head_and_loss": a_on.head},
         logits_tail_bytes=cfg.train.micro_batch_size * N * a_on.vocab * 4,
         logits_full_bytes=cfg.train.micro_batch_size * T * a_on.vocab * 4, ranks=ranks, fits=fits,
-        recommended=recommended,
+        recommended=recommended, advice=advice,
         assumptions=[tail_note, *assumptions(replace(user_cfg, train=cfg.train), gpus, nodes, padded),
                      loss_note(cfg, a_on)])
+
+
+def none_fits_advice(cfg: Config, compute_dtype: str, ranks: list[Rank], replan: Any) -> str:
+    """What would make a mode fit when none does, naming only changes the config has not made yet.
+
+    A 4-bit base refused by ZeRO-3/FSDP2 for its storage dtype (``model.bnb_4bit_quant_storage`` must be the compute
+    dtype for the packed weights to be sharded) is planned again with that storage (``replan``): when a mode then
+    fits, the advice names the key and the mode.
+
+    Args:
+        cfg: the config as given.
+        compute_dtype: ``model.bnb_4bit_compute_dtype`` as resolved for the plan (``auto`` decided).
+        ranks: the plan's modes.
+        replan: ``cfg -> Plan`` for another config on the same GPUs.
+    """
+    m = cfg.model
+    first = []
+    if m.quantize_4bit and any("bnb_4bit_quant_storage" in r.refused for r in ranks):
+        key = f"model.bnb_4bit_quant_storage={compute_dtype}"
+        other = replan(replace(cfg, model=replace(m, bnb_4bit_quant_storage=compute_dtype)))
+        if other.recommended is not None:
+            total = next(r.total for r in other.ranks if r.mode == other.recommended)
+            return (f"set {key}: then {MODE_LABELS[other.recommended]} fits ({_gib(total)} GiB per rank; ZeRO-3 and "
+                    f"FSDP2 shard 4-bit weights only stored in the compute dtype)")
+        first.append(f"set {key} (ZeRO-3 and FSDP2 shard 4-bit weights only stored in the compute dtype)")
+    rest = ["lower train.micro_batch_size or data.max_length"]
+    if not m.gradient_checkpointing:
+        rest.append("turn on model.gradient_checkpointing")
+    if not m.quantize_4bit:
+        rest.append("use model.quantize_4bit")
+    return ", ".join(first + rest) + ", or add GPUs"
 
 
 def modes_in_order(cfg: Config) -> tuple[str, ...]:
@@ -332,8 +368,7 @@ def format_plan(plan: Plan) -> str:
             fit_cells.append("tight" if r.total <= plan.gpu_mem_gib * GIB else "no")
     lines.append(f"{f'fits in {plan.gpu_mem_gib:g} GiB':<22}" + "".join(f"{x:>{width}}" for x in fit_cells))
     rec = (f"recommended: {MODE_LABELS[plan.recommended]} (cheapest that fits)" if plan.recommended
-           else "recommended: none fits; lower train.micro_batch_size or data.max_length, turn on "
-                "model.gradient_checkpointing, use model.quantize_4bit, or add GPUs")
+           else f"recommended: none fits; {plan.advice}")
     notes = [f"  {MODE_LABELS[r.mode]}: {n}" for r in plan.ranks for n in r.notes]
     notes += [f"  {MODE_LABELS[r.mode]} refused: {r.refused}" for r in plan.ranks if r.refused]
     return "\n".join([*([plan.resume, ""] if plan.resume else []), *head, *lines, "", rec, "", "notes:", *notes, "",

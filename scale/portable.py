@@ -275,6 +275,6 @@ def restore_rng(acc: Accelerator, directory: Path, saved_world: int, seed: int, 
     random.seed(value)
     np.random.seed(value)
     torch.manual_seed(value)  # all devices
-    return (f"written by {saved_world} process(es), this run has {acc.num_processes}: each rank's Python/NumPy/torch "
-            f"RNG seeded from (train.seed, step, rank) instead; dropout masks differ from an uninterrupted run's "
-            f"from here on (with lora.dropout=0 nothing else in training draws random numbers)")
+    return (f"{saved_world} process(es) wrote it, this run has {acc.num_processes}: each rank's Python/NumPy/torch RNG "
+            f"is seeded from (train.seed, step, rank); dropout masks differ from an uninterrupted run's from here on "
+            f"(lora.dropout=0: nothing else draws)")

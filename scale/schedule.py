@@ -34,7 +34,8 @@ def lr_factor(step: int, optim: OptimConfig, max_steps: int) -> float:
 
 
 def steps_for_epochs(train_rows: int, global_batch_size: int, num_epochs: int) -> int:
-    """Optimizer steps in ``num_epochs`` passes over ``train_rows`` rows (``train.num_epochs``).
+    """Optimizer steps in ``num_epochs`` passes over ``train_rows`` rows (``train.num_epochs``); with ``data.packing``
+    the loader deals in bins, and ``train_rows`` is the number of bins.
 
     An epoch is ``ceil(train_rows / global_batch_size)`` windows, the last one partial when the rows do not
     divide: the number the loop runs in every launch mode, since ``ceil(ceil(ceil(n / mb) / world) / ga)`` equals

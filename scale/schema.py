@@ -232,7 +232,9 @@ class TrainConfig:
 
     max_steps: int | None = _f(100, "Optimizer steps to run; null when `num_epochs` is set.")
     num_epochs: int | None = _f(None, "Train for this many passes over the train split instead of `max_steps` "
-                                      "(set exactly one): steps = num_epochs * ceil(train rows / global_batch_size).")
+                                      "(set exactly one): steps = num_epochs * ceil(train rows / global_batch_size); with "
+                                      "`data.packing`, ceil(bins / global_batch_size) per epoch (the start-up log "
+                                      "gives the bins).")
     micro_batch_size: int = _f(8, "Sequences per device per forward pass.")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step on each device.")
     sequence_parallel_size: int = _f(1, "Ranks that share each row along its length (DeepSpeed Ulysses; DeepSpeed "

@@ -24,6 +24,17 @@ def tiny_cfg(out: Path, *overrides: str):
     return load_config(TINY_YAML, [f"output_dir={out}", f"data.path={TINY_DATA}", *overrides])
 
 
+def log_file_lines(records) -> list[str]:
+    """Log records as the CLI writes them to a log file (:data:`scale.cli.LOG_FORMAT`), one entry per line: what
+    docs/outputs.md keeps under 300 characters."""
+    import logging
+
+    from scale.cli import LOG_FORMAT
+
+    fmt = logging.Formatter(LOG_FORMAT)
+    return [line for r in records for line in fmt.format(r).splitlines()]
+
+
 @pytest.fixture(autouse=True)
 def _reset_accelerate():
     """Accelerator state is process-global; reset it so each in-process run starts clean."""

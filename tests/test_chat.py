@@ -134,19 +134,57 @@ def test_tool_calls_and_tools_reach_the_template(tmp_path, tokenizer, caplog):
     assert trained == ('<tool_call>\n{"name": "get_temperature", "arguments": {"city": "Paris"}}\n</tool_call>'
                        '<|im_end|>It is 10 degrees Celsius in Paris.<|im_end|>')
     # The same rows on plain ChatML (no tool calls, no tools): refused, naming the shipped tool-aware template;
-    # on chatml_tools a key it does not render (a tool turn's name) is reported once.
+    # on chatml_tools a key it does not render (a tool turn's name: linking metadata) is an INFO line, once.
     path = _write(tmp_path / "r.jsonl", [{k: v for k, v in r.items() if k != "row"} for r in rows])
     with pytest.raises(DataError, match=r"^row \d+ \(line \d+\): data.chat_template=.*chatml.jinja does not render tool calls "
                                         r"\(message 1 has tool_calls\).*set data.chat_template=chatml_tools"):
         build_splits(DataConfig(chat_template=str(CHATML), max_length=256, eval_size=8), LossConfig(), tokenizer,
                      path, seed=0)
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         build_splits(DataConfig(chat_template="chatml_tools", max_length=512, eval_size=8), LossConfig(), tokenizer,
                      path, seed=0)
-    lines = [r.getMessage() for r in caplog.records if "does not render the message key" in r.getMessage()]
-    assert lines == ["data: the chat template does not render the message key(s) ['name'] (a row renders the same "
-                     "without them), so they are not part of the trained text; use a template that renders them "
-                     "(data.chat_template) if they matter"]
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "does not render the" in r.getMessage()]
+    assert lines == [("INFO", "data: the chat template does not render the tool-call metadata ['name'] (OpenAI's "
+                              "links between a call and its result, no trained text; no common tool-aware template "
+                              "renders them)")]
+
+
+def _openai_tool_chat(user_name=None):
+    """A chat in OpenAI's documented tool-call format: the call carries an ``id``, its result the ``tool_call_id``
+    and the function's ``name``."""
+    user = {"role": "user", "content": "How warm is it in Paris?", **({"name": user_name} if user_name else {})}
+    return {"tools": [{"type": "function", "function": {"name": "get_temperature", "parameters": {
+                "type": "object", "properties": {"city": {"type": "string"}}}}}],
+            "messages": [user,
+                         {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
+                          "function": {"name": "get_temperature", "arguments": "{\"city\": \"Paris\"}"}}]},
+                         {"role": "tool", "tool_call_id": "call_1", "name": "get_temperature", "content": "10"},
+                         {"role": "assistant", "content": "It is 10 degrees."}]}
+
+
+def test_openai_tool_call_metadata_is_no_warning_but_a_key_with_text_is(tmp_path, tokenizer, caplog):
+    """chatml_tools (as Qwen2.5, Hermes and Llama 3.1 do) renders a tool result's content only: its tool_call_id and
+    name link it to the call and are no trained text, so the documented format gets one INFO line, no warning. A
+    user's name (who speaks: text a template may render) stays a warning."""
+    cfg = DataConfig(chat_template="chatml_tools", max_length=512, eval_size=2)
+    path = _write(tmp_path / "tools.jsonl", [_openai_tool_chat() for _ in range(6)])
+    with caplog.at_level("INFO"):
+        build_splits(cfg, LossConfig(), tokenizer, path, seed=0)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "does not render the" in r.getMessage()]
+    assert lines == [("INFO", "data: the chat template does not render the tool-call metadata ['name', "
+                              "'tool_call_id'] (OpenAI's links between a call and its result, no trained text; no "
+                              "common tool-aware template renders them)")]
+    caplog.clear()
+    path = _write(tmp_path / "named.jsonl", [_openai_tool_chat(user_name="alice") for _ in range(6)])
+    with caplog.at_level("INFO"):
+        build_splits(cfg, LossConfig(), tokenizer, path, seed=0)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "does not render the" in r.getMessage()]
+    assert lines == [("INFO", "data: the chat template does not render the tool-call metadata ['tool_call_id'] "
+                              "(OpenAI's links between a call and its result, no trained text; no common tool-aware "
+                              "template renders them)"),
+                     ("WARNING", "data: the chat template does not render the message key(s) ['name'] (a row renders "
+                                 "the same without them), so they are not part of the trained text; use a template "
+                                 "that renders them (data.chat_template) if they matter")]
 
 
 def test_conversational_prompt_completion_trains_the_completion_turns(tmp_path, tokenizer):

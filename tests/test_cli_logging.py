@@ -145,3 +145,73 @@ def test_log_file_of_a_run_is_plain_lines(tmp_path):
         f"done: {out}: adapter/, checkpoints/ (2: step_000006, step_000012), config.yaml, metrics.jsonl, "
         f"samples.jsonl, wandb/, wandb_run.json")
     assert text.index("wandb: Run summary:") < text.index(lines[-1])
+
+
+def test_mode_plan_lines_stay_within_a_log_line():
+    """The sequence-parallel DeepSpeed plan (311 characters as one line) and the CPU QLoRA plan with its bf16 paths
+    (329): split where a line would pass 300 characters, every note kept, in order."""
+    from scale.job import mode_plan_lines
+
+    sp = ["sequence parallel: 2 ranks per row (DeepSpeed Ulysses, sdpa attention), 1 data-parallel",
+          "checkpointing use_reentrant=False", "checkpoints: DeepSpeed's files, frozen base excluded"]
+    lines = mode_plan_lines(sp, {"float32/frozen": 3227968, "float32/trainable": 34816}, [])
+    assert lines == ["mode plan: sequence parallel: 2 ranks per row (DeepSpeed Ulysses, sdpa attention), 1 "
+                     "data-parallel; checkpointing use_reentrant=False; checkpoints: DeepSpeed's files, frozen base "
+                     "excluded", "parameter dtypes: {'float32/frozen': 3227968, 'float32/trainable': 34816}"]
+    paths = ["attention_fp32_short", "adapter_inputs_cast_once", "adapter_sum_in_addmm", "head_cast_cached",
+             "dequantize_to_compute_dtype"]
+    lines = mode_plan_lines(["4-bit base on cpu, storage uint8"],
+                            {"float32/frozen": 28346688, "uint8/frozen": 53084160, "float32/trainable": 4884480}, paths)
+    assert lines == ["mode plan: 4-bit base on cpu, storage uint8",
+                     "parameter dtypes: {'float32/frozen': 28346688, 'uint8/frozen': 53084160, 'float32/trainable': "
+                     "4884480}; CPU bf16 paths: " + ", ".join(paths)]
+    prefix = "2026-12-02 14:00:58,690 WARNING scale.job: [RANK 0] "  # the longest level name
+    many = sp + [f"WARNING: train.sequence_parallel_size=2 does not divide the 3 processes of a node: some rows' ranks "
+                 f"sit on two nodes and every attention call crosses the network", "4-bit base on cpu, storage uint8"]
+    lines = mode_plan_lines(many, {"float32/frozen": 1}, paths)
+    assert max(len(prefix + line) for line in lines) <= 300 and len(lines) == 3
+    assert [line.startswith("mode plan: ") for line in lines] == [True, True, False]
+    assert "; ".join(line.removeprefix("mode plan: ") for line in lines[:2]) == "; ".join(many)
+
+
+def test_packing_start_up_lines_count_the_bins_the_loop_trains(tmp_path, caplog):
+    """data.packing on the tiny chats: the start-up lines give the bins the rows went into, the steps of an epoch
+    (ceil(bins / G), the run's length with train.num_epochs=1) and the tokens of a step from the bins: they match the
+    loader's bins and the tokens the loop counted (train/tokens_per_s / train/steps_per_s per logged step)."""
+    import logging
+    import math
+
+    from scale.job import setup
+    from scale.metrics import read_jsonl
+    from scale.train import fit
+    from tests.conftest import log_file_lines, tiny_cfg
+
+    out = tmp_path / "out"
+    cfg = tiny_cfg(out, f"data.path={ROOT / 'configs' / 'data' / 'tiny_chats.jsonl'}", "data.chat_template=chatml",
+                   "data.packing=true", "data.max_length=160", "data.eval_size=4", "data.max_train_examples=20",
+                   "train.max_steps=null",
+                   "train.num_epochs=1", "train.micro_batch_size=2", "train.gradient_accumulation_steps=2",
+                   "train.log_every=1", "train.eval_every=0", "eval.generate_samples=0", "log.peak_flops=false",
+                   "log.trackers=[]", "train.save_every=0", "model.gradient_checkpointing=false",
+                   "train.mixed_precision=no")
+    with caplog.at_level(logging.INFO):
+        job = setup(cfg)
+        bins = job.train_dl.dataset  # the packed rows the loader deals in (scale.data.order.PackedRows)
+        tokens = [sum(len(e.input_ids) for e in bins[i]) for i in range(len(bins))]
+        rows, G = sum(len(b) for b in bins.bins), 4
+        fit(job)
+    steps = math.ceil(len(bins) / G)
+    assert rows == 20 and len(bins) < rows and job.max_steps == steps > 2
+    packing = next(m for m in caplog.messages if "packing: " in m)
+    assert packing == (f"[RANK 0] packing: 20 train rows into {len(bins)} bins of up to data.max_length=160 tokens "
+                       f"({rows / len(bins):.2f} rows/bin, {sum(tokens) / (160 * len(bins)):.0%} full); an epoch is "
+                       f"ceil({len(bins)} bins / global_batch_size 4) = {steps} optimizer step(s)")
+    per_step = next(m for m in caplog.messages if "per step: " in m)
+    assert f"per step: tokens~{G * sum(tokens) / len(bins):.0f} (4 bins x mean {sum(tokens) / len(bins):.1f} " \
+           f"tokens, {rows / len(bins):.2f} rows/bin), tail tokens~" in per_step
+    logged = [r for r in read_jsonl(out / "metrics.jsonl") if "train/tokens_per_s" in r]
+    assert [r["step"] for r in logged] == list(range(1, steps + 1))  # one epoch: ceil(bins / G) steps
+    seen = [r["train/tokens_per_s"] / r["train/steps_per_s"] for r in logged]  # tokens of each step
+    assert math.isclose(sum(seen), sum(tokens), rel_tol=1e-9)  # every bin's tokens, once
+    assert math.isclose(seen[0], G * sum(tokens) / len(bins), rel_tol=0.25)  # a full step, near the line's mean
+    assert max(len(line) for line in log_file_lines(caplog.records)) <= 300

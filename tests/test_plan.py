@@ -510,7 +510,31 @@ def test_text_plan_marks_what_does_not_fit(capsys):
     out = capsys.readouterr().out
     fits = next(line for line in out.splitlines() if line.startswith("fits in 1.5 GiB")).split()[4:]
     assert fits == ["no", "no", "no", "no", "no", "no", "no"]
-    assert "recommended: none fits" in out
+    assert "\nrecommended: none fits; lower train.micro_batch_size or data.max_length, use model.quantize_4bit, or " \
+           "add GPUs\n" in out  # checkpointing is on already (tiny_cpu): not advised
+
+
+def test_advice_names_the_4bit_storage_that_lets_zero3_fit(tmp_path):
+    """QLoRA with uint8 storage on 2 x 2.7 GiB (Llama-3.2-1B's shape, 2 layers): only the modes that shard the 4-bit
+    weights would fit, and they need them stored in the compute dtype. The advice names that key (not
+    model.quantize_4bit, which is on) and the mode it unlocks, as that config's own plan finds it; on 2 x 2 GiB
+    nothing fits even then, and the key leads the other changes."""
+    shape = json.loads((ROOT / "configs" / "models" / "llama-3.2-1b.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**shape, "num_hidden_layers": 2}))
+    qlora = ["model.quantize_4bit=true", "model.bnb_4bit_compute_dtype=bfloat16", "model.dtype=bfloat16",
+             "train.mixed_precision=bf16", f"model.name_or_path={tmp_path / 'config.json'}"]
+    cfg = load_config(TINY_YAML, qlora)
+    plan = P.make_plan(cfg, 2, 2.7)
+    fixed = P.make_plan(load_config(TINY_YAML, [*qlora, "model.bnb_4bit_quant_storage=bfloat16"]), 2, 2.7)
+    assert plan.recommended is None and fixed.recommended == "zero3"
+    assert [r.mode for r in plan.ranks if r.refused] == ["zero3", "fsdp2", "zero3_offload"]
+    total = next(r.total for r in fixed.ranks if r.mode == "zero3")
+    assert f"\nrecommended: none fits; set model.bnb_4bit_quant_storage=bfloat16: then ZeRO-3 fits " \
+           f"({total / 2**30:.2f} GiB per rank; ZeRO-3 and FSDP2 shard 4-bit weights only stored in the compute " \
+           f"dtype)\n" in P.format_plan(plan)
+    assert P.make_plan(cfg, 2, 2.0).advice == (
+        "set model.bnb_4bit_quant_storage=bfloat16 (ZeRO-3 and FSDP2 shard 4-bit weights only stored in the compute "
+        "dtype), lower train.micro_batch_size or data.max_length, or add GPUs")
 
 
 @pytest.mark.parametrize("args,message", [

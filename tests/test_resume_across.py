@@ -32,7 +32,7 @@ from scale.metrics import read_jsonl
 from scale.portable import derived_seed
 from scale.state import resume_accumulation
 from scale.train import run
-from tests.conftest import tiny_cfg
+from tests.conftest import log_file_lines, tiny_cfg
 
 # 24 rows, G = 8: 3 optimizer steps per epoch; the step-4 checkpoint is 1 window into the second epoch
 JOB = ["data.max_train_examples=24", "train.micro_batch_size=2", "train.max_steps=8", "train.save_every=4",
@@ -217,8 +217,15 @@ def test_a_checkpoint_of_two_processes_resumes_on_one(reference, tmp_path, caplo
     with caplog.at_level(logging.INFO):
         run(tiny_cfg(out, *JOB, *extra, "train.gradient_accumulation_steps=2", f"train.resume_from={ckpt}"))
     assert "train.gradient_accumulation_steps 2 -> 4 keeps global_batch_size=8" in caplog.text
-    assert "portable state: written by ddp on 2 process(es), resumed as single on 1" in caplog.text
-    assert "dropout masks differ from an uninterrupted run's" in caplog.text
+    assert f"[RANK 0] resumed from {ckpt} at step 4 (epoch 1, {saved['windows_in_epoch']} windows into it): portable state: " \
+           f"written by ddp on 2 process(es), resumed as single on 1" in caplog.messages
+    assert "[RANK 0] resume RNG: 2 process(es) wrote it, this run has 1: each rank's Python/NumPy/torch RNG is seeded from " \
+           "(train.seed, step, rank); dropout masks differ from an uninterrupted run's from here on (lora.dropout=0: " \
+           "nothing else draws)" in caplog.messages
+    # the recomputed accumulation is logged once (above), not warned about again
+    assert not [m for m in caplog.messages if "resume: train.gradient_accumulation_steps" in m]
+    lines = log_file_lines(caplog.records)  # as a log file holds them (docs/outputs.md: none over 300 characters)
+    assert max(len(line) for line in lines) <= 300, max(lines, key=len)
     ref, got = _adapter(reference), _adapter(out)
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
     assert _losses(out) == {s: v for s, v in _losses(reference).items() if s > 4}

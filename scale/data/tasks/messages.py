@@ -60,6 +60,11 @@ from scale.data.tasks.base import Builder, CompletionTask, Example, encode, enco
 logger = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
 _PLAIN_KEYS = {"role", "content"}
+# OpenAI's linking metadata: which call a tool result answers, and a tool result's function name. No common
+# tool-aware template renders them (Qwen2.5/Qwen3, Hermes and Llama 3.1 render a tool message's content only), and
+# they are no trained text: a template that ignores them is not reported as a problem.
+LINKING_KEYS = {"tool_call_id"}
+LINKING_KEYS_OF_TOOL_MESSAGES = {"name"}
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # where chat data holds an assistant turn's reasoning
 TOOLS_TEMPLATE = "chatml_tools"  # configs/chat/chatml_tools.jinja: ChatML with <tools> and <tool_call>
 # What this format counts per split (data/<split>_<name>, scale.data): removed by truncation, or not rendered.
@@ -504,8 +509,11 @@ class Messages(CompletionTask):
                             f"never shown; {fix}")
 
     def report_unused_keys(self, tokenizer: Any, rows: list[dict[str, Any]]) -> None:
-        """Warn once about message keys the template does not render: the first row holding a key renders the
-        same without it. (Tool calls and tools are checked by :meth:`check_tools`; reasoning is counted.)"""
+        """Report once the message keys the template does not render: the first row holding a key renders the
+        same without it. A key that may carry text (a user's ``name``, any key of the data's own) is a warning;
+        OpenAI's linking metadata (:data:`LINKING_KEYS`: ``tool_call_id``; a tool message's ``name``), which no
+        common template renders, is an INFO line. (Tool calls and tools are checked by :meth:`check_tools`;
+        reasoning is counted.)"""
         keys = sorted({k for r in rows for m in r["messages"] for k in m} - _PLAIN_KEYS - {"tool_calls"}
                       - set(REASONING_KEYS))
         unused = []
@@ -514,10 +522,16 @@ class Messages(CompletionTask):
             bare = [{x: v for x, v in m.items() if x != key} for m in row["messages"]]
             if not self._renders(tokenizer, row, bare, row.get("tools")):
                 unused.append(key)
-        if unused:
+        linking = [k for k in unused if k in LINKING_KEYS or (k in LINKING_KEYS_OF_TOOL_MESSAGES and all(
+            m.get("role") == "tool" for r in rows for m in r["messages"] if k in m))]
+        content = [k for k in unused if k not in linking]
+        if linking:
+            logger.info("data: the chat template does not render the tool-call metadata %s (OpenAI's links between a "
+                        "call and its result, no trained text; no common tool-aware template renders them)", linking)
+        if content:
             logger.warning("data: the chat template does not render the message key(s) %s (a row renders the same "
                            "without them), so they are not part of the trained text; use a template that renders "
-                           "them (data.chat_template) if they matter", unused)
+                           "them (data.chat_template) if they matter", content)
 
     def texts(self, row: dict[str, Any], cfg: DataConfig) -> list[str]:
         return []  # rendered per row, encoded in pieces
