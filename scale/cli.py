@@ -157,9 +157,8 @@ def start_fast(cfg: Config) -> None:
 
     - peft and transformers import bitsandbytes whenever it is installed, and bitsandbytes 0.50 wraps its CPU
       kernels in ``torch.compile`` at import, which imports inductor (~3 s of CPU). A run that quantizes nothing
-      (:func:`scale.modeling.needs_bitsandbytes`) gets ``sys.modules["bitsandbytes"] = None``, Python's own way to
-      make an import fail (https://docs.python.org/3/reference/import.html#the-module-cache): peft and
-      transformers then treat it as not installed.
+      (:func:`scale.modeling.needs_bitsandbytes`) gets ``sys.modules["bitsandbytes"] = None``
+      (:func:`scale.modeling.keep_bitsandbytes_out`): peft and transformers then treat it as not installed.
     - The imports allocate millions of objects that live as long as the process; the collector would traverse
       them again and again while they load (~1 s), and at every full collection afterwards (``gc.freeze``, as
       https://docs.python.org/3/library/gc.html#gc.freeze suggests for such start-up objects).
@@ -173,10 +172,9 @@ def start_fast(cfg: Config) -> None:
     """
     gc.disable()
     try:
-        from scale.modeling import needs_bitsandbytes  # deferred: imported with the collector paused
+        from scale.modeling import keep_bitsandbytes_out  # deferred: imported with the collector paused
 
-        if not needs_bitsandbytes(cfg.model):
-            sys.modules.setdefault("bitsandbytes", None)
+        keep_bitsandbytes_out(cfg.model)
         import accelerate  # noqa: F401
         import peft  # noqa: F401
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401

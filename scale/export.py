@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,10 @@ import torch
 from scale.config import Config, load_config
 from scale.data.tasks.messages import chat_template, render_chat
 from scale.fileio import replace_dir, temp_dir_for
-from scale.modeling import load_base, load_tokenizer
+from scale.logs import configure_logging
+from scale.modeling import keep_bitsandbytes_out, load_base, load_tokenizer
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("scale.export")  # also under `python -m scale.export`
 
 
 def dequantized_base(model_cfg, vocab_size: int, seed: int) -> torch.nn.Module:
@@ -145,14 +147,19 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m scale.export RUN_DIR [--out DIR]``."""
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
+    """``python -m scale.export RUN_DIR [--out DIR]``.
+
+    ``own_process``: this process exports and nothing else (:func:`cli`), so bitsandbytes stays out unless the
+    run's base is 4-bit (:func:`scale.modeling.keep_bitsandbytes_out`)."""
     parser = argparse.ArgumentParser(prog="scale.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
+    configure_logging(dict(os.environ))  # first: before transformers, peft and bitsandbytes are imported
+    if own_process and (Path(args.run_dir) / "config.yaml").is_file():  # else merge_run says what is missing
+        keep_bitsandbytes_out(load_config(Path(args.run_dir) / "config.yaml").model)
     out = merge_run(args.run_dir, args.out)
     logger.info("merged model written to %s", out)
     log_merged(Path(args.run_dir), out)
@@ -163,8 +170,6 @@ def log_merged(run_dir: Path, out: Path) -> None:
     """With ``log.wandb_log_model`` set and W&B online, add ``out`` to the training run as the artifact
     ``merged-<run id>``. Offline it is not: a second offline directory of the run would replace its history
     when synced (wandb#3841); ``wandb artifact put`` uploads it."""
-    import os
-
     cfg = load_config(run_dir / "config.yaml")
     record = run_dir / "wandb_run.json"
     if not cfg.log.wandb_log_model or "wandb" not in cfg.log.trackers or not record.exists():
@@ -186,5 +191,10 @@ def log_merged(run_dir: Path, out: Path) -> None:
     run.finish()
 
 
+def cli() -> None:
+    """Console entry point (``scale-export``)."""
+    sys.exit(main(own_process=True))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -42,10 +43,11 @@ from typing import Any
 
 import torch
 
-from scale.config import load_config
+from scale.config import ModelConfig, load_config
 from scale.data.tasks.base import encode, special_affixes
 from scale.export import serving_tokenizer
-from scale.modeling import load_base, load_tokenizer
+from scale.logs import configure_logging
+from scale.modeling import keep_bitsandbytes_out, load_base, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +165,18 @@ def load_serving(path: str | Path) -> tuple[Any, list[int]]:
     stops = GenerationConfig.from_pretrained(path).eos_token_id if (path / "generation_config.json").exists() \
         else tokenizer.eos_token_id
     return tokenizer, stops if isinstance(stops, list) else [stops]
+
+
+def model_config(path: str | Path) -> ModelConfig:
+    """How :func:`load_model` loads ``path``: the run's ``model`` section, or the model directory itself.
+
+    Raises:
+        FileNotFoundError: ``path`` is neither a model directory, a run directory nor a run's ``adapter/``.
+    """
+    run_dir = _run_dir(Path(path))
+    if run_dir is None:
+        return ModelConfig(name_or_path=str(path), quantize_4bit=False)
+    return load_config(run_dir / "config.yaml").model
 
 
 def load_model(path: str | Path) -> torch.nn.Module:
@@ -432,17 +446,23 @@ def check_plain_prompts(args: argparse.Namespace, interactive: bool) -> None:
                             f"prompt's text as it trained with --prompt, --file or stdin")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     """``scale-generate PATH [--prompt TEXT]... [--file F | --messages F] [--system S] [--chat] [--jsonl]
-    [--temperature T] [--top-p P] [--top-k K] [--max-new-tokens N] [--seed S]`` (module docstring)."""
+    [--temperature T] [--top-p P] [--top-k K] [--max-new-tokens N] [--seed S]`` (module docstring).
+
+    ``own_process``: this process answers and nothing else (:func:`cli`), so bitsandbytes stays out unless the
+    model needs it (:func:`scale.modeling.keep_bitsandbytes_out`)."""
     args = _parser().parse_args(argv)
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed)
     try:
         sampling.check()
         conversations, turns, interactive = _inputs(args)
+        configure_logging(dict(os.environ))  # before transformers, peft and bitsandbytes are imported
         tokenizer, stops = load_serving(args.path)
         if not getattr(tokenizer, "chat_template", None):  # before the model loads
             check_plain_prompts(args, interactive)
+        if own_process:
+            keep_bitsandbytes_out(model_config(args.path))
         gen = Generator(load_model(args.path), tokenizer, stops, template_kwargs(args.path))
     except (GenerateError, FileNotFoundError) as e:
         sys.stderr.write(f"scale-generate: error: {e}\n")
@@ -481,5 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> None:
+    """Console entry point (``scale-generate``)."""
+    sys.exit(main(own_process=True))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()
