@@ -22,11 +22,11 @@ The template is the one the run trained with (``adapter/`` and ``merged/`` carry
 A run whose rows no chat template rendered (classification, plain text, text prompt/completion: training saves
 its tokenizer without one, :func:`scale.export.serving_tokenizer`) gets each prompt's text as it trained, after
 the tokenizer's BOS where it adds one, as ``samples.jsonl`` shows it; ``--system``, ``--chat``, ``--messages`` and
-the interactive chat are refused. Decoding is ``model.generate``: greedy at ``--temperature 0`` (the default), else sampled with
-``--temperature``/``--top-p``/``--top-k`` after ``torch.manual_seed(--seed)`` (the same command prints the same
-text on the same machine), stopping at EOS and at the trained end-of-turn marker (:func:`scale.export.
-serving_tokenizer`) or after ``--max-new-tokens``. Bad input is one line naming the flag or the line, exit code 2,
-before the model loads. No accelerate import.
+the interactive chat are refused. Decoding is ``model.generate``: greedy at ``--temperature 0`` (the default),
+else sampled with ``--temperature``/``--top-p``/``--top-k`` after ``torch.manual_seed(--seed)`` (the same command
+prints the same text on the same machine), stopping at EOS and at the trained end-of-turn marker
+(:func:`scale.export.serving_tokenizer`) or after ``--max-new-tokens``. Bad input is one line naming the flag or
+the line, exit code 2, before the model loads. No accelerate import.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from scale.export import serving_tokenizer
 from scale.logs import configure_logging
 from scale.modeling import keep_bitsandbytes_out, load_base, load_tokenizer
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("scale.generate")  # also under `python -m scale.generate`
 
 Messages = list[dict[str, Any]]
 
