@@ -34,12 +34,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 from scale.assets import resolve_data
 from scale.config import Config, ConfigError, configs_dir, keys_help, load_config, named_config, yaml_load
+from scale.logs import configure_logging
 from scale.signals import EXIT_PREEMPTED, Preempted, Preemption
 from scale.topology import processes_for, usable_cores, visible_gpus
 
@@ -49,8 +49,6 @@ from scale.topology import processes_for, usable_cores, visible_gpus
 EXIT_BAD_INPUT = 2  # config, data, launch or checkpoint rejected before training; the message names the fix
 
 logger = logging.getLogger("scale.train")
-# A log line: timestamp, level and logger name take ~45 of the 300 characters docs/outputs.md allows a line
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 OUTCOME_DIR = "SCALE_OUTCOME_DIR"  # set by --accelerate-config: ranks leave their exit code and message there
@@ -87,83 +85,6 @@ def _error(e: BaseException, code: int = EXIT_BAD_INPUT, echo: bool = True) -> N
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, lambda *_: os._exit(code))
         time.sleep(1.0)  # let rank 0 exit first with its code: the launcher then stops the others
-
-
-THIRD_PARTY = ("transformers", "peft", "accelerate", "datasets", "bitsandbytes", "torch", "DeepSpeed", "wandb")
-
-
-class _ErrorsOnly(logging.Filter):
-    """Drop records below ERROR from the named loggers and their children (a logger's own filters do not see
-    records propagated from its children, so this sits on the handlers too)."""
-
-    def __init__(self, names: tuple[str, ...]) -> None:
-        super().__init__()
-        self.names = names
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        quiet = any(record.name == n or record.name.startswith(n + ".") for n in self.names)
-        return not quiet or record.levelno >= logging.ERROR
-
-
-# Third-party start-up notices that say nothing is wrong, rewritten as INFO lines that say what they mean:
-# (logger name prefix, start of the message, the line instead).
-NOTICES = (
-    # bitsandbytes 0.50 on an AVX512-BF16 CPU tries the hub kernel first; its built-in CPU kernel runs instead. The
-    # advice to `pip install kernels` is wrong here: kernels would then download from the model hub (STACK.md).
-    ("bitsandbytes", "Failed to load CPU gemm_4bit_forward from kernels-community",
-     "bitsandbytes: 4-bit GEMMs use its built-in CPU kernel (the hub kernel is not used)"),
-    # DeepSpeed on a machine without a GPU: the CPU accelerator is what runs (gloo), as intended.
-    ("DeepSpeed", "Setting accelerator to CPU", "DeepSpeed runs on the CPU accelerator (no GPU found)"),
-)
-
-
-class _Notices(logging.Filter):
-    """Rewrite the :data:`NOTICES` as INFO records with their plain meaning; every other record passes as it is."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        for prefix, start, instead in NOTICES:
-            if record.name.startswith(prefix) and str(record.msg).startswith(start):
-                record.msg, record.args, record.levelno, record.levelname = instead, (), logging.INFO, "INFO"
-        return True
-
-
-def configure_logging(env: dict[str, str], uses_deepspeed: bool = False) -> None:
-    """Our log lines on stderr; third-party warnings once per run, on the main rank.
-
-    - Every rank of a launch imports the same libraries and prints the same warnings (a bitsandbytes kernel
-      notice, a transformers deprecation): ranks other than 0 keep only third-party errors.
-    - DeepSpeed's logger talks in runs that do not use DeepSpeed (transformers and peft import it to probe
-      for ZeRO-3, and it announces "Setting accelerator to CPU"): it keeps only errors unless the run uses
-      DeepSpeed. A filter, not a level: DeepSpeed resets its logger's level when it is imported.
-    - peft calls transformers' deprecated ``is_gradient_checkpointing`` on every model it wraps (transformers 5.x
-      FutureWarning, not ours to fix): ignored.
-    - Start-up notices that are not problems (:data:`NOTICES`) become INFO lines saying what they mean; accelerate's
-      per-file checkpoint lines are dropped (the loop logs one line per checkpoint).
-    - Where stderr is not a terminal (a log file), the progress bars of datasets, transformers and the hub are off
-      (``HF_DATASETS_DISABLE_PROGRESS_BARS``, ``HF_HUB_DISABLE_PROGRESS_BARS``): a redrawn bar makes kilobyte lines
-      there; the loop writes plain lines instead (:func:`scale.metrics.plain_progress`).
-    """
-    logging.basicConfig(format=LOG_FORMAT, level=logging.INFO)
-    for noisy in ("httpx", "urllib3", "datasets", "filelock", "accelerate.checkpointing", "accelerate.accelerator"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    if not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()) and env.get("SCALE_PROGRESS") != "bar":
-        for name in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
-            os.environ.setdefault(name, "1")
-    notices = _Notices()
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(notices)
-    logging.getLogger("DeepSpeed").addFilter(notices)  # it has its own handler and does not propagate
-    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
-    uses_deepspeed = uses_deepspeed or env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    main_rank = env.get("RANK", "0") == "0"
-    quiet = tuple(n for n in THIRD_PARTY if not main_rank or (n == "DeepSpeed" and not uses_deepspeed))
-    if quiet:
-        errors_only = _ErrorsOnly(quiet)
-        for handler in logging.getLogger().handlers:
-            handler.addFilter(errors_only)
-        logging.getLogger("DeepSpeed").addFilter(errors_only)  # it does not propagate: it has its own handler
-    if not main_rank:
-        warnings.filterwarnings("ignore")  # python warnings come from libraries; rank 0 shows them
 
 
 OWN_OPTIONS = ("--config", "--accelerate-config", "--local_rank", "--local-rank", "--help", "--show-rows",
@@ -236,9 +157,8 @@ def start_fast(cfg: Config) -> None:
 
     - peft and transformers import bitsandbytes whenever it is installed, and bitsandbytes 0.50 wraps its CPU
       kernels in ``torch.compile`` at import, which imports inductor (~3 s of CPU). A run that quantizes nothing
-      (:func:`scale.modeling.needs_bitsandbytes`) gets ``sys.modules["bitsandbytes"] = None``, Python's own way to
-      make an import fail (https://docs.python.org/3/reference/import.html#the-module-cache): peft and
-      transformers then treat it as not installed.
+      (:func:`scale.modeling.needs_bitsandbytes`) gets ``sys.modules["bitsandbytes"] = None``
+      (:func:`scale.modeling.keep_bitsandbytes_out`): peft and transformers then treat it as not installed.
     - The imports allocate millions of objects that live as long as the process; the collector would traverse
       them again and again while they load (~1 s), and at every full collection afterwards (``gc.freeze``, as
       https://docs.python.org/3/library/gc.html#gc.freeze suggests for such start-up objects).
@@ -252,10 +172,9 @@ def start_fast(cfg: Config) -> None:
     """
     gc.disable()
     try:
-        from scale.modeling import needs_bitsandbytes  # deferred: imported with the collector paused
+        from scale.modeling import keep_bitsandbytes_out  # deferred: imported with the collector paused
 
-        if not needs_bitsandbytes(cfg.model):
-            sys.modules.setdefault("bitsandbytes", None)
+        keep_bitsandbytes_out(cfg.model)
         import accelerate  # noqa: F401
         import peft  # noqa: F401
         from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401

@@ -5,7 +5,10 @@
 ``merged/`` (and ``adapter/``, written by the training run) carry the tokenizer with the chat template the run
 trained with (``data.chat_template``, not the tokenizer's own) and a ``generation_config.json`` whose
 ``eos_token_id`` lists the trained end-of-turn marker (``<|im_end|>`` for ChatML) as well as EOS: a base model
-whose EOS is not the template's end of turn then stops where training taught it to (LLaMA-Factory#7454).
+whose EOS is not the template's end of turn then stops where training taught it to (LLaMA-Factory#7454). A run
+whose rows no chat template rendered (classification, plain text, text prompt/completion) ships no chat template
+at all, not the tokenizer's own: it trained on prompts as they are, and a server or harness that applied one would
+score another text (the log line says so).
 Serve it with ``transformers serve``, chat with ``scale-generate``, evaluate it with ``scale-lm-eval RUN_DIR`` (the
 run's eval split as a local lm-evaluation-harness task) or any harness (docs/outputs.md).
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,9 +31,10 @@ import torch
 from scale.config import Config, load_config
 from scale.data.tasks.messages import chat_template, render_chat
 from scale.fileio import replace_dir, temp_dir_for
-from scale.modeling import load_base, load_tokenizer
+from scale.logs import configure_logging
+from scale.modeling import keep_bitsandbytes_out, load_base, load_tokenizer
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("scale.export")  # also under `python -m scale.export`
 
 
 def dequantized_base(model_cfg, vocab_size: int, seed: int) -> torch.nn.Module:
@@ -49,15 +54,27 @@ def dequantized_base(model_cfg, vocab_size: int, seed: int) -> torch.nn.Module:
 
 
 PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "OK"}]
+NO_TEMPLATE = ("without a chat template: the run's rows were not rendered by one, so prompts are used as they are "
+               "(a chat request has no template to apply)")
 
 
-def serving_tokenizer(cfg: Config, run_dir: str | Path | None = None) -> tuple[Any, list[int], str]:
+def serving_tokenizer(cfg: Config, run_dir: str | Path | None = None, chat: bool = True
+                      ) -> tuple[Any, list[int], str]:
     """The run's tokenizer as it trained, the token ids generation must stop at, and a note for the log.
 
-    ``<run_dir>/adapter/`` holds the tokenizer the run saved (its template included) and is read first; else the
-    config's tokenizer gets ``data.chat_template``'s text. The stops are EOS plus, for chat data, the end-of-turn
-    marker the template closes an assistant turn with (what the trained tails end with: :func:`scale.data.
-    render_chat`), found by rendering a probe conversation.
+    ``<run_dir>/adapter/`` holds the tokenizer the run saved and is read first: its chat template is the one the
+    rows were rendered with, and it has none when they were not rendered by one (what training wrote with
+    ``chat``). Else the config's tokenizer gets ``data.chat_template``'s text (``chat``), or loses the template it
+    came with (not ``chat``: a classification, plain-text or text prompt/completion run never trained through it,
+    so nothing that serves the run may apply it). The stops are EOS plus, with a template, the end-of-turn marker
+    it closes an assistant turn with (what the trained tails end with: :func:`scale.data.render_chat`), found by
+    rendering a probe conversation.
+
+    Args:
+        cfg: the run's config.
+        run_dir: the run directory, whose ``adapter/`` holds the saved tokenizer; None: build it from ``cfg``.
+        chat: without a saved tokenizer: whether the run's rows were rendered by a chat template (its prepared
+            task's answer: :attr:`scale.data.tokenize.Splits.template_sha256` is not empty).
 
     Returns:
         ``(tokenizer, stop_ids, note)``.
@@ -66,7 +83,12 @@ def serving_tokenizer(cfg: Config, run_dir: str | Path | None = None) -> tuple[A
 
     saved = Path(run_dir) / "adapter" if run_dir is not None else None
     if saved is not None and (saved / "tokenizer_config.json").exists():
-        tokenizer, note = AutoTokenizer.from_pretrained(saved), f"the tokenizer and chat template saved in {saved}"
+        tokenizer = AutoTokenizer.from_pretrained(saved)
+        note = (f"the tokenizer and chat template saved in {saved}" if getattr(tokenizer, "chat_template", None)
+                else f"the tokenizer saved in {saved}, {NO_TEMPLATE}")
+    elif not chat:
+        tokenizer, note = load_tokenizer(cfg.model), f"the model's tokenizer, {NO_TEMPLATE}"
+        tokenizer.chat_template = None
     else:
         tokenizer, note = load_tokenizer(cfg.model), "the model's tokenizer"
         if cfg.data.chat_template is not None:
@@ -125,14 +147,19 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m scale.export RUN_DIR [--out DIR]``."""
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
+    """``python -m scale.export RUN_DIR [--out DIR]``.
+
+    ``own_process``: this process exports and nothing else (:func:`cli`), so bitsandbytes stays out unless the
+    run's base is 4-bit (:func:`scale.modeling.keep_bitsandbytes_out`)."""
     parser = argparse.ArgumentParser(prog="scale.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
+    configure_logging(dict(os.environ))  # first: before transformers, peft and bitsandbytes are imported
+    if own_process and (Path(args.run_dir) / "config.yaml").is_file():  # else merge_run says what is missing
+        keep_bitsandbytes_out(load_config(Path(args.run_dir) / "config.yaml").model)
     out = merge_run(args.run_dir, args.out)
     logger.info("merged model written to %s", out)
     log_merged(Path(args.run_dir), out)
@@ -143,8 +170,6 @@ def log_merged(run_dir: Path, out: Path) -> None:
     """With ``log.wandb_log_model`` set and W&B online, add ``out`` to the training run as the artifact
     ``merged-<run id>``. Offline it is not: a second offline directory of the run would replace its history
     when synced (wandb#3841); ``wandb artifact put`` uploads it."""
-    import os
-
     cfg = load_config(run_dir / "config.yaml")
     record = run_dir / "wandb_run.json"
     if not cfg.log.wandb_log_model or "wandb" not in cfg.log.trackers or not record.exists():
@@ -166,5 +191,10 @@ def log_merged(run_dir: Path, out: Path) -> None:
     run.finish()
 
 
+def cli() -> None:
+    """Console entry point (``scale-export``)."""
+    sys.exit(main(own_process=True))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

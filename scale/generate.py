@@ -18,13 +18,15 @@ from before that turn, as ``samples.jsonl`` is, and that turn is kept as ``refer
 input); else ``>>> <last user message>`` and the answer.
 
 The template is the one the run trained with (``adapter/`` and ``merged/`` carry it) and the run's
-``data.chat_template_kwargs`` (read from its ``config.yaml``: the run directory, or the one ``merged/`` is in);
-a run trained without a chat template gets the prompt text as it is (no ``--system``, ``--chat`` or
-``--messages``). Decoding is ``model.generate``: greedy at ``--temperature 0`` (the default), else sampled with
-``--temperature``/``--top-p``/``--top-k`` after ``torch.manual_seed(--seed)`` (the same command prints the same
-text on the same machine), stopping at EOS and at the trained end-of-turn marker (:func:`scale.export.
-serving_tokenizer`) or after ``--max-new-tokens``. Bad input is one line naming the flag or the line, exit code 2,
-before the model loads. No accelerate import.
+``data.chat_template_kwargs`` (read from its ``config.yaml``: the run directory, or the one ``merged/`` is in).
+A run whose rows no chat template rendered (classification, plain text, text prompt/completion: training saves
+its tokenizer without one, :func:`scale.export.serving_tokenizer`) gets each prompt's text as it trained, after
+the tokenizer's BOS where it adds one, as ``samples.jsonl`` shows it; ``--system``, ``--chat``, ``--messages`` and
+the interactive chat are refused. Decoding is ``model.generate``: greedy at ``--temperature 0`` (the default),
+else sampled with ``--temperature``/``--top-p``/``--top-k`` after ``torch.manual_seed(--seed)`` (the same command
+prints the same text on the same machine), stopping at EOS and at the trained end-of-turn marker
+(:func:`scale.export.serving_tokenizer`) or after ``--max-new-tokens``. Bad input is one line naming the flag or
+the line, exit code 2, before the model loads. No accelerate import.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -40,11 +43,13 @@ from typing import Any
 
 import torch
 
-from scale.config import load_config
+from scale.config import ModelConfig, load_config
+from scale.data.tasks.base import encode, special_affixes
 from scale.export import serving_tokenizer
-from scale.modeling import load_base, load_tokenizer
+from scale.logs import configure_logging
+from scale.modeling import keep_bitsandbytes_out, load_base, load_tokenizer
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("scale.generate")  # also under `python -m scale.generate`
 
 Messages = list[dict[str, Any]]
 
@@ -113,7 +118,8 @@ class Generator:
 
     @property
     def has_template(self) -> bool:
-        """The tokenizer has a chat template (a chat/prompt-completion run); else prompts are raw text."""
+        """The run trained through a chat template: its saved tokenizer carries one. Training saves it only when the
+        prepared task rendered the rows with one (:func:`scale.export.serving_tokenizer`); else prompts are text."""
         return bool(getattr(self.tokenizer, "chat_template", None))
 
 
@@ -125,44 +131,98 @@ def run_config_near(path: Path) -> Path | None:
     return None
 
 
-def load_for_generation(path: str | Path) -> tuple[torch.nn.Module, Any, list[int]]:
-    """``(model, tokenizer, stop_ids)`` from a merged/plain HF model directory, a run directory (base +
-    ``adapter/``) or a run's ``adapter/`` directory.
+def _run_dir(path: Path) -> Path | None:
+    """The run directory ``path`` names (itself, or ``adapter/``'s parent); None for a model directory.
 
     Raises:
-        FileNotFoundError: ``path`` is none of these.
+        FileNotFoundError: ``path`` is neither a model directory, a run directory nor a run's ``adapter/``.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    path = Path(path)
     if (path / "config.json").exists():  # merged/ (scale-export) or any HF causal LM
-        model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-        stops = GenerationConfig.from_pretrained(path).eos_token_id if (path / "generation_config.json").exists() \
-            else tokenizer.eos_token_id
-        return model.eval(), tokenizer, stops if isinstance(stops, list) else [stops]
+        return None
     run_dir = path.parent if (path / "adapter_config.json").exists() else path
     if not (run_dir / "config.yaml").exists() or not (run_dir / "adapter" / "adapter_config.json").exists():
         raise FileNotFoundError(f"{path} is neither a model directory (config.json), a run directory (config.yaml "
                                 f"and adapter/) nor a run's adapter/")
+    return run_dir
+
+
+def load_serving(path: str | Path) -> tuple[Any, list[int]]:
+    """``(tokenizer, stop_ids)`` of a merged/plain HF model directory, a run directory or a run's ``adapter/``: the
+    tokenizer as the run saved it (its chat template, or none) and the tokens generation stops at. No model is
+    loaded: flags are checked against it first.
+
+    Raises:
+        FileNotFoundError: ``path`` is none of these.
+    """
+    from transformers import AutoTokenizer, GenerationConfig
+
+    path = Path(path)
+    run_dir = _run_dir(path)
+    if run_dir is not None:
+        tokenizer, stops, _ = serving_tokenizer(load_config(run_dir / "config.yaml"), run_dir)
+        return tokenizer, stops
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    stops = GenerationConfig.from_pretrained(path).eos_token_id if (path / "generation_config.json").exists() \
+        else tokenizer.eos_token_id
+    return tokenizer, stops if isinstance(stops, list) else [stops]
+
+
+def model_config(path: str | Path) -> ModelConfig:
+    """How :func:`load_model` loads ``path``: the run's ``model`` section, or the model directory itself.
+
+    Raises:
+        FileNotFoundError: ``path`` is neither a model directory, a run directory nor a run's ``adapter/``.
+    """
+    run_dir = _run_dir(Path(path))
+    if run_dir is None:
+        return ModelConfig(name_or_path=str(path), quantize_4bit=False)
+    return load_config(run_dir / "config.yaml").model
+
+
+def load_model(path: str | Path) -> torch.nn.Module:
+    """The model of a merged/plain HF model directory, or a run's base with its ``adapter/`` (a ``PeftModel``), in
+    eval mode.
+
+    Raises:
+        FileNotFoundError: ``path`` is none of these.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    run_dir = _run_dir(path)
+    if run_dir is None:
+        return AutoModelForCausalLM.from_pretrained(path).eval()
     from peft import PeftModel
 
     cfg = load_config(run_dir / "config.yaml")
-    tokenizer, stops, _ = serving_tokenizer(cfg, run_dir)
     base = load_base(cfg.model, len(load_tokenizer(cfg.model)), cfg.train.seed)
-    model = PeftModel.from_pretrained(base, run_dir / "adapter")
-    return model.eval(), tokenizer, stops
+    return PeftModel.from_pretrained(base, run_dir / "adapter").eval()
+
+
+def load_for_generation(path: str | Path) -> tuple[torch.nn.Module, Any, list[int]]:
+    """``(model, tokenizer, stop_ids)``: :func:`load_model` and :func:`load_serving`.
+
+    Raises:
+        FileNotFoundError: ``path`` is neither a model directory, a run directory nor a run's ``adapter/``.
+    """
+    tokenizer, stops = load_serving(path)
+    return load_model(path), tokenizer, stops
+
+
+def template_kwargs(path: str | Path) -> dict[str, Any]:
+    """The run's ``data.chat_template_kwargs`` when the ``config.yaml`` of the run ``path`` belongs to is found."""
+    config = run_config_near(Path(path))
+    return dict(load_config(config).data.chat_template_kwargs or {}) if config is not None else {}
 
 
 def load_generator(path: str | Path) -> Generator:
-    """:func:`load_for_generation` plus the run's ``data.chat_template_kwargs`` when its ``config.yaml`` is found.
+    """:func:`load_for_generation` plus the run's ``data.chat_template_kwargs`` (:func:`template_kwargs`).
 
     Raises:
         FileNotFoundError: see :func:`load_for_generation`.
     """
     model, tokenizer, stops = load_for_generation(path)
-    config = run_config_near(Path(path))
-    kwargs = dict(load_config(config).data.chat_template_kwargs or {}) if config is not None else {}
-    return Generator(model, tokenizer, stops, kwargs)
+    return Generator(model, tokenizer, stops, template_kwargs(path))
 
 
 def render_chat(tokenizer: Any, messages: Messages, template_kwargs: dict[str, Any] | None = None) -> str:
@@ -179,10 +239,38 @@ def render_prompt(tokenizer: Any, prompt: str) -> str:
     return prompt
 
 
+def plain_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """A prompt's tokens as a run without a chat template trained them: the tokenizer's special prefix (its BOS,
+    where it adds one; SmolLM2: none) once, then the text (:meth:`scale.data.tasks.base.Builder.front`)."""
+    prefix, _ = special_affixes(tokenizer)
+    ids = encode(tokenizer, prompt)
+    return ids if ids[:len(prefix)] == prefix else prefix + ids
+
+
 @torch.no_grad()
+def complete(model: torch.nn.Module, tokenizer: Any, prompt_ids: list[int], stops: list[int],
+             sampling: Sampling) -> str:
+    """The completion of ``prompt_ids`` by ``model.generate`` (one row: no padding question).
+
+    Args:
+        model: a causal LM in eval mode.
+        tokenizer: decodes the answer (and gives the pad id).
+        prompt_ids: the prompt's tokens (template, generation prompt and BOS in them).
+        stops: token ids that end an answer (EOS, the end-of-turn marker).
+        sampling: the decoding. Its seed is not set here (:func:`answer_all` sets it once).
+
+    Returns:
+        The new tokens decoded without special tokens, stripped.
+    """
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=next(model.parameters()).device)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), eos_token_id=stops,
+                         pad_token_id=tokenizer.pad_token_id, **sampling.generate_kwargs())
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
 def generate_texts(model: torch.nn.Module, tokenizer: Any, prompts: list[str], stops: list[int],
                    max_new_tokens: int = 64, sampling: Sampling | None = None) -> list[str]:
-    """Completions of already rendered ``prompts`` with ``model.generate``, one at a time (no padding question).
+    """Completions of already rendered ``prompts`` (:func:`complete`), one at a time.
 
     Args:
         model: a causal LM in eval mode.
@@ -190,25 +278,23 @@ def generate_texts(model: torch.nn.Module, tokenizer: Any, prompts: list[str], s
         prompts: rendered prompt texts (chat template and generation prompt applied).
         stops: token ids that end an answer (EOS, the end-of-turn marker).
         max_new_tokens: used when ``sampling`` is ``None`` (greedy).
-        sampling: the decoding; default greedy. Its seed is not set here (:func:`answer_all` sets it once).
+        sampling: the decoding; default greedy.
 
     Returns:
-        One answer per prompt: the new tokens decoded without special tokens, stripped.
+        One answer per prompt.
     """
     sampling = sampling or Sampling(max_new_tokens=max_new_tokens)
-    out = []
-    for text in prompts:
-        enc = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(next(model.parameters()).device)
-        ids = model.generate(**enc, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id,
-                             **sampling.generate_kwargs())
-        out.append(tokenizer.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
-    return out
+    return [complete(model, tokenizer, encode(tokenizer, text), stops, sampling) for text in prompts]
 
 
 def answer(gen: Generator, messages: Messages, sampling: Sampling) -> str:
-    """The model's next assistant turn after ``messages`` (text, special tokens dropped, stripped)."""
-    text = render_chat(gen.tokenizer, messages, gen.template_kwargs) if gen.has_template else messages[-1]["content"]
-    return generate_texts(gen.model, gen.tokenizer, [text], gen.stops, sampling=sampling)[0]
+    """The model's next assistant turn after ``messages`` (text, special tokens dropped, stripped): rendered by the
+    run's chat template, or (a run without one) the last message's text as a plain prompt."""
+    if gen.has_template:
+        ids = encode(gen.tokenizer, render_chat(gen.tokenizer, messages, gen.template_kwargs))
+    else:
+        ids = plain_prompt_ids(gen.tokenizer, messages[-1]["content"])
+    return complete(gen.model, gen.tokenizer, ids, gen.stops, sampling)
 
 
 def read_conversations(lines: Iterable[str], source: str) -> list[Messages]:
@@ -344,20 +430,40 @@ def _inputs(args: argparse.Namespace) -> tuple[list[Messages] | None, list[str] 
     return [with_system([{"role": "user", "content": p}], args.system) for p in prompts], None, False
 
 
-def main(argv: list[str] | None = None) -> int:
+def check_plain_prompts(args: argparse.Namespace, interactive: bool) -> None:
+    """A model without a chat template takes prompts as text: refuse what needs a conversation.
+
+    Raises:
+        GenerateError: ``--system``, ``--chat``, ``--messages`` or the interactive chat (one line, every such flag
+            named).
+    """
+    asked = [flag for flag, given in (("--system", args.system is not None), ("--chat", args.chat),
+                                      ("--messages", args.messages is not None), ("the interactive chat", interactive))
+             if given]
+    if asked:
+        raise GenerateError(f"{args.path} has no chat template (its run trained on prompts as plain text, not rendered "
+                            f"by one): {', '.join(asked)} need{'s' if len(asked) == 1 else ''} one; give each "
+                            f"prompt's text as it trained with --prompt, --file or stdin")
+
+
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     """``scale-generate PATH [--prompt TEXT]... [--file F | --messages F] [--system S] [--chat] [--jsonl]
-    [--temperature T] [--top-p P] [--top-k K] [--max-new-tokens N] [--seed S]`` (module docstring)."""
+    [--temperature T] [--top-p P] [--top-k K] [--max-new-tokens N] [--seed S]`` (module docstring).
+
+    ``own_process``: this process answers and nothing else (:func:`cli`), so bitsandbytes stays out unless the
+    model needs it (:func:`scale.modeling.keep_bitsandbytes_out`)."""
     args = _parser().parse_args(argv)
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed)
     try:
         sampling.check()
         conversations, turns, interactive = _inputs(args)
-        gen = load_generator(args.path)
-        if not gen.has_template and (args.system is not None or args.chat or interactive
-                                     or any(len(c) > 1 for c in conversations or [])):
-            raise GenerateError(f"{args.path} has no chat template (its run trained on plain text): --system, "
-                                f"--chat, --messages with several turns and the interactive chat need one; give "
-                                f"the prompt text with --prompt")
+        configure_logging(dict(os.environ))  # before transformers, peft and bitsandbytes are imported
+        tokenizer, stops = load_serving(args.path)
+        if not getattr(tokenizer, "chat_template", None):  # before the model loads
+            check_plain_prompts(args, interactive)
+        if own_process:
+            keep_bitsandbytes_out(model_config(args.path))
+        gen = Generator(load_model(args.path), tokenizer, stops, template_kwargs(args.path))
     except (GenerateError, FileNotFoundError) as e:
         sys.stderr.write(f"scale-generate: error: {e}\n")
         return 2
@@ -395,5 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> None:
+    """Console entry point (``scale-generate``)."""
+    sys.exit(main(own_process=True))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -79,6 +79,7 @@ class Job:
     max_steps: int | None = None  # optimizer steps of the run; None: train.max_steps (see setup for num_epochs)
     gen: Generation | None = None  # eval.generate_samples > 0: what every evaluation generates (scale.samples)
     task: Task | None = None  # the eval split's prepared task (its format's metrics); None: the eval loader's
+    chat: bool = True  # the rows were rendered by a chat template (Splits.template_sha256): adapter/ carries it
     sequence: SequenceParallel | None = None  # train.sequence_parallel_size > 1 (scale.ulysses)
 
     def __post_init__(self) -> None:
@@ -360,12 +361,13 @@ def setup(cfg: Config) -> Job:
         logger.info("MFU peak: %s", peak.source)
     flops_fn = model_flops(cfg, shape, trainable) if shape is not None else None
     gen = None
+    chat = bool(splits.template_sha256)  # a chat template rendered the rows (classification, text: none did)
     if cfg.eval.generate_samples:
-        serving, stops, _ = serving_tokenizer(cfg)  # the trained chat template's end-of-turn marker and EOS
+        serving, stops, _ = serving_tokenizer(cfg, chat=chat)  # EOS and the trained template's end-of-turn marker
         gen = Generation(samples, serving, stops, cfg.eval.max_new_tokens, plan.partitioned, out / SAMPLES_FILE)
         start_samples_file(gen.path, acc.is_main_process, state.step if resume else None)
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
-               flops_fn, peak.flops, max_steps, gen, splits.task, sequence)
+               flops_fn, peak.flops, max_steps, gen, splits.task, sequence=sequence, chat=chat)
 
 
 def mode_plan_lines(notes: list[str], dtypes: dict[str, int], cpu_paths: list[str]) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import tempfile
 import weakref
 from collections.abc import Iterator
@@ -115,6 +116,25 @@ def needs_bitsandbytes(cfg: ModelConfig) -> bool:
         return "quantization_config" in json.loads(config.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return True  # let the load report what is wrong with it
+
+
+def keep_bitsandbytes_out(cfg: ModelConfig) -> bool:
+    """For a process of its own that loads ``cfg``'s model (a command, not a library caller, which may load QLoRA
+    next): make bitsandbytes unimportable unless the model can need it (:func:`needs_bitsandbytes`).
+
+    peft and transformers import bitsandbytes whenever it is installed, and bitsandbytes 0.50 wraps its CPU kernels
+    in ``torch.compile`` at import, which imports inductor (~2.5 s of CPU on 2 cores) and logs a hub-kernel notice.
+    ``sys.modules["bitsandbytes"] = None`` is Python's own way to make an import fail
+    (https://docs.python.org/3/reference/import.html#the-module-cache): peft and transformers then treat it as not
+    installed.
+
+    Returns:
+        Whether it was kept out (False: needed, or imported already).
+    """
+    if needs_bitsandbytes(cfg) or "bitsandbytes" in sys.modules:
+        return False
+    sys.modules["bitsandbytes"] = None
+    return True
 
 
 def check_attention(cfg: ModelConfig) -> None:

@@ -50,7 +50,6 @@ import dataclasses
 import json
 import os
 import sys
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -63,6 +62,7 @@ from scale.census import (GIB, Activations, PlanError, build_meta_model, census,
 from scale.config import Config, ConfigError, ModelConfig, load_config
 from scale.data.tokenize import build_splits
 from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, SP_MODES, Rank, predict_mode
+from scale.logs import ignore_known_warnings
 from scale.modeling import load_tokenizer
 from scale.state import read_state, resume_accumulation, saved_global_batch
 
@@ -448,10 +448,10 @@ def cli() -> None:
     """Console entry point. The planner counts 4-bit weights itself (:func:`scale.census.nf4_bytes`) on meta
     tensors, so bitsandbytes, which peft and transformers import whenever it is installed (~3 s of CPU: it wraps its
     kernels in ``torch.compile``), is kept out of the process as in :func:`scale.cli.start_fast`; peft's call of
-    transformers' deprecated ``is_gradient_checkpointing`` is not reported, as :func:`scale.cli.configure_logging`
-    does (the same filter: this module may not import the CLI, tests/test_layering.py)."""
+    transformers' deprecated ``is_gradient_checkpointing`` is not reported (:func:`scale.logs.ignore_known_warnings`,
+    as every command drops it)."""
     sys.modules.setdefault("bitsandbytes", None)
-    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+    ignore_known_warnings()
     sys.exit(main())
 
 

@@ -446,8 +446,8 @@ def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
             logger.info("invariants: %s", checks)
     if cfg.train.save_adapter:
         save_adapter(acc, job.plan, job.model, Path(cfg.output_dir) / "adapter")  # collective
-        if acc.is_main_process:  # the tokenizer as trained (chat template) and where generation stops
-            save_serving_files(*serving_tokenizer(cfg)[:2], Path(cfg.output_dir) / "adapter")
+        if acc.is_main_process:  # the tokenizer as trained (its chat template, or none) and where generation stops
+            save_serving_files(*serving_tokenizer(cfg, chat=job.chat)[:2], Path(cfg.output_dir) / "adapter")
         if cfg.log.wandb_log_model:
             log_model(acc, cfg, Path(cfg.output_dir) / "adapter", "adapter", job.max_steps, ["final", "latest"])
     finish_trackers(acc, final)  # the W&B summary is the final evaluation

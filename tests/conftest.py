@@ -25,11 +25,11 @@ def tiny_cfg(out: Path, *overrides: str):
 
 
 def log_file_lines(records) -> list[str]:
-    """Log records as the CLI writes them to a log file (:data:`scale.cli.LOG_FORMAT`), one entry per line: what
+    """Log records as the CLI writes them to a log file (:data:`scale.logs.LOG_FORMAT`), one entry per line: what
     docs/outputs.md keeps under 300 characters."""
     import logging
 
-    from scale.cli import LOG_FORMAT
+    from scale.logs import LOG_FORMAT
 
     fmt = logging.Formatter(LOG_FORMAT)
     return [line for r in records for line in fmt.format(r).splitlines()]

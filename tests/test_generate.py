@@ -137,17 +137,90 @@ def test_bad_messages_lines_name_the_line(model_dir, capsys, monkeypatch):
         CHAT + [call, {"role": "tool", "content": "1"}]]
 
 
-def test_a_model_without_a_chat_template_takes_plain_prompts_only(tmp_path, tokenizer, capsys):
-    plain = tmp_path / "plain"
+@pytest.fixture(scope="module")
+def plain_dir(tmp_path_factory, tokenizer):
+    """A merged/-like directory of a run trained without a chat template: the tokenizer saved without one, as
+    training saves it (scale.export.serving_tokenizer), stopping at EOS only."""
+    out = tmp_path_factory.mktemp("plain")
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = None
     model = load_base(ModelConfig(name_or_path="tiny-llama", dtype="float32", quantize_4bit=False), len(tok), 3)
-    model.save_pretrained(plain)
-    save_serving_files(tok, [tok.eos_token_id], plain, model.generation_config)
-    assert main([str(plain), "--prompt", "Review: fine.\nSentiment:", "--system", "x"]) == 2
-    assert "has no chat template" in capsys.readouterr().err
-    assert main([str(plain), "--prompt", "Review: fine.\nSentiment:", "--max-new-tokens", "3"]) == 0
-    assert capsys.readouterr().out.startswith(">>> Review: fine.\nSentiment:\n")
+    model.save_pretrained(out)
+    save_serving_files(tok, [tok.eos_token_id], out, model.generation_config)
+    return out
+
+
+@pytest.mark.parametrize("flags, asked", [
+    (["--prompt", "Review: fine.\nSentiment:", "--system", "x"], "--system needs"),
+    (["--prompt", "a", "--prompt", "b", "--chat"], "--chat needs"),
+    (["--chat", "--prompt", "a", "--system", "x"], "--system, --chat need"),
+    (["--messages", "-"], "--messages needs"),
+    ([], "the interactive chat needs"),
+])
+def test_a_model_without_a_chat_template_refuses_conversations(plain_dir, capsys, monkeypatch, flags, asked):
+    """--system, --chat, --messages (even one user turn) and the interactive chat are refused in one line, exit 2,
+    before the model loads; nothing on stdout."""
+    stdin = io.StringIO(json.dumps({"messages": [{"role": "user", "content": "Review: fine."}]}) + "\n")
+    stdin.isatty = lambda: not flags  # no prompt on a terminal: the interactive chat
+    monkeypatch.setattr("sys.stdin", stdin)
+    monkeypatch.setattr("scale.generate.load_model", lambda path: pytest.fail("the model loaded before the check"))
+    assert main([str(plain_dir), *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"scale-generate: error: {plain_dir} has no chat template (its run trained on prompts as "
+                            f"plain text, not rendered by one): {asked} one; give each prompt's text as it trained "
+                            f"with --prompt, --file or stdin\n")
+
+
+def test_a_model_without_a_chat_template_answers_the_text_as_it_is(plain_dir, capsys):
+    """The prompt's own tokens (SmolLM2 adds no BOS), no template around them: the answer is model.generate's on
+    exactly those tokens."""
+    assert main([str(plain_dir), "--prompt", "Review: fine.\nSentiment:", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    tok, model = _loaded(plain_dir)
+    assert tok.chat_template is None
+    enc = tok("Review: fine.\nSentiment:", return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        ids = model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    answer = tok.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    assert out == f">>> Review: fine.\nSentiment:\n{answer}\n"
+
+
+def test_plain_prompts_get_the_bos_the_run_trained_with(tokenizer):
+    """A tokenizer whose post-processor puts BOS in front (Llama): the plain prompt starts with it once, as the
+    run's rows did (scale.data.tasks.base.Builder.front); SmolLM2's adds none."""
+    from scale.generate import plain_prompt_ids
+
+    text = "Review: fine.\nSentiment:"
+    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert plain_prompt_ids(tokenizer, text) == plain  # no BOS to add
+    bos = copy.deepcopy(tokenizer)
+    from tokenizers.processors import TemplateProcessing
+
+    bos._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[
+        ("<|endoftext|>", bos.convert_tokens_to_ids("<|endoftext|>"))])
+    first = bos.convert_tokens_to_ids("<|endoftext|>")
+    assert bos(text)["input_ids"] == [first, *plain]  # the tokenizer now adds a BOS
+    assert plain_prompt_ids(bos, text) == [first, *plain]
+    assert plain_prompt_ids(bos, "<|endoftext|>" + text) == [first, *plain]  # once, even when the text has it
+
+
+def test_serving_tokenizer_keeps_a_template_only_for_chat_rows(tmp_path):
+    """What training saves in adapter/: no chat template (and EOS as the only stop) for rows no template rendered,
+    the run's data.chat_template for chats; a run directory's saved tokenizer is read as it is."""
+    from scale.export import serving_tokenizer
+    from tests.conftest import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, f"data.chat_template={CHATML}")
+    plain, stops, note = serving_tokenizer(cfg, chat=False)
+    assert plain.chat_template is None and stops == [plain.eos_token_id] and "without a chat template" in note
+    chat, stops, _ = serving_tokenizer(cfg, chat=True)
+    assert chat.chat_template == CHATML.read_text() and stops == [plain.eos_token_id]  # SmolLM2: <|im_end|> is EOS
+    save_serving_files(plain, [plain.eos_token_id], tmp_path / "adapter")
+    saved, stops, note = serving_tokenizer(cfg, tmp_path, chat=True)  # the saved tokenizer wins
+    assert saved.chat_template is None and stops == [plain.eos_token_id]
+    assert note == (f"the tokenizer saved in {tmp_path / 'adapter'}, without a chat template: the run's rows were not "
+                    f"rendered by one, so prompts are used as they are (a chat request has no template to apply)")
 
 
 def test_split_reference_and_sampling_kwargs():

@@ -22,6 +22,7 @@ SCALE = ROOT / "scale"
 # room -> the rooms it may import. Plain-tensor rooms first, then the data stages, the loop side, the entry points.
 ALLOWED: dict[str, set[str]] = {
     "fileio": set(),
+    "logs": set(),  # the log format and third-party notice filters every command uses
     "flops": set(),
     "signals": set(),
     "state": {"config"},  # TrainerState, SaveTimer (moved out of checkpoint, issue 20), the global batch of a resume
@@ -51,11 +52,11 @@ ALLOWED: dict[str, set[str]] = {
     "data.order": set(),                                       # length-grouped sampling, packing into bins
     "data.sequence": {"data.collate"},                         # sequence-parallel rows: each rank's shard (issue 29)
     "data": {"data.collate", "data.read", "data.split", "data.tasks", "data.tokenize"},  # the face: hands names on
-    "export": {"config", "data", "data.tasks", "fileio", "modeling"},
-    "generate": {"config", "export", "modeling"},
+    "export": {"config", "data", "data.tasks", "fileio", "logs", "modeling"},
+    "generate": {"config", "data.tasks", "export", "logs", "modeling"},
     # scale-lm-eval: the eval split (token cache, samples' prompt/answer split) as a harness task
     "lmeval": {"assets", "config", "data", "data.cache", "data.read", "data.tasks", "export", "fileio", "modeling", "samples"},
-    "plan": {"assets", "census", "config", "data.tokenize", "layouts", "modeling", "state"},  # data: the tails;
+    "plan": {"assets", "census", "config", "data.tokenize", "layouts", "logs", "modeling", "state"},  # data: the tails;
     # state: --resume reads a checkpoint's trainer_state.json
     # the loop side: may import accelerate / torch.distributed
     "rendezvous": set(),
@@ -74,8 +75,8 @@ ALLOWED: dict[str, set[str]] = {
             "ulysses"},
     "train": {"best", "checkpoint", "checks", "chunked", "config", "evaluate", "export", "job", "loss", "metrics",
               "samples", "signals", "tracking", "ulysses"},
-    "cli": {"assets", "checkpoint", "config", "data.read", "data.tokenize", "launch", "modeling", "signals", "topology",
-            "train"},
+    "cli": {"assets", "checkpoint", "config", "data.read", "data.tokenize", "launch", "logs", "modeling", "signals",
+            "topology", "train"},
     "report": {"config", "metrics", "schedule"},
     "prepare": {"assets", "config", "data.cache", "data.read", "data.token_table", "modeling"},  # scale-prepare
     # aliases kept for scripts written against the modules' old paths
@@ -88,7 +89,7 @@ DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpo
 # Bottom first. A room imports rooms of its own layer or below; an import into a higher layer runs upward. The data
 # stages are one layer each, in the order rows flow: files, sources, formats, split, mixing, tokens, cache, batches.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundations", {"fileio", "flops", "signals", "state", "rendezvous", "validation", "schema", "names", "config",
+    ("foundations", {"fileio", "flops", "logs", "signals", "state", "rendezvous", "validation", "schema", "names", "config",
                      "assets", "schedule", "topology"}),
     ("model and loss (plain tensors)", {"loss", "chunked", "modeling", "census", "layouts"}),
     ("data: reading files", {"data.read"}),
