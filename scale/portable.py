@@ -257,6 +257,25 @@ def derived_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
 
 
+def rng_states() -> dict[str, Any]:
+    """This process's Python, NumPy and torch (CPU, and every CUDA device) RNG states under the keys of accelerate's
+    ``random_states_<rank>.pkl``: what a checkpoint written now would hold."""
+    states = {"random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+              "torch_manual_seed": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Set this process's Python, NumPy and torch RNG states from :func:`rng_states`' (or a checkpoint's) mapping."""
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+
+
 def restore_rng(acc: Accelerator, directory: Path, saved_world: int, seed: int, step: int) -> str:
     """Restore this rank's Python, NumPy and torch RNG states from ``random_states_<rank>.pkl`` when the checkpoint
     was written by as many processes as this run has; else seed them by :func:`derived_seed`. Returns the rule used,
@@ -264,12 +283,7 @@ def restore_rng(acc: Accelerator, directory: Path, saved_world: int, seed: int, 
     if saved_world == acc.num_processes:
         from accelerate.utils.other import load
 
-        states = load(directory / f"random_states_{acc.process_index}.pkl")  # accelerate's weights_only loader
-        random.setstate(states["random_state"])
-        np.random.set_state(states["numpy_random_seed"])
-        torch.set_rng_state(states["torch_manual_seed"])
-        if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
-            torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+        set_rng_states(load(directory / f"random_states_{acc.process_index}.pkl"))  # accelerate's weights_only loader
         return "each rank's RNG states restored"
     value = derived_seed(seed, step, acc.process_index)
     random.seed(value)

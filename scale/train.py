@@ -42,6 +42,7 @@ from scale.export import save_serving_files, serving_tokenizer
 from scale.job import Job, setup
 from scale.loss import LossSpec, batch_bad_rows, describe_batch_row
 from scale.metrics import Progress, StepMeter, duration_text
+from scale.portable import rng_states, set_rng_states
 from scale.samples import generate_samples, sample_metrics, write_samples
 from scale.signals import EvalInterrupted, Preempted, Preemption
 from scale.tracking import finish_trackers, log_model
@@ -174,10 +175,12 @@ def conclude_step(job: Job, pbar: Any, preemption: Preemption | None, timer: Sav
     cfg, acc, state, t = job.cfg, job.acc, job.state, job.cfg.train
     metrics, best, stopping = None, False, False
     if evaluate_now:
+        before = rng_states()  # an evaluation draws from the global RNG: each eval loader iterator takes a seed
         try:
             metrics = evaluate_and_log(job, preemption)
         except EvalInterrupted:  # a signal during the evaluation: this step's checkpoint, within seconds
             state.eval_pending = True
+            set_rng_states(before)  # saved as the evaluation found them: the resumed run's re-run draws the same
             preempted(job, pbar)
         state.eval_pending = False
         best, stopping = judge(job, metrics)

@@ -23,12 +23,12 @@ from tests.conftest import tiny_cfg
 PLAIN = ["data.max_train_examples=24", "train.micro_batch_size=2", "train.gradient_accumulation_steps=2",
          "train.max_steps=12", "train.eval_every=4", "train.log_every=1", "train.save_every=0",
          "train.save_every_minutes=null", "eval.generate_samples=2", "eval.max_new_tokens=4", "data.eval_size=16",
-         "model.gradient_checkpointing=false", "log.peak_flops=false"]
+         "model.gradient_checkpointing=false", "log.peak_flops=false", "lora.dropout=0.1"]
 # tests/test_best.py's early stop: eval/accuracy best at step 1, patience 2: the run stops at step 3 of 12
 BEST = ["train.eval_every=1", "train.save_every=0", "train.save_total_limit=1", "train.keep_best=eval/accuracy",
         "train.early_stopping_patience=2", "data.eval_size=16", "eval.generate_samples=0",
         "data.max_train_examples=32", "train.gradient_accumulation_steps=1", "model.gradient_checkpointing=false",
-        "log.peak_flops=false", "train.log_every=1"]
+        "log.peak_flops=false", "train.log_every=1", "lora.dropout=0.1"]
 
 
 def _reset():

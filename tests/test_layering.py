@@ -74,7 +74,7 @@ ALLOWED: dict[str, set[str]] = {
             "export", "flops", "launch", "loss", "metrics", "modeling", "names", "samples", "schedule", "tracking",
             "ulysses"},
     "train": {"best", "checkpoint", "checks", "chunked", "config", "evaluate", "export", "job", "loss", "metrics",
-              "samples", "signals", "tracking", "ulysses"},
+              "portable", "samples", "signals", "tracking", "ulysses"},
     "cli": {"assets", "checkpoint", "config", "data.read", "data.tokenize", "launch", "logs", "modeling", "signals",
             "topology", "train"},
     "report": {"config", "metrics", "schedule"},
