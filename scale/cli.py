@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from scale.assets import resolve_data
-from scale.config import Config, ConfigError, configs_dir, keys_help, load_config, named_config, yaml_load
+from scale.config import (Config, ConfigError, configs_dir, help_text, keys_help, load_config, named_config,
+                          yaml_load)
 from scale.logs import configure_logging
 from scale.signals import EXIT_PREEMPTED, Preempted, Preemption
 from scale.topology import processes_for, usable_cores, visible_gpus
@@ -99,7 +100,7 @@ def override_form(argv: list[str]) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``scale-train`` (:func:`parse_args`)."""
-    parser = argparse.ArgumentParser(prog="scale-train", description=__doc__, add_help=False,
+    parser = argparse.ArgumentParser(prog="scale-train", description=help_text(__doc__), add_help=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-h", "--help", nargs="?", const="", default=None, metavar="SECTION|KEY",
                         help="this help and every config key (type, default, one line); --help optim: one section "

@@ -411,6 +411,15 @@ def _first_sentence(text: str, width: int = 110) -> str:
     return first
 
 
+_ROLE = re.compile(r":(?:data|func|class|attr|meth|mod|obj|exc):`~?([^`]+)`")
+
+
+def help_text(doc: str) -> str:
+    """A module docstring as a command's ``--help`` prints it: reST roles and inline-literal quotes dropped
+    (``:data:`X``` -> ``X``, a double-backquoted ``x`` -> ``x``), the rest as written."""
+    return _ROLE.sub(r"\1", doc).replace("``", "")
+
+
 def keys_help(topic: str | None = None) -> str:
     """The config keys as ``scale-train --help [TOPIC]`` prints them.
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from scale.config import Config, load_config
+from scale.config import Config, help_text, load_config
 from scale.data.tasks.messages import chat_template, render_chat
 from scale.fileio import replace_dir, temp_dir_for
 from scale.logs import configure_logging
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
 
     ``own_process``: this process exports and nothing else (:func:`cli`), so bitsandbytes stays out unless the
     run's base is 4-bit (:func:`scale.modeling.keep_bitsandbytes_out`)."""
-    parser = argparse.ArgumentParser(prog="scale.export", description=__doc__,
+    parser = argparse.ArgumentParser(prog="scale.export", description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")
     parser.add_argument("--out", default=None)

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from scale.config import ModelConfig, load_config
+from scale.config import ModelConfig, help_text, load_config
 from scale.data.tasks.base import encode, special_affixes
 from scale.export import serving_tokenizer
 from scale.logs import configure_logging
@@ -372,7 +372,7 @@ def chat(gen: Generator, turns: Iterable[str], system: str | None, sampling: Sam
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="scale-generate", description=__doc__,
+    parser = argparse.ArgumentParser(prog="scale-generate", description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", help="merged/ (or any HF model dir), a run dir (base + adapter/), or adapter/")
     parser.add_argument("--prompt", action="append", default=[], help="a user message (repeatable)")

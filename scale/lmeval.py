@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from scale.assets import resolve_data
-from scale.config import load_config
+from scale.config import help_text, load_config
 from scale.data import tasks
 from scale.data.read import DataError
 from scale.data.cache import load_splits
@@ -248,7 +248,7 @@ def evaluate(run_dir: str | Path, model_dir: str | Path | None = None, extra_tas
 
 def main(argv: list[str] | None = None) -> int:
     """``scale-lm-eval RUN_DIR [--model DIR] [--tasks T,...] [--batch-size N] [--limit N] [--write-only]``."""
-    parser = argparse.ArgumentParser(prog="scale-lm-eval", description=__doc__,
+    parser = argparse.ArgumentParser(prog="scale-lm-eval", description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a trained run (config.yaml, metrics.jsonl; merged/ from scale-export)")
     parser.add_argument("--model", default=None, help="the model directory to evaluate (default: RUN_DIR/merged)")

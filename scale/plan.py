@@ -59,7 +59,7 @@ import torch
 from scale.assets import resolve_data
 from scale.census import (GIB, Activations, PlanError, build_meta_model, census, count_activations,
                           load_model_config)
-from scale.config import Config, ConfigError, ModelConfig, load_config
+from scale.config import Config, ConfigError, ModelConfig, help_text, load_config
 from scale.data.tokenize import build_splits
 from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, SP_MODES, Rank, predict_mode
 from scale.logs import ignore_known_warnings
@@ -410,7 +410,7 @@ def resume_config(checkpoint: str | Path, overrides: list[str], gpus: int) -> tu
 
 def main(argv: list[str] | None = None) -> int:
     """``scale-plan [--config PATH] [key=value ...] --gpus N [--gpu-mem GiB] [--nodes K] [--full-rows] [--json]``."""
-    parser = argparse.ArgumentParser(prog="scale-plan", description=__doc__,
+    parser = argparse.ArgumentParser(prog="scale-plan", description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=None, help="training YAML, or a shipped config's name such as tiny_cpu "
                                                        "(default: configs/train/default.yaml)")

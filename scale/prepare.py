@@ -15,7 +15,7 @@ import sys
 import time
 
 from scale.assets import resolve_data
-from scale.config import ConfigError, load_config
+from scale.config import ConfigError, help_text, load_config
 from scale.data.cache import default_cache_dir, fingerprint, load_splits
 from scale.data.read import DataError
 from scale.data.token_table import column
@@ -26,7 +26,7 @@ EXIT_BAD_INPUT = 2
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv``, build (or find) the cache; return the exit code."""
-    parser = argparse.ArgumentParser(prog="scale-prepare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="scale-prepare", description=help_text(__doc__.split("\n")[0]))
     parser.add_argument("--config", default=None, help="train config file or shipped name (default: default)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, as scale-train takes them")
     args = parser.parse_args(argv)

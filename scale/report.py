@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from scale.config import ConfigError, load_config
+from scale.config import ConfigError, help_text, load_config
 from scale.metrics import read_jsonl
 from scale.schedule import lr_factor
 
@@ -248,7 +248,7 @@ def report(run_dirs: list[str | Path], out: str | Path | None = None) -> tuple[l
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m scale.report RUN_DIR [RUN_DIR ...] [--out DIR]``; print the summary; return the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m scale.report", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m scale.report", description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", type=Path, help="run directories (output_dir) to report on")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: <first run>/report)")

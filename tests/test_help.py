@@ -4,6 +4,7 @@ transformers names mapped to scale keys, nested sweep values merged key by key, 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -216,3 +217,26 @@ def test_show_rows_shows_the_rows_when_eval_size_does_not_fit(tmp_path, capsys):
     assert captured.err == ("scale-train: note: rows shown with data.eval_size=1; a run would stop: data has 160 rows "
                             "but data.eval_size=400; lower data.eval_size\n")
     assert main(["--config", str(TINY_YAML), "data.path=nowhere.jsonl", "--show-rows", "2"]) == 2  # other errors stay
+
+
+@pytest.mark.parametrize("module, first", [("cli", "scale-train: parse the command line"), ("plan", None),
+                                           ("generate", None), ("export", None), ("report", None),
+                                           ("prepare", None), ("lmeval", None)])
+def test_every_command_help_reads_as_plain_text(module, first, capsys):
+    """Each command's --help prints its module docstring without reST markup (double backquotes, :data: roles)."""
+    import importlib
+
+    from scale.config import help_text
+
+    mod = importlib.import_module(f"scale.{module}")
+    try:
+        code = mod.main(["--help"])
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr().out
+    assert code in (0, None) and out.startswith("usage: ")
+    assert "``" not in out and not re.search(r":(data|func|class|attr|meth|mod|obj|exc):`", out)
+    assert " ".join(help_text(mod.__doc__).split("\n")[0].split()) in " ".join(out.split())
+    if first is not None:
+        assert first in out
+    assert help_text("2 (:data:`EXIT_BAD_INPUT`) and ``x`` via :func:`~scale.a.b`") == "2 (EXIT_BAD_INPUT) and x via scale.a.b"
