@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from scale.data.read import DataError
 from scale.data.cache import load_splits
 from scale.export import serving_tokenizer
 from scale.fileio import write_text_atomic
+from scale.logs import configure_logging
 from scale.modeling import load_tokenizer
 from scale.samples import pick_samples
 
@@ -259,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:0, ...")
     parser.add_argument("--write-only", action="store_true", help="write the task and print the lm_eval command")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_logging(dict(os.environ))  # scale-train's line format and third-party notice handling
     run_dir = Path(args.run_dir)
     model_dir = Path(args.model) if args.model else run_dir / "merged"
 

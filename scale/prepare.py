@@ -10,7 +10,7 @@ Prints one line: the cache entry, whether it was built or found, the rows and to
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 import time
 
@@ -19,6 +19,7 @@ from scale.config import ConfigError, help_text, load_config
 from scale.data.cache import default_cache_dir, fingerprint, load_splits
 from scale.data.read import DataError
 from scale.data.token_table import column
+from scale.logs import configure_logging
 from scale.modeling import load_tokenizer
 
 EXIT_BAD_INPUT = 2
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=None, help="train config file or shipped name (default: default)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, as scale-train takes them")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_logging(dict(os.environ))  # scale-train's line format and third-party notice handling
     start = time.perf_counter()
     try:
         cfg = load_config(args.config, args.overrides)

@@ -55,7 +55,8 @@ ALLOWED: dict[str, set[str]] = {
     "export": {"config", "data", "data.tasks", "fileio", "logs", "modeling"},
     "generate": {"config", "data.tasks", "export", "logs", "modeling"},
     # scale-lm-eval: the eval split (token cache, samples' prompt/answer split) as a harness task
-    "lmeval": {"assets", "config", "data", "data.cache", "data.read", "data.tasks", "export", "fileio", "modeling", "samples"},
+    "lmeval": {"assets", "config", "data", "data.cache", "data.read", "data.tasks", "export", "fileio", "logs", "modeling",
+               "samples"},
     "plan": {"assets", "census", "config", "data.tokenize", "layouts", "logs", "modeling", "state"},  # data: the tails;
     # state: --resume reads a checkpoint's trainer_state.json
     # the loop side: may import accelerate / torch.distributed
@@ -78,7 +79,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"assets", "checkpoint", "config", "data.read", "data.tokenize", "launch", "logs", "modeling", "signals",
             "topology", "train"},
     "report": {"config", "metrics", "schedule"},
-    "prepare": {"assets", "config", "data.cache", "data.read", "data.token_table", "modeling"},  # scale-prepare
+    "prepare": {"assets", "config", "data.cache", "data.read", "data.token_table", "logs", "modeling"},  # scale-prepare
     # aliases kept for scripts written against the modules' old paths
     "formats": {"data.read", "data.tasks"},
     "sampling": {"data.collate", "data.order"},
