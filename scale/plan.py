@@ -64,7 +64,7 @@ from scale.data.tokenize import build_splits
 from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, SP_MODES, Rank, predict_mode
 from scale.logs import ignore_known_warnings
 from scale.modeling import load_tokenizer
-from scale.state import read_state, resume_accumulation, saved_global_batch
+from scale.state import divisors, read_state, resume_accumulation, saved_global_batch
 
 # A mode "fits" when its total leaves this fraction of the GPU free: the predictions are checked to within 10% on
 # CPU, not on every GPU stack. Between that and 100% the plan says "tight".
@@ -377,7 +377,9 @@ def format_plan(plan: Plan) -> str:
 
 def resume_config(checkpoint: str | Path, overrides: list[str], gpus: int) -> tuple[Config, str]:
     """The config of the run that wrote ``checkpoint`` (plus ``overrides``) as it resumes on ``gpus`` processes:
-    ``train.gradient_accumulation_steps`` set to keep its global batch; and that in one line.
+    ``train.gradient_accumulation_steps`` set to keep its global batch; and that in one line. When the checkpoint's
+    micro-batch does not divide the rows a rank then trains per step (and the overrides set neither), the largest
+    micro-batch that does is planned, and the line names the two keys scale-train needs.
 
     Raises:
         PlanError: ``checkpoint`` holds no readable ``trainer_state.json``.
@@ -398,14 +400,27 @@ def resume_config(checkpoint: str | Path, overrides: list[str], gpus: int) -> tu
         cfg = load_config(path, overrides)
     t, G = state.config.get("train", {}), saved_global_batch(state)
     dp = cfg.train.data_parallel_size(gpus)
-    ga = resume_accumulation(G, t.get("micro_batch_size", 0), t.get("gradient_accumulation_steps", 0),
-                             cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, dp,
-                             f"checkpoint {checkpoint}")
+    saved = (t.get("micro_batch_size", 0), t.get("gradient_accumulation_steps", 0))
+    how = "scale-train sets it when the config is the checkpoint's"
+    try:
+        ga = resume_accumulation(G, *saved, cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, dp,
+                                 f"checkpoint {checkpoint}")
+    except ConfigError:
+        # The checkpoint's micro-batch does not divide the rows each rank now trains per step: plan the largest one
+        # that does (the split the user would pick), unless the overrides chose a split themselves.
+        if G % dp or (cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps) != saved:
+            raise
+        per_rank = G // dp
+        cfg.train.micro_batch_size = max(m for m in divisors(per_rank) if m <= max(1, cfg.train.micro_batch_size))
+        ga = per_rank // cfg.train.micro_batch_size
+        how = (f"the checkpoint's micro_batch_size={saved[0]} does not divide the {per_rank} rows a rank trains per "
+               f"step: give train.micro_batch_size={cfg.train.micro_batch_size} "
+               f"train.gradient_accumulation_steps={ga} to scale-train")
     cfg.train.gradient_accumulation_steps = ga
     wrote = f"{state.mode or 'an earlier version'} on {state.world_size} process(es)"
     return cfg, (f"resume {checkpoint} (step {state.step}, written by {wrote}) on {gpus} GPU(s): global_batch_size "
                  f"{G} = micro_batch_size {cfg.train.micro_batch_size} x train.gradient_accumulation_steps={ga} x {dp} "
-                 f"data-parallel rank(s); scale-train sets it when the config is the checkpoint's")
+                 f"data-parallel rank(s); {how}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -301,6 +301,13 @@ def test_scale_plan_resume_prints_the_accumulation_that_keeps_the_global_batch(r
                       f"micro_batch_size 2 x train.gradient_accumulation_steps=2 x 2 data-parallel rank(s); scale-train "
                       f"sets it when the config is the checkpoint's")
     assert any(line.startswith("fits in 24 GiB") for line in out)  # and each mode's memory on 2 GPUs
+    # 8 GPUs: one row per rank and step; the checkpoint's micro-batch of 2 does not divide it: planned with 1 x 1
+    assert main(["--resume", str(ckpt), "--gpus", "8", "--gpu-mem", "24"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"resume {ckpt} (step 4, written by single on 1 process(es)) on 8 GPU(s): global_batch_size 8 = "
+        f"micro_batch_size 1 x train.gradient_accumulation_steps=1 x 8 data-parallel rank(s); the checkpoint's "
+        f"micro_batch_size=2 does not divide the 1 rows a rank trains per step: give train.micro_batch_size=1 "
+        f"train.gradient_accumulation_steps=1 to scale-train")
     assert main(["--resume", str(ckpt), "--gpus", "3"]) == 2
     assert capsys.readouterr().err == (
         f"scale-plan: error: ConfigError: checkpoint {ckpt} was trained with global_batch_size=8; "
