@@ -17,45 +17,18 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import weakref
+from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from scale import chunked
-from scale import loss as scale_loss
+if __package__ in (None, ""):  # `python benchmarks/loss_memory.py`: make `tests` importable from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scale import chunked  # noqa: E402
+from scale import loss as scale_loss  # noqa: E402
+from tests.live_bytes import LiveBytes  # noqa: E402
 
 H, V, ROWS = 576, 49152, 4
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of distinct tensor storages created inside the mode and still alive (tests/test_plan.py's way)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.now = self.peak = 0
-        self.refs: dict[int, weakref.ref] = {}
-
-    def _add(self, t: torch.Tensor) -> None:
-        s = t.untyped_storage()
-        key, n = s._cdata, s.nbytes()
-        if key in self.refs or not n:
-            return
-        self.now += n
-        self.peak = max(self.peak, self.now)
-
-        def freed(_: object, key: int = key, n: int = n) -> None:
-            self.now -= n
-            self.refs.pop(key, None)
-        self.refs[key] = weakref.ref(s, freed)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._add(t)
-        return out
 
 
 class Head(torch.nn.Module):

@@ -32,7 +32,6 @@ import os
 import subprocess
 import sys
 import time
-import weakref
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python benchmarks/sp_memory.py`: make `scale`/`tests` importable from the checkout
@@ -44,46 +43,6 @@ SHAPE = ["model.tiny_hidden_size=256", "model.tiny_num_layers=4", "model.tiny_nu
          "train.micro_batch_size=1", "train.gradient_accumulation_steps=1", "log.trackers=[]",
          "log.peak_flops=1e12", "eval.generate_samples=0"]
 TAIL = 16
-
-
-def live_bytes_mode() -> type:
-    """A ``TorchDispatchMode`` class counting the bytes of live storages (tests/test_plan.py's ``LiveBytes``): those
-    given at construction (``before``) plus every storage an op creates inside it, each dropped when freed."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
-    class LiveBytes(TorchDispatchMode):
-        def __init__(self, *existing: torch.Tensor) -> None:
-            super().__init__()
-            self.now, self.peak, self.refs = 0, 0, {}
-            for t in existing:  # alive before: a view of a weight (the head's transpose) is not a new tensor
-                self.add(t)
-            self.before = self.now
-
-        def add(self, t) -> None:
-            if not isinstance(t, torch.Tensor):
-                return
-            storage = t.untyped_storage()
-            key, nbytes = storage._cdata, storage.nbytes()
-            if key in self.refs or not nbytes:
-                return
-            self.now += nbytes
-            self.peak = max(self.peak, self.now)
-
-            def freed(_, key=key, nbytes=nbytes) -> None:
-                self.now -= nbytes
-                self.refs.pop(key, None)
-
-            self.refs[key] = weakref.ref(storage, freed)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                self.add(t)
-            return out
-
-    return LiveBytes
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -99,6 +58,7 @@ def worker(args: argparse.Namespace) -> None:
     from scale.data.sequence import shard_rows
     from scale.job import setup
     from scale.ulysses import sharded
+    from tests.live_bytes import LiveBytes
 
     lengths = [int(x) for x in args.lengths.split(",")]
     cfg = load_config(ROOT / "configs" / "train" / "tiny_cpu.yaml",
@@ -116,7 +76,7 @@ def worker(args: argparse.Namespace) -> None:
     for T in lengths:
         row = [[Example(torch.randint(3, 40000, (T,), generator=g).tolist(), TAIL)]]
         batch = {k: v.to(job.acc.device) for k, v in shard_rows(row, rank, size, 0).items()}
-        live = live_bytes_mode()(*net.parameters(), *net.buffers(), *batch.values())
+        live = LiveBytes(*net.parameters(), *net.buffers(), *batch.values())
         t0 = time.perf_counter()
         with live, (sharded() if job.sequence else contextlib.nullcontext()):
             num = loss_step(net, batch, job.spec, job.spec.weights(batch))

@@ -17,13 +17,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from scale import census as C
 from scale import layouts as LY
@@ -31,6 +28,7 @@ from scale import plan as P
 from scale.config import load_config
 from tests.conftest import ROOT, TINY_YAML
 from tests.launching import free_port
+from tests.live_bytes import LiveBytes
 
 BASE = ["log.trackers=[]", "train.gradient_accumulation_steps=1"]
 # SmolLM2-135M's shape (its config.json, written out explicitly so that no cache is needed), and a tiny Llama whose
@@ -277,40 +275,6 @@ def test_predicted_padded_chunked_activations_within_10_percent_of_saved_tensor_
     spec = LossSpec(padding_side="left", type_weights=None, criterion=None, chunk_size=64)
     real = loss_step_saved_bytes(model, batch, spec)
     assert abs(predicted.total / real - 1) < 0.10, (predicted, real)
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the tensor storages alive: those registered at the start plus every storage an op creates inside
-    the mode, each forgotten when it is freed; ``peak`` is the most at once (what ``max_memory_allocated`` would
-    report on a GPU, without the allocator's rounding)."""
-
-    def __init__(self, *existing: torch.Tensor) -> None:
-        super().__init__()
-        self.now, self.peak, self.refs = 0, 0, {}
-        for t in existing:
-            self.add(t)
-
-    def add(self, t) -> None:
-        if not isinstance(t, torch.Tensor):
-            return
-        storage = t.untyped_storage()
-        key, nbytes = storage._cdata, storage.nbytes()
-        if key in self.refs or not nbytes:
-            return
-        self.now += nbytes
-        self.peak = max(self.peak, self.now)
-
-        def freed(_, key=key, nbytes=nbytes) -> None:
-            self.now -= nbytes
-            self.refs.pop(key, None)
-
-        self.refs[key] = weakref.ref(storage, freed)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            self.add(t)
-        return out
 
 
 PEAK_CASES = [(s, c) for s in ("tiny", "tiny-bf16", "tiny-qlora", "tiny-qlora-bf16") for c in (False, True)]
