@@ -179,7 +179,7 @@ def isolated_rng() -> Iterator[None]:
 
     Preparing an asset draws only when the cache is cold (``prepare_smollm2`` builds a randomly initialised
     ``LlamaForCausalLM`` before loading the weights): without this, a first run's dropout masks came out
-    different from every later run's with the same seed (issue 11: step-10 train/loss 3.5939979553 cold,
+    different from every later run's with the same seed (measured: step-10 train/loss 3.5939979553 cold,
     3.5942607969 warm).
     """
     import random

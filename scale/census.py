@@ -341,7 +341,7 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
         padded: the batch has padding, so attention gets a ``[B, 1, T, T]`` mask (each layer keeps its additive
             copy) and key/value are repeated to every query head; False: every row fills ``max_length``, the mask
             is skipped and SDPA attends with grouped key/value heads.
-        packed: ``data.packing`` (issue 19): the micro-batch is one padding-free row of ``B x T`` tokens (bins
+        packed: ``data.packing``: the micro-batch is one padding-free row of ``B x T`` tokens (bins
             that fill ``max_length``) whose block-diagonal ``[1, 1, BT, BT]`` mask transformers builds from the
             restarting position ids, and the LM head and loss see ``B x N`` positions (``N = T`` from
             :func:`scale.plan.make_plan`: every token trained, the worst case); ``padded`` is ignored.
@@ -409,7 +409,7 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
             batch = {"input_ids": ids, "attention_mask": torch.ones(B, T, dtype=torch.long)}
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     torch.autocast("cpu", dtype=amp_dtype, enabled=autocast):
-                if packed:  # [issue 19] one row of B x T tokens; the mask comes from the (fake) segment ids
+                if packed:  # one row of B x T tokens; the mask comes from the (fake) segment ids
                     ids = torch.zeros(1, B * T, dtype=torch.long)
                     keep = (torch.arange(B * T - B * N, B * T) - 1).clamp(min=0)
                     segments = torch.zeros(1, B * T, dtype=torch.long)

@@ -340,7 +340,7 @@ def rotate(output_dir: str | Path, limit: int | None, keep: int | None = None, u
 
 
 RUN_ARTEFACTS = ("adapter", "metrics.jsonl", "config.yaml", "wandb_run.json")  # what a run writes besides checkpoints/
-SIDE_FILES = ("samples.jsonl", "best.json")  # written beside metrics.jsonl (issue 20): deleted with the run, not named
+SIDE_FILES = ("samples.jsonl", "best.json")  # written beside metrics.jsonl: deleted with the run, not named
 _REPLACE = "use another output_dir, or set train.overwrite_output_dir=true to replace it"
 
 

@@ -68,7 +68,7 @@ def named_config(name_or_path: str | Path, kind: str = "train", suffix: str = ".
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; return it (ints widened to float where a float is asked)."""
     origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):  # an entry of data.datasets [issue 18]
+    if dataclasses.is_dataclass(tp):  # an entry of data.datasets
         return _build(tp, value, f"{key}.")
     if origin in (typing.Union, types.UnionType):
         if value == "None" and type(None) in typing.get_args(tp):  # Python's null: `wandb agent` passes --key=None
@@ -253,7 +253,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 and (path.parent / value).exists():
             tree[section][name] = str((path.parent / value).resolve())
     mixture = tree.get("data", {}).get("datasets") if isinstance(tree.get("data"), dict) else None
-    for entry in mixture if isinstance(mixture, list) else []:  # data.datasets[i].path: as data.path [issue 18]
+    for entry in mixture if isinstance(mixture, list) else []:  # data.datasets[i].path: as data.path
         value = entry.get("path") if isinstance(entry, dict) else None
         if isinstance(value, str) and not Path(value).expanduser().is_absolute() and (path.parent / value).exists():
             entry["path"] = str((path.parent / value).resolve())

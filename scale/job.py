@@ -105,8 +105,8 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_s
     collate = Collator(pad_token_id, cfg.data.padding_side)
     train_collate = PaddingFreeCollator() if cfg.data.padding_free else collate
     t = cfg.train
-    train, lengths = splits.train, column(splits.train, "length").tolist()  # [issue 18] no token read
-    if cfg.data.packing:  # [issue 19] the loader deals in bins of rows (scale.data.order.pack_bfd)
+    train, lengths = splits.train, column(splits.train, "length").tolist()  # per-row columns: no token read
+    if cfg.data.packing:  # the loader deals in bins of rows (scale.data.order.pack_bfd)
         train = PackedRows(splits.train, pack_bfd(lengths, cfg.data.max_length))
         lengths, train_collate = train.lengths(lengths), PackedCollator()
     if sequence is not None:
@@ -123,7 +123,7 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_s
         train_dl = DataLoader(train, batch_size=t.micro_batch_size, shuffle=True, collate_fn=train_collate,
                               generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
     # Evaluation order does not change its sums; longest first keeps padding (and peak memory) low.
-    eval_dl = DataLoader(longest_first(splits.eval),  # [issue 18] a view of a cached split
+    eval_dl = DataLoader(longest_first(splits.eval),  # a view of a cached split
                          batch_size=t.eval_micro_batch_size, shuffle=False, collate_fn=collate,
                          num_workers=cfg.data.num_workers)
     return train_dl, eval_dl
@@ -246,7 +246,7 @@ def setup(cfg: Config) -> Job:
             resolve_model(tokenizer_source(cfg.model))  # an embedded asset, prepared once
         if model_here or together:
             resolve_model(cfg.model.name_or_path)  # the asset (SmolLM2's conversion), prepared once
-        if cfg.data.datasets:  # [issue 18] data.path is not read; the sources' embedded names are prepared
+        if cfg.data.datasets:  # data.path is not read; the sources' embedded names are prepared
             mixture_sources(cfg.data)
             return tokenizer, cfg.data.path
         return tokenizer, resolve_data(cfg.data.path)
@@ -261,7 +261,7 @@ def setup(cfg: Config) -> Job:
     tokenizer, data_path = main_process_first(acc, assets)  # collective
     if tokenizer is None:
         tokenizer = on_every_rank(acc, lambda: load_tokenizer(cfg.model))  # collective
-    # [issue 18] The token cache: the node's main process finds or builds it (build_splits inside) while the
+    # The token cache: the node's main process finds or builds it (build_splits inside) while the
     # other ranks poll its build record: no collective is open during a build of any length. Then the ranks agree.
     splits = on_every_rank(acc, lambda: load_splits(cfg, tokenizer, data_path, run_id) if acc.is_local_main_process
                            else wait_for_splits(cfg, tokenizer, data_path, run_id))  # collective, after the build
@@ -409,7 +409,7 @@ def build_model_on_every_rank(acc: Accelerator, cfg: Config, plan: ModePlan, voc
     loads the checkpoint into the partitioned parameters through ``GatheredParameters``: both are collectives
     every rank must enter together. Built on the main process first (as the assets are), rank 0 waited in
     ``from_pretrained``'s broadcast while rank 1 waited in ``main_process_first``'s, and gloo aborted with "Is
-    there a distributed collective mismatch" (issue 21). The ranks then agree on the outcome, so that an error
+    there a distributed collective mismatch". The ranks then agree on the outcome, so that an error
     on one rank (a missing file on one node) stops all of them with its message instead of a hang.
 
     Raises:
@@ -490,7 +490,7 @@ def check_type_weights(cfg: Config, splits: Splits) -> None:
                           f"{len(labels)} labels, whose indices are the type ids (data.type_column is null); give "
                           f"one weight per label")
     unweighted = None
-    for part in (splits.train, splits.eval):  # [issue 18] per-row columns, no token read
+    for part in (splits.train, splits.eval):  # per-row columns, no token read
         types = column(part, "type_indicator")
         bad = np.flatnonzero((types < 0) | (types >= len(weights)))
         if unweighted is None and len(bad):

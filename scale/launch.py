@@ -288,7 +288,7 @@ def build_accelerator(cfg: Config, settle: Callable[[], Any] | None = None) -> A
     # DeepSpeed on CPU needs gloo (cpu=True would silently drop DeepSpeed); otherwise accelerate picks.
     # The timeout bounds how long a rank waits for a peer that died on another node.
     # Starting the group gets train.rendezvous_timeout_s per try (a restarted torchrun group's gloo connect was seen
-    # to hang, issue 21); its collectives then get train.collective_timeout_s (set below).
+    # to hang); its collectives then get train.collective_timeout_s (set below).
     handlers = [InitProcessGroupKwargs(backend="gloo" if on_cpu and use_deepspeed else None,
                                        timeout=timedelta(seconds=min(cfg.train.rendezvous_timeout_s,
                                                                      cfg.train.collective_timeout_s)))]

@@ -268,7 +268,7 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
             shardable, unshardable, dtype = _weight_bytes(p, cfg, cast)
             elems = shardable // nbytes(dtype)
             # DeepSpeed compares the stored tensor's elements (ds_numel): a packed 4-bit weight stores
-            # ceil(numel / 2) bytes, i.e. fewer elements than its logical numel (issue 21: 1.156x under-predicted).
+            # ceil(numel / 2) bytes, i.e. fewer elements than its logical numel (counting it as numel under-predicted 1.156x).
             persistent = (elems <= ds["stage3_param_persistence_threshold"]
                           and persisted + elems <= ds["stage3_model_persistence_threshold"])
             persisted += elems if persistent else 0

@@ -124,7 +124,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         raise PlanError(f"--gpu-mem {gpu_mem_gib}: GiB per GPU must be > 0")
     hf_config = load_model_config(cfg.model, model_config)
     tail, tail_note = data_tail(cfg)
-    if cfg.data.packing:  # [issue 19] bins of data.max_length tokens, any of which may be trained
+    if cfg.data.packing:  # bins of data.max_length tokens, any of which may be trained
         tail, tail_note = cfg.data.max_length, (
             f"tail: data.packing: each micro-batch is one padding-free row of {cfg.train.micro_batch_size} bins x "
             f"{cfg.data.max_length} tokens (bins assumed full) with a block-diagonal attention mask over the whole "

@@ -1,4 +1,4 @@
-"""Starting the process group so that restarts recover (issue 21): bounded, retried tries on keys of their own.
+"""Starting the process group so that restarts recover: bounded, retried tries on keys of their own.
 
 torchrun ``--max-restarts`` restarts a worker group after a failure; the new group must meet in the rendezvous store
 the old one used. :func:`init_elastic_process_group` keeps each restart (and each try) to its own keys,
@@ -40,7 +40,7 @@ def with_rendezvous_retries(make: Callable[[], T], retries: int, backoff_s: floa
     (``backoff_s``, 2x, 4x... seconds) when the rendezvous fails on the network (:func:`is_rendezvous_failure`).
 
     After a torchrun ``--max-restarts`` restart the new workers' gloo rendezvous was sometimes refused (3 of 12
-    trials in issue 21 spent all their restarts on it): a restart of the whole worker group costs tens of seconds
+    elastic trials spent all their restarts on it): a restart of the whole worker group costs tens of seconds
     and one of the few restarts, a retry here costs the backoff. Between tries the half-made process group and
     accelerate's shared state are discarded.
 
@@ -70,7 +70,7 @@ def init_elastic_process_group(attempt: int, timeout: timedelta) -> bool:
     and ``init_process_group(env://)`` reuses it without a per-restart prefix ("a new TCPStore for every retry",
     torch/distributed/rendezvous.py): after a restart, the new rank 0 was seen connecting to the port of the killed
     group's rank 1 (gloo "Connection refused, remote=127.0.0.1:3502", the very port the old group's "Connection
-    reset by peer" named), an address the old group left in the store (issue 21). A prefix made of
+    reset by peer" named), an address the old group left in the store. A prefix made of
     ``TORCHELASTIC_RESTART_COUNT`` and the try keeps each group to its own addresses. Gloo on CPU, NCCL on CUDA.
     """
     env = os.environ

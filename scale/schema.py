@@ -69,7 +69,7 @@ class LoraConfig:
 
 @dataclass
 class DatasetConfig:
-    """One data set of a mixture (``data.datasets``, issue 18): its source, its share and its own reading keys;
+    """One data set of a mixture (``data.datasets``): its source, its share and its own reading keys;
     a null key takes the value of the same ``data.*`` key. Field names follow axolotl's ``datasets:`` list (path,
     split) and ``datasets.interleave_datasets`` (a weight is a probability before normalization)."""
 
@@ -160,7 +160,7 @@ class DataConfig:
                               "is split); a micro-batch is `train.micro_batch_size` bins in one padding-free row "
                               "(each example keeps its own positions, attention and tail). Exact against padded "
                               "batches; refused on model families whose layers leak across examples.")
-    # [issue 18] sources, the eval source and the token cache (docs/data.md)
+    # sources, the eval source and the token cache (docs/data.md)
     eval_path: str | None = _f(None, "Eval rows from this source (any kind `path` accepts) instead of carving "
                                      "`eval_size` rows out of `path`; all its rows are evaluated.")
     split: str = _f("train", "Split of a hub id or a save_to_disk DatasetDict in `path`.")
@@ -274,11 +274,11 @@ class TrainConfig:
                                     "(no checkpoint is written after it); 'skip' drops that optimizer step.")
     collective_timeout_s: float = _f(1800.0, "Seconds a rank waits in a collective before the job fails (a lost "
                                              "rank on another node); torch's default is 1800.")
-    # -- restarts (issue 21) --
+    # -- restarts --
     rendezvous_retries: int = _f(3, "Start the process group again up to this many times (backoff 2, 4, 8 s) when "
                                     "its rendezvous fails on the network (a restarted torchrun worker group), "
                                     "instead of failing the attempt; 0: fail at once.")
-    # -- the best checkpoint and early stopping (issue 20; scale/best.py) --
+    # -- the best checkpoint and early stopping (scale/best.py) --
     keep_best: str | None = _f(None, "Keep the checkpoint of the best evaluation of this metric (e.g. eval/loss, "
                                      "eval/gen_exact_match) out of rotation, written when an evaluation improves it; "
                                      "<output_dir>/best.json names it. null: no best checkpoint.")

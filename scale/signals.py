@@ -27,7 +27,7 @@ class Preempted(Exception):
 
 class EvalInterrupted(Exception):
     """An evaluation (or its generation) stopped between two batches because a stop was requested; every rank
-    raises it at the same batch. The loop then checkpoints the last finished optimizer step (issue 20)."""
+    raises it at the same batch. The loop then checkpoints the last finished optimizer step."""
 
 
 class Preemption:

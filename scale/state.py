@@ -32,8 +32,8 @@ class TrainerState:
     zero_weight_steps: int = 0  # windows whose loss weights summed to zero: no update, the step still counts
     reason: str = "interval"  # interval | end | preempted | best | early_stopped
     data_sha256: str = ""     # of the data file: an edited file would silently change the split
-    template_sha256: str = ""  # of the chat template's text and variables (issue 17)
-    rows_sha256: str = ""     # of every tokenized row and its trained flags: what the run trains (issue 17)
+    template_sha256: str = ""  # of the chat template's text and variables
+    rows_sha256: str = ""     # of every tokenized row and its trained flags: what the run trains
     config: dict[str, Any] = field(default_factory=dict)
     saved_at: float = 0.0
     wandb_run_id: str = ""    # the job's W&B run, continued by every attempt (scale.tracking)

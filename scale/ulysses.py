@@ -18,7 +18,7 @@ summed, which is right, since each holds a part of the row's loss), and sets ``t
 module does instead of accelerate's defaults, and why:
 
 - **the attention**: accelerate registers Ulysses with ``disable_in_eval=True``, so a model in eval mode attends
-  only within its own shard (a probe of issue 29: eval loss 5.774 instead of 5.715, silently; the launch test's eval
+  only within its own shard (measured on a probe: eval loss 5.774 instead of 5.715, silently; the launch test's eval
   loss moves by 3.1e-3 without :func:`sharded` in evaluation), and with a fixed batch size
   (``micro_batch_size``), which the epoch's last, shorter micro-batch and every eval batch fail. After
   ``prepare`` this module registers its own wrapper around the same ``UlyssesSPAttentionHF`` (DeepSpeed 0.19):

@@ -62,7 +62,7 @@ def validate(cfg: Any) -> None:
         if get_key(cfg, key) < 1:
             raise ConfigError(f"{key}={get_key(cfg, key)} must be >= 1")
     _validate_length(cfg.train)
-    if cfg.data.num_proc is not None and cfg.data.num_proc < 1:  # [issue 18]
+    if cfg.data.num_proc is not None and cfg.data.num_proc < 1:
         raise ConfigError(f"data.num_proc={cfg.data.num_proc} must be >= 1, or null for the CPUs this process may use")
     _validate_datasets(cfg.data)
     if cfg.train.eval_every < 0:
@@ -147,7 +147,7 @@ def validate(cfg: Any) -> None:
 
 
 def _validate_datasets(d: Any) -> None:  # a DataConfig
-    """Each ``data.datasets`` entry has a path, a weight > 0, a known format and a name of its own [issue 18]."""
+    """Each ``data.datasets`` entry has a path, a weight > 0, a known format and a name of its own."""
     names: dict[str, int] = {}
     for i, ds in enumerate(d.datasets):
         key = f"data.datasets[{i}]"

@@ -138,7 +138,7 @@ def _read_delimited(text: str, path: str, tsv: bool, names: list[str] | None) ->
     reader = csv.reader(io.StringIO(text, newline=""), delimiter="\t" if tsv else ",", quoting=quoting,
                         strict=True)
     records, line = [], 0
-    # [issue 18] csv refuses a cell over 131,072 characters by default ("field larger than field limit"),
+    # csv refuses a cell over 131,072 characters by default ("field larger than field limit"),
     # which read as an unclosed quote; a cell is as long as the file allows.
     limit = csv.field_size_limit(sys.maxsize)
     try:

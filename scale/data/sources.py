@@ -256,7 +256,7 @@ def _first_line(e: BaseException) -> str:
 
 def eval_source_of(data_cfg: Any, path: str) -> tuple[Any, str] | None:
     """``(config, source)`` of the eval rows when ``data.eval_path`` or ``data.eval_split`` is set, else ``None``
-    (the eval rows are carved out of ``path``) [issue 18]."""
+    (the eval rows are carved out of ``path``)."""
     if data_cfg.eval_path is None and data_cfg.eval_split is None:
         return None
     cfg = replace(data_cfg, split=data_cfg.eval_split or data_cfg.split)

@@ -31,7 +31,7 @@ TASKS: dict[str, type[Task]] = {
     "text": text.Text,
 }
 FORMATS = tuple(reversed(TASKS))  # as data.format lists them
-# Formats whose rows may share one mixture (data.datasets, issue 18) besides one format alone, and the format that
+# Formats whose rows may share one mixture (data.datasets) besides one format alone, and the format that
 # evaluates it: both train their completions, and eval/exact_match over the trained tail means the same for both.
 MIXABLE: dict[frozenset[str], str] = {frozenset({"prompt_completion", "messages"}): "prompt_completion"}
 
