@@ -38,11 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from scale.assets import resolve_data
-from scale.config import (Config, ConfigError, configs_dir, help_text, keys_help, load_config, named_config,
-                          yaml_load)
+from scale.config import configs_dir, load_config, named_config, yaml_load
+from scale.config_help import help_text, keys_help
 from scale.logs import configure_logging
+from scale.schema import Config
 from scale.signals import EXIT_PREEMPTED, Preempted, Preemption
 from scale.topology import processes_for, usable_cores, visible_gpus
+from scale.validation import ConfigError
 
 # torch, transformers and the loop are imported when a job runs (start_fast, main): `scale-train --accelerate-config`
 # and `--help` only start a launcher or print, without the ~4 s of CPU their import costs. The imports of scale
@@ -131,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def print_help(topic: str) -> int:
-    """``scale-train --help [TOPIC]`` on stdout (:func:`scale.config.keys_help`); return the exit code."""
+    """``scale-train --help [TOPIC]`` on stdout (:func:`scale.config_help.keys_help`); return the exit code."""
     try:
         text = keys_help(topic) if topic else build_parser().format_help() + "\n" + keys_help()
     except ConfigError as e:

@@ -16,19 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
-from accelerate.utils import (DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration,
-                               broadcast_object_list)
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
-from scale.config import Config, ConfigError, configs_dir, get_key
+from scale.config import configs_dir
 from scale.rendezvous import init_elastic_process_group, with_rendezvous_retries
+from scale.schema import Config
 from scale.topology import ranks_problem, usable_cores
-
-
-T = TypeVar("T")
+from scale.validation import ConfigError, get_key
 
 
 class LaunchError(RuntimeError):
@@ -182,40 +180,6 @@ def cpu_threads_per_rank(env: dict[str, str]) -> None:
         torch.set_num_threads(threads)
         logging.getLogger(__name__).warning("OMP_NUM_THREADS unset with %d local ranks: using %d threads per rank",
                                             local, threads)
-
-
-def main_process_first(acc: Accelerator, fn: Callable[[], T]) -> T:
-    """``fn()`` on the main process first (it prepares the cached assets), then on the others. Collective.
-
-    Unlike ``Accelerator.main_process_first``, an exception on the main process is raised on every rank
-    (the others skip ``fn``): the ranks then fail together with the main process's message instead of
-    waiting in a barrier until the launcher kills them. An exception on another rank alone (a file missing
-    on one node) is marked ``rank_local`` so that the CLI prints it although that rank is not rank 0.
-    """
-    error: BaseException | None = None
-    result: Any = None
-    if acc.is_main_process:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised everywhere
-            error = e
-    if acc.num_processes > 1:
-        box = [error]
-        try:
-            broadcast_object_list(box, from_process=0)  # collective
-        except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its text
-            box = [RuntimeError(f"{type(error).__name__}: {error}") if error is not None else None]
-            broadcast_object_list(box, from_process=0)
-        error = box[0]
-    if error is not None:
-        raise error
-    if not acc.is_main_process:
-        try:
-            result = fn()
-        except Exception as e:
-            e.rank_local = True  # type: ignore[attr-defined]
-            raise
-    return result
 
 
 def skip_deepspeed_shm_op() -> None:

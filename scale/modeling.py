@@ -13,10 +13,8 @@ the LoRA matrices. Workarounds carry their reason and link:
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 import tempfile
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,11 +22,12 @@ from typing import Any
 import torch
 
 from scale.assets import EMBEDDED_MODEL, resolve_model
-from scale.config import ConfigError, LoraConfig, ModelConfig
-
-logger = logging.getLogger(__name__)
+from scale.schema import LoraConfig, ModelConfig
+from scale.validation import ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 TINY = "tiny-llama"
 
 
@@ -137,36 +136,6 @@ def keep_bitsandbytes_out(cfg: ModelConfig) -> bool:
     return True
 
 
-def check_attention(cfg: ModelConfig) -> None:
-    """``model.attn_implementation`` can run on this machine, checked before anything is loaded or written.
-
-    transformers raises an ``ImportError`` from inside ``from_pretrained`` for ``flash_attention_2`` without the
-    ``flash-attn`` package or a CUDA device (``is_flash_attn_2_available``, which also accepts the hub kernel
-    fallback when the ``kernels`` package is installed).
-
-    Raises:
-        ConfigError: the kernel cannot run here; the message names the missing piece and the kernels that run.
-    """
-    if cfg.attn_implementation != "flash_attention_2":
-        return
-    import importlib.util
-
-    from transformers.utils import is_flash_attn_2_available, is_torch_flex_attn_available
-
-    try:
-        available = is_flash_attn_2_available(kernels_fallback_ok=True)
-    except TypeError:  # transformers without the hub kernel fallback
-        available = is_flash_attn_2_available()
-    if available:
-        return
-    missing = ("the flash-attn package is not installed (pip install flash-attn, on a CUDA machine)"
-               if importlib.util.find_spec("flash_attn") is None else "flash-attn needs a CUDA GPU and none is visible")
-    runs = ["sdpa (null: transformers' default)", "eager"] + (["flex_attention"] if is_torch_flex_attn_available()
-                                                              else [])
-    raise ConfigError(f"model.attn_implementation=flash_attention_2 cannot run here: {missing}; kernels that run "
-                      f"here: {', '.join(runs)}; set model.attn_implementation=sdpa (or null)")
-
-
 def bnb_config(cfg: ModelConfig) -> Any:
     """The ``BitsAndBytesConfig`` for QLoRA (NF4, double quantization, compute and storage dtypes)."""
     from transformers import BitsAndBytesConfig
@@ -175,7 +144,7 @@ def bnb_config(cfg: ModelConfig) -> Any:
         load_in_4bit=True,
         bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=cfg.bnb_4bit_use_double_quant,
-        # "auto" is resolved at start-up (scale.metrics.resolve_mixed_precision); unresolved it computes in fp32
+        # "auto" is resolved at start-up (scale.precision.resolve_mixed_precision); unresolved it computes in fp32
         bnb_4bit_compute_dtype=_DTYPES.get(cfg.bnb_4bit_compute_dtype, torch.float32),
         bnb_4bit_quant_storage=getattr(torch, cfg.bnb_4bit_quant_storage),
     )
@@ -300,136 +269,6 @@ def checkpointing_kwargs(cfg: ModelConfig) -> dict[str, Any]:
             "offload": cfg.gradient_checkpointing == "offload" and torch.cuda.is_available()}
 
 
-# Layer types (transformers' ``config.layer_types``) that attend only within a packed example: every mask-based
-# attention honours the position ids that restart per example; convolutions, linear attention and SSM scans run
-# along the whole packed row.
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
-
-
-def packing_leak(config: Any) -> str | None:
-    """Why packed rows would leak into each other in this model family, or None when they cannot.
-
-    Reads ``layer_types`` (and Jamba-style ``layers_block_type``) of the (text) config: a layer that is no
-    attention (Qwen3.5/Qwen3-Next ``linear_attention``: Gated DeltaNet + causal conv1d; LFM2 ``conv``; Falcon-H1
-    ``hybrid``: a Mamba-2 mixer beside attention; Mamba ``linear_attention``) mixes each example with the end
-    of the one before it, whatever the position ids say. Measured on tiny Qwen3.5: step-1 loss off by 2.1e-3
-    (../shared/cases/turn3/C44). The boundary-aware kernels (flash-linear-attention with ``cu_seqlens``,
-    ``causal_conv1d`` with ``seq_idx``) are not wired into the harness's packed forward, so these families are
-    refused rather than trained on another loss.
-    """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    found: list[str] = []
-    for c in (config, text):
-        for attr in ("layer_types", "layers_block_type"):
-            for t in getattr(c, attr, None) or []:
-                if t not in ATTENTION_LAYER_TYPES and t not in found:
-                    found.append(t)
-    if not found:
-        return None
-    return (f"model type {getattr(config, 'model_type', '?')!r} has {', '.join(repr(t) for t in found)} layers "
-            f"(convolution / linear attention / state-space), which run along the whole packed row: each example "
-            f"would see the end of the previous one")
-
-
-def check_packing(model: torch.nn.Module, padding_free: bool, packing: bool = False) -> None:
-    """Refuse ``data.padding_free`` (or ``data.packing``) on a model family whose layers leak across packed examples.
-
-    Raises:
-        ConfigError: one line naming the family and the layer types (:func:`packing_leak`).
-    """
-    if not (padding_free or packing):
-        return
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    why = packing_leak(base.config)
-    if why:
-        key = "data.padding_free" if padding_free else "data.packing"
-        raise ConfigError(f"{key}=true cannot be exact here: {why}. Set {key}=false "
-                          f"(padded batches; data.group_by_length=true keeps padding low)")
-
-
-# Attention kernels the sequence-parallel attention (DeepSpeed Ulysses) can wrap; eager needs a [T, T] mask, which
-# Ulysses drops (deepspeed/runtime/sequence_parallel/ulysses_sp.py refuses it).
-SEQUENCE_PARALLEL_ATTENTION = ("sdpa", "flash_attention_2", "flex_attention")
-# Kernels that keep several examples of one row apart from the restarting position ids alone (varlen), once Ulysses
-# has dropped the mask; sdpa and flex then attend causally across the whole row.
-VARLEN_ATTENTION = ("flash_attention_2",)
-
-
-def sequence_parallel_problem(config: Any, attn_implementation: str, sp_size: int, packed: bool,
-                              max_length: int) -> str | None:
-    """Why ``train.sequence_parallel_size=sp_size`` cannot be exact for this model, or None when it can.
-
-    Ulysses (:mod:`scale.ulysses`) shards the sequence between the attention calls and, around each attention call,
-    trades the shards for a share of the heads (all-to-all), runs the whole sequence's attention on ``heads / N``
-    heads with *no mask* (causal), and trades back. So:
-
-    - the attention must be a kernel it wraps (:data:`SEQUENCE_PARALLEL_ATTENTION`; eager needs a mask);
-    - every layer must be full causal attention: a sliding window or a chunked layer would silently attend
-      further than trained (its mask is dropped), and convolution / linear-attention / state-space layers run along
-      the shard alone, restarting their state on every rank (:func:`packing_leak`; accelerate's
-      ``_refuse_recurrent_layers_under_sequence_parallelism``);
-    - the query heads and the key/value heads must divide among the ``N`` ranks (key/value heads may also be
-      fewer, dividing ``N``: they are then replicated), with one head size for queries, keys and values;
-    - several examples in one row (``data.packing``, ``data.padding_free``) stay apart only under varlen attention
-      (:data:`VARLEN_ATTENTION`), which reads the restarting position ids.
-    """
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    family = getattr(config, "model_type", "?")
-    if attn_implementation not in SEQUENCE_PARALLEL_ATTENTION:
-        return (f"model.attn_implementation={attn_implementation} is not an attention the sequence-parallel "
-                f"attention can wrap (Ulysses drops the [T, T] mask eager needs); use sdpa, flash_attention_2 or "
-                f"flex_attention")
-    types = {t for c in (config, text) for a in ("layer_types", "layers_block_type") for t in getattr(c, a, None) or []}
-    recurrent = sorted(t for t in types if t not in ATTENTION_LAYER_TYPES)
-    if recurrent:
-        return (f"model type {family!r} has {', '.join(repr(t) for t in recurrent)} layers (convolution / linear "
-                f"attention / state-space), which run along the sequence outside the attention: each rank would "
-                f"restart their state on its own shard")
-    masked = sorted(t for t in types if t not in ("full_attention", "attention"))
-    window = getattr(text, "sliding_window", None)
-    if masked or (window and window < max_length and getattr(text, "use_sliding_window", True) is not False):
-        kinds = ", ".join(repr(t) for t in masked) or f"sliding_window={window} (< data.max_length={max_length})"
-        return (f"model type {family!r} has {kinds} attention: its mask is stricter than causal and the "
-                f"sequence-parallel attention drops masks, so it would attend beyond the window")
-    heads, kv = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
-    if not isinstance(heads, int) or not isinstance(kv, int):
-        return (f"model type {family!r} does not name num_attention_heads and num_key_value_heads in its config: the "
-                f"sequence-parallel attention cannot split its heads")
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    if any(getattr(text, k, None) not in (None, head_dim) for k in ("v_head_dim", "qk_head_dim")) \
-            or getattr(text, "kv_lora_rank", None):
-        return (f"model type {family!r} uses latent or unequal query/value heads (MLA), which the sequence-parallel "
-                f"attention cannot split")
-    if heads % sp_size:
-        return (f"its {heads} attention heads do not divide among train.sequence_parallel_size={sp_size} ranks; "
-                f"choose a divisor of {heads}")
-    if kv % sp_size and sp_size % kv:
-        return (f"its {kv} key/value heads neither divide among train.sequence_parallel_size={sp_size} ranks nor "
-                f"divide {sp_size}; choose a size that does")
-    if packed and attn_implementation not in VARLEN_ATTENTION:
-        return (f"several examples share a row (data.packing or data.padding_free) and "
-                f"model.attn_implementation={attn_implementation} cannot keep them apart once the sequence-parallel "
-                f"attention drops the mask; set data.packing=false and data.padding_free=false (each example gets "
-                f"its own row) or use flash_attention_2")
-    return None
-
-
-def check_sequence_parallel(model: torch.nn.Module, model_cfg: ModelConfig, sp_size: int, packed: bool,
-                            max_length: int) -> None:
-    """Refuse ``train.sequence_parallel_size > 1`` where it cannot be exact (:func:`sequence_parallel_problem`).
-
-    Raises:
-        ConfigError: one line naming the reason and the fix.
-    """
-    if sp_size == 1:
-        return
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    attn = model_cfg.attn_implementation or getattr(base.config, "_attn_implementation", None) or "sdpa"
-    why = sequence_parallel_problem(base.config, attn, sp_size, packed, max_length)
-    if why:
-        raise ConfigError(f"train.sequence_parallel_size={sp_size} cannot be exact here: {why}")
-
-
 def linear_names(model: torch.nn.Module) -> list[str]:
     """Full names of the model's matmul layers that LoRA can adapt (``nn.Linear``, 4-bit linear, GPT-2's
     ``Conv1D``), the LM head excepted: ``model.layers.0.self_attn.q_proj``, ``transformer.h.0.attn.c_attn``."""
@@ -501,259 +340,3 @@ def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
             n = p.quant_state.shape.numel() if getattr(p, "quant_state", None) is not None else n * 2
         total += n
     return trainable, total
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# CPU mixed precision: where bf16 pays and where it does not.
-#
-# Under ``torch.autocast("cpu", bfloat16)`` only the GEMMs gain (oneDNN's AMX / AVX512-BF16 kernels); everything
-# around them paid for casts and for one slow kernel. Each path below is measured alone by
-# ``benchmarks/bf16_paths.py`` (time and LoRA-gradient difference against the fp32 model), docs/benchmarks.md.
-
-ATTENTION_FP32_BELOW = 256
-"""Key length (tokens) below which :func:`mixed_sdpa` computes attention in float32 on CPU although autocast asks
-for bf16/fp16. torch's CPU flash-attention kernel runs its bf16 backward as 4 small ``cpublas::gemm`` calls per
-(row, head) and query/key block (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp), each paying oneDNN's
-per-call overhead where fp32 calls MKL's SGEMM: at 42 tokens (8 rows, 9 heads, head size 64) bf16 forward +
-backward measured 11.0 ms against 3.1 ms in fp32 (inputs cast included); at 256 tokens they were even, at 1,024
-tokens bf16 was 1.6x faster (50 vs 82 ms)."""
-
-MIXED_SDPA = "sdpa_cpu_mixed"
-"""The name :func:`use_mixed_sdpa` registers :func:`mixed_sdpa` under with transformers' ``AttentionInterface``."""
-
-
-def mixed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-    """transformers' ``sdpa_attention_forward``, in float32 on CPU for keys shorter than
-    :data:`ATTENTION_FP32_BELOW` where it would compute in bf16/fp16 (autocast, or half-precision inputs).
-
-    Args:
-        module: the attention layer (transformers passes it).
-        query: ``[B, heads, Tq, D]``.
-        key: ``[B, kv_heads, Tk, D]``.
-        value: ``[B, kv_heads, Tk, D]``.
-        attention_mask: boolean or additive ``[B, 1, Tq, Tk]`` mask, or None (causal).
-        **kwargs: passed on (``dropout``, ``scaling``, ``is_causal``...).
-
-    Returns:
-        ``(output [B, Tq, heads, D], None)`` in the dtype sdpa would have returned (the autocast dtype under
-        autocast): the result differs from the bf16 kernel's by bf16 round-off only, the fp32 one being closer to
-        an fp32 run.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    half = (torch.bfloat16, torch.float16)
-    dev = query.device.type
-    autocast = torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) in half
-    if dev != "cpu" or key.shape[-2] >= ATTENTION_FP32_BELOW or not (autocast or query.dtype in half):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    out_dtype = torch.get_autocast_dtype(dev) if autocast else query.dtype
-    if attention_mask is not None and attention_mask.is_floating_point():
-        attention_mask = attention_mask.float()
-    with torch.autocast(dev, enabled=False):
-        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
-                                              **kwargs)
-    return out.to(out_dtype), weights
-
-
-def use_mixed_sdpa(model: torch.nn.Module, on: bool = True) -> bool:
-    """Switch a model attending with ``sdpa`` to :func:`mixed_sdpa` (``on``) or back; return whether it changed.
-
-    Registered with transformers' ``AttentionInterface`` (and sdpa's mask function with ``AttentionMaskInterface``)
-    as https://huggingface.co/docs/transformers/attention_interface shows. The name lives in the config's
-    ``_attn_implementation``, which ``save_pretrained`` does not write: saved configs and adapters are unchanged.
-    """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(MIXED_SDPA, mixed_sdpa)
-    AttentionMaskInterface.register(MIXED_SDPA, sdpa_mask)
-    config = _base(model).config
-    now, want = ("sdpa", MIXED_SDPA) if on else (MIXED_SDPA, "sdpa")
-    if getattr(config, "_attn_implementation", None) != now:
-        return False
-    config._attn_implementation = want
-    return True
-
-
-def _base(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and not hasattr(model, "get_base_model"):
-        model = model.module  # DDP / DeepSpeed wrappers
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-# The last cast made by _adapter_input_hook: (input, its version, grad mode, cast). q/k/v (and gate/up) read the same
-# normed hidden states; they share one cast instead of making three (two).
-_LAST_CAST: list[Any] = [None]
-
-
-def _adapter_input_hook(_module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    x = args[0] if args else None
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
-        return None
-    dev = x.device.type
-    if not torch.is_autocast_enabled(dev):
-        return None
-    dtype, grad = torch.get_autocast_dtype(dev), torch.is_grad_enabled()
-    last = _LAST_CAST[0]
-    if last is not None and last[0]() is x and last[1] == x._version and last[2] == grad and last[3].dtype == dtype:
-        return (last[3], *args[1:])
-    cast = x.to(dtype)
-    _LAST_CAST[0] = (weakref.ref(x), x._version, grad, cast)
-    return (cast, *args[1:])
-
-
-def cast_adapter_inputs_once(model: torch.nn.Module, on: bool = True) -> int:
-    """Under autocast, cast each LoRA layer's float32 input to the autocast dtype once, at the layer's entry, so that
-    the base layer and the adapter read the same copy (and layers reading the same input, q/k/v, share it); return
-    how many layers it touched.
-
-    Without it, a LoRA layer on a bitsandbytes 4-bit base casts its input twice (``Linear4bit`` to its compute
-    dtype, autocast again for ``lora_A``) and casts the base's output back to float32; peft skips its own input cast
-    only under CUDA autocast (``torch.is_autocast_enabled()`` without a device is CUDA's), so on CPU it also casts a
-    half input up to the adapter's float32 (peft's ``cast_input_dtype_enabled``, switched off here as peft's
-    ``disable_input_dtype_casting`` does). With it the layer's output stays in the autocast dtype (base + adapter
-    summed in bf16, as on a GPU); the residual stream stays float32 (it adds bf16 outputs to float32 embeddings).
-    The maths of the matmuls is unchanged (autocast cast the same input to the same dtype); the sums and the
-    elementwise ops between layers round to bf16 (gradient difference: docs/benchmarks.md).
-    """
-    from peft.tuners.lora import LoraLayer
-
-    count = 0
-    for module in model.modules():
-        if not isinstance(module, LoraLayer) or not isinstance(module, torch.nn.Module):
-            continue
-        handle = getattr(module, "_scale_input_hook", None)
-        if on and handle is None:
-            module._scale_input_hook = module.register_forward_pre_hook(_adapter_input_hook)
-            module.cast_input_dtype_enabled = False
-            count += 1
-        elif not on and handle is not None:
-            _LAST_CAST[0] = None
-            handle.remove()
-            del module._scale_input_hook
-            module.cast_input_dtype_enabled = True
-            count += 1
-    return count
-
-
-def _addmm_adapter_forward(layer: torch.nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    name = layer.active_adapters[0] if len(layer.active_adapters) == 1 else None
-    dev = x.device.type
-    if (name is None or layer.disable_adapters or layer.merged or kwargs.get("adapter_names") is not None
-            or name not in layer.lora_A or name in getattr(layer, "lora_variant", {})
-            or layer.lora_B[name].bias is not None or not torch.is_autocast_enabled(dev)):
-        return type(layer).forward(layer, x, *args, **kwargs)  # peft's own forward
-    result = layer.base_layer(x, *args, **kwargs)
-    h = layer.lora_A[name](layer.lora_dropout[name](x))                            # [..., r]
-    out = torch.addmm(result.reshape(-1, result.shape[-1]), h.reshape(-1, h.shape[-1]),
-                      layer.lora_B[name].weight.t(), alpha=layer.scaling[name])   # base + scaling * h @ B^T
-    return out.view(result.shape)
-
-
-def fuse_adapter_sum(model: torch.nn.Module, on: bool = True) -> int:
-    """Under autocast, add each LoRA adapter's output to the base layer's in the adapter's second matmul: one
-    ``addmm(base, h, B^T, alpha=scaling)`` instead of peft's ``base + lora_B(h) * scaling`` (a product, a scaling
-    pass and a sum over ``[rows, out_features]``); return how many layers it touched.
-
-    For one active plain adapter (no variant such as DoRA, no ``lora_B`` bias, not merged); anything else, and any
-    forward outside autocast, runs peft's own forward. The sum is rounded once (oneDNN accumulates the product in
-    float32 and adds the base in the same kernel) instead of three times; the gradients are autograd's of ``addmm``.
-    """
-    import types
-
-    from peft.tuners.lora import LoraLayer
-
-    count = 0
-    for module in model.modules():
-        if not isinstance(module, LoraLayer) or not isinstance(module, torch.nn.Module):
-            continue
-        installed = "forward" in vars(module)
-        if on and not installed:
-            module.forward = types.MethodType(_addmm_adapter_forward, module)
-            count += 1
-        elif not on and installed:
-            del module.forward
-            count += 1
-    return count
-
-
-def _cached_cast_forward(head: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    dev = x.device.type
-    w = head.weight
-    if torch.is_autocast_enabled(dev) and not w.requires_grad and w.dtype == torch.float32:
-        dtype = torch.get_autocast_dtype(dev)
-        key = (w.data_ptr(), w._version, dtype)
-        cached = getattr(head, "_scale_cast", None)
-        if cached is None or cached[0] != key:
-            cached = (key, w.detach().to(dtype))
-            head._scale_cast = cached
-        w = cached[1]
-    return torch.nn.functional.linear(x, w, head.bias)
-
-
-def cache_head_cast(model: torch.nn.Module, on: bool = True) -> bool:
-    """Keep the autocast copy of a frozen ``nn.Linear`` LM head between forwards; return whether it changed.
-
-    Autocast caches casts of leaf tensors that require grad only, so a frozen float32 head (tied to the embedding:
-    ``[V, H]``, 28 M elements for SmolLM2) was cast to bf16 again in every forward (77 ms per micro-step on one
-    thread). The copy is made once and made again when the weight changes (its data pointer or version); the
-    product is bit-identical (autocast casts the same weight to the same dtype). Costs one bf16 copy of the head
-    (56 MiB for SmolLM2). A head with LoRA or a trainable head is left alone.
-    """
-    import types
-
-    head = _base(model).get_output_embeddings() if hasattr(_base(model), "get_output_embeddings") else None
-    if type(head) is not torch.nn.Linear or head.weight.requires_grad:
-        return False
-    installed = "forward" in vars(head)
-    if on and not installed:
-        head.forward = types.MethodType(_cached_cast_forward, head)
-        return True
-    if not on and installed:
-        del head.forward
-        head.__dict__.pop("_scale_cast", None)
-        return True
-    return False
-
-
-def dequantize_in_compute_dtype(model: torch.nn.Module, on: bool = True) -> int:
-    """Make bitsandbytes' 4-bit backward dequantize straight to the layer's compute dtype; return how many layers.
-
-    ``MatMul4Bit.backward`` dequantizes the weight to its quantization state's dtype (the dtype the model was loaded
-    in, float32) and casts the result to the gradient's dtype: a float32 ``[N, K]`` weight and a copy per layer and
-    step. The forward already dequantizes straight to the compute dtype (``gemm_4bit``). Setting the state's dtype
-    to the compute dtype gives bit-identical weights (the same kernel rounds the same float32 products; checked on
-    the NF4 double-quantized ``[1536, 576]`` of SmolLM2: 0.24 instead of 0.57 ms per weight on one thread).
-    ``on=False`` puts the load dtype back. Export dequantizes its own freshly loaded base (scale.export).
-    """
-    count = 0
-    for module in model.modules():
-        state = getattr(getattr(module, "weight", None), "quant_state", None)
-        compute = getattr(module, "compute_dtype", None)
-        if state is None or compute is None:
-            continue
-        if on and not hasattr(module, "_scale_load_dtype"):
-            module._scale_load_dtype = state.dtype
-            state.dtype = compute
-            count += 1
-        elif not on and hasattr(module, "_scale_load_dtype"):
-            state.dtype = module._scale_load_dtype
-            del module._scale_load_dtype
-            count += 1
-    return count
-
-
-CPU_MIXED_PATHS = {"attention_fp32_short": use_mixed_sdpa, "adapter_inputs_cast_once": cast_adapter_inputs_once,
-                   "adapter_sum_in_addmm": fuse_adapter_sum, "head_cast_cached": cache_head_cast,
-                   "dequantize_to_compute_dtype": dequantize_in_compute_dtype}
-"""The CPU mixed-precision paths by name (each ``fn(model, on) -> changed``), for :func:`use_cpu_mixed_paths` and
-``benchmarks/bf16_paths.py``, which switches them one at a time."""
-
-
-def use_cpu_mixed_paths(model: torch.nn.Module, names: Any = None, on: bool = True) -> list[str]:
-    """Switch the CPU mixed-precision paths (:data:`CPU_MIXED_PATHS`, all when ``names`` is None) on or off; return
-    the names of those that changed something on this model. Call it for a run that trains on CPU under bf16
-    autocast, before ``prepare`` (``scale.job``)."""
-    chosen = CPU_MIXED_PATHS if names is None else {n: CPU_MIXED_PATHS[n] for n in names}
-    return [name for name, fn in chosen.items() if fn(model, on)]
