@@ -20,7 +20,7 @@ class TrainerState:
     ``windows_in_epoch`` accumulation windows of epoch ``epoch`` are done; each rank skips
     ``windows_in_epoch * gradient_accumulation_steps`` micro-batches of its shard to continue mid-epoch. Optimizer
     step ``s`` trains rows ``[s * G, (s + 1) * G)`` of the epoch's order whatever the number of processes
-    (:mod:`scale.sampling`), so a run resumed on another number of processes with the same ``global_batch_size``
+    (:mod:`scale.data.order`), so a run resumed on another number of processes with the same ``global_batch_size``
     ``G`` continues where this one stopped.
     """
 

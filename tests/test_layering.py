@@ -93,9 +93,6 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"assets", "checkpoint", "config", "config_help", "data.read", "data.tokenize", "launch", "logs", "modeling",
             "schema", "signals", "topology", "train", "validation"},
     "report": {"config", "config_help", "metrics", "schedule", "validation"},
-    # aliases kept for scripts written against the modules' old paths
-    "formats": {"data.read", "data.tasks"},
-    "sampling": {"data.collate", "data.order"},
     "prepare": {"assets", "config", "config_help", "data.cache", "data.read", "data.token_table", "logs", "modeling",
                 "validation"},  # scale-prepare
 }
@@ -121,7 +118,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the loop side", {"collective", "metrics", "precision", "tracking", "launch", "ulysses", "checks", "checkpoint",
                        "best", "evaluate", "samples", "export", "generate", "parts", "startup", "windows", "job",
                        "train"}),
-    ("entry points and aliases", {"cli", "plan", "prepare", "report", "lmeval", "formats", "sampling"}),
+    ("entry points", {"cli", "plan", "prepare", "report", "lmeval"}),
 ]
 # Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and
 # `--accelerate-config` import neither torch nor accelerate (scale/cli.py's module comment), and start_fast imports
