@@ -20,9 +20,10 @@ exact 0 in every micro-batch.
 
 ``--modes`` takes items separated by commas outside parentheses (names hold commas inside them, as ``4x(2,2)``): an
 item equal to a mode name selects that row only, any other item the rows whose names contain it (``ulysses``);
-an item that selects nothing stops with exit 2. The first row, the reference, always runs. A row this machine cannot launch (more processes than its GPUs, or without a GPU than
-``max(2, CPU cores)``: the launcher's own ``scale.launch.check_ranks_per_machine``) is skipped with one line saying
-why, before it starts; the summary still prints.
+an item that selects nothing stops with exit 2. The first row, the reference, always runs. A row this machine
+cannot launch (more processes than its GPUs, or without a GPU than ``max(2, CPU cores)``: the launcher's own
+``scale.launch.check_ranks_per_machine``) is skipped with one line saying why, before it starts; the summary still
+prints.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def select(table: dict, wanted: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", default="", help="comma-separated mode names (whole names, commas inside "
-                        "parentheses kept: 'ulysses sp2 zero2 4x(2,2) dp2') or parts of names ('ulysses'); default: all")
+                        "parentheses kept: 'ulysses sp2 zero2 4x(2,2) dp2') or parts of names ('ulysses'); "
+                        "default: all")
     parser.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated subset of {list(JOBS)}")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -76,7 +76,8 @@ def test_parity_mode_selection_and_unlaunchable_rows(monkeypatch, capsys):
     assert counts[four] == counts["ulysses sp2 zero3 4x(2,2) dp2"] == 4
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(scale.launch, "usable_cores", lambda: 2)
-    assert parity.launch_problem(table[four][0]) == "4 processes on this machine without a GPU and 2 CPU cores: at most 2"
+    assert parity.launch_problem(table[four][0]) == ("4 processes on this machine without a GPU and 2 CPU cores: "
+                                                     "at most 2")
     assert parity.launch_problem(table["zero3 2x(2,2)"][0]) is None
     monkeypatch.setattr(scale.launch, "usable_cores", lambda: 4)
     assert parity.launch_problem(table[four][0]) is None
