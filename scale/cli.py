@@ -150,6 +150,25 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
     return (ConfigError, DataError, LaunchError, CheckpointError)
 
 
+def check_names(cfg: Config) -> None:
+    """The paths the config names, checked from the names alone before the model libraries are imported (bitsandbytes
+    logs a kernel notice at import, which would precede the one-line error): ``model.name_or_path``/``model.tokenizer``
+    (:func:`scale.launch.check_model_paths`), ``data.path``/``data.eval_path``
+    (:func:`scale.data.mixing.check_sources`) and a ``train.resume_from`` directory
+    (:func:`scale.checkpoint.resolve_resume`). The run checks them again where it uses them.
+
+    Raises:
+        ConfigError, DataError, CheckpointError: a path that does not exist, or is not what the key needs.
+    """
+    from scale.checkpoint import resolve_resume  # deferred: torch (module comment above)
+    from scale.data.tokenize import check_sources  # deferred: scale.data imports torch
+    from scale.launch import check_model_paths  # deferred: accelerate
+
+    check_model_paths(cfg)
+    check_sources(cfg.data)
+    resolve_resume(cfg.train.resume_from, cfg.output_dir)
+
+
 def start_fast(cfg: Config) -> None:
     """Start-up of a process that runs one job: keep bitsandbytes out unless the run can need it, import the
     libraries with the cyclic garbage collector paused, then freeze what they created.
@@ -263,6 +282,11 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
             _error(e)
             return EXIT_BAD_INPUT
         return 0
+    try:
+        check_names(cfg)  # before transformers, peft and bitsandbytes print anything
+    except bad_input_errors() as e:
+        _error(e)
+        return EXIT_BAD_INPUT
     if own_process:
         start_fast(cfg)  # first: the imports below run with the collector paused
     from scale.train import NonFiniteError, run  # deferred: after start_fast

@@ -98,20 +98,7 @@ def check_inputs(cfg: Config) -> None:
             raise ConfigError(f"loss.fused=liger needs liger-kernel ({e}): pip install liger-kernel, or set "
                               f"loss.fused=null") from None
     check_output_dir(cfg.output_dir)
-    for key in ("model.name_or_path", "model.tokenizer"):
-        value = get_key(cfg, key)
-        if value is None or value in _EMBEDDED_MODELS:
-            continue
-        path = Path(value).expanduser()
-        if path.is_dir():
-            if key == "model.name_or_path" and not (path / "config.json").is_file():
-                raise ConfigError(f"{key}={value!r} is a directory without config.json, not a transformers model "
-                                  f"(write one with save_pretrained)")
-        elif path.exists():
-            raise ConfigError(f"{key}={value!r} is a file; point it at a model directory or a hub id")
-        elif not _HUB_ID.match(value) or value.startswith((".", "~")):
-            raise ConfigError(f"{key}={value!r} does not exist (a relative path is read from the current directory, "
-                              f"{os.getcwd()})")
+    check_model_paths(cfg)
     ds = cfg.train.deepspeed_config
     if ds is not None and not Path(ds).is_file():
         raise ConfigError(f"train.deepspeed_config={ds!r} does not exist (a relative path is read from the current "
@@ -128,6 +115,29 @@ def check_inputs(cfg: Config) -> None:
         if name not in available:
             raise ConfigError(f"log.trackers: {name!r} needs its package: pip install "
                               f"{_TRACKER_PACKAGES.get(name, name)}, or drop it from log.trackers")
+
+
+def check_model_paths(cfg: Config) -> None:
+    """``model.name_or_path`` and ``model.tokenizer`` name a model directory, an embedded model or a hub id, checked
+    from the names alone (no library is imported: ``scale-train`` runs it before transformers and bitsandbytes).
+
+    Raises:
+        ConfigError: a path that does not exist, a file, or a directory without ``config.json``.
+    """
+    for key in ("model.name_or_path", "model.tokenizer"):
+        value = get_key(cfg, key)
+        if value is None or value in _EMBEDDED_MODELS:
+            continue
+        path = Path(value).expanduser()
+        if path.is_dir():
+            if key == "model.name_or_path" and not (path / "config.json").is_file():
+                raise ConfigError(f"{key}={value!r} is a directory without config.json, not a transformers model "
+                                  f"(write one with save_pretrained)")
+        elif path.exists():
+            raise ConfigError(f"{key}={value!r} is a file; point it at a model directory or a hub id")
+        elif not _HUB_ID.match(value) or value.startswith((".", "~")):
+            raise ConfigError(f"{key}={value!r} does not exist (a relative path is read from the current directory, "
+                              f"{os.getcwd()})")
 
 
 def check_output_dir(output_dir: str) -> None:
