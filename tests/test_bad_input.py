@@ -891,7 +891,8 @@ def test_truncation_drop_drops_a_row_whose_tail_alone_is_over_the_limit(tmp_path
     used to stop with the error that asks for data.drop_long_completions)."""
     from scale.data import build_splits
 
-    rows = [{"prompt": f"Q{i}", "completion": " A"} for i in range(20)] + [{"prompt": "Q", "completion": " " + "x " * 9}]
+    rows = [{"prompt": f"Q{i}", "completion": " A"} for i in range(20)]
+    rows.append({"prompt": "Q", "completion": " " + "x " * 9})
     path = _write(tmp_path / "d.jsonl", rows)
     splits = build_splits(DataConfig(max_length=6, eval_size=4, truncation="drop"), LossConfig(), tokenizer, path, 0)
     assert splits.stats["data/dropped_long_rows"] == 1 and len(splits.train) + len(splits.eval) == 20

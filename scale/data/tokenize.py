@@ -28,7 +28,7 @@ from scale.config import DataConfig, LossConfig
 from scale.data.mixing import check_sources, dropped_per_source, read_rows  # noqa: F401 - check_sources: scale.cli's
 from scale.data.read import DataError, with_line
 from scale.data.split import count_copies
-from scale.data.tasks.base import Builder, Example, Rows, Task
+from scale.data.tasks.base import BY_TRUNCATION, Builder, Example, Rows, Task
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def emptied_split(split: str, drops: list[tuple[int, str]], data_cfg: DataConfig
     setting, lengths = drops[0][1], sorted(n for n, _ in drops)
     size = f"{lengths[0]}" if lengths[0] == lengths[-1] else f"{lengths[0]}-{lengths[-1]}"
     rows = f"{len(lengths)} row{'s' * (len(lengths) != 1)} of {size} tokens"
-    if setting == "data.truncation=drop":
+    if setting == BY_TRUNCATION:
         return (f"{setting} dropped every {split} row: {rows}, over data.max_length={data_cfg.max_length}; raise "
                 f"data.max_length (to {lengths[0]} keeps the shortest), or set data.truncation=keep_end to cut "
                 f"over-long rows instead of dropping them")

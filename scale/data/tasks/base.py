@@ -195,7 +195,8 @@ class Task:
         """
 
     def encode(self, row: dict[str, Any], b: Builder, loss_cfg: LossConfig) -> Example | None:
-        """Token ids and the trained tail of one row; ``None`` when ``data.drop_long_completions`` dropped it.
+        """Token ids and the trained tail of one row; ``None`` when it was dropped (``data.truncation=drop``, or
+        ``data.drop_long_completions``; :meth:`Builder.drop`).
 
         Raises:
             DataError: the row cannot be tokenized (names the row).
