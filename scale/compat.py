@@ -6,29 +6,25 @@ goes through a function here, so the rest of ``scale/`` is written against one A
 test-lowest`` installs exactly those versions), the upper end the newest release the registry served when the
 unit tier last ran on it (``make test``'s ``.venv``, resolved to the highest versions).
 
-========================  ===========================================================  ================  =========
-library                   change                                                       since             here
-========================  ===========================================================  ================  =========
-transformers              ``activation_checkpointing_enable(activation_checkpointing_  5.23.0            seam:
-                          kwargs, every_n_layers, offload)`` added;                                      :func:`enable_
-                          ``gradient_checkpointing_enable`` kept as a deprecated                         checkpointing`
-                          alias (FutureWarning, removed in v6)
-transformers              ``gradient_checkpointing_enable(every_n_layers=)``           5.16.0            bound: 5.17
-transformers              ``gradient_checkpointing_enable(offload=)``                  5.17.0            bound: 5.17
-                          (``model.gradient_checkpointing=offload``)                                     (the CUDA
-                                                                                                         image's)
-transformers              ``from_pretrained(dtype=)`` replaces ``torch_dtype=``;       5.0               bound
-                          ``logits_to_keep`` accepts a tensor of positions
-transformers 5.17         requires ``safetensors>=0.8``, ``huggingface-hub>=1.5``      5.17.0            bound:
-                                                                                                         safetensors
-                                                                                                         0.8
-datasets 3.0.0            requires ``tqdm>=4.66.3``                                    3.0.0             bound: tqdm
-                                                                                                         4.66.3
-accelerate                ``DataLoaderConfiguration(use_seedable_sampler=)``,          0.28 / 0.31       bound 1.10
-                          ``GradientAccumulationPlugin``
-peft                      ``save_pretrained(state_dict=)``, ``target_modules=          0.8 / 0.10        bound 0.15
-                          "all-linear"``
-========================  ===========================================================  ================  =========
+| library | what changed | in | handled by |
+|---|---|---|---|
+| transformers | ``activation_checkpointing_enable(activation_checkpointing_kwargs, every_n_layers, offload)`` \
+added; ``gradient_checkpointing_enable`` a deprecated alias (FutureWarning, removal announced for v6) | 5.23.0 | \
+:func:`enable_checkpointing` |
+| transformers | ``gradient_checkpointing_enable(every_n_layers=)`` (``gradient_checkpointing=every_n``) | 5.16.0 | \
+the bound, 5.17 |
+| transformers | ``gradient_checkpointing_enable(offload=)`` (``model.gradient_checkpointing=offload``) | 5.17.0 | the \
+bound, 5.17 (what a CUDA image ships) |
+| transformers | ``from_pretrained(dtype=)`` for ``torch_dtype=``; ``logits_to_keep`` as a tensor | 5.0 | the bound |
+| transformers | requires ``safetensors>=0.8``, ``huggingface-hub>=1.5`` | 5.17.0 | the bound, safetensors 0.8 |
+| datasets | requires ``tqdm>=4.66.3`` | 3.0.0 | the bound, tqdm 4.66.3 |
+| accelerate | ``ParallelismConfig(sp_size=, sp_backend="deepspeed")``, ``DeepSpeedSequenceParallelConfig`` \
+(``train.sequence_parallel_size``: DeepSpeed Ulysses) | 1.12.0 | the bound, 1.12 |
+| accelerate | ``DataLoaderConfiguration(use_seedable_sampler=)``, ``GradientAccumulationPlugin`` | < 1.10 | the bound |
+| peft | ``save_pretrained(state_dict=)``, ``target_modules="all-linear"`` | < 0.15 | the bound |
+
+(A trailing backslash continues a row.) "the bound" means ``pyproject.toml``'s lower bound already includes the
+change, so no branch is needed here; the lowest-versions tier proves it.
 
 torch: PyPI's Linux wheels are CUDA builds of several GB, so every tier runs CI's CPU wheel 2.13.0; the declared
 ``>=2.4`` is not exercised by a test and 2.13.0 is the whole tested range.
@@ -44,7 +40,7 @@ from typing import Any
 # agree), installed by `make test-lowest`; newest = what `make test`'s .venv resolved to on 2026-12-04.
 TESTED: dict[str, tuple[str, str]] = {
     "torch": ("2.13.0", "2.13.0"),  # CI's CPU wheel only (see the module docstring)
-    "accelerate": ("1.10", "1.16.0"),
+    "accelerate": ("1.12", "1.16.0"),
     "transformers": ("5.17", "5.25.0"),
     "peft": ("0.15", "0.21.2"),
     "pyyaml": ("6.0", "6.0.4"),
