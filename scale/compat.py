@@ -18,6 +18,8 @@ bound, 5.17 (what a CUDA image ships) |
 | transformers | ``from_pretrained(dtype=)`` for ``torch_dtype=``; ``logits_to_keep`` as a tensor | 5.0 | the bound |
 | transformers | requires ``safetensors>=0.8``, ``huggingface-hub>=1.5`` | 5.17.0 | the bound, safetensors 0.8 |
 | datasets | requires ``tqdm>=4.66.3`` | 3.0.0 | the bound, tqdm 4.66.3 |
+| accelerate | log lines of ``get_logger`` prefixed ``[RANK n]`` (docs/outputs.md, the tests read them) | 1.13.0 | \
+the bound, 1.13 |
 | accelerate | ``ParallelismConfig(sp_size=, sp_backend="deepspeed")``, ``DeepSpeedSequenceParallelConfig`` \
 (``train.sequence_parallel_size``: DeepSpeed Ulysses) | 1.12.0 | the bound, 1.12 |
 | accelerate | ``DataLoaderConfiguration(use_seedable_sampler=)``, ``GradientAccumulationPlugin`` | < 1.10 | the bound |
@@ -40,7 +42,7 @@ from typing import Any
 # agree), installed by `make test-lowest`; newest = what `make test`'s .venv resolved to on 2026-12-04.
 TESTED: dict[str, tuple[str, str]] = {
     "torch": ("2.13.0", "2.13.0"),  # CI's CPU wheel only (see the module docstring)
-    "accelerate": ("1.12", "1.16.0"),
+    "accelerate": ("1.13", "1.16.0"),
     "transformers": ("5.17", "5.25.0"),
     "peft": ("0.15", "0.21.2"),
     "pyyaml": ("6.0", "6.0.4"),

@@ -25,7 +25,8 @@ def _declared() -> dict[str, str]:
 def test_the_tested_lower_ends_are_pyprojects_bounds_and_torch_is_cis_wheel():
     declared = _declared()
     assert set(declared) == set(TESTED)
-    assert {n: lo for n, (lo, _) in TESTED.items() if n != "torch"} == {n: b for n, b in declared.items() if n != "torch"}
+    lows = {n: lo for n, (lo, _) in TESTED.items() if n != "torch"}
+    assert lows == {n: b for n, b in declared.items() if n != "torch"}
     # torch: only the CPU wheel the Makefile installs is tested (PyPI's Linux wheels are CUDA builds)
     makefile_torch = re.search(r"^TORCH \?= torch==(\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert TESTED["torch"] == (makefile_torch, makefile_torch)
@@ -54,7 +55,7 @@ def test_the_out_of_range_line_names_each_untested_dependency(monkeypatch):
     real = compat.installed
     monkeypatch.setattr(compat, "installed", lambda name: fake[name] if name in fake else real(name))
     assert untested_dependencies({n: TESTED[n] for n in ("accelerate", "transformers", "peft")}) == (
-        f"untested dependency versions: accelerate 1.17.1 (tested 1.10..{TESTED['accelerate'][1]}), transformers "
+        f"untested dependency versions: accelerate 1.17.1 (tested {TESTED['accelerate'][0]}..{TESTED['accelerate'][1]}), transformers "
         f"5.16.0 (tested 5.17..{TESTED['transformers'][1]}); scale-env prints the whole environment for a bug report")
     monkeypatch.setattr(compat, "installed", lambda name: TESTED[name][0])  # every lowest bound: inside
     assert untested_dependencies() is None
