@@ -54,9 +54,10 @@ def test_the_out_of_range_line_names_each_untested_dependency(monkeypatch):
     fake = {"transformers": "5.16.0", "accelerate": "1.17.1", "peft": None}  # None: not installed, not reported
     real = compat.installed
     monkeypatch.setattr(compat, "installed", lambda name: fake[name] if name in fake else real(name))
+    (acc_lo, acc_hi), (tf_lo, tf_hi) = TESTED["accelerate"], TESTED["transformers"]
     assert untested_dependencies({n: TESTED[n] for n in ("accelerate", "transformers", "peft")}) == (
-        f"untested dependency versions: accelerate 1.17.1 (tested {TESTED['accelerate'][0]}..{TESTED['accelerate'][1]}), transformers "
-        f"5.16.0 (tested 5.17..{TESTED['transformers'][1]}); scale-env prints the whole environment for a bug report")
+        f"untested dependency versions: accelerate 1.17.1 (tested {acc_lo}..{acc_hi}), transformers 5.16.0 (tested "
+        f"{tf_lo}..{tf_hi}); scale-env prints the whole environment for a bug report")
     monkeypatch.setattr(compat, "installed", lambda name: TESTED[name][0])  # every lowest bound: inside
     assert untested_dependencies() is None
 
