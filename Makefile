@@ -49,7 +49,7 @@ $(LOWEST)/bin/scale-train: pyproject.toml .ci/lowest.py | setup
 	rm -rf $(LOWEST) && $(PYTHON) -m venv $(LOWEST)
 	$(BIN)/python .ci/lowest.py > $(LOWEST)/lowest.txt
 	$(BIN)/pip install -q uv
-	$(BIN)/uv pip install -q --python $(LOWEST)/bin/python --compile-bytecode --index-strategy unsafe-best-match \
+	$(BIN)/uv pip install -q --python $(LOWEST)/bin/python --index-strategy unsafe-best-match \
 	  $$($(BIN)/python .ci/uv_flags.py) -c $(LOWEST)/lowest.txt "$(TORCH)" -e '.[$(EXTRAS)]'
 	touch $@
 
