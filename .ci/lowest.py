@@ -13,10 +13,20 @@ from __future__ import annotations
 
 import re
 import sys
-import tomllib
 from pathlib import Path
 
 SKIP = {"torch"}  # CI's CPU wheel, installed first (Makefile TORCH)
+
+
+def dependencies(pyproject: Path) -> list[str]:
+    """``[project].dependencies`` of ``pyproject.toml`` (tomllib from Python 3.11; on 3.10 the array's quoted items)."""
+    text = pyproject.read_text()
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
+        return re.findall(r'^\s*"([^"]+)"', block, re.M)
+    return tomllib.loads(text)["project"]["dependencies"]
 
 
 def lowest_pins(pyproject: Path) -> list[str]:
@@ -25,9 +35,8 @@ def lowest_pins(pyproject: Path) -> list[str]:
     Raises:
         ValueError: a dependency other than torch declares no ``>=`` lower bound.
     """
-    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
     pins = []
-    for dep in deps:
+    for dep in dependencies(pyproject):
         m = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)(\[[^\]]*\])?\s*>=\s*([0-9][^,;\s]*)\s*(,.*)?", dep)
         if m is None:
             raise ValueError(f"{dep!r} has no '>=' lower bound to test")

@@ -7,7 +7,6 @@ import logging
 import os
 import re
 import sys
-import tomllib
 
 import pytest
 
@@ -16,25 +15,20 @@ from scale.compat import TESTED, enable_checkpointing, in_tested_range, untested
 from tests.conftest import ROOT
 
 
-def _declared() -> dict[str, str]:
-    """``{name: lower bound}`` of pyproject.toml's ``[project].dependencies``."""
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    return dict(re.fullmatch(r"([A-Za-z0-9_.\-]+)>=([0-9.]+)", d.replace(" ", "")).groups() for d in deps)
-
-
 def test_the_tested_lower_ends_are_pyprojects_bounds_and_torch_is_cis_wheel():
-    declared = _declared()
+    sys.path.insert(0, str(ROOT / ".ci"))
+    try:
+        from lowest import dependencies, lowest_pins
+    finally:
+        sys.path.pop(0)
+    deps = dependencies(ROOT / "pyproject.toml")
+    declared = dict(re.fullmatch(r"([A-Za-z0-9_.\-]+)>=([0-9.]+)", d.replace(" ", "")).groups() for d in deps)
     assert set(declared) == set(TESTED)
     lows = {n: lo for n, (lo, _) in TESTED.items() if n != "torch"}
     assert lows == {n: b for n, b in declared.items() if n != "torch"}
     # torch: only the CPU wheel the Makefile installs is tested (PyPI's Linux wheels are CUDA builds)
     makefile_torch = re.search(r"^TORCH \?= torch==(\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert TESTED["torch"] == (makefile_torch, makefile_torch)
-    sys.path.insert(0, str(ROOT / ".ci"))
-    try:
-        from lowest import lowest_pins
-    finally:
-        sys.path.pop(0)
     assert lowest_pins(ROOT / "pyproject.toml") == [f"{n}=={b}" for n, b in declared.items() if n != "torch"]
 
 
