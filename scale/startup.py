@@ -14,6 +14,7 @@ from accelerate import Accelerator
 from accelerate.logging import get_logger
 
 from scale.checks import dtype_census
+from scale.compat import warn_untested
 from scale.data.token_table import column
 from scale.data.tokenize import removed_lines, show_example, show_legend, stats_line
 from scale.launch import ModePlan
@@ -121,6 +122,7 @@ def report_start(launch: Launch, cfg: Config, data: Data, loaders: Loaders, mode
     acc, plan, splits = launch.acc, launch.plan, data.splits
     if not acc.is_main_process:
         return
+    warn_untested(logger)  # one line when a dependency is outside the versions the tests passed on
     trainable, total = counts
     G, bins, sp = loaders.global_batch_size, loaders.bins, cfg.train.sequence_parallel_size
     lengths = column(splits.train, "length")  # per-row columns, no token read

@@ -22,6 +22,7 @@ SCALE = ROOT / "scale"
 # room -> the rooms it may import. Plain-tensor rooms first, then the data stages, the loop side, the entry points.
 ALLOWED: dict[str, set[str]] = {
     "fileio": set(),
+    "compat": set(),  # library APIs that moved between the declared bounds, and the tested version ranges
     "logs": set(),  # the log format and third-party notice filters every command uses
     "flops": set(),
     "signals": set(),
@@ -38,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "loss": set(),
     "chunked": {"loss"},  # the chunked tail loss: fp32 logits of one chunk of the tail at a time
     "objectives": {"chunked", "loss", "schema", "validation"},  # one file per objective; loss.objective picks one
-    "modeling": {"assets", "schema", "validation"},
+    "modeling": {"assets", "compat", "schema", "validation"},
     "cpu_bf16": set(),  # the CPU mixed-precision paths (bf16 autocast where it pays)
     "attention": {"schema", "validation"},  # which attention a run may use: the kernel, packing, sequence parallelism
     # scale-plan's counts: meta/fake tensors, no process group
@@ -69,8 +70,8 @@ ALLOWED: dict[str, set[str]] = {
     "rendezvous": set(),
     "launch": {"config", "rendezvous", "schema", "topology", "validation"},
     "collective": set(),  # on_every_rank, main_process_first, shared_run_id
-    "startup": {"checks", "data.token_table", "data.tokenize", "launch", "names", "parts", "precision", "schedule",
-                "schema"},  # the start-up lines
+    "startup": {"checks", "compat", "data.token_table", "data.tokenize", "launch", "names", "parts", "precision",
+                "schedule", "schema"},  # the start-up lines
     # scale/parts/: each part of a run builds itself (launch, data, model, loaders, ...)
     "parts": {"assets", "attention", "best", "checkpoint", "collective", "cpu_bf16", "data.cache", "data.collate",
               "data.mixing", "data.order", "data.read", "data.sequence", "data.token_table", "data.tokenize",
@@ -79,7 +80,7 @@ ALLOWED: dict[str, set[str]] = {
     "windows": {"loss", "objectives", "signals", "state"},  # accumulation windows: one all-gather per optimizer step
     "ulysses": {"data.sequence"},  # the sequence-parallel attention, loaders and eval forward (DeepSpeed Ulysses)
     "metrics": {"fileio", "flops", "schema"},
-    "precision": {"flops", "schema"},  # train.mixed_precision=auto, the GEMM probe, one device's peak FLOP/s
+    "precision": {"fileio", "flops", "schema"},  # train.mixed_precision=auto, the GEMM probe, one device's peak FLOP/s
     "tracking": {"config", "fileio", "metrics", "schema"},
     "checks": {"modeling"},
     # the package scale/checkpoint/: store, resume rules, save/load, the portable state any launch mode loads
@@ -90,11 +91,12 @@ ALLOWED: dict[str, set[str]] = {
             "samples", "schema", "startup", "state", "ulysses"},
     "train": {"best", "checkpoint", "checks", "evaluate", "export", "job", "metrics", "samples", "schema", "signals",
               "state", "tracking", "ulysses", "windows"},
-    "cli": {"assets", "checkpoint", "config", "config_help", "data.read", "data.tokenize", "launch", "logs", "modeling",
-            "schema", "signals", "topology", "train", "validation"},
+    "cli": {"assets", "checkpoint", "config", "config_help", "data.mixing", "data.read", "data.tokenize", "launch",
+            "logs", "modeling", "schema", "signals", "topology", "train", "validation"},
     "report": {"config", "config_help", "metrics", "schedule", "validation"},
     "prepare": {"assets", "config", "config_help", "data.cache", "data.read", "data.token_table", "logs", "modeling",
                 "validation"},  # scale-prepare
+    "env": {"compat"},  # scale-env: versions, devices, CPU flags and launcher variables for a bug report
 }
 DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpoint", "evaluate", "job", "train", "cli",
                "samples", "precision", "ulysses", "collective", "startup", "parts", "windows"}
@@ -102,8 +104,8 @@ DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpo
 # Bottom first. A room imports rooms of its own layer or below; an import into a higher layer runs upward. The data
 # stages are one layer each, in the order rows flow: files, sources, formats, split, mixing, tokens, cache, batches.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundations", {"fileio", "flops", "logs", "signals", "state", "rendezvous", "validation", "schema", "names", "config",
-                     "config_help", "assets", "schedule", "topology"}),
+    ("foundations", {"compat", "fileio", "flops", "logs", "signals", "state", "rendezvous", "validation", "schema",
+                     "names", "config", "config_help", "assets", "schedule", "topology"}),
     ("model and loss (plain tensors)", {"loss", "chunked", "objectives", "modeling", "cpu_bf16", "attention", "census",
                                         "layouts"}),
     ("data: reading files", {"data.read"}),
@@ -118,13 +120,13 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the loop side", {"collective", "metrics", "precision", "tracking", "launch", "ulysses", "checks", "checkpoint",
                        "best", "evaluate", "samples", "export", "generate", "parts", "startup", "windows", "job",
                        "train"}),
-    ("entry points", {"cli", "plan", "prepare", "report", "lmeval"}),
+    ("entry points", {"cli", "env", "plan", "prepare", "report", "lmeval"}),
 ]
 # Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and
 # `--accelerate-config` import neither torch nor accelerate (scale/cli.py's module comment), and start_fast imports
 # the loop with the garbage collector paused. Nothing else may import inside a function.
-DEFERRED = {("cli", "checkpoint"), ("cli", "data.read"), ("cli", "data.tokenize"), ("cli", "launch"),
-            ("cli", "modeling"), ("cli", "train")}
+DEFERRED = {("cli", "checkpoint"), ("cli", "data.mixing"), ("cli", "data.read"), ("cli", "data.tokenize"),
+            ("cli", "launch"), ("cli", "modeling"), ("cli", "train")}
 
 
 def _room(module: str) -> str | None:

@@ -16,7 +16,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from scale.attention import check_attention
+from scale.attention import check_attention, check_sequence_parallel_config
 from scale.checkpoint import adapt_to_checkpoint, check_resume, pick_resume, register_hooks, saved_precision
 from scale.launch import ModePlan, build_accelerator, plan_for_mode
 from scale.precision import PrecisionChoice, resolve_mixed_precision
@@ -67,6 +67,7 @@ def build_launch(cfg: Config) -> Launch:
         ConfigError, LaunchError, CheckpointError: bad input, before anything is written.
     """
     check_attention(cfg.model)  # before the process group, the data and the model
+    check_sequence_parallel_config(cfg.model, cfg.train.sequence_parallel_size)  # before the Accelerator
     out = Path(cfg.output_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     regrouped = adapt_to_checkpoint(cfg, cfg.train.data_parallel_size(int(os.environ.get("WORLD_SIZE", "1"))))
