@@ -155,7 +155,7 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
 def check_names(cfg: Config) -> None:
     """The paths the config names, checked from the names alone before the model libraries are imported (bitsandbytes
     logs a kernel notice at import, which would precede the one-line error): ``model.name_or_path``/``model.tokenizer``
-    (:func:`scale.launch.check_model_paths`), ``data.path``/``data.eval_path``
+    (:func:`scale.inputs.check_model_paths`), ``data.path``/``data.eval_path``
     (:func:`scale.data.mixing.check_sources`) and a ``train.resume_from`` directory
     (:func:`scale.checkpoint.resolve_resume`). The run checks them again where it uses them.
 
@@ -164,7 +164,7 @@ def check_names(cfg: Config) -> None:
     """
     from scale.checkpoint import resolve_resume  # deferred: torch (module comment above)
     from scale.data.mixing import check_sources  # deferred: scale.data imports torch
-    from scale.launch import check_model_paths  # deferred: accelerate
+    from scale.inputs import check_model_paths  # deferred: torch
 
     check_model_paths(cfg)
     check_sources(cfg.data)

@@ -394,7 +394,7 @@ def test_tracker_whose_package_is_missing(tmp_path, monkeypatch):
 
 
 def test_output_dir_that_is_a_file_or_not_writable(tmp_path, monkeypatch):
-    from scale.launch import check_output_dir
+    from scale.inputs import check_output_dir
 
     (tmp_path / "f").write_text("x")
     assert _message(ConfigError, run, tiny_cfg(tmp_path / "f")) == (

@@ -68,7 +68,9 @@ ALLOWED: dict[str, set[str]] = {
     # state: --resume reads a checkpoint's trainer_state.json
     # the loop side: may import accelerate / torch.distributed
     "rendezvous": set(),
-    "launch": {"config", "rendezvous", "schema", "topology", "validation"},
+    "launch": {"config", "inputs", "rendezvous", "schema", "topology", "validation"},
+    # paths, output_dir, GPU-only kernels, trackers: checked before any process group
+    "inputs": {"schema", "validation"},
     "collective": set(),  # on_every_rank, main_process_first, shared_run_id
     "startup": {"checks", "compat", "data.token_table", "data.tokenize", "launch", "names", "parts", "precision",
                 "schedule", "schema"},  # the start-up lines
@@ -91,15 +93,15 @@ ALLOWED: dict[str, set[str]] = {
             "samples", "schema", "startup", "state", "ulysses"},
     "train": {"best", "checkpoint", "checks", "evaluate", "export", "job", "metrics", "samples", "schema", "signals",
               "state", "tracking", "ulysses", "windows"},
-    "cli": {"assets", "checkpoint", "config", "config_help", "data.mixing", "data.read", "data.tokenize", "launch",
-            "logs", "modeling", "schema", "signals", "topology", "train", "validation"},
+    "cli": {"assets", "checkpoint", "config", "config_help", "data.mixing", "data.read", "data.tokenize", "inputs",
+            "launch", "logs", "modeling", "schema", "signals", "topology", "train", "validation"},
     "report": {"config", "config_help", "metrics", "schedule", "validation"},
     "prepare": {"assets", "config", "config_help", "data.cache", "data.read", "data.token_table", "logs", "modeling",
                 "validation"},  # scale-prepare
     "env": {"compat"},  # scale-env: versions, devices, CPU flags and launcher variables for a bug report
 }
 DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpoint", "evaluate", "job", "train", "cli",
-               "samples", "precision", "ulysses", "collective", "startup", "parts", "windows"}
+               "samples", "precision", "ulysses", "collective", "startup", "parts", "windows", "inputs"}
 
 # Bottom first. A room imports rooms of its own layer or below; an import into a higher layer runs upward. The data
 # stages are one layer each, in the order rows flow: files, sources, formats, split, mixing, tokens, cache, batches.
@@ -117,16 +119,16 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("data: cache", {"data.token_table", "data.cache"}),
     ("data: collation and order", {"data.collate", "data.order", "data.sequence"}),
     ("data: the package's face", {"data"}),
-    ("the loop side", {"collective", "metrics", "precision", "tracking", "launch", "ulysses", "checks", "checkpoint",
-                       "best", "evaluate", "samples", "export", "generate", "parts", "startup", "windows", "job",
-                       "train"}),
+    ("the loop side", {"inputs", "collective", "metrics", "precision", "tracking", "launch", "ulysses", "checks",
+                       "checkpoint", "best", "evaluate", "samples", "export", "generate", "parts", "startup", "windows",
+                       "job", "train"}),
     ("entry points", {"cli", "env", "plan", "prepare", "report", "lmeval"}),
 ]
 # Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and
 # `--accelerate-config` import neither torch nor accelerate (scale/cli.py's module comment), and start_fast imports
 # the loop with the garbage collector paused. Nothing else may import inside a function.
 DEFERRED = {("cli", "checkpoint"), ("cli", "data.mixing"), ("cli", "data.read"), ("cli", "data.tokenize"),
-            ("cli", "launch"), ("cli", "modeling"), ("cli", "train")}
+            ("cli", "inputs"), ("cli", "launch"), ("cli", "modeling"), ("cli", "train")}
 
 
 def _room(module: str) -> str | None:
