@@ -21,7 +21,7 @@ the command exits 1 at the end, so one broken section never loses the others' fi
    ``--memory-fraction`` of the device, tokens/s of each (``train/tokens_per_s``, the last logged interval).
 
 ``--dry-run`` runs every section on the CPU at tiny shapes (the device side of ``parity`` is then the CPU on one
-thread, against all threads: the same maths summed in other orders), and
+thread, against all threads: the same maths, summed in other orders where a kernel splits by thread), and
 ``auto`` plans the tiny CPU job against ``--memory-gib``): the same code paths, the report with real values,
 checked by tests/test_benchmarks.py. Nothing here downloads: the GPU machine needs only the wheelhouse
 (``make wheelhouse`` on a connected machine, ``make gpu-check WHEELS=dir`` there).
@@ -178,7 +178,8 @@ def parity(device: str) -> tuple[str, dict]:
     rows.append(f"| adapters after {PARITY_STEPS} steps, {len(cpu_states[0])} tensors (worst: `{worst[2]}`) | | | "
                 f"{worst[0]:.2e} | {worst[1]:.2e} | {worst[0] <= worst[1]} |")
     head = (f"{job.describe().replace('left-padded', 'left-padded rows')}; optimizer SGD lr {job.lr}; TF32 off; "
-            f"{'cpu with 1 thread' if device == 'cpu' else device} against cpu with {threads} threads. Bound r = TINY_JOB_REL = {r:.2e} (tests/bounds.py), adapters "
+            f"{'cpu with 1 thread' if device == 'cpu' else device} against cpu with {threads} threads. "
+            f"Bound r = TINY_JOB_REL = {r:.2e} (tests/bounds.py), adapters "
             f"2 r sum_j max|W_j - W_j-1| + k eps32 max|W|.")
     return f"{head}\n\n" + "\n".join(rows) + f"\n\nall within their bounds: **{ok}**", {
         "ok": ok, "losses": (dev_losses, cpu_losses), "adapter_diff": worst[0], "adapter_bound": worst[1]}
