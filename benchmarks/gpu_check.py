@@ -48,7 +48,7 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/gpu_check.py`: make `benchmarks.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import SHAPES, Harness, Job, machine_line, reset_accelerate
+from benchmarks.common import SHAPES, Harness, Job, build_lora_model, machine_line, reset_accelerate
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("pytest", "bench", "bare", "parity", "auto")
@@ -110,7 +110,9 @@ def parity_run(job: Job, device: str, acc=None) -> tuple[list[float], list[dict[
     """Train ``job`` on ``device``; the loss of each step and the adapters before and after each optimizer step."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    h = Harness(job, device=device, acc=acc)
+    # built on the CPU, then moved: a model initialised on a GPU draws from the CUDA generator (other weights)
+    model = build_lora_model(job.shape, job.model_cfg(), job.lora_cfg(), job.seed, "cpu", job.seq).to(device)
+    h = Harness(job, device=device, model=model, acc=acc)
     states = [adapters(h.model)]
     hook = register_optimizer_step_post_hook(lambda *_: states.append(adapters(h.model)))
     try:
