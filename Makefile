@@ -10,12 +10,20 @@ EXTRAS ?= qlora,wandb,report,deepspeed,test
 BIN := $(VENV)/bin
 
 LOWEST ?= .venv-lowest
-.PHONY: setup train test test-unit test-newest test-lowest test-launch test-heavy
+.PHONY: setup train test test-unit test-newest test-lowest test-launch test-heavy gpu-check wheelhouse
 
 # uv installs what pip would (the best version over every index, as pip picks; pip's own sources handed over by
 # .ci/uv_flags.py, uv reads no pip.conf) in ~50 s instead of pip's ~130 s on 2 cores. INSTALL=pip, or any failure of
 # uv, installs with pip.
 INSTALL ?= uv
+# Offline install (GPU nodes often have no network): WHEELS=dir installs with pip from that directory only
+# (--no-index; `make wheelhouse` fills it on a connected machine), build backend included.
+WHEELS ?=
+ifneq ($(WHEELS),)
+export PIP_NO_INDEX := 1
+export PIP_FIND_LINKS := $(abspath $(WHEELS))
+INSTALL := pip
+endif
 UV = $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --index-strategy unsafe-best-match \
 	--resolution highest $$($(BIN)/python .ci/uv_flags.py)
 
@@ -64,3 +72,18 @@ test-heavy: setup      # not in `make test`: the planner against counts on the r
 	$(BIN)/python -m pytest -q -m heavy
 
 test: test-unit test-lowest test-launch
+
+# The GPU proof in one command on a CUDA machine: make gpu-check TORCH=torch [WHEELS=dir]. pytest -m gpu, LoRA/QLoRA
+# throughput and MFU, memory against scale-plan, harness against a bare loop, fp32 device-vs-CPU parity, the default
+# job at the largest micro-batch that fits; one report, gpu_check.md (benchmarks/gpu_check.py; ARGS="--skip bare").
+gpu-check: setup
+	$(BIN)/python benchmarks/gpu_check.py --out gpu_check.md $(ARGS)
+
+# On a connected machine of the GPU node's platform: every wheel `make gpu-check TORCH=torch` installs (CUDA torch,
+# the extras, the build backend) into $(WHEELHOUSE); copy it over and run make gpu-check WHEELS=$(WHEELHOUSE) there.
+# Another platform: WHEEL_FLAGS="--platform manylinux_2_28_x86_64 --python-version 3.11 --only-binary=:all:".
+WHEELHOUSE ?= wheelhouse
+GPU_TORCH ?= torch
+WHEEL_FLAGS ?=
+wheelhouse:
+	$(PYTHON) -m pip download -q -d $(WHEELHOUSE) $(WHEEL_FLAGS) "$(GPU_TORCH)" "setuptools>=77" wheel pip uv '.[$(EXTRAS)]'

@@ -168,6 +168,7 @@ def parse_job(argv: list[str] | None = None) -> tuple[Job, argparse.Namespace]:
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on (both sides)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast on both sides (harness: mixed_precision=bf16)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="base weights' dtype")
     p.add_argument("--log-every", type=int, default=1,
                    help="harness metrics interval; the losses are compared at the logged steps")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -176,7 +177,7 @@ def parse_job(argv: list[str] | None = None) -> tuple[Job, argparse.Namespace]:
     a = p.parse_args(argv)
     job = Job(shape=a.shape, seq=a.seq, micro_batch_size=a.batch, gradient_accumulation_steps=a.ga, steps=a.steps,
               warmup=a.warmup, threshold=a.threshold, lora_r=a.lora_r, checkpointing=a.checkpointing,
-              mixed_precision="bf16" if a.bf16 else "no", log_every=a.log_every)
+              mixed_precision="bf16" if a.bf16 else "no", log_every=a.log_every, dtype=a.dtype)
     return job, a
 
 

@@ -187,6 +187,7 @@ class Job:
     group_by_length: bool = False  # ours: scale.data.order.LengthGroupedSampler over the rows (else their order)
     mega_batch_steps: int = 16
     rows: int | None = None        # rows in the data set; None: exactly `steps` global batches (one epoch)
+    optimizer: str = "adamw"       # "sgd": plain SGD (no momentum), whose updates two devices' runs compare linearly
 
     def model_cfg(self) -> ModelConfig:
         compute = "bfloat16" if self.mixed_precision == "bf16" else "float32"
@@ -339,7 +340,8 @@ class Harness:
 
         o, steps = self.cfg.optim, self.cfg.train.max_steps
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        optimizer = (torch.optim.SGD(params, lr=o.lr) if self.job.optimizer == "sgd" else
+                     torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay))
         scheduler = TimedLambdaLR(optimizer, lambda s: lr_factor(s, o, steps))
         optimizer = self.acc.prepare(optimizer)
         sink = MemorySink()

@@ -294,6 +294,47 @@ def _fake_parameters(model: torch.nn.Module, mode: Any, dtype_of: Callable[[torc
             store[name] = t
 
 
+class _FourBitMatmul(torch.autograd.Function):
+    """``bitsandbytes.matmul_4bit`` as its autograd sees it: ``x @ W^T`` in ``x``'s dtype, nothing saved for backward
+    but the (frozen, 4-bit) weight; bitsandbytes 0.50's ``MatMul4Bit`` keeps ``ctx.tensors = (None, B)``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:  # never run: the count is forward-only
+        return None, None
+
+
+@contextmanager
+def four_bit_layers(model: torch.nn.Module, quantized: set[str], compute: torch.dtype) -> Iterator[None]:
+    """Make the meta model's linear layers whose weight is 4-bit (``quantized``: parameter names from
+    :func:`census`) run as ``bitsandbytes.nn.Linear4bit.forward`` does: the input cast to the compute dtype, the
+    4-bit matmul (which saves no activation), the output cast back to the *input's* dtype. After
+    ``prepare_model_for_kbit_training``'s fp32 norms and embeddings that input is fp32, so QLoRA's residual stream and
+    projections stay fp32 under autocast (a plain linear layer would return the autocast dtype and save a
+    low-precision copy of its input instead). Restores the forwards after."""
+    patched = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and f"{name}.weight" in quantized:
+
+            def forward(x: torch.Tensor, mod: torch.nn.Module = mod) -> torch.Tensor:
+                with torch.autocast("cpu", enabled=False):
+                    out = _FourBitMatmul.apply(x.to(compute), mod.weight)
+                    if mod.bias is not None:
+                        out = out + mod.bias.to(compute)
+                return out.to(x.dtype)
+
+            mod.forward = forward
+            patched.append(mod)
+    try:
+        yield
+    finally:
+        for mod in patched:
+            del mod.forward
+
+
 @contextmanager
 def ulysses_like_attention(model: torch.nn.Module, sp: int) -> Iterator[None]:
     """Within the block the model's attention does what DeepSpeed Ulysses does to the shapes on one of ``sp`` ranks
@@ -396,8 +437,9 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
     seen: dict[int, tuple[str, int]] = {}
     autocast = cfg.train.mixed_precision != "no" and cast is None
     amp_dtype = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else torch.float16
+    compute = DTYPES.get(cfg.model.bnb_4bit_compute_dtype, amp_dtype if autocast else torch.float32)  # "auto": amp
     try:
-        with _fake_parameters(model, mode, dtype_of), mode:
+        with _fake_parameters(model, mode, dtype_of), four_bit_layers(model, quantized, compute), mode:
             param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
 
             def pack(t: torch.Tensor) -> torch.Tensor:

@@ -187,6 +187,63 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
                      loss_note(cfg, a_on)])
 
 
+def largest_micro_batch(cfg: Config, gpu_mem_gib: float, fraction: float = 1 - HEADROOM,
+                        model_config: str | None = None, upper: int = 4096) -> tuple[int, Rank | None]:
+    """The largest ``train.micro_batch_size`` whose single-device plan fits ``fraction`` of one device's memory.
+
+    The plan's total (model states, saved activations, logits, transient bytes and the assumed framework overhead:
+    :func:`make_plan`'s ``single`` row) is affine in the micro-batch at a fixed row length (everything but the model
+    states scales with the rows), so two plans (1 and 16 rows) give the candidate ``b = (limit - total(0)) / slope``;
+    plans at ``b`` and ``b + 1`` confirm it, and a bisection below ``b`` (or a doubling above it) takes over when the
+    total is not affine (a loss chunk size that changes with the rows): 4 plans when it is, each a fake-tensor forward.
+
+    Args:
+        cfg: the training config; every key but ``train.micro_batch_size`` is planned as given.
+        gpu_mem_gib: memory of the device (GiB).
+        fraction: the share of it the plan may fill (0 < fraction <= 1).
+        model_config: a ``config.json`` to plan instead of ``model.name_or_path``'s.
+        upper: the largest micro-batch returned.
+
+    Returns:
+        ``(micro_batch_size, its single-device Rank)``; ``(0, None)`` when even one row does not fit.
+
+    Raises:
+        PlanError: as :func:`make_plan`, or ``fraction`` outside ``(0, 1]``.
+    """
+    if not 0 < fraction <= 1:
+        raise PlanError(f"memory fraction {fraction}: must be in (0, 1]")
+    limit = fraction * gpu_mem_gib * GIB
+    plans: dict[int, Rank] = {}
+
+    def total(b: int) -> Rank:
+        if b not in plans:
+            plans[b] = make_plan(replace(cfg, train=replace(cfg.train, micro_batch_size=b)), 1, gpu_mem_gib,
+                                 model_config=model_config).ranks[0]
+        return plans[b]
+
+    def fits(b: int) -> bool:
+        return not total(b).refused and total(b).total <= limit
+
+    if not fits(1):
+        return 0, None
+    slope = max((total(16).total - total(1).total) / 15, 1.0)
+    guess = int(min(max((limit - total(1).total) / slope + 1, 1), upper))
+    lo, hi = (guess, guess + 1) if fits(guess) else (1, guess)   # lo fits; hi does not, once checked
+    while lo < upper and hi <= upper and fits(hi):                # past the guess: double until a size does not fit
+        lo, hi = hi, min(2 * hi, upper + 1)
+    if lo >= upper or hi > upper:
+        return (upper, total(upper)) if fits(upper) else _bisect(lo, upper, fits, total)
+    return _bisect(lo, hi, fits, total)
+
+
+def _bisect(lo: int, hi: int, fits: Any, total: Any) -> tuple[int, Rank]:
+    """The largest size in ``[lo, hi)`` that fits, given that ``lo`` fits and ``hi`` does not."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, total(lo)
+
+
 def none_fits_advice(cfg: Config, compute_dtype: str, ranks: list[Rank], replan: Any) -> str:
     """What would make a mode fit when none does, naming only changes the config has not made yet.
 

@@ -200,3 +200,38 @@ def test_speedup_throughput_and_profile_categories():
     assert cats["base matmuls (dequantized weights)"] == pytest.approx(5.0)
     assert cats["attention (sdpa)"] == pytest.approx(0.7)
     assert cats["host (Python, autograd engine, between ops)"] == pytest.approx(20 - 16.51)
+
+
+def test_gpu_check_dry_run_report(tmp_path):
+    """``benchmarks/gpu_check.py --dry-run`` (what CI runs of ``make gpu-check``): one Markdown report whose sections
+    hold real values: the GPU tests' counts, the harness against the bare loop with the same losses, the fp32
+    parity of one thread against all (each loss and adapter within its float32 bound), and the largest micro-batch
+    the plan fits, equal to ``scale.plan.largest_micro_batch``'s, trained at both sizes. The ``bench`` section is
+    benchmarks/gpu.py's dry run, asserted by test_gpu_script_dry_run_and_no_cuda_message; skipped here for time."""
+    import re
+
+    from benchmarks import gpu_check
+    from scale.config import load_config
+    from scale.plan import largest_micro_batch
+
+    out = tmp_path / "report.md"
+    assert gpu_check.main(["--dry-run", "--skip", "bench", "--out", str(out)]) == 0
+    report = out.read_text()
+    assert report.startswith("# scale GPU check\n") and "failed sections: none" in report
+    if not torch.cuda.is_available():
+        assert "\n    4 skipped in " in report                    # every test in tests/test_gpu.py, none failed
+    bare = float(report.split("max relative difference harness vs bare over all runs: ")[1].split()[0])
+    assert bare < 1e-5                                            # as test_bare_loop_and_harness_agree
+    loss_rows = re.findall(r"\| loss, step (\d) \| ([\d.]+) \| ([\d.]+) \| ([\d.e+-]+) \| ([\d.e+-]+) \| True \|",
+                           report)
+    assert [int(r[0]) for r in loss_rows] == [1, 2]
+    for _, a, b, diff, bound in loss_rows:
+        assert 9 < float(b) < 12 and abs(float(a) - float(b)) <= float(bound)   # ln(49152) = 10.8 at random init
+    adapter = re.search(r"\| adapters after 2 steps, 28 tensors .* \| ([\d.e+-]+) \| ([\d.e+-]+) \| True \|", report)
+    assert adapter and float(adapter.group(1)) <= float(adapter.group(2)) < 1e-4
+    best = int(report.split("largest micro-batch whose plan fits 90% of 1.2 GiB: **")[1].split("**")[0])
+    common = ["train.max_steps=4", "train.log_every=2", "log.trackers=[]", "train.eval_every=0", "data.eval_size=32",
+              "train.save_every=0", "train.save_adapter=false", "train.resume_from=null"]
+    assert best == largest_micro_batch(load_config(ROOT / "configs/train/tiny_cpu.yaml", common), 1.2, 0.9)[0] > 8
+    rates = re.findall(r"\n\| (\d+) \| ([\d,]+) \| ([\d.]+) \| n/a \| ([\d.]+) \|", report)
+    assert [int(r[0]) for r in rates] == [8, best] and all(float(r[1].replace(",", "")) > 0 for r in rates)

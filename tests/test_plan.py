@@ -276,7 +276,9 @@ def test_predicted_padded_chunked_activations_within_10_percent_of_saved_tensor_
 
 
 PEAK_CASES = [(s, c) for s in ("tiny", "tiny-bf16", "tiny-qlora", "tiny-qlora-bf16") for c in (False, True)]
-PEAK_CASES += [("smollm2-135m", True)]
+# "-rows": 8 rows of 256 tokens, so that the decoder's saved activations outweigh the weights and the head (at 4 x 64
+# the tiny model's 49,152-word head and its logits are ~80% of the peak and hide the dtype of the residual stream)
+PEAK_CASES += [("tiny-qlora-rows", False), ("tiny-qlora-bf16-rows", False), ("smollm2-135m", True)]
 
 
 @pytest.mark.parametrize("shape,checkpointing", [
@@ -295,10 +297,10 @@ def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(sha
     if "qlora" in shape:
         pytest.importorskip("bitsandbytes")
     bf16 = ["model.dtype=bfloat16", "train.mixed_precision=bf16", "model.bnb_4bit_compute_dtype=bfloat16"]
-    B, T = (2, 32) if shape == "smollm2-135m" else (4, 64)
+    B, T = (2, 32) if shape == "smollm2-135m" else (8, 256) if shape.endswith("-rows") else (4, 64)
     overrides = [f"model.gradient_checkpointing={str(checkpointing).lower()}", f"train.micro_batch_size={B}",
                  f"data.max_length={T}", *(["model.quantize_4bit=true"] if "qlora" in shape else []),
-                 *(bf16 if shape.endswith("bf16") else [])]
+                 *(bf16 if shape.removesuffix("-rows").endswith("bf16") else [])]
     if shape == "smollm2-135m":
         overrides += [f"model.name_or_path={smollm2_dir(tmp_path)}", "lora.r=16"]
     cfg, _hf, _ = planned(overrides)
@@ -330,7 +332,10 @@ def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(sha
     live = LiveBytes(*model.parameters(), *model.buffers(), *states, *quant)
     with live:
         step()
-    assert abs(predicted.allocated / live.peak - 1) < 0.10, (predicted, live.peak)
+    # QLoRA within 5%: the planner counts what a 4-bit layer keeps (nothing for backward; its output in its input's
+    # dtype, fp32 after the fp32 norms) and the fp32 residual stream of prepare_model_for_kbit_training
+    tolerance = 0.05 if "qlora" in shape else 0.10
+    assert abs(predicted.allocated / live.peak - 1) < tolerance, (predicted.allocated / live.peak, predicted, live.peak)
 
 
 # Sequence parallelism (train.sequence_parallel_size=2, DeepSpeed Ulysses): rows of 64 tokens, a short tail (on one
@@ -529,3 +534,19 @@ def test_bad_model_config_is_one_line_and_exit_2(content, message, tmp_path, cap
     path.write_text(json.dumps(content))
     assert P.main(["--config", str(TINY_YAML), "--gpus", "2", "--model-config", str(path)]) == 2
     assert capsys.readouterr().err == f"scale-plan: error: PlanError: model config {str(path)!r} {message}\n"
+
+
+def test_largest_micro_batch_is_the_last_that_fits():
+    """The micro-batch ``largest_micro_batch`` returns fits the memory fraction by the plan's own total and one more
+    row does not; a device smaller than one row's plan gets 0."""
+    cfg, _hf, _ = planned(["data.max_length=64"])
+    one = P.make_plan(cfg, 1, 80.0).ranks[0].total
+    gib = 1.5 * one / C.GIB / 0.9                        # room for ~1.5x one row's plan at fraction 0.9
+    b, rank = P.largest_micro_batch(cfg, gib, 0.9)
+
+    def total(n: int) -> int:
+        from dataclasses import replace
+        return P.make_plan(replace(cfg, train=replace(cfg.train, micro_batch_size=n)), 1, gib).ranks[0].total
+
+    assert b >= 1 and rank.total == total(b) <= 0.9 * gib * C.GIB < total(b + 1)
+    assert P.largest_micro_batch(cfg, 0.5 * one / C.GIB, 1.0) == (0, None)
