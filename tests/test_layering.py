@@ -36,6 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "schedule": {"config"},
     "loss": {"config"},
     "chunked": {"loss"},  # the chunked tail loss and loss_step, the step's loss (chunked when it pays)
+    "objectives": {"loss"},  # what is trained: the preference objectives (DPO, SimPO, ORPO) on the tails' logps
     "modeling": {"config", "assets"},
     "census": {"config", "loss", "modeling", "chunked"},  # scale-plan's counts: meta/fake tensors, no process group
     "layouts": {"census", "config", "modeling"},  # modeling: the sequence-parallel guard, for the SP columns
@@ -92,7 +93,7 @@ DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpo
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"fileio", "flops", "logs", "signals", "state", "rendezvous", "validation", "schema", "names", "config",
                      "assets", "schedule", "topology"}),
-    ("model and loss (plain tensors)", {"loss", "chunked", "modeling", "census", "layouts"}),
+    ("model and loss (plain tensors)", {"loss", "chunked", "objectives", "modeling", "census", "layouts"}),
     ("data: reading files", {"data.read"}),
     ("data: sources", {"data.sources"}),
     ("data: tasks, one module per format", {"data.tasks"}),
