@@ -50,6 +50,9 @@ class ModelConfig:
                                                "(sdpa). Padding-free batches use the varlen path of flash/flex.")
     use_reentrant: bool = _f(False, "Re-entrant checkpointing (breaks DDP+LoRA, peft#313); False is the default.")
     trust_remote_code: bool = _f(False, "Allow model code from the checkpoint directory to run.")
+    adapter: str | None = _f(None, "Start the LoRA adapter from a saved peft adapter directory (an SFT run's "
+                                   "<output_dir>/adapter) instead of a fresh one; `lora.*` must match its "
+                                   "adapter_config.json. Under loss.objective=dpo its frozen copy is the reference.")
     tiny_hidden_size: int = _f(64, "'tiny-llama' only: hidden size (features).")
     tiny_num_layers: int = _f(2, "'tiny-llama' only: decoder layers.")
     tiny_num_heads: int = _f(4, "'tiny-llama' only: attention heads.")

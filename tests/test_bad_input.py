@@ -64,7 +64,8 @@ def test_label_not_in_label_set(tmp_path):
 def test_missing_column(tmp_path):
     path = _write(tmp_path / "d.jsonl", [{"review": "good", "label": "positive"}])
     assert _message(DataError, load_rows, DataConfig(), path) == (
-        f"{path} has the columns ['review', 'label'], which fit no data format: messages needs messages (no "
+        f"{path} has the columns ['review', 'label'], which fit no data format: preference needs chosen, rejected "
+        f"(no 'chosen', 'rejected'); messages needs messages (no "
         f"'messages'); prompt_completion needs prompt, completion (no 'prompt', 'completion'); classification needs "
         f"text, label (no 'text'); text needs text (+ type, target) (no 'text'). Rename the columns, set "
         f"data.*_column, or set data.format")

@@ -15,7 +15,7 @@ import torch
 from scale.config import DataConfig, LoraConfig, LossConfig, ModelConfig
 from scale.data import Collator, DataError, PaddingFreeCollator, load_rows, tokenize_rows
 from scale.data.tasks.preference import PairCollator, PairedExamples
-from scale.modeling import add_lora, load_base
+from scale.modeling import add_lora, load_adapter, load_base
 from scale.objectives.preference import (PreferenceObjective, add_reference_adapter, dpo_loss, orpo_loss,
                                          reference_forward, reference_logps, simpo_loss, tail_logps)
 from tests.conftest import ROOT
@@ -249,15 +249,16 @@ def test_disabled_adapter_reference_equals_the_base_model(tokenizer, pair_exampl
 def test_starting_adapter_is_the_frozen_reference(tmp_path, tokenizer, pair_examples):
     """From an SFT run's adapter: after an optimizer step of the policy, the reference is still the starting
     adapter: equal to a model loaded separately from that adapter's files."""
-    from peft import PeftModel, set_peft_model_state_dict
-    from peft.utils import load_peft_weights
+    from peft import PeftModel
 
     sft = _model(tokenizer, adapter_seed=2)
     sft.save_pretrained(tmp_path / "adapter")
     base = load_base(ModelConfig(name_or_path="tiny-llama"), vocab_size=len(tokenizer), seed=3).double()
     frozen = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     policy = _model(tokenizer)
-    set_peft_model_state_dict(policy, load_peft_weights(str(tmp_path / "adapter")))
+    load_adapter(policy, str(tmp_path / "adapter"), LoraConfig(r=4, dropout=0.0))  # model.adapter
+    with pytest.raises(ValueError, match=r"saved with lora.r=4, this run has lora.r=8; set lora.r=4$"):
+        load_adapter(_model(tokenizer), str(tmp_path / "adapter"), LoraConfig(r=8, dropout=0.0))
     add_reference_adapter(policy)
     assert not any(p.requires_grad for n, p in policy.named_parameters() if ".reference." in n)
     batch = PairCollator(Collator(tokenizer.pad_token_id))(list(PairedExamples(pair_examples)))

@@ -53,6 +53,7 @@ REFERENCE_ADAPTER = "reference"
 """Name of the frozen copy of a starting adapter that is the DPO reference (:func:`add_reference_adapter`)."""
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
+"""The per-pair metrics (TRL's names); the loop logs them as ``train/<name>`` and ``eval/<name>``, means over pairs."""
 
 
 @dataclass
@@ -73,13 +74,17 @@ class PairTerms:
     chosen_logps: Tensor
     rejected_logps: Tensor
 
+    def columns(self) -> Tensor:
+        """``[P, 7]``: each pair's loss and its :data:`METRICS`, detached."""
+        c, r = self.chosen_rewards, self.rejected_rewards
+        return torch.stack([self.losses.detach(), c, r, (c > r).to(c.dtype), c - r, self.chosen_logps,
+                            self.rejected_logps], dim=1)
+
     def metrics(self, weights: Tensor) -> dict[str, Tensor]:
         """Each metric of :data:`METRICS` as the ``[]`` sum over the pairs under ``weights`` ``[P]`` (the meter divides
         by the window's pairs)."""
-        w = weights.to(self.losses.dtype)
-        c, r = self.chosen_rewards, self.rejected_rewards
-        values = (c, r, (c > r).to(w.dtype), c - r, self.chosen_logps, self.rejected_logps)
-        return {k: (v.to(w.dtype) * w).sum() for k, v in zip(METRICS, values)}
+        sums = (self.columns()[:, 1:] * weights.to(self.losses.dtype)[:, None]).sum(0)
+        return dict(zip(METRICS, sums.unbind()))
 
 
 def side_logps(tail_logits: Tensor, targets: Tensor, tail_mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -353,6 +358,18 @@ class PreferenceObjective:
         ref = batch["ref_logps"] if self.needs_reference_pass else reference_forward(model, batch, self.padding_side)
         rc, rr = pairs_of(ref.to(logps.dtype))
         return dpo_loss(lc, lr, rc, rr, nc, nr, self.beta, self.dpo_loss, self.label_smoothing)
+
+    def eval_columns(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        """``[P, 7]`` per held-out pair: its loss and :data:`METRICS` (:meth:`PairTerms.columns`), for the
+        evaluation's table (one row per pair: what ``gather_for_metrics`` de-duplicates)."""
+        return self.terms(model, batch).columns()
+
+    @staticmethod
+    def eval_summary(sums: list[float], n: int) -> dict[str, float]:
+        """``eval/loss`` (mean pair loss), ``eval/<metric>`` (means over the ``n`` pairs) and ``eval/pairs`` from
+        the column sums of :meth:`eval_columns` over the split."""
+        return {"eval/loss": sums[0] / n, **{f"eval/{k}": v / n for k, v in zip(METRICS, sums[1:])},
+                "eval/pairs": n}
 
     def loss_step(self, model: torch.nn.Module, batch: dict[str, Tensor], weights: Tensor) -> Tensor:
         """The micro-batch's loss numerator ``[]``: ``sum_p weights[p] x loss_p`` (no collectives)."""

@@ -159,15 +159,22 @@ class Preference(Task):
         return {**out, **_tools(raw, cfg, i, path)}
 
     def prepare(self, tokenizer: Any, data_cfg: DataConfig, loss_cfg: LossConfig) -> None:
-        self.chat = None
-        self._tokenizer, self._data_cfg, self._loss_cfg = tokenizer, data_cfg, loss_cfg
+        """Prepare the chat task that renders conversational pairs, when there is a chat template (its text enters
+        the fingerprint, as for chats); text pairs need none."""
+        self.chat, self._missing = Messages(), None
+        try:
+            self.chat.prepare(tokenizer, data_cfg, loss_cfg)
+        except DataError as e:
+            self.chat, self._missing = None, e
 
     def _chat(self) -> Messages:
-        """The chat task that renders conversational pairs (prepared on first use: a text-only file needs no
-        chat template)."""
+        """The chat task that renders conversational pairs.
+
+        Raises:
+            DataError: there is no chat template (the message of :func:`scale.data.tasks.messages.chat_template`).
+        """
         if self.chat is None:
-            self.chat = Messages()
-            self.chat.prepare(self._tokenizer, self._data_cfg, self._loss_cfg)
+            raise self._missing or DataError("the preference format was not prepared")
         return self.chat
 
     def check(self, tokenizer: Any, rows: list[dict[str, Any]]) -> None:
