@@ -39,6 +39,7 @@ from scale.data.order import LengthGroupedSampler, PackedRows, pack_bfd
 from scale.data.read import DataError
 from scale.data.sequence import ShardCollator
 from scale.data.tasks.base import Task
+from scale.data.tasks.preference import PairCollator, PairedExamples
 from scale.data.token_table import column, longest_first
 from scale.data.tokenize import Splits, removed_lines, show_example, show_legend, stats_line
 from scale.export import serving_tokenizer
@@ -51,6 +52,7 @@ from scale.modeling import (CPU_MIXED_PATHS, TINY, build_model, check_attention,
                             check_sequence_parallel, load_tokenizer, parameter_counts, tokenizer_source,
                             use_cpu_mixed_paths)
 from scale.names import differences_from_trl
+from scale.objectives.preference import OBJECTIVES, PreferenceObjective, add_reference_adapter, reference_logps
 from scale.samples import SAMPLES_FILE, Generation, pick_samples, sample_metric_names, start_samples_file
 from scale.schedule import lr_factor, steps_for_epochs, warmup_steps
 from scale.tracking import start_trackers
@@ -112,6 +114,9 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_s
     if sequence is not None:
         train_collate = ShardCollator(sequence.rank, sequence.size, pad_token_id,
                                       one_row=cfg.data.packing or cfg.data.padding_free)
+    pairs = bool(splits.task.sides)  # preference: a pair is one item, its sides adjacent rows of a micro-batch
+    if pairs:
+        train, lengths, train_collate = paired(cfg, splits.train, sequence, train_collate)
     if cfg.data.group_by_length:
         sampler = LengthGroupedSampler(lengths, t.global_batch_size(data_parallel_size), cfg.data.mega_batch_steps,
                                        t.seed)
@@ -123,10 +128,25 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_s
         train_dl = DataLoader(train, batch_size=t.micro_batch_size, shuffle=True, collate_fn=train_collate,
                               generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
     # Evaluation order does not change its sums; longest first keeps padding (and peak memory) low.
-    eval_dl = DataLoader(longest_first(splits.eval),  # a view of a cached split
-                         batch_size=t.eval_micro_batch_size, shuffle=False, collate_fn=collate,
-                         num_workers=cfg.data.num_workers)
+    eval_dl = DataLoader(PairedExamples(splits.eval) if pairs else longest_first(splits.eval),  # a view of a cached split
+                         batch_size=t.eval_micro_batch_size, shuffle=False,
+                         collate_fn=PairCollator(collate) if pairs else collate, num_workers=cfg.data.num_workers)
     return train_dl, eval_dl
+
+
+def paired(cfg: Config, train: Any, sequence: Any, collate: Any) -> tuple[PairedExamples, list[int], PairCollator]:
+    """A preference split as the loader's items: its pairs (:class:`PairedExamples`), each pair's longer side's
+    length (what length grouping sorts by) and the collator that lays a micro-batch of pairs out as rows.
+
+    Raises:
+        ConfigError: ``data.packing`` or sequence parallelism (not built for pairs yet).
+    """
+    if cfg.data.packing or sequence is not None:
+        raise ConfigError("loss.objective/data.format=preference trains pairs, which data.packing and "
+                          "train.sequence_parallel_size > 1 do not handle yet; use data.padding_free=true (no padding) "
+                          "or padded batches")
+    lengths = column(train, "length")  # per-example, no token read: sides 2p and 2p + 1
+    return PairedExamples(train), np.maximum(lengths[0::2], lengths[1::2]).tolist(), PairCollator(collate)
 
 
 # The message part of a start-up line: the CLI's timestamp, level, logger name and rank prefix take up to ~60 of the
@@ -286,7 +306,10 @@ def setup(cfg: Config) -> Job:
                         f"({items} {unit}): a rank's shard would hold less than one micro-batch. "
                         f"Lower train.micro_batch_size to at most {max(1, items // world)} or add data.")
     check_type_weights(cfg, splits)
-    spec = LossSpec.from_config(cfg)
+    spec = PreferenceObjective.from_config(cfg) if cfg.loss.objective in OBJECTIVES else LossSpec.from_config(cfg)
+    check_objective(cfg, splits, spec)
+    if isinstance(spec, PreferenceObjective) and spec.needs_reference and cfg.model.adapter is not None:
+        add_reference_adapter(model)  # the starting adapter, frozen, is the reference (before the optimizer sees it)
     samples = pick_samples(splits.eval, cfg.eval.generate_samples, cfg.data.labels) if cfg.eval.generate_samples \
         else []
     check_reported(cfg.train.keep_best, metric_names(splits.task, spec) | sample_metric_names(samples))  # before step 1
@@ -315,6 +338,8 @@ def setup(cfg: Config) -> Job:
         # Dropout draws per shard (the group's ranks would otherwise repeat one mask on every shard); after the
         # loaders, whose samplers took their seed from this RNG and must agree on every rank.
         torch.manual_seed(cfg.train.seed + sequence.rank)
+    if isinstance(spec, PreferenceObjective) and spec.needs_reference_pass:
+        precompute_references(acc, cfg, model, splits, tokenizer.pad_token_id, [train_dl, eval_dl])  # collective
     acc.register_for_checkpointing(scheduler)
     register_hooks(acc)
 
@@ -329,7 +354,8 @@ def setup(cfg: Config) -> Job:
         if bins is not None:
             logger.info(packing_text(len(splits.train), bins, lengths, cfg.data.max_length, G))
         logger.info("per step: %s; rows: train=%d eval=%d format=%s; parameters: trainable=%d total=%d (%.3f%%)",
-                    step_text(lengths, column(splits.train, "tail_len"), G, bins), len(splits.train),
+                    step_text(lengths, column(splits.train, "tail_len"), G * max(len(splits.task.sides), 1), bins),
+                    len(splits.train),
                     len(splits.eval), splits.format, trainable, total, 100 * trainable / total)
         log_data_stats(splits.stats, cfg.data)
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))
@@ -471,6 +497,51 @@ def flops_shape(model: torch.nn.Module) -> Any:
         logger.warning("no FLOPs count (train/mfu) for this model: %s: %s", type(e).__name__, e,
                        main_process_only=True)
         return None
+
+
+def precompute_references(acc: Accelerator, cfg: Config, model: torch.nn.Module, splits: Splits, pad_token_id: int,
+                          loaders: list[DataLoader]) -> None:
+    """``loss.reference: precomputed``: the reference logps of every train and eval pair, from one pass of the
+    (prepared) model as training starts, set on the loaders' :class:`PairedExamples` so every batch carries them.
+
+    Every rank runs the whole pass in the same batches (a ZeRO-3 forward is collective); the result is kept in
+    ``<output_dir>/reference_logps.pt`` under the key of the token cache (the token fingerprint of both splits)
+    and of the model (``model.*``), so a resumed run reads it instead of a second pass.
+    """
+    import hashlib
+
+    key = hashlib.sha256(repr((splits.fingerprint, cfg.model.name_or_path, cfg.model.adapter, cfg.model.dtype,
+                               cfg.model.quantize_4bit, cfg.train.seed)).encode()).hexdigest()
+    path = Path(cfg.output_dir) / "reference_logps.pt"
+    stored = torch.load(path) if path.is_file() else None
+    if stored is None or stored.get("key") != key:
+        collate = PairCollator(Collator(pad_token_id, cfg.data.padding_side))
+        refs = {}
+        for name, split in (("train", splits.train), ("eval", splits.eval)):
+            dl = DataLoader(PairedExamples(split), batch_size=cfg.train.eval_micro_batch_size, collate_fn=collate)
+            refs[name] = reference_logps(model, ({k: v.to(acc.device) for k, v in b.items()} for b in dl),
+                                         cfg.data.padding_side)
+        stored = {"key": key, **refs}
+        if acc.is_main_process:
+            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+            torch.save(stored, path)
+            logger.info("reference pass: %d train and %d eval pairs (loss.reference=precomputed) -> %s",
+                        len(refs["train"]) // 2, len(refs["eval"]) // 2, path)
+    for dl, name in zip(loaders, ("train", "eval")):
+        dl.dataset.ref_logps = stored[name]
+
+
+def check_objective(cfg: Config, splits: Splits, spec: Any) -> None:
+    """A preference objective trains preference pairs, and preference pairs train only under one.
+
+    Raises:
+        ConfigError: the objective and the data format do not go together.
+    """
+    pairs = bool(splits.task.sides)
+    if isinstance(spec, PreferenceObjective) != pairs:
+        raise ConfigError(f"loss.objective={cfg.loss.objective} with data.format={splits.format}: "
+                          + ("preference pairs train under loss.objective=dpo, simpo or orpo" if pairs else
+                             "a preference objective needs pairs (data.format=preference: prompt/chosen/rejected)"))
 
 
 def check_type_weights(cfg: Config, splits: Splits) -> None:

@@ -73,8 +73,8 @@ ALLOWED: dict[str, set[str]] = {
     "samples": {"checkpoint", "signals", "tracking"},  # generation at each evaluation (issue 20)
     "job": {"assets", "best", "checkpoint", "checks", "config", "data.cache", "data.collate", "data.mixing",
             "data.order", "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize", "evaluate",
-            "export", "flops", "launch", "loss", "metrics", "modeling", "names", "samples", "schedule", "tracking",
-            "ulysses"},
+            "export", "flops", "launch", "loss", "metrics", "modeling", "names", "objectives", "samples", "schedule",
+            "tracking", "ulysses"},
     "train": {"best", "checkpoint", "checks", "chunked", "config", "evaluate", "export", "job", "loss", "metrics",
               "portable", "samples", "signals", "tracking", "ulysses"},
     "cli": {"assets", "checkpoint", "config", "data.read", "data.tokenize", "launch", "logs", "modeling", "signals",

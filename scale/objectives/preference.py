@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -320,6 +320,9 @@ class PreferenceObjective:
     reference: str = "adapter"
     padding_side: str = "left"
 
+    #: what :meth:`metrics` returns, in order (the meter logs ``train/<name>``)
+    metric_names: ClassVar[tuple[str, ...]] = METRICS
+
     @classmethod
     def from_config(cls, cfg: Any) -> PreferenceObjective:
         """From the ``loss`` section (``loss.objective`` one of :data:`OBJECTIVES`) and ``data.padding_side``."""
@@ -372,8 +375,15 @@ class PreferenceObjective:
                 "eval/pairs": n}
 
     def loss_step(self, model: torch.nn.Module, batch: dict[str, Tensor], weights: Tensor) -> Tensor:
-        """The micro-batch's loss numerator ``[]``: ``sum_p weights[p] x loss_p`` (no collectives)."""
-        return self.loss_and_metrics(model, batch, weights)[0]
+        """The micro-batch's loss numerator ``[]``: ``sum_p weights[p] x loss_p`` (no collectives); its metric sums
+        are kept for :meth:`metrics`."""
+        num, self._metrics = self.loss_and_metrics(model, batch, weights)
+        return num
+
+    def metrics(self) -> dict[str, Tensor]:
+        """The :data:`METRICS` sums (``[]`` each, under the pair weights) of the last :meth:`loss_step`: what the
+        loop's meter adds up and divides by the pairs of the log interval."""
+        return self._metrics
 
     def loss_and_metrics(self, model: torch.nn.Module, batch: dict[str, Tensor],
                          weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
