@@ -355,8 +355,8 @@ def setup(cfg: Config) -> Job:
             logger.info(packing_text(len(splits.train), bins, lengths, cfg.data.max_length, G))
         logger.info("per step: %s; rows: train=%d eval=%d format=%s; parameters: trainable=%d total=%d (%.3f%%)",
                     step_text(lengths, column(splits.train, "tail_len"), G * max(len(splits.task.sides), 1), bins),
-                    len(splits.train),
-                    len(splits.eval), splits.format, trainable, total, 100 * trainable / total)
+                    splits.stats["data/train_rows"], splits.stats["data/eval_rows"], splits.format, trainable, total,
+                    100 * trainable / total)
         log_data_stats(splits.stats, cfg.data)
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))
         for difference in differences_from_trl(cfg, min(warmup_steps(cfg.optim, max_steps), max_steps - 1)):
