@@ -40,7 +40,7 @@ from scale.data.read import DataError
 from scale.data.sequence import ShardCollator
 from scale.data.tasks.base import Task
 from scale.data.tasks.preference import PairCollator, PairedExamples
-from scale.data.token_table import column, longest_first
+from scale.data.token_table import Reordered, column, longest_first
 from scale.data.tokenize import Splits, removed_lines, show_example, show_legend, stats_line
 from scale.export import serving_tokenizer
 from scale.evaluate import metric_names
@@ -128,7 +128,8 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_s
         train_dl = DataLoader(train, batch_size=t.micro_batch_size, shuffle=True, collate_fn=train_collate,
                               generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
     # Evaluation order does not change its sums; longest first keeps padding (and peak memory) low.
-    eval_dl = DataLoader(PairedExamples(splits.eval) if pairs else longest_first(splits.eval),  # a view of a cached split
+    held = longest_pairs_first(splits.eval) if pairs else longest_first(splits.eval)  # a view of a cached split
+    eval_dl = DataLoader(held,
                          batch_size=t.eval_micro_batch_size, shuffle=False,
                          collate_fn=PairCollator(collate) if pairs else collate, num_workers=cfg.data.num_workers)
     return train_dl, eval_dl
@@ -145,8 +146,18 @@ def paired(cfg: Config, train: Any, sequence: Any, collate: Any) -> tuple[Paired
         raise ConfigError("loss.objective/data.format=preference trains pairs, which data.packing and "
                           "train.sequence_parallel_size > 1 do not handle yet; use data.padding_free=true (no padding) "
                           "or padded batches")
-    lengths = column(train, "length")  # per-example, no token read: sides 2p and 2p + 1
-    return PairedExamples(train), np.maximum(lengths[0::2], lengths[1::2]).tolist(), PairCollator(collate)
+    return PairedExamples(train), pair_lengths(train).tolist(), PairCollator(collate)
+
+
+def pair_lengths(examples: Any) -> np.ndarray:
+    """``[pairs]`` tokens of each pair's longer side (per-example lengths, no token read: sides 2p and 2p + 1)."""
+    lengths = column(examples, "length")
+    return np.maximum(lengths[0::2], lengths[1::2])
+
+
+def longest_pairs_first(examples: Any) -> Reordered:
+    """A preference split's pairs, longest first (the evaluation order: least padding, as for rows)."""
+    return Reordered(PairedExamples(examples), np.argsort(-pair_lengths(examples), kind="stable"))
 
 
 # The message part of a start-up line: the CLI's timestamp, level, logger name and rank prefix take up to ~60 of the
@@ -528,7 +539,8 @@ def precompute_references(acc: Accelerator, cfg: Config, model: torch.nn.Module,
             logger.info("reference pass: %d train and %d eval pairs (loss.reference=precomputed) -> %s",
                         len(refs["train"]) // 2, len(refs["eval"]) // 2, path)
     for dl, name in zip(loaders, ("train", "eval")):
-        dl.dataset.ref_logps = stored[name]
+        pairs = dl.dataset.base if isinstance(dl.dataset, Reordered) else dl.dataset  # the eval split's order is a view
+        pairs.ref_logps = stored[name]
 
 
 def check_objective(cfg: Config, splits: Splits, spec: Any) -> None:
