@@ -229,9 +229,10 @@ class Preference(Task):
         for k in {k for c in counts for k in c}:
             if max(c.get(k, 0) for c in counts):
                 b.count(k, max(c.get(k, 0) for c in counts))
-        del b.dropped[dropped:]
+        infos = b.drop_info[dropped:]
+        del b.dropped[dropped:], b.drop_info[dropped:]
         if any(e is None for e in got):
-            b.dropped.append(i)
+            b.drop(i, *max(infos))  # once per pair: the longer side's length and the setting that dropped it
             return None
         return got
 
