@@ -169,7 +169,8 @@ def prepare_chatterbot_preference() -> Path:
             other_user, other = exchanges[rng.randrange(len(exchanges))]
             if other_user != user and other not in answers_of[user]:
                 break
-        rows.append({"prompt": [{"role": "user", "content": user}], "chosen": [{"role": "assistant", "content": answer}],
+        rows.append({"prompt": [{"role": "user", "content": user}],
+                     "chosen": [{"role": "assistant", "content": answer}],
                      "rejected": [{"role": "assistant", "content": other}]})
     write_text_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     logger.info("prepared %d preference pairs at %s", len(rows), out)

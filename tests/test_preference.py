@@ -61,7 +61,8 @@ def test_text_pairs_explicit_and_implicit_prompt(tmp_path, tokenizer):
     """Explicit prompt: the prompt's tokens then each completion's + EOS (as prompt_completion encodes a row);
     implicit: the prompt is the common start (a space before the first difference goes to the completions)."""
     eos = tokenizer.eos_token_id
-    ex = _pairs(tmp_path, tokenizer, [TEXT_PAIRS[0], {"chosen": "Q: sun? It is hot.", "rejected": "Q: sun? It is cold."}])
+    implicit = {"chosen": "Q: sun? It is hot.", "rejected": "Q: sun? It is cold."}
+    ex = _pairs(tmp_path, tokenizer, [TEXT_PAIRS[0], implicit])
     assert [e.row for e in ex] == [0, 0, 1, 1]
     prompt = _enc(tokenizer, TEXT_PAIRS[0]["prompt"])
     for e, side in zip(ex[:2], ("chosen", "rejected")):
@@ -99,7 +100,8 @@ def test_message_pairs_explicit_implicit_and_tools(tmp_path, tokenizer):
     ({"prompt": "Q?", "chosen": " A.", "rejected": [_bot("B.")]}, "both sides are text or both are lists"),
     ({"chosen": [SYSTEM, _user("Hi"), _bot("A.")], "rejected": [SYSTEM, _user("Hello"), _bot("B.")]},
      "the prompts of chosen and rejected differ"),
-    ({"chosen": [_user("Hi"), _bot("A.")], "rejected": [_user("Hello"), _bot("B.")]}, "the conversations have no prompt"),
+    ({"chosen": [_user("Hi"), _bot("A.")], "rejected": [_user("Hello"), _bot("B.")]},
+     "the conversations have no prompt"),
     ({"chosen": "Same start A.", "rejected": "Other start B."}, "the pair has no prompt"),
 ])
 def test_bad_pairs_name_the_row(tmp_path, row, words):

@@ -6,13 +6,18 @@ Every objective here reads one number per side: the side's *summed tail log-prob
 ``logp(y | x) = sum_t log pi(y_t | x, y_<t)`` over its trained tail tokens (:func:`side_logps`), and its tail length
 ``|y|``. Shapes: ``P`` pairs; ``[P]`` per pair; logps in nats.
 
-| ``loss.objective`` | per-pair loss (``beta`` = ``loss.beta``, ``eps`` = ``loss.label_smoothing``) | source |
-|---|---|---|
-| ``dpo``, ``loss.dpo_loss: sigmoid`` | ``-(1-eps) log s(beta h) - eps log s(-beta h)``, ``h = (lc - rc) - (lr - rr)`` | Rafailov et al. 2023, eq. 7 (arXiv:2305.18290); TRL ``DPOTrainer`` ``sigmoid``; ``eps``: conservative DPO (Mitchell 2023), as TRL's ``CPOTrainer`` smooths |
-| ``dpo``, ``ipo`` | ``(hc / |yc| - hr / |yr| - 1 / (2 beta))^2``, ``hc = lc - rc`` | Azar et al. 2023, eq. 17 (arXiv:2310.12036); per-token normalisation as TRL's ``DPOTrainer`` (confirmed with the IPO authors there) |
-| ``dpo``, ``hinge`` | ``max(0, 1 - beta h)`` | SLiC, Zhao et al. 2023 (arXiv:2305.10425); TRL ``DPOTrainer`` ``hinge`` |
-| ``simpo`` | ``-(1-eps) log s(beta (lc/|yc| - lr/|yr|) - gamma) - eps log s(-(...))`` | Meng et al. 2024, eq. 6 (arXiv:2405.14734); TRL ``CPOTrainer`` ``loss_type=simpo`` with ``cpo_alpha=0`` |
-| ``orpo`` | ``-lc/|yc| - beta log s(log odds(yc) - log odds(yr))``, ``odds(y) = p/(1-p)``, ``p = exp(l/|y|)`` | Hong et al. 2024, eqs. 6-7 (arXiv:2403.07691); TRL ``ORPOTrainer.odds_ratio_loss`` |
+The per-pair losses (``beta`` = ``loss.beta``, ``eps`` = ``loss.label_smoothing``, ``gamma`` = ``loss.simpo_gamma``):
+
+- ``dpo``, ``loss.dpo_loss: sigmoid``: ``-(1-eps) log s(beta h) - eps log s(-beta h)``, ``h = (lc - rc) - (lr - rr)``.
+  Rafailov et al. 2023, eq. 7 (arXiv:2305.18290); TRL ``DPOTrainer`` ``sigmoid``; ``eps``: conservative DPO
+  (Mitchell 2023), smoothed as TRL's ``CPOTrainer`` does.
+- ``dpo``, ``ipo``: ``((lc - rc)/|yc| - (lr - rr)/|yr| - 1/(2 beta))^2``. Azar et al. 2023, eq. 17
+  (arXiv:2310.12036); per token as TRL's ``DPOTrainer`` (a normalisation confirmed with the IPO authors there).
+- ``dpo``, ``hinge``: ``max(0, 1 - beta h)``. SLiC, Zhao et al. 2023 (arXiv:2305.10425); TRL ``hinge``.
+- ``simpo``: ``-(1-eps) log s(beta (lc/|yc| - lr/|yr|) - gamma) - eps log s(-(...))``. Meng et al. 2024, eq. 6
+  (arXiv:2405.14734); TRL ``CPOTrainer`` ``loss_type=simpo`` with ``cpo_alpha=0``.
+- ``orpo``: ``-lc/|yc| - beta log s(log odds(yc) - log odds(yr))``, ``odds = p/(1-p)``, ``p = exp(l/|y|)``.
+  Hong et al. 2024, eqs. 6-7 (arXiv:2403.07691); TRL ``ORPOTrainer.odds_ratio_loss``.
 
 (``lc``/``lr``: policy logps of chosen/rejected; ``rc``/``rr``: the reference model's; ``s``: the logistic sigmoid.)
 
