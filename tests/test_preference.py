@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from scale.config import DataConfig, LoraConfig, LossConfig, ModelConfig
+from scale.schema import DataConfig, LoraConfig, LossConfig, ModelConfig
 from scale.data import Collator, DataError, PaddingFreeCollator, load_rows, tokenize_rows
 from scale.data.tasks.preference import PairCollator, PairedExamples
 from scale.modeling import add_lora, load_adapter, load_base

@@ -41,7 +41,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from scale.config import DataConfig, LossConfig
+from scale.schema import DataConfig, LossConfig
 from scale.data.read import DataError
 from scale.data.tasks.base import Builder, Example, Task, encode
 from scale.data.tasks.messages import COUNTS, Messages, _tools, read_messages
