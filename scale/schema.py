@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from scale.validation import ConfigError, get_key, validate  # noqa: F401 - ConfigError, get_key: importable from here
+from scale.validation import validate
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -194,6 +194,9 @@ class DataConfig:
 class LossConfig:
     """The tail loss: cross-entropy over the last `threshold` real tokens of each row."""
 
+    objective: str = _f("sft", "What the run minimizes (scale.objectives): sft: the tail loss below (cross-entropy "
+                               "over each row's trained tokens) | dpo | simpo | orpo: preference pairs "
+                               "(data.format=preference; each pair counts once in the step's mean).")
     threshold: int | str = _f(2, "text format: tail length (tokens): CE over the last `threshold` real tokens of "
                                  "each row; all: every token after the first (the whole row, as TRL's "
                                  "dataset_text_field and axolotl's completion type train).")
@@ -208,8 +211,6 @@ class LossConfig:
                                        "CE, one chunk at a time: never fp32 [B, N, V]); 0: unchunked; auto: "
                                        "chunks of <= 64 MiB fp32 logits once a micro-batch's [B, N, V] fp32 "
                                        "logits would exceed 256 MiB.")
-    objective: str = _f("sft", "What is trained: sft (the tail loss) | dpo | simpo | orpo (preference pairs: "
-                               "data.format=preference; each pair counts once in the step's mean).")
     dpo_loss: str = _f("sigmoid", "objective=dpo: sigmoid (DPO) | ipo (length-normalised, IPO) | hinge (SLiC).")
     beta: float = _f(0.1, "Preference objectives: DPO's beta (IPO's tau), SimPO's beta (its paper: 2 to 2.5), "
                           "ORPO's lambda (weight of the odds-ratio term).")

@@ -44,7 +44,8 @@ from torch import Tensor
 from scale.schema import DataConfig, LossConfig
 from scale.data.read import DataError
 from scale.data.tasks.base import Builder, Example, Task, encode
-from scale.data.tasks.messages import COUNTS, Messages, _tools, read_messages
+from scale.data.tasks.chat_rows import read_messages, read_tools
+from scale.data.tasks.messages import COUNTS, Messages
 
 SIDES = ("chosen", "rejected")
 
@@ -156,7 +157,7 @@ class Preference(Task):
         out = {"prompt": read_messages(prompt + chosen, cfg.chosen_column, i, path)[:len(prompt)],
                "chosen": read_messages(prompt + chosen, cfg.chosen_column, i, path)[len(prompt):],
                "rejected": read_messages(prompt + rejected, cfg.rejected_column, i, path)[len(prompt):]}
-        return {**out, **_tools(raw, cfg, i, path)}
+        return {**out, **read_tools(raw, cfg, i, path)}
 
     def prepare(self, tokenizer: Any, data_cfg: DataConfig, loss_cfg: LossConfig) -> None:
         """Prepare the chat task that renders conversational pairs, when there is a chat template (its text enters
