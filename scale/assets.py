@@ -11,6 +11,10 @@
   dialog corpus (``chatterbot_corpus/data/english/*.yml``: trivia, tech support, AI, emotions, history, ...).
   Each conversation is a list of utterances, each answering the one before; it becomes a ``messages`` row
   with alternating ``user``/``assistant`` turns, cut to end with an assistant turn (2,025 rows, 897 distinct).
+- ``chatterbot-preference``: preference pairs *built* from ``chatterbot-english`` (not human preference labels):
+  each distinct first exchange (a user utterance and the corpus's answer to it) is a pair whose ``chosen`` is the
+  corpus answer and whose ``rejected`` is the answer of another conversation, drawn with a fixed seed among the
+  answers to other user utterances. What a model learns from them is to prefer an answer that fits the question.
 
 Wheels are fetched with ``pip download --no-deps`` and checked by sha256. The cache lives in
 ``$SCALE_CACHE`` or ``~/.cache/scale``; every file is written to a temporary name and renamed, so an
@@ -135,6 +139,44 @@ def prepare_chatterbot_english() -> Path:
     return out
 
 
+def prepare_chatterbot_preference() -> Path:
+    """Write preference pairs built from the embedded dialog corpus as ``chatterbot_preference.jsonl``
+    (``preference``: ``prompt``/``chosen``/``rejected`` as message lists); return its path.
+
+    Each distinct first exchange (user utterance, answer) of :func:`prepare_chatterbot_english`'s rows, in file
+    order, is one pair: ``chosen`` the corpus answer, ``rejected`` an answer drawn (``random.Random(0)``) from the
+    exchanges whose user utterance differs and whose answer is not one the corpus gives to this utterance. Built
+    data, stated as such: the "rejected" answers are well-formed but off-topic, not human-judged worse answers.
+    """
+    import random
+
+    out = cache_dir() / "data" / "chatterbot_preference.jsonl"
+    if out.exists():
+        return out
+    exchanges, seen = [], set()
+    with open(prepare_chatterbot_english(), encoding="utf-8") as f:
+        for line in f:
+            user, answer = (m["content"] for m in json.loads(line)["messages"][:2])
+            if (user, answer) not in seen and user.strip() and answer.strip():
+                seen.add((user, answer))
+                exchanges.append((user, answer))
+    answers_of: dict[str, set[str]] = {}
+    for user, answer in exchanges:
+        answers_of.setdefault(user, set()).add(answer)
+    rng, rows = random.Random(0), []
+    for user, answer in exchanges:
+        while True:
+            other_user, other = exchanges[rng.randrange(len(exchanges))]
+            if other_user != user and other not in answers_of[user]:
+                break
+        rows.append({"prompt": [{"role": "user", "content": user}],
+                     "chosen": [{"role": "assistant", "content": answer}],
+                     "rejected": [{"role": "assistant", "content": other}]})
+    write_text_atomic(out, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    logger.info("prepared %d preference pairs at %s", len(rows), out)
+    return out
+
+
 def prepare_smollm2() -> Path:
     """Convert the wheel's SmolLM2-135M-Instruct GGUF to a plain HF directory once; return the directory.
 
@@ -207,7 +249,8 @@ def resolve_model(name_or_path: str) -> str:
         return str(prepare_smollm2())
 
 
-DATASETS = {"rotten-tomatoes": prepare_rotten_tomatoes, "chatterbot-english": prepare_chatterbot_english}
+DATASETS = {"rotten-tomatoes": prepare_rotten_tomatoes, "chatterbot-english": prepare_chatterbot_english,
+            "chatterbot-preference": prepare_chatterbot_preference}
 
 
 def resolve_data(path: str) -> str:

@@ -345,9 +345,11 @@ def show_rows(cfg: Any, n: int) -> None:
     sys.stdout.write(f"format={splits.format}; {show_legend()}\ndata: {stats_line(splits.stats)}\n")
     for line in removed_lines(splits.stats, cfg.data):
         sys.stdout.write(f"data: {line}\n")
-    for e in splits.train[:n]:
+    sides = splits.task.sides  # a preference pair is two examples: both are shown, named
+    for k, e in enumerate(splits.train[:n * max(len(sides), 1)]):
         trained = sum(e.tail_flags())
-        sys.stdout.write(f"--- data-file row {e.row}: {len(e.input_ids)} tokens, {trained} trained\n"
+        side = f" ({sides[k % len(sides)]})" if sides else ""
+        sys.stdout.write(f"--- data-file row {e.row}{side}: {len(e.input_ids)} tokens, {trained} trained\n"
                          f"{show_example(tokenizer, e)}\n")
     sys.stdout.flush()
     if problem is not None:

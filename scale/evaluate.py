@@ -42,10 +42,27 @@ def _per_row_loss(tail_logits: Tensor, targets: Tensor, weights: Tensor, batch: 
     return num, den
 
 
+def _evaluate_pairs(net: torch.nn.Module, eval_dl: DataLoader, objective: Any, stop: Callable[[], bool] | None,
+                    gather: Callable[[Tensor], Tensor]) -> dict[str, float]:
+    """:func:`evaluate` for a pair objective: the table has one row per held-out pair (its loss and metrics,
+    :meth:`scale.objectives.preference.PreferenceObjective.eval_columns`), summed once on the host."""
+    rows = []
+    for batch in eval_dl:
+        cols = objective.eval_columns(net, batch).double()                      # [P, k]
+        flag = torch.full_like(cols[:, :1], float(stop is not None and stop()))
+        rows.append(gather(torch.cat([cols, flag], dim=1)))
+        if stop is not None and bool(rows[-1][:, -1].any()):  # host sync, only when a stop can be asked
+            raise EvalInterrupted("a stop was requested during evaluation")
+    table = torch.cat(rows).double()[:, :-1]
+    return objective.eval_summary(table.sum(0).tolist(), table.shape[0])  # host sync (eval only)
+
+
 def metric_names(task: Task, spec: LossSpec) -> set[str]:
     """The ``eval/*`` keys :func:`evaluate` returns with ``task`` (the split's prepared task), known before any
     evaluation (a ``train.keep_best`` metric is checked against them at start-up). A task's ``summary`` is
     arithmetic on the sums of its columns, so any sums give its keys."""
+    if hasattr(spec, "eval_summary"):
+        return set(spec.eval_summary([1.0] * 64, 1))
     return {"eval/loss", "eval/examples"} | set(task.summary([1.0] * 64, 1, spec))
 
 
@@ -77,6 +94,12 @@ def evaluate(acc: Accelerator, model: torch.nn.Module, eval_dl: DataLoader, spec
     model.eval()
     net = sequence.forward(model) if sequence is not None else model
     gather = (lambda t: sequence.gather_for_metrics(acc, t)) if sequence is not None else acc.gather_for_metrics
+    if hasattr(spec, "eval_columns"):  # a pair objective: one row per pair (what gather_for_metrics counts)
+        try:
+            return _evaluate_pairs(net, eval_dl, spec, stop, gather)
+        finally:
+            if was_training:
+                model.train()
     rows = []
     try:
         for batch in eval_dl:

@@ -34,6 +34,7 @@ from scale.parts.loaders import build_loaders, warn_larger_than_split
 from scale.parts.log import build_generation, build_log, pick_eval_samples
 from scale.parts.model import build_run_model, flops_shape
 from scale.parts.optimizer import make_optimizer
+from scale.parts.preference import check_objective, keep_reference, precompute_references
 from scale.parts.resume import resume_or_start
 from scale.precision import resolve_peak_flops
 from scale.samples import Generation
@@ -85,6 +86,8 @@ def setup(cfg: Config) -> Job:
     loaders = build_loaders(launch, cfg, data.splits, data.tokenizer.pad_token_id)
     check_type_weights(cfg, data.splits)
     objective = build_objective(cfg)
+    check_objective(cfg, data.splits, objective)
+    keep_reference(cfg, model, objective)  # model.adapter under DPO: its frozen copy is the reference
     samples = pick_eval_samples(cfg, data.splits, objective)  # checks train.keep_best before step 1
     warn_larger_than_split(launch, cfg, loaders)
     clear_previous_run(acc, cfg, launch.resume)  # collective; train.overwrite_output_dir=true: the old run goes
@@ -97,6 +100,8 @@ def setup(cfg: Config) -> Job:
     shape = flops_shape(model)  # before prepare: acc.unwrap_model imports deepspeed whenever it is installed
     model, optimizer, train_dl, eval_dl = prepare(launch, cfg, model, optimizer, scheduler, loaders.train,
                                                   loaders.eval)  # collective
+    precompute_references(acc, cfg, model, objective, data.splits, data.tokenizer.pad_token_id,
+                          [train_dl, eval_dl])  # collective; loss.reference=precomputed only
     counts = parameter_counts(model)  # (trainable, total)
     report_start(launch, cfg, data, loaders, model, cpu_paths, max_steps, counts)
     state = resume_or_start(launch, cfg, data, model, optimizer, scheduler)  # collective

@@ -62,8 +62,11 @@ class StepMeter:
     KEYS = ("loss_num", "loss_den", "tokens", "tail_tokens", "samples", "flops", "positions")
 
     def __init__(self, device: torch.device, flops_fn: Callable[[int, int], float] | None = None,
-                 peak_flops: float | None = None, max_seq_len: int = 0, sequence_parallel_size: int = 1) -> None:
+                 peak_flops: float | None = None, max_seq_len: int = 0, sequence_parallel_size: int = 1,
+                 term_names: tuple[str, ...] = ()) -> None:
         self.device = device
+        self.term_names = tuple(term_names)  # an objective's metrics (train/<name>), summed like the loss
+        self.terms = torch.zeros(len(self.term_names), dtype=torch.float64, device=device)
         self.sp = sequence_parallel_size
         self.flops_fn = flops_fn
         self.peak_flops = peak_flops
@@ -78,12 +81,16 @@ class StepMeter:
         self.paused_s = 0.0  # evaluation and checkpoints inside the interval: not training time
 
     def add_micro(self, loss_num: torch.Tensor, loss_den: torch.Tensor, batch: dict[str, torch.Tensor],
-                  threshold: int | None = None) -> None:
-        """Add one micro-batch: its loss numerator/denominator and its token/sample/FLOP counts.
+                  terms: dict[str, torch.Tensor] | None = None, threshold: int | None = None) -> None:
+        """Add one micro-batch: its loss numerator/denominator, its token/sample/FLOP counts and an objective's
+        metric sums (``terms``: ``[]`` each, under the same weights as the loss: :meth:`flush` reports
+        ``train/<name>`` as their sum over the interval divided by the loss denominator's).
 
         Tail tokens are counted from ``batch["tail_mask"]`` (tails differ per row); ``threshold`` only for a
         batch without one.
         """
+        if terms:
+            self.terms += torch.stack([terms[k].detach().double() for k in self.term_names]).to(self.device)
         if "shard_index" in batch:  # one rank's shard of sequence-parallel rows (scale.data.sequence.shard_rows)
             rows, C = batch["input_ids"].shape
             n_rows = batch["row_lens"].shape[0] * batch["sp_first"].double()  # counted once per group
@@ -121,7 +128,8 @@ class StepMeter:
         the interval's micro-batches; ``train/mfu`` (a fraction) needs ``flops_fn`` and ``peak_flops``.
         Collective: every rank must call it at the same step.
         """
-        totals = acc.reduce(self.sums.clone(), reduction="sum")  # collective: every rank must reach this
+        totals = acc.reduce(torch.cat([self.sums, self.terms]), reduction="sum")  # collective: every rank
+        terms, totals = totals[len(self.KEYS):].tolist(), totals[:len(self.KEYS)]  # host sync (log only)
         peak = acc.gather(torch.tensor([peak_memory_gib(self.device)], device=self.device)).max()  # collective
         grad_norm = float(self.grad_norm)  # host sync (log interval only)
         loss_num, loss_den, tokens, tail_tokens, samples, flops, positions = totals.tolist()  # host sync (log only)
@@ -143,9 +151,12 @@ class StepMeter:
             out["train/mfu"] = flops / elapsed / (self.peak_flops * acc.num_processes)
         if acc.scaler is not None:  # fp16 loss scaling
             out["train/loss_scale"] = float(acc.scaler.get_scale())
+        if loss_den > 0:
+            out.update({f"train/{k}": v / loss_den for k, v in zip(self.term_names, terms)})
         if out["train/loss"] is None:
             del out["train/loss"]
         self.sums.zero_()
+        self.terms.zero_()
         self.steps = 0
         self.data_s = 0.0
         self.paused_s = 0.0

@@ -315,8 +315,46 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, vocab_size: int, s
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = add_lora(base, model_cfg, lora_cfg)
+    if model_cfg.adapter is not None:
+        load_adapter(model, model_cfg.adapter, lora_cfg)
     model.train()
     return model
+
+
+def load_adapter(model: torch.nn.Module, path: str, lora_cfg: LoraConfig) -> None:
+    """Load a saved peft adapter's weights (``adapter_model.safetensors`` of ``path``) into ``model``'s ``default``
+    adapter (``model.adapter``: continue an SFT run's adapter).
+
+    Raises:
+        ValueError: ``path`` holds no adapter, its rank/alpha/targets differ from ``lora.*`` (named), or its
+            weights do not fit the model (missing or unexpected LoRA tensors).
+    """
+    import json
+
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+
+    config_file = Path(path) / "adapter_config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model.adapter={path} holds no adapter_config.json; point it at a saved peft adapter "
+                         f"directory (an SFT run's <output_dir>/adapter)")
+    saved = json.loads(config_file.read_text(encoding="utf-8"))
+    targets = lora_cfg.target_modules if isinstance(lora_cfg.target_modules, str) else sorted(lora_cfg.target_modules)
+    saved_targets = saved.get("target_modules")
+    saved_targets = saved_targets if isinstance(saved_targets, str) else sorted(saved_targets or [])
+    wanted = {"lora.r": (lora_cfg.r, saved.get("r")), "lora.alpha": (lora_cfg.alpha, saved.get("lora_alpha"))}
+    for key, (ours, theirs) in wanted.items():
+        if theirs is not None and float(ours) != float(theirs):
+            raise ValueError(f"model.adapter={path} was saved with {key}={theirs}, this run has {key}={ours}; set "
+                             f"{key}={theirs}")
+    if targets != "all-linear" and saved_targets != targets:
+        raise ValueError(f"model.adapter={path} adapts {saved_targets}, lora.target_modules is {targets}; set "
+                         f"lora.target_modules to the adapter's")
+    result = set_peft_model_state_dict(model, load_peft_weights(str(path)))
+    lora_keys = [k for k in model.state_dict() if "lora_" in k and ".default." in k]
+    if result.unexpected_keys or not lora_keys:
+        raise ValueError(f"model.adapter={path}: its tensors do not fit this model ({len(result.unexpected_keys)} "
+                         f"unexpected, e.g. {result.unexpected_keys[:2]}); was it trained on model.name_or_path?")
 
 
 def restore_inference_config(model: torch.nn.Module) -> None:

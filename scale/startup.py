@@ -134,8 +134,9 @@ def report_start(launch: Launch, cfg: Config, data: Data, loaders: Loaders, mode
     if bins is not None:
         logger.info(packing_text(len(splits.train), bins, lengths, cfg.data.max_length, G))
     logger.info("per step: %s; rows: train=%d eval=%d format=%s; parameters: trainable=%d total=%d (%.3f%%)",
-                step_text(lengths, column(splits.train, "tail_len"), G, bins), len(splits.train),
-                len(splits.eval), splits.format, trainable, total, 100 * trainable / total)
+                step_text(lengths, column(splits.train, "tail_len"), G * max(len(splits.task.sides), 1), bins),
+                splits.stats["data/train_rows"], splits.stats["data/eval_rows"], splits.format, trainable, total,
+                100 * trainable / total)
     log_data_stats(splits.stats, cfg.data)
     logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(data.tokenizer, splits.train[0]))
     for difference in differences_from_trl(cfg, min(warmup_steps(cfg.optim, max_steps), max_steps - 1)):

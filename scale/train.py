@@ -74,7 +74,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     if preemption is not None:
         preemption.defer()  # until here a signal stopped the start-up at once; now it ends an optimizer step
     meter = StepMeter(acc.device, job.flops_fn, job.peak_flops, cfg.data.max_length,
-                      job.plan.sequence_parallel_size)  # after the step-0 eval
+                      job.plan.sequence_parallel_size, getattr(job.objective, "metric_names", ()))  # after step-0 eval
     pbar = Progress(job.max_steps, state.step, acc.is_local_main_process)  # a bar, or lines in a log file
     timer = SaveTimer(t.save_every_minutes)
     if state.eval_pending:  # resumed from a checkpoint whose evaluation a signal cut short: that evaluation first
@@ -206,13 +206,14 @@ def train_window(job: Job, window: Window, meter: StepMeter) -> None:
     ga, avg = job.cfg.train.gradient_accumulation_steps, job.plan.gradient_average_size
     max_norm = job.cfg.optim.max_grad_norm if job.cfg.optim.max_grad_norm is not None else math.inf
     sync_on_last_micro_batch(acc, len(window.micro))
-    nums, finite = [], True
+    nums, kept, finite = [], [], True
     for mb in window.micro:
         # Under sequence parallelism the attention joins the group's shards, in forward and in the backward's
         # recomputation (checkpointing) alike: every rank of the group runs the same micro-batches.
         with acc.accumulate(job.model), (sharded() if job.sequence else contextlib.nullcontext()):
             num = job.objective.loss_step(job.model, mb.batch, mb.weights)
             nums.append(num.detach())
+            kept.append(job.objective.metrics() if hasattr(job.objective, "metrics") else None)  # e.g. DPO rewards
             # backward() divides by GA, and DDP/ZeRO divide the gradient summed over the ranks by the world size
             # (ZeRO-1/2 under sequence parallelism by the data-parallel degree: ModePlan.gradient_average_size);
             # undo both so the update is sum(weighted token CE) / den for the whole window on every rank (the
@@ -230,9 +231,9 @@ def train_window(job: Job, window: Window, meter: StepMeter) -> None:
     if not finite:
         state.skipped_steps += 1
         return
-    for mb, num in zip(window.micro, nums):
+    for mb, num, terms in zip(window.micro, nums, kept):
         if mb.real:
-            meter.add_micro(num, mb.weights.sum(), mb.batch)
+            meter.add_micro(num, mb.weights.sum(), mb.batch, terms)
 
 
 def sync_on_last_micro_batch(acc: Accelerator, n_micro: int) -> None:

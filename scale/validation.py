@@ -32,9 +32,11 @@ _CHOICES = {
     "data.truncation": ("keep_end", "drop"),
     "model.gradient_checkpointing": (True, False, "every_n", "offload"),
     "model.attn_implementation": (None, "sdpa", "eager", "flash_attention_2", "flex_attention"),
-    "data.format": ("auto", "text", "classification", "prompt_completion", "messages"),
+    "loss.objective": ("sft", "dpo", "simpo", "orpo"),  # what scale.objectives.build_objective builds
+    "loss.dpo_loss": ("sigmoid", "ipo", "hinge"),
+    "loss.reference": ("adapter", "precomputed"),
+    "data.format": ("auto", "text", "classification", "prompt_completion", "messages", "preference"),
     "data.stopping_strategy": ("first_exhausted", "all_exhausted"),
-    "loss.objective": ("sft",),  # what scale.objectives.build_objective builds
     "loss.criterion_mode": ("plain", "input"),
     "loss.fused": (None, "liger"),
     "optim.name": ("adamw", "sgd"),
@@ -66,6 +68,7 @@ def validate(cfg: Any) -> None:
     if cfg.data.num_proc is not None and cfg.data.num_proc < 1:
         raise ConfigError(f"data.num_proc={cfg.data.num_proc} must be >= 1, or null for the CPUs this process may use")
     _validate_datasets(cfg.data)
+    _validate_preference(cfg)
     if cfg.train.eval_every < 0:
         raise ConfigError("train.eval_every must be >= 0 (0 evaluates only at step 0 and the end)")
     if cfg.train.save_every < 0:
@@ -223,3 +226,18 @@ def _validate_length(t: Any) -> None:  # a TrainConfig
     for key, value in (("train.max_steps", t.max_steps), ("train.num_epochs", t.num_epochs)):
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+
+
+def _validate_preference(cfg: Any) -> None:
+    """The preference objectives' numbers, and their data format."""
+    loss = cfg.loss
+    if loss.objective == "sft":
+        return
+    if not loss.beta > 0:
+        raise ConfigError(f"loss.beta={loss.beta} must be > 0 (DPO's usual 0.1; SimPO's 2 to 2.5)")
+    if not 0 <= loss.label_smoothing < 0.5:
+        raise ConfigError(f"loss.label_smoothing={loss.label_smoothing} must be in [0, 0.5): the probability that a "
+                          f"pair's preference is flipped")
+    if cfg.data.format not in ("auto", "preference"):
+        raise ConfigError(f"loss.objective={loss.objective} trains preference pairs; data.format={cfg.data.format} "
+                          f"has none: set data.format=preference (or auto)")

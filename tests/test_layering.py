@@ -76,7 +76,7 @@ ALLOWED: dict[str, set[str]] = {
                 "schedule", "schema"},  # the start-up lines
     # scale/parts/: each part of a run builds itself (launch, data, model, loaders, ...)
     "parts": {"assets", "attention", "best", "checkpoint", "collective", "cpu_bf16", "data.cache", "data.collate",
-              "data.mixing", "data.order", "data.read", "data.sequence", "data.token_table", "data.tokenize",
+              "data.mixing", "data.order", "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize",
               "evaluate", "export", "flops", "launch", "metrics", "modeling", "objectives", "precision", "samples",
               "schedule", "schema", "state", "tracking", "ulysses", "validation"},
     "windows": {"loss", "objectives", "signals", "state"},  # accumulation windows: one all-gather per optimizer step

@@ -180,7 +180,9 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
         raise DataError(emptied_split("train", builder.drop_info[:train_drops], data_cfg))
     if not held:
         raise DataError(emptied_split("eval", builder.drop_info[train_drops:], data_cfg))
-    stats = {"data/train_rows": len(train), "data/eval_rows": len(held), "data/duplicates_removed": mix.removed,
+    per_row = max(len(task.sides), 1)  # a preference row (a pair) is two examples: rows are counted as rows
+    stats = {"data/train_rows": len(train) // per_row, "data/eval_rows": len(held) // per_row,
+             "data/duplicates_removed": mix.removed,
              "data/eval_rows_in_train": overlap, "data/dropped_long_rows": len(builder.dropped),
              # a mixture, per source: rows read, train rows mixed in, eval rows, rows dropped
              **mix.stats, **dropped_per_source(builder.notes, mix.names)}

@@ -10,12 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from scale.objectives.base import Objective
+from scale.objectives.preference import PreferenceObjective
 from scale.objectives.tail import LossSpec
 from scale.schema import Config
 from scale.validation import ConfigError
 
 OBJECTIVES: dict[str, Callable[[Config], Objective]] = {
     "sft": LossSpec.from_config,  # cross-entropy over each row's tail (scale.objectives.tail)
+    "dpo": PreferenceObjective.from_config,  # preference pairs (scale.objectives.preference): sigmoid | ipo | hinge
+    "simpo": PreferenceObjective.from_config,  # reference-free, per-token logps with a target margin
+    "orpo": PreferenceObjective.from_config,  # the chosen NLL + the odds-ratio term, reference-free
 }
 
 

@@ -5,7 +5,9 @@ for sequence parallelism as the config says) and the eval loader, and what one o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
@@ -14,12 +16,14 @@ from scale.data.collate import Collator, PackedCollator, PaddingFreeCollator
 from scale.data.order import LengthGroupedSampler, PackedRows, pack_bfd
 from scale.data.read import DataError
 from scale.data.sequence import ShardCollator
-from scale.data.token_table import column, longest_first
+from scale.data.tasks.preference import PairCollator, PairedExamples
+from scale.data.token_table import Reordered, column, longest_first
 from scale.data.tokenize import Splits
 from scale.parts.launch import Launch
 from scale.schedule import steps_for_epochs
 from scale.schema import Config
 from scale.ulysses import SequenceParallel
+from scale.validation import ConfigError
 
 logger = get_logger(__name__)
 
@@ -103,6 +107,9 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_s
     if sequence is not None:
         train_collate = ShardCollator(sequence.rank, sequence.size, pad_token_id,
                                       one_row=cfg.data.packing or cfg.data.padding_free)
+    pairs = bool(splits.task.sides)  # preference: a pair is one item, its sides adjacent rows of a micro-batch
+    if pairs:
+        train, lengths, train_collate = paired(cfg, splits.train, sequence, train_collate)
     if cfg.data.group_by_length:
         sampler = LengthGroupedSampler(lengths, t.global_batch_size(data_parallel_size), cfg.data.mega_batch_steps,
                                        t.seed)
@@ -114,7 +121,32 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_s
         train_dl = DataLoader(train, batch_size=t.micro_batch_size, shuffle=True, collate_fn=train_collate,
                               generator=torch.Generator().manual_seed(t.seed), num_workers=cfg.data.num_workers)
     # Evaluation order does not change its sums; longest first keeps padding (and peak memory) low.
-    eval_dl = DataLoader(longest_first(splits.eval),  # a view of a cached split
-                         batch_size=t.eval_micro_batch_size, shuffle=False, collate_fn=collate,
-                         num_workers=cfg.data.num_workers)
+    held = longest_pairs_first(splits.eval) if pairs else longest_first(splits.eval)  # a view of a cached split
+    eval_dl = DataLoader(held, batch_size=t.eval_micro_batch_size, shuffle=False,
+                         collate_fn=PairCollator(collate) if pairs else collate, num_workers=cfg.data.num_workers)
     return train_dl, eval_dl
+
+
+def paired(cfg: Config, train: Any, sequence: Any, collate: Any) -> tuple[PairedExamples, list[int], PairCollator]:
+    """A preference split as the loader's items: its pairs (:class:`PairedExamples`), each pair's longer side's
+    length (what length grouping sorts by) and the collator that lays a micro-batch of pairs out as rows.
+
+    Raises:
+        ConfigError: ``data.packing`` or sequence parallelism (not built for pairs yet).
+    """
+    if cfg.data.packing or sequence is not None:
+        raise ConfigError("loss.objective/data.format=preference trains pairs, which data.packing and "
+                          "train.sequence_parallel_size > 1 do not handle yet; use data.padding_free=true (no padding) "
+                          "or padded batches")
+    return PairedExamples(train), pair_lengths(train).tolist(), PairCollator(collate)
+
+
+def pair_lengths(examples: Any) -> np.ndarray:
+    """``[pairs]`` tokens of each pair's longer side (per-example lengths, no token read: sides 2p and 2p + 1)."""
+    lengths = column(examples, "length")
+    return np.maximum(lengths[0::2], lengths[1::2])
+
+
+def longest_pairs_first(examples: Any) -> Reordered:
+    """A preference split's pairs, longest first (the evaluation order: least padding, as for rows)."""
+    return Reordered(PairedExamples(examples), np.argsort(-pair_lengths(examples), kind="stable"))

@@ -6,6 +6,7 @@
 | ``classification`` | ``text``, ``label`` (one of ``data.labels``) | the label's tokens + EOS |
 | ``prompt_completion`` | ``prompt``, ``completion`` (text; lists of messages: a chat) | the completion's tokens + EOS |
 | ``messages`` | ``messages`` (list of ``{role, content, ...}``), optional ``tools`` | every assistant turn (``data.train_on``) |
+| ``preference`` | ``chosen``, ``rejected`` (text; lists of messages), optional ``prompt``, ``tools`` | each side's completion + end-of-turn: a pair is two examples |
 
 The format is ``data.format``, or (``auto``) the first of :data:`TASKS` (in order) whose columns the file has;
 the last one is the fallback and is detected only when no column is left over. Column names come from
@@ -19,12 +20,13 @@ from typing import Any
 
 from scale.data.read import DataError, integer_cell, with_line
 from scale.data.sources import read_source
-from scale.data.tasks import classification, messages, prompt_completion, text
+from scale.data.tasks import classification, messages, preference, prompt_completion, text
 from scale.data.tasks.base import Rows, Task
 from scale.schema import DataConfig
 
 # Detection order: the first whose columns the file has; the last is the fallback.
 TASKS: dict[str, type[Task]] = {
+    "preference": preference.Preference,
     "messages": messages.Messages,
     "prompt_completion": prompt_completion.PromptCompletion,
     "classification": classification.Classification,

@@ -164,6 +164,8 @@ class Task:
     #: the :attr:`Builder.notes` counts this format reports per split (``data/<split>_<name>``, zeros included):
     #: rows whose start ``data.truncation`` cut, and what else the format counts
     counted: ClassVar[tuple[str, ...]] = ("rows_truncated",)
+    #: the examples each row becomes, in order, when a row is several (a preference pair: chosen, rejected)
+    sides: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self.found: dict[str, Any] = {}  # what the rows showed (:meth:`info`), for evaluation and the split's fields

@@ -1,0 +1,376 @@
+"""Preference pairs and the DPO family: the ``preference`` format (TRL's explicit- and implicit-prompt conventions,
+text and messages, its errors), each objective against the formula computed by hand in float64, the reference
+without a second copy (adapter disabled, a starting adapter frozen) against separately built models, precomputed
+references against in-step ones, padding-free pairs against padded ones, and one TRL ``DPOTrainer`` run step by step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from scale.schema import DataConfig, LoraConfig, LossConfig, ModelConfig
+from scale.data import Collator, DataError, PaddingFreeCollator, load_rows, tokenize_rows
+from scale.data.tasks.preference import PairCollator, PairedExamples
+from scale.modeling import add_lora, load_adapter, load_base
+from scale.objectives.preference import (PreferenceObjective, add_reference_adapter, dpo_loss, orpo_loss,
+                                         reference_forward, reference_logps, simpo_loss, tail_logps)
+from tests.conftest import ROOT
+
+CHATML = ROOT / "configs" / "chat" / "chatml.jinja"
+EPS64 = torch.finfo(torch.float64).eps
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def _enc(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _user(text):
+    return {"role": "user", "content": text}
+
+
+def _bot(text):
+    return {"role": "assistant", "content": text}
+
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+TEXT_PAIRS = [{"prompt": "Q: what colour is the sky?", "chosen": " Blue.", "rejected": " Green, mostly green."},
+              {"prompt": "Q: is fire hot?", "chosen": " Yes.", "rejected": " No, it is cold."},
+              {"prompt": "Q: two plus two?", "chosen": " Four.", "rejected": " Five."},
+              {"prompt": "Q: name a fruit.", "chosen": " An apple.", "rejected": " A chair."}]
+
+
+def _pairs(tmp_path, tokenizer, rows, **data):
+    data = {"chat_template": str(CHATML), "max_length": 64, **data}
+    cfg = DataConfig(**data)
+    return tokenize_rows(load_rows(cfg, _write(tmp_path / "p.jsonl", rows)), tokenizer, cfg, LossConfig())
+
+
+# ----------------------------------------------------------------------------------------------- the format
+
+
+def test_text_pairs_explicit_and_implicit_prompt(tmp_path, tokenizer):
+    """Explicit prompt: the prompt's tokens then each completion's + EOS (as prompt_completion encodes a row);
+    implicit: the prompt is the common start (a space before the first difference goes to the completions)."""
+    eos = tokenizer.eos_token_id
+    implicit = {"chosen": "Q: sun? It is hot.", "rejected": "Q: sun? It is cold."}
+    ex = _pairs(tmp_path, tokenizer, [TEXT_PAIRS[0], implicit])
+    assert [e.row for e in ex] == [0, 0, 1, 1]
+    prompt = _enc(tokenizer, TEXT_PAIRS[0]["prompt"])
+    for e, side in zip(ex[:2], ("chosen", "rejected")):
+        tail = _enc(tokenizer, TEXT_PAIRS[0][side]) + [eos]
+        assert e.input_ids == prompt + tail and e.tail_len == len(tail)
+    prompt = _enc(tokenizer, "Q: sun? It is")
+    assert ex[2].input_ids == prompt + _enc(tokenizer, " hot.") + [eos]
+    assert ex[3].input_ids == prompt + _enc(tokenizer, " cold.") + [eos]
+
+
+def test_message_pairs_explicit_implicit_and_tools(tmp_path, tokenizer):
+    """Conversational pairs render as chats whose completion's assistant turn is trained through its end-of-turn;
+    the explicit and implicit conventions give the same tokens; tools reach the template."""
+    prompt = [{"role": "system", "content": "Be brief."}, _user("Hi")]
+    explicit = {"prompt": prompt, "chosen": [_bot("Hello.")], "rejected": [_bot("Go away.")]}
+    implicit = {"chosen": prompt + [_bot("Hello.")], "rejected": prompt + [_bot("Go away.")]}
+    ex = _pairs(tmp_path, tokenizer, [explicit, implicit])
+    assert [e.input_ids for e in ex[:2]] == [e.input_ids for e in ex[2:]]
+    head = _enc(tokenizer, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                           "<|im_start|>assistant\n")
+    for e, answer in zip(ex[:2], ("Hello.", "Go away.")):
+        tail = _enc(tokenizer, answer + "<|im_end|>")
+        assert e.input_ids[:len(head)] == head and e.input_ids[-e.tail_len:] == tail
+        assert e.input_ids == head + tail
+    tool = {"type": "function", "function": {"name": "clock", "description": "time", "parameters": {}}}
+    with_tools = _pairs(tmp_path, tokenizer, [{**explicit, "tools": [tool]}], chat_template="chatml_tools",
+                        max_length=256)
+    assert '"clock"' in tokenizer.decode(with_tools[0].input_ids) and with_tools[0].tail_len == ex[0].tail_len
+
+
+@pytest.mark.parametrize("row, words", [
+    ({"prompt": "Q?", "chosen": " A."}, "the rejected side ('rejected') is missing or empty"),
+    ({"prompt": "Q?", "chosen": "  ", "rejected": " B."}, "the chosen side ('chosen') is missing or empty"),
+    ({"prompt": "Q?", "chosen": " A.", "rejected": " A."}, "chosen and rejected are identical"),
+    ({"prompt": "Q?", "chosen": " A.", "rejected": [_bot("B.")]}, "both sides are text or both are lists"),
+    ({"chosen": [SYSTEM, _user("Hi"), _bot("A.")], "rejected": [SYSTEM, _user("Hello"), _bot("B.")]},
+     "the prompts of chosen and rejected differ"),
+    ({"chosen": [_user("Hi"), _bot("A.")], "rejected": [_user("Hello"), _bot("B.")]},
+     "the conversations have no prompt"),
+    ({"chosen": "Same start A.", "rejected": "Other start B."}, "the pair has no prompt"),
+])
+def test_bad_pairs_name_the_row(tmp_path, row, words):
+    good = TEXT_PAIRS[1]
+    with pytest.raises(DataError) as e:
+        load_rows(DataConfig(), _write(tmp_path / "p.jsonl", [good, row]))
+    assert str(e.value).startswith("row 1 (line 2) of ") and words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_long_pairs_share_their_cut_prompt_and_are_counted(tmp_path, tokenizer):
+    """keep_end cuts the prompt so the longer side fits, the same prompt for both sides, counted once; a
+    completion that cannot fit is an error naming the row, or dropped (once) with drop_long_completions."""
+    from scale.data.tasks.base import Builder
+    from scale.data.tasks.preference import Preference
+
+    long_prompt = "Q: " + " ".join(f"w{k}" for k in range(40)) + "?"
+    row = {"row": 7, "prompt": long_prompt, "chosen": " Yes.", "rejected": " No, not at all, never."}
+    task, cfg = Preference(), DataConfig(max_length=24)
+    task.prepare(tokenizer, cfg, LossConfig())
+    b = Builder(tokenizer, cfg)
+    chosen, rejected = task.encode(row, b, LossConfig())
+    assert len(rejected.input_ids) == 24 and b.notes["rows_truncated"] == 1
+    assert chosen.input_ids[:-chosen.tail_len] == rejected.input_ids[:-rejected.tail_len]
+    row["rejected"] = " " + " ".join(["no"] * 30)
+    with pytest.raises(DataError, match=r"^row 7: the trained tail is \d+ tokens"):
+        task.encode(row, b, LossConfig())
+    b = Builder(tokenizer, DataConfig(max_length=24, drop_long_completions=True))
+    assert task.encode(row, b, LossConfig()) is None and b.dropped == [7]
+    b = Builder(tokenizer, DataConfig(max_length=24, truncation="drop"))
+    assert task.encode({**row, "rejected": " No."}, b, LossConfig()) is None and b.dropped == [7]
+
+
+def test_show_rows_shows_both_sides(tmp_path, capsys):
+    from scale.cli import show_rows
+    from tests.conftest import tiny_cfg
+
+    path = _write(tmp_path / "p.jsonl", TEXT_PAIRS * 3)
+    cfg = tiny_cfg(tmp_path / "out", f"data.path={path}", "data.eval_size=2", "data.deduplicate=false")
+    show_rows(cfg, 2)
+    out = capsys.readouterr().out
+    assert out.startswith("format=preference")
+    heads = [line for line in out.splitlines() if line.startswith("--- data-file row")]
+    assert [h.split(":")[0].split(" (")[1] for h in heads] == ["chosen)", "rejected)"] * 2
+    assert heads[0].split(" (")[0] == heads[1].split(" (")[0]
+
+
+def test_pair_collator_keeps_sides_adjacent(tmp_path, tokenizer):
+    ex = _pairs(tmp_path, tokenizer, TEXT_PAIRS)
+    pairs = PairedExamples(ex)
+    batch = PairCollator(Collator(tokenizer.pad_token_id))([pairs[2], pairs[0]])
+    assert batch["pair_row"].tolist() == [2, 0] and batch["row"].tolist() == [2, 2, 0, 0]
+    assert batch["input_ids"].shape[0] == 4
+    with pytest.raises(ValueError, match="different rows"):
+        PairCollator(Collator(0))([[ex[0], ex[3]]])
+
+
+# ------------------------------------------------------------------------------------- objectives by hand
+
+# Policy and reference summed logps and tail lengths of two pairs (float64), and the objectives computed from
+# the formulas with Python floats (math): each term a handful of float64 operations on numbers of magnitude
+# <= 10, so |ours - hand| <= 64 eps64 * (1 + |value|) bounds round-off with a wide margin.
+LC, LR, RC, RR = [-3.0, -7.5], [-5.0, -6.0], [-4.0, -7.0], [-4.5, -6.5]
+NC, NR = [2.0, 5.0], [4.0, 3.0]
+
+
+def _t(x):
+    return torch.tensor(x, dtype=torch.float64)
+
+
+def _close(got, want):
+    for g, w in zip(got.tolist(), want):
+        assert abs(g - w) <= 64 * EPS64 * (1 + abs(w)), (g, w)
+
+
+def _logsig(z):
+    return -math.log1p(math.exp(-z)) if z > 0 else z - math.log1p(math.exp(z))
+
+
+def test_dpo_sigmoid_ipo_hinge_by_hand():
+    beta, eps = 0.1, 0.2
+    h = [(lc - rc) - (lr - rr) for lc, lr, rc, rr in zip(LC, LR, RC, RR)]           # [1.5, -1.0]
+    t = dpo_loss(_t(LC), _t(LR), _t(RC), _t(RR), _t(NC), _t(NR), beta, "sigmoid", eps)
+    _close(t.losses, [-(1 - eps) * _logsig(beta * x) - eps * _logsig(-beta * x) for x in h])
+    _close(t.chosen_rewards, [beta * (lc - rc) for lc, rc in zip(LC, RC)])
+    _close(t.rejected_rewards, [beta * (lr - rr) for lr, rr in zip(LR, RR)])
+    _close(dpo_loss(_t(LC), _t(LR), _t(RC), _t(RR), _t(NC), _t(NR), beta, "hinge").losses,
+           [max(0.0, 1 - beta * x) for x in h])
+    ipo = [((lc - rc) / nc - (lr - rr) / nr - 1 / (2 * beta)) ** 2
+           for lc, lr, rc, rr, nc, nr in zip(LC, LR, RC, RR, NC, NR)]
+    _close(dpo_loss(_t(LC), _t(LR), _t(RC), _t(RR), _t(NC), _t(NR), beta, "ipo").losses, ipo)
+    m = t.metrics(torch.ones(2, dtype=torch.float64))
+    assert m["rewards/accuracies"].item() == 1.0  # pair 0: 0.1 > -0.05; pair 1: -0.05 > 0.05 is false
+    _close(m["rewards/margins"][None], [beta * sum(h)])
+    _close(m["logps/chosen"][None], [sum(LC)])
+
+
+def test_simpo_and_orpo_by_hand():
+    beta, gamma, eps = 2.0, 0.5, 0.1
+    avg_c, avg_r = [lc / n for lc, n in zip(LC, NC)], [lr / n for lr, n in zip(LR, NR)]
+    z = [beta * (c - r) - gamma for c, r in zip(avg_c, avg_r)]
+    t = simpo_loss(_t(LC), _t(LR), _t(NC), _t(NR), beta, gamma, eps)
+    _close(t.losses, [-(1 - eps) * _logsig(x) - eps * _logsig(-x) for x in z])
+    _close(t.chosen_logps, avg_c)
+    lam = 0.25
+    odds = [(c - math.log(1 - math.exp(c))) - (r - math.log(1 - math.exp(r))) for c, r in zip(avg_c, avg_r)]
+    o = orpo_loss(_t(LC), _t(LR), _t(NC), _t(NR), lam)
+    _close(o.losses, [-c - lam * _logsig(x) for c, x in zip(avg_c, odds)])
+    _close(o.rejected_rewards, [lam * r for r in avg_r])
+
+
+# ----------------------------------------------------------------------- the model: reference and layouts
+
+
+def _model(tokenizer, seed=3, adapter_seed=None, dtype=torch.float64):
+    """The tiny Llama with a LoRA adapter whose B matrices are random (``adapter_seed``), so the adapter changes
+    the outputs (a fresh adapter's B = 0 would make every reference trivially equal to the policy)."""
+    base = load_base(ModelConfig(name_or_path="tiny-llama"), vocab_size=len(tokenizer), seed=seed).to(dtype)
+    torch.manual_seed(seed)  # peft draws the A matrices from the global generator
+    model = add_lora(base, ModelConfig(name_or_path="tiny-llama", gradient_checkpointing=False),
+                     LoraConfig(r=4, dropout=0.0))
+    if adapter_seed is not None:
+        g = torch.Generator().manual_seed(adapter_seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair_examples(tmp_path_factory, tokenizer):
+    return _pairs(tmp_path_factory.mktemp("pairs"), tokenizer, TEXT_PAIRS)
+
+
+def test_disabled_adapter_reference_equals_the_base_model(tokenizer, pair_examples):
+    """The in-step reference (adapter disabled, no_grad) equals a separately built frozen base: bit for bit (a
+    disabled LoRA layer runs its base layer alone: the same operations)."""
+    policy = _model(tokenizer, adapter_seed=1)
+    frozen = load_base(ModelConfig(name_or_path="tiny-llama"), vocab_size=len(tokenizer), seed=3).double().eval()
+    batch = PairCollator(Collator(tokenizer.pad_token_id))(list(PairedExamples(pair_examples)))
+    ref = reference_forward(policy, batch)
+    want, _ = tail_logps(frozen, batch)
+    assert torch.equal(ref, want)
+    assert not torch.allclose(tail_logps(policy, batch)[0], want)  # the adapter does change the policy
+
+
+def test_starting_adapter_is_the_frozen_reference(tmp_path, tokenizer, pair_examples):
+    """From an SFT run's adapter: after an optimizer step of the policy, the reference is still the starting
+    adapter: equal to a model loaded separately from that adapter's files."""
+    from peft import PeftModel
+
+    sft = _model(tokenizer, adapter_seed=2)
+    sft.save_pretrained(tmp_path / "adapter")
+    base = load_base(ModelConfig(name_or_path="tiny-llama"), vocab_size=len(tokenizer), seed=3).double()
+    frozen = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    policy = _model(tokenizer)
+    load_adapter(policy, str(tmp_path / "adapter"), LoraConfig(r=4, dropout=0.0))  # model.adapter
+    with pytest.raises(ValueError, match=r"saved with lora.r=4, this run has lora.r=8; set lora.r=4$"):
+        load_adapter(_model(tokenizer), str(tmp_path / "adapter"), LoraConfig(r=8, dropout=0.0))
+    add_reference_adapter(policy)
+    assert not any(p.requires_grad for n, p in policy.named_parameters() if ".reference." in n)
+    batch = PairCollator(Collator(tokenizer.pad_token_id))(list(PairedExamples(pair_examples)))
+    objective = PreferenceObjective(name="dpo", beta=0.1)
+    opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0)
+    objective.loss_step(policy, batch, objective.weights(batch)).backward()
+    opt.step()
+    want, _ = tail_logps(frozen, batch)
+    assert torch.equal(reference_forward(policy, batch), want)
+    assert not torch.allclose(tail_logps(policy, batch)[0], want)  # the policy moved
+    assert all(p.requires_grad for n, p in policy.named_parameters() if ".default." in n)
+
+
+def test_precomputed_reference_equals_in_step(tokenizer, pair_examples):
+    """One pass before training stores each pair's reference logps; the step with them equals the step that runs
+    the reference itself (the same batches: the same operations, so bit-equal), loss and gradients."""
+    collate = PairCollator(Collator(tokenizer.pad_token_id))
+    pairs = PairedExamples(pair_examples)
+    order = [[0, 3], [1, 2]]
+    policy = _model(tokenizer, adapter_seed=4)
+    refs = torch.zeros(len(pair_examples), dtype=torch.float64)
+    got = reference_logps(policy, [collate([pairs[p] for p in mb]) for mb in order])
+    for k, p in enumerate(q for mb in order for q in mb):
+        refs[2 * p:2 * p + 2] = got[2 * k:2 * k + 2]
+    stored = PairedExamples(pair_examples, ref_logps=refs)
+    on_the_fly, precomputed = PreferenceObjective("dpo"), PreferenceObjective("dpo", reference="precomputed")
+    for mb in order:
+        a_batch, b_batch = collate([pairs[p] for p in mb]), collate([stored[p] for p in mb])
+        assert "ref_logps" in b_batch and "ref_logps" not in a_batch
+        a = on_the_fly.loss_step(policy, a_batch, on_the_fly.weights(a_batch))
+        ga = torch.autograd.grad(a, [p for p in policy.parameters() if p.requires_grad])
+        b = precomputed.loss_step(policy, b_batch, precomputed.weights(b_batch))
+        gb = torch.autograd.grad(b, [p for p in policy.parameters() if p.requires_grad])
+        assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ga, gb))
+
+
+@pytest.mark.parametrize("name", ["dpo", "simpo", "orpo"])
+def test_padding_free_pairs_equal_padded(tokenizer, pair_examples, name):
+    """A padding-free micro-batch of pairs (one packed row, position ids restarting per side) gives the padded
+    batch's loss. float64 model: the two layouts reduce the same numbers in other orders (attention over padding
+    vs none); each logp is a sum of <= 16 log-softmaxes over V ~ 49k of magnitude <= 20, so the round-off is below
+    1e3 * eps64 * 20 * 16 ~ 1e-9 (bound 1e-9 on the loss)."""
+    policy = _model(tokenizer, adapter_seed=5)
+    pairs = list(PairedExamples(pair_examples))
+    objective = PreferenceObjective(name, beta=0.5)
+    padded = PairCollator(Collator(tokenizer.pad_token_id))(pairs)
+    free = PairCollator(PaddingFreeCollator())(pairs)
+    a = objective.loss_step(policy, padded, objective.weights(padded))
+    b = objective.loss_step(policy, free, objective.weights(free))
+    assert abs(a.item() - b.item()) <= 1e-9
+    assert a.item() > 0
+
+
+def test_side_logps_equal_a_full_logits_reference(tokenizer, pair_examples):
+    """Our tail logps (only the tail's logits asked for) equal TRL's way: full logits, log-softmax, the completion
+    tokens summed (float64 model; the same log-softmax values, summed in the same order: <= 16 eps64 x |sum|)."""
+    policy = _model(tokenizer, adapter_seed=6)
+    batch = PairCollator(Collator(tokenizer.pad_token_id, padding_side="right"))(list(PairedExamples(pair_examples)))
+    ours, lengths = tail_logps(policy, batch, padding_side="right")
+    with torch.no_grad():
+        logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    for b, e in enumerate(pair_examples):
+        n = len(e.input_ids)
+        want = logp[b, n - 1 - e.tail_len:n - 1].sum()
+        assert lengths[b].item() == e.tail_len
+        assert abs(ours[b].item() - want.item()) <= 16 * EPS64 * abs(want.item()) + 1e-12
+
+
+# ------------------------------------------------------------------------------------------------- TRL
+
+
+def test_equals_trl_dpo_trainer_step_by_step(tmp_path, tokenizer, pair_examples):
+    """Two optimizer steps of TRL's DPOTrainer and of ours on the same pairs, same model, same AdamW: loss,
+    rewards/* and logps/* of each step within 1e-5 (float32 models; TRL pads right and takes full logits, we pad
+    left and take the tail's: fp32 round-off ~1e-6 on logps of magnitude ~50). The adapter starts from random B
+    matrices, so TRL keeps a frozen copy as its reference ("ref") and so do we (add_reference_adapter); step 2's
+    numbers depend on step 1's update."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    beta, lr, steps = 0.1, 1e-2, 2
+    ours_model = _model(tokenizer, adapter_seed=7, dtype=torch.float32)
+    trl_model = _model(tokenizer, adapter_seed=7, dtype=torch.float32)
+    add_reference_adapter(ours_model)
+
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(TEXT_PAIRS),
+                         gradient_accumulation_steps=1, max_steps=steps, learning_rate=lr, lr_scheduler_type="constant",
+                         warmup_steps=0, weight_decay=0.0, max_grad_norm=1e9, beta=beta, logging_steps=1,
+                         report_to=[], save_strategy="no", use_cpu=True, seed=0, gradient_checkpointing=False,
+                         bf16=False, fp16=False)
+    trainer = trl.DPOTrainer(model=trl_model, args=args, processing_class=tokenizer,
+                             train_dataset=Dataset.from_list(TEXT_PAIRS))
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "rewards/chosen" in h]
+    assert len(logged) == steps
+    assert abs(logged[-1]["rewards/margins"]) > 1e-3  # step 2's policy moved away from its reference
+
+    objective = PreferenceObjective("dpo", beta=beta)
+    batch = PairCollator(Collator(tokenizer.pad_token_id))(list(PairedExamples(pair_examples)))
+    opt = torch.optim.AdamW([p for p in ours_model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
+                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    for step in range(steps):
+        w = objective.weights(batch)
+        loss, metrics = objective.loss_and_metrics(ours_model, batch, w)
+        (loss / w.sum()).backward()
+        opt.step()
+        opt.zero_grad()
+        want = logged[step]
+        got = {"loss": (loss / w.sum()).item(), **{k: (v / w.sum()).item() for k, v in metrics.items()}}
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                    "logps/chosen", "logps/rejected"):
+            assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (step, key, got[key], want[key])
