@@ -6,7 +6,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
-EXTRAS ?= qlora,wandb,report,deepspeed,test
+EXTRAS ?= qlora,wandb,report,deepspeed,test,bench
+# the lowest-versions tier: without bench (trl needs datasets and pyyaml above our lower bounds)
+LOWEST_EXTRAS ?= qlora,wandb,report,deepspeed,test
 BIN := $(VENV)/bin
 
 LOWEST ?= .venv-lowest
@@ -58,7 +60,7 @@ $(LOWEST)/bin/scale-train: pyproject.toml .ci/lowest.py | setup
 	$(BIN)/python .ci/lowest.py > $(LOWEST)/lowest.txt
 	$(BIN)/pip install -q uv
 	$(BIN)/uv pip install -q --python $(LOWEST)/bin/python --index-strategy unsafe-best-match \
-	  $$($(BIN)/python .ci/uv_flags.py) -c $(LOWEST)/lowest.txt "$(TORCH)" -e '.[$(EXTRAS)]'
+	  $$($(BIN)/python .ci/uv_flags.py) -c $(LOWEST)/lowest.txt "$(TORCH)" -e '.[$(LOWEST_EXTRAS)]'
 	touch $@
 
 test-lowest: $(LOWEST)/bin/scale-train
