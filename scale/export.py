@@ -130,6 +130,8 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     """
     from peft import PeftModel
 
+    from scale.moe import explicit_targets
+
     run_dir = Path(run_dir)
     out = Path(out_dir) if out_dir is not None else run_dir / "merged"
     cfg = load_config(run_dir / "config.yaml")
@@ -137,7 +139,8 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
         raise FileNotFoundError(f"{run_dir}/adapter has no adapter_config.json: train with train.save_adapter=true")
     tokenizer, stops, note = serving_tokenizer(cfg, run_dir)
     base = dequantized_base(cfg.model, len(load_tokenizer(cfg.model)), cfg.train.seed)
-    merged = PeftModel.from_pretrained(base, run_dir / "adapter").merge_and_unload()
+    with explicit_targets():  # a mixture-of-experts adapter names its targets in full (scale.moe)
+        merged = PeftModel.from_pretrained(base, run_dir / "adapter").merge_and_unload()
     merged.config.use_cache = True
     tmp = temp_dir_for(out)
     merged.save_pretrained(tmp, safe_serialization=True)

@@ -194,9 +194,12 @@ def load_model(path: str | Path) -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(path).eval()
     from peft import PeftModel
 
+    from scale.moe import explicit_targets
+
     cfg = load_config(run_dir / "config.yaml")
     base = load_base(cfg.model, len(load_tokenizer(cfg.model)), cfg.train.seed)
-    return PeftModel.from_pretrained(base, run_dir / "adapter").eval()
+    with explicit_targets():  # a mixture-of-experts adapter names its targets in full (scale.moe)
+        return PeftModel.from_pretrained(base, run_dir / "adapter").eval()
 
 
 def load_for_generation(path: str | Path) -> tuple[torch.nn.Module, Any, list[int]]:

@@ -50,6 +50,7 @@ from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_prec
 from scale.modeling import (CPU_MIXED_PATHS, TINY, build_model, check_attention, check_packing,
                             check_sequence_parallel, load_tokenizer, parameter_counts, tokenizer_source,
                             use_cpu_mixed_paths)
+from scale.moe import ExpertLoad, moe_layout, targets_line
 from scale.names import differences_from_trl
 from scale.samples import SAMPLES_FILE, Generation, pick_samples, sample_metric_names, start_samples_file
 from scale.schedule import lr_factor, steps_for_epochs, warmup_steps
@@ -81,6 +82,7 @@ class Job:
     task: Task | None = None  # the eval split's prepared task (its format's metrics); None: the eval loader's
     chat: bool = True  # the rows were rendered by a chat template (Splits.template_sha256): adapter/ carries it
     sequence: SequenceParallel | None = None  # train.sequence_parallel_size > 1 (scale.ulysses)
+    expert_load: ExpertLoad | None = None  # a mixture-of-experts model: tokens per expert (scale.moe)
 
     def __post_init__(self) -> None:
         if self.max_steps is None:
@@ -302,6 +304,9 @@ def setup(cfg: Config) -> Job:
         dump_config(cfg, out / "config.yaml", comment=launch_comment(plan, acc.num_processes, G))
     optimizer, scheduler = make_optimizer(cfg, model, max_steps)
     shape = flops_shape(model)  # before prepare: acc.unwrap_model imports deepspeed whenever it is installed
+    layout = moe_layout(model)  # a mixture-of-experts model: what trains, and the tokens per expert
+    experts_line = targets_line(model, layout, cfg.lora.dropout, cfg.model.quantize_4bit) if layout else None
+    expert_load = ExpertLoad(model, layout, acc.device) if layout else None
     if sequence is None:
         model, optimizer, train_dl = acc.prepare(model, optimizer, train_dl)
         acc.even_batches = True  # eval: gather_for_metrics drops the repeated samples
@@ -331,6 +336,8 @@ def setup(cfg: Config) -> Job:
         logger.info("per step: %s; rows: train=%d eval=%d format=%s; parameters: trainable=%d total=%d (%.3f%%)",
                     step_text(lengths, column(splits.train, "tail_len"), G, bins), len(splits.train),
                     len(splits.eval), splits.format, trainable, total, 100 * trainable / total)
+        if experts_line:
+            logger.info(experts_line)
         log_data_stats(splits.stats, cfg.data)
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))
         for difference in differences_from_trl(cfg, min(warmup_steps(cfg.optim, max_steps), max_steps - 1)):
@@ -367,7 +374,8 @@ def setup(cfg: Config) -> Job:
         gen = Generation(samples, serving, stops, cfg.eval.max_new_tokens, plan.partitioned, out / SAMPLES_FILE)
         start_samples_file(gen.path, acc.is_main_process, state.step if resume else None)
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
-               flops_fn, peak.flops, max_steps, gen, splits.task, sequence=sequence, chat=chat)
+               flops_fn, peak.flops, max_steps, gen, splits.task, sequence=sequence, chat=chat,
+               expert_load=expert_load)
 
 
 def mode_plan_lines(notes: list[str], dtypes: dict[str, int], cpu_paths: list[str]) -> list[str]:

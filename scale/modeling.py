@@ -271,13 +271,30 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model, prepare_model_for_kbit_training
 
+    from scale import moe
+
+    layout = moe.moe_layout(model)  # None for a dense model
+    loaded = {n: p.dtype for n, p in model.named_parameters()} if layout is not None else {}
     if model_cfg.quantize_4bit:
         # Casts norms to fp32 and freezes the base. Checkpointing is enabled below, once, our way.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        if layout is not None:
+            moe.restore_expert_dtype(model, layout, loaded)
     if model_cfg.gradient_checkpointing:
         # Also makes the embedding output require grad, so checkpointed blocks of a frozen base still
         # pass gradient to LoRA (peft#137).
         model.activation_checkpointing_enable(**checkpointing_kwargs(model_cfg))
+    if layout is not None:  # fused experts: explicit module and parameter names (scale.moe)
+        targets = moe.lora_targets(model, layout, lora_cfg.target_modules, lora_cfg.train_router,
+                                   linear_names(model))
+        peft_cfg = PeftLoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, task_type="CAUSAL_LM",
+                                  lora_dropout=0.0 if targets.parameters else lora_cfg.dropout,
+                                  target_modules=targets.modules, target_parameters=targets.parameters or None)
+        with moe.explicit_targets():
+            model = get_peft_model(model, peft_cfg)
+        if targets.parameters:
+            moe.set_linear_dropout(model, lora_cfg.dropout)
+        return model
     check_lora_targets(model, lora_cfg.target_modules)
     peft_cfg = PeftLoraConfig(
         r=lora_cfg.r,
@@ -621,7 +638,8 @@ def cast_adapter_inputs_once(model: torch.nn.Module, on: bool = True) -> int:
 
     count = 0
     for module in model.modules():
-        if not isinstance(module, LoraLayer) or not isinstance(module, torch.nn.Module):
+        if not isinstance(module, LoraLayer) or not isinstance(module, torch.nn.Module) \
+                or type(module).__name__ == "ParamWrapper":  # LoRA on a fused expert weight, not on an input
             continue
         handle = getattr(module, "_scale_input_hook", None)
         if on and handle is None:
@@ -666,7 +684,8 @@ def fuse_adapter_sum(model: torch.nn.Module, on: bool = True) -> int:
 
     count = 0
     for module in model.modules():
-        if not isinstance(module, LoraLayer) or not isinstance(module, torch.nn.Module):
+        if not isinstance(module, LoraLayer) or not isinstance(module, torch.nn.Module) \
+                or type(module).__name__ == "ParamWrapper":  # LoRA on a fused expert weight, not on an input
             continue
         installed = "forward" in vars(module)
         if on and not installed:

@@ -65,6 +65,8 @@ class LoraConfig:
     dropout: float = _f(0.05, "Dropout probability on the LoRA input (0 to 1).")
     target_modules: list[str] | str = _f("all-linear", "Modules that get an adapter: 'all-linear' or a list of "
                                                        "module names such as [q_proj, v_proj].")
+    train_router: bool = _f(False, "Mixture-of-experts models: give the routers' weights a LoRA pair too; false keeps "
+                                   "every router frozen (all-linear adapts attention and every expert, not routers).")
 
 
 @dataclass

@@ -134,6 +134,8 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
             done = state.step >= job.max_steps
             if state.step % t.log_every == 0 or done:
                 metrics = meter.flush(acc, lr)  # collective + host sync: the log interval's only one
+                if job.expert_load is not None:  # collective: tokens per expert, summed over ranks
+                    metrics.update(job.expert_load.flush(lambda t: acc.reduce(t, reduction="sum")))
                 if t.on_nonfinite == "skip":
                     metrics["train/skipped_steps"] = state.skipped_steps
                 if 0.0 in (job.spec.type_weights or ()):
