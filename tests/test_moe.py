@@ -1,0 +1,250 @@
+"""Mixture-of-experts models (scale.moe): what LoRA trains, proven on tiny models built from their configs.
+
+Families: Qwen3-MoE, Mixtral, DeepSeek-V3 (shared experts, a dense first layer), gpt-oss (transposed fused weights,
+biases). transformers 5 fuses each layer's experts into 3-D parameters; LoRA reaches them through peft's
+``target_parameters`` (one LoRA pair per expert).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from scale.config import ConfigError
+from scale.loss import forward_tail
+from scale.modeling import add_lora
+from scale.moe import ExpertLoad, expert_factors, moe_layout, parameter_adapters, targets_line
+from scale.schema import LoraConfig, ModelConfig
+
+E, K, H, I, V = 8, 2, 32, 16, 64  # experts, experts per token, hidden, expert width, vocabulary
+
+
+def tiny_moe(family: str, seed: int = 0) -> torch.nn.Module:
+    """A 2-layer random model of ``family`` (8 experts, top-2) in float32."""
+    import transformers as tf
+
+    common = dict(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    if family == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**common, intermediate_size=64, moe_intermediate_size=I, num_experts=E,
+                                num_experts_per_tok=K, head_dim=8, decoder_sparse_step=1)
+        return tf.Qwen3MoeForCausalLM(cfg)
+    if family == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(**common, intermediate_size=I, num_local_experts=E,
+                                                      num_experts_per_tok=K))
+    if family == "deepseek_v3":
+        cfg = tf.DeepseekV3Config(**common, intermediate_size=64, moe_intermediate_size=I, n_routed_experts=E,
+                                  num_experts_per_tok=K, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                                  topk_group=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+                                  qk_nope_head_dim=8, v_head_dim=16)
+        return tf.DeepseekV3ForCausalLM(cfg)
+    if family == "gpt_oss":
+        cfg = tf.GptOssConfig(**common, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K, head_dim=8,
+                              layer_types=["full_attention"] * 2)
+        return tf.GptOssForCausalLM(cfg)
+    raise ValueError(family)
+
+
+FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
+
+
+def lora(model: torch.nn.Module, **kw) -> torch.nn.Module:
+    checkpointing = kw.pop("checkpointing", False)
+    defaults = LoraConfig()  # the schema's defaults: r=16, alpha=32, dropout=0.05, all-linear, router frozen
+    args = {"r": 4, "alpha": 8.0, "dropout": defaults.dropout, "target_modules": defaults.target_modules} | kw
+    return add_lora(model, ModelConfig(gradient_checkpointing=checkpointing), LoraConfig(**args))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_all_linear_adapts_attention_and_every_expert_not_the_router(family):
+    base = tiny_moe(family)
+    layout = moe_layout(base)
+    assert layout is not None and layout.num_experts == E and layout.top_k == K
+    linear = {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = lora(base)  # lora.dropout left at the schema's 0.05
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning) or "peft" in (w.filename or "")], \
+        [str(w.message) for w in caught]
+    adapted = parameter_adapters(model)
+    assert sorted(adapted) == sorted(layout.expert_params)  # every fused expert weight, nothing else
+    assert all(adapted[n].num_experts == E for n in adapted)
+    lora_linear = {n.removeprefix("base_model.model.") for n, m in model.named_modules()
+                   if hasattr(m, "lora_A") and type(m).__name__ != "ParamWrapper"}
+    assert lora_linear == linear - set(layout.router_linears)  # attention, shared experts, dense MLPs
+    routers = set(layout.routers)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert not [n for n in trainable if any(f"{r}." in n for r in routers)]
+    assert all("lora_" in n for n in trainable)
+    # the linear adapters keep lora.dropout, the expert adapters run without (peft cannot drop their input)
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_dropout") and "default" in module.lora_dropout:
+            drop = module.lora_dropout["default"]
+            if type(module).__name__ == "ParamWrapper":
+                assert isinstance(drop, torch.nn.Identity), name
+            else:
+                assert isinstance(drop, torch.nn.Dropout) and drop.p == 0.05, name
+    line = targets_line(model, layout, 0.05, False)
+    assert f"experts {E} x {len(layout.experts)} layers" in line and "router frozen" in line
+    assert f"attention {4 if family != 'deepseek_v3' else 4} x 2 layers" in line
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_train_router_adds_a_router_adapter(family):
+    model = lora(tiny_moe(family), train_router=True)
+    layout = moe_layout(model)
+    adapted = parameter_adapters(model)
+    assert sorted(adapted) == sorted(layout.expert_params + layout.router_params)
+    assert "router trained (LoRA on 2 router weights)" in targets_line(model, layout, 0.0, False)
+
+
+def test_a_listed_name_that_matches_nothing_is_refused():
+    with pytest.raises(ConfigError, match=r"lora.target_modules: \['w9'\]"):
+        lora(tiny_moe("qwen3_moe"), target_modules=["q_proj", "w9"])
+    model = lora(tiny_moe("qwen3_moe"), target_modules=["q_proj", "down_proj"])
+    assert sorted(n.rsplit(".", 1)[-1] for n in parameter_adapters(model)) == ["down_proj"] * 2
+
+
+def routing(model: torch.nn.Module, layout) -> tuple[list, list]:
+    """Hooks recording each router's ``(weights [n, k], indices [n, k])`` per forward."""
+    seen: list = []
+    modules = dict(model.named_modules())
+    handles = []
+    for name in layout.routers:
+        mod = modules.get(f"base_model.model.{name}", modules.get(name))
+        handles.append(mod.register_forward_hook(lambda _m, _a, out: seen.append((out[1].detach(), out[2]))))
+    return seen, handles
+
+
+def peft_layout_delta(wrapper: torch.nn.Module, e: int) -> torch.Tensor:
+    """Expert ``e``'s LoRA update ``scaling * B_e @ A_e`` (``[out, in]``), read from peft's flat factors by hand:
+    ``lora_A`` is ``[r * E, in]`` with expert ``e`` in rows ``e*r .. e*r+r-1``; ``lora_B`` is ``[out, r * E]`` with
+    column ``j * E + e`` the ``j``-th of expert ``e`` (peft ``ParamWrapper.get_delta_weight``)."""
+    a, b = wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight
+    r = a.shape[0] // E
+    a_e = a[e * r:(e + 1) * r]                               # [r, in]
+    b_e = b[:, [j * E + e for j in range(r)]]                # [out, r]
+    return wrapper.scaling["default"] * (b_e @ a_e)
+
+
+class ReferenceExperts(torch.nn.Module):
+    """The experts of one layer computed token by token, expert by expert: ``y_t = sum_j w_tj * down_e(silu(gate_e
+    x_t) * up_e x_t)`` with each expert's weight ``W_e + scaling * B_e A_e`` assembled by hand (no peft code)."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, w_gate_up, w_down) -> None:
+        super().__init__()
+        self.gate_up = torch.stack([gate_up[e] + peft_layout_delta(w_gate_up, e) for e in range(E)]).detach()
+        self.down = torch.stack([down[e] + peft_layout_delta(w_down, e) for e in range(E)]).detach()
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for j in range(idx.shape[1]):
+                e = int(idx[t, j])
+                g, u = (self.gate_up[e] @ x[t]).chunk(2)
+                out[t] += w[t, j].to(x.dtype) * (self.down[e] @ (torch.nn.functional.silu(g) * u))
+        return out
+
+
+def with_reference_experts(model: torch.nn.Module, layout) -> torch.nn.Module:
+    """A float64 copy of ``model`` whose expert modules are :class:`ReferenceExperts` (attention keeps peft's LoRA:
+    what is checked is the experts' update and routing)."""
+    ref = copy.deepcopy(model).double()
+    ref.get_base_model().set_experts_implementation("eager")  # the router call stays the model's own
+    adapters = parameter_adapters(ref)
+    raw = {n.replace(".base_layer", "").removeprefix("base_model.model."): p for n, p in ref.named_parameters()}
+    for name in layout.experts:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = ref.get_submodule(f"base_model.model.{parent_name}")
+        setattr(parent, leaf, ReferenceExperts(raw[f"{name}.gate_up_proj"], raw[f"{name}.down_proj"],
+                                               adapters[f"{name}.gate_up_proj"], adapters[f"{name}.down_proj"]))
+    return ref
+
+
+def tail_ce(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    logits, targets = forward_tail(model, batch, threshold=2)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(torch.float64),
+                                             targets.reshape(-1), reduction="mean")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_one_step_trains_exactly_the_experts_that_received_tokens(family):
+    torch.manual_seed(1)
+    model = lora(tiny_moe(family), checkpointing=True)  # the default: checkpointing recomputes the routers
+    model.train()
+    layout = moe_layout(model)
+    load = ExpertLoad(model, layout, torch.device("cpu"))
+    adapters = parameter_adapters(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # 3 tokens, top-2 of 8: at most 6 experts of a layer receive a token, at least 2 none
+    batch = {"input_ids": torch.tensor([[5, 17, 42]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    seen, handles = routing(model, layout)
+    loss = tail_ce(model, batch)
+    for h in handles:
+        h.remove()
+    loss.backward()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    opt.step()
+    assert len(seen) == len(layout.routers)  # one forward counted: the recomputation inside backward was not
+    # The tail loss reads the predictions at positions 0 and 1; position 2's output reaches no kept logit (causal
+    # attention), so an expert that only position 2 was sent to gets an exact zero gradient, as an idle one.
+    used = [set(idx[:2].reshape(-1).tolist()) for _, idx in seen]
+    assert all(len(u) <= 2 * K for u in used) and all(len(u) < E for u in used)
+    counts = torch.stack([torch.bincount(idx.reshape(-1), minlength=E).double() for _, idx in seen])
+    assert torch.equal(load.counts, counts)  # the expert-load metric saw exactly the routed tokens
+    metrics = load.flush()
+    assert metrics["train/expert_load/idle_experts"] == float((counts == 0).sum())
+    assert metrics["train/expert_load/max_share"] == float((counts / counts.sum(1, keepdim=True)).max())
+    for layer, name in enumerate(layout.experts):
+        for leaf in ("gate_up_proj", "down_proj"):
+            wrapper = adapters[f"{name}.{leaf}"]
+            a_now, b_now = expert_factors(wrapper)
+            key = next(n for n in before if n.endswith(f"lora_B.default.weight") and
+                       dict(model.named_parameters())[n] is wrapper.lora_B["default"].weight)
+            a_key = key.replace("lora_B", "lora_A")
+            a_old = before[a_key].reshape(E, -1, a_now.shape[-1])
+            b_old = before[key].reshape(b_now.shape[1], -1, E).permute(2, 0, 1)
+            grad_b = wrapper.lora_B["default"].weight.grad.reshape(b_now.shape[1], -1, E).permute(2, 0, 1)
+            for e in range(E):
+                if e in used[layer]:
+                    assert grad_b[e].abs().max() > 0, (name, leaf, e)
+                    assert not torch.equal(b_now[e], b_old[e]), (name, leaf, e)  # the adapter moved
+                else:
+                    assert torch.equal(grad_b[e], torch.zeros_like(grad_b[e])), (name, leaf, e)
+                    assert torch.equal(b_now[e], b_old[e]) and torch.equal(a_now[e], a_old[e]), (name, leaf, e)
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p, before[n]), n  # routers, fused expert weights, everything frozen: bit-identical
+
+    # The loss after the step (adapters non-zero), dropout off: peft's fused-expert forward against the token-by-token
+    # reference on the same routing, both in float64. Each is a chain of dot products of at most n = 2 * I * ... <= 64
+    # terms per layer (H = 32, 2I = 32, attention 32) over 2 layers; the two orders of summation differ by at most
+    # ~ n * eps64 relative per dot product (Higham, Accuracy and Stability, 3.1), compounded over <= 6 matmuls per
+    # layer x 2 layers: 12 * 64 * 1.1e-16 * |terms| < 1e-13 for O(1)-scaled terms; bound 1e-10 (x1000 margin).
+    model.eval()
+    with torch.no_grad():
+        # transformers' default experts kernel (grouped_mm) takes float32/bf16/fp16 only: eager in float64
+        f64 = copy.deepcopy(model).double()
+        f64.get_base_model().set_experts_implementation("eager")
+        seen_p, handles = routing(f64, layout)
+        peft64 = float(tail_ce(f64, batch))
+        with_ref = with_reference_experts(model, layout)
+        seen_r, more = routing(with_ref, layout)
+        ref64 = float(tail_ce(with_ref, batch))
+        seen32, most = routing(model, layout)
+        loss32 = float(tail_ce(model, batch))
+        for h in handles + more + most:
+            h.remove()
+    assert abs(peft64 - ref64) <= 1e-10 * max(1.0, abs(ref64)), (peft64, ref64)
+    routed = [[i.tolist() for _, i in s] for s in (seen_p, seen_r, seen32)]
+    assert routed[0] == routed[1] == routed[2]  # the same routing in the three forwards
+    # float32 harness forward against the float64 reference: <= 6 matmuls per layer x 2 layers, each with
+    # n <= 64 terms, relative error <= n * eps32 (6e-8) each: 12 * 64 * 6e-8 = 4.6e-5 of the loss (plus the
+    # softmax/norm, O(eps32)); bound 1e-4 relative.
+    assert abs(loss32 - ref64) <= 1e-4 * max(1.0, abs(ref64)), (loss32, ref64)
+    with torch.no_grad(), f64.disable_adapter():  # the comparison can see the adapters: without them it differs
+        assert abs(float(tail_ce(f64, batch)) - ref64) > 1e-6 * abs(ref64)
