@@ -248,3 +248,55 @@ def test_one_step_trains_exactly_the_experts_that_received_tokens(family):
     assert abs(loss32 - ref64) <= 1e-4 * max(1.0, abs(ref64)), (loss32, ref64)
     with torch.no_grad(), f64.disable_adapter():  # the comparison can see the adapters: without them it differs
         assert abs(float(tail_ce(f64, batch)) - ref64) > 1e-6 * abs(ref64)
+
+
+def test_a_run_says_what_trains_logs_the_expert_load_and_exports(tmp_path, caplog):
+    """The tiny job on a saved Qwen3-MoE with the schema's LoRA defaults (dropout 0.05, all-linear): the start-up line,
+    ``train/expert_load/*`` in metrics.jsonl, an adapter with every expert and no router, and a merged export whose
+    logits equal the adapter's."""
+    import logging
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from scale.export import merge_run
+    from scale.generate import load_model
+    from scale.metrics import read_jsonl
+    from scale.train import run
+    from tests.conftest import tiny_cfg
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=49152, hidden_size=H, intermediate_size=64, moe_intermediate_size=I,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=E,
+                         num_experts_per_tok=K, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "moe")
+    out = tmp_path / "run"
+    caplog.set_level(logging.INFO)
+    run(tiny_cfg(out, f"model.name_or_path={tmp_path / 'moe'}", "model.tokenizer=smollm2-135m", "lora.dropout=0.05",
+                 "train.max_steps=2", "train.log_every=1", "train.eval_every=0", "data.eval_size=16",
+                 "data.max_train_examples=32", "log.peak_flops=1e12"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert ("LoRA on qwen3_moe (top-2 of 8): attention 4 x 2 layers, experts 8 x 2 layers (gate_up_proj, down_proj; "
+            "a LoRA pair per expert), router frozen (lora.train_router=false); lora.dropout=0.05 on the linear "
+            "layers' adapters only") in "\n".join(lines)
+    assert not [m for m in lines if "rank_pattern" in m or "alpha_pattern" in m]
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "train/expert_load/max_share" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        tokens = [r[f"train/expert_load/tokens/e{e}"] for e in range(E)]
+        # every real token of the step's 16 rows goes to K experts in each of the 2 layers
+        assert sum(tokens) % (2 * K) == 0 and sum(tokens) > 0
+        assert 0 <= r["train/expert_load/min_share"] <= 1 / E <= r["train/expert_load/max_share"] <= 1 / K
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert not [k for k in adapter if ".mlp.gate." in k]
+    experts_b = {k: v for k, v in adapter.items() if ".mlp.experts" in k and "lora_B" in k}
+    assert len(experts_b) == 4 and all(v.abs().max() > 0 for v in experts_b.values())
+    merged = AutoModelForCausalLM.from_pretrained(merge_run(out)).eval()
+    peft_model = load_model(out)
+    ids = torch.tensor([[1, 300, 4000, 17, 2]])
+    with torch.no_grad():
+        a, b = merged(input_ids=ids).logits, peft_model(input_ids=ids).logits
+    # merged W + s B A against the adapter applied on the fly: the same float32 products summed in another order;
+    # |logit| <= sum over H = 32 terms, so |diff| <= ~2 layers x 32 x eps32 x scale; bound 1e-4 of the largest logit
+    assert (a - b).abs().max() <= 1e-4 * b.abs().max()
