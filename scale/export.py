@@ -33,6 +33,7 @@ from scale.data.tasks.messages import chat_template, render_chat
 from scale.fileio import replace_dir, temp_dir_for
 from scale.logs import configure_logging
 from scale.modeling import keep_bitsandbytes_out, load_base, load_tokenizer
+from scale.moe import explicit_targets
 
 logger = logging.getLogger("scale.export")  # also under `python -m scale.export`
 
@@ -129,8 +130,6 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
         FileNotFoundError: the run has no ``config.yaml`` or ``adapter/``.
     """
     from peft import PeftModel
-
-    from scale.moe import explicit_targets
 
     run_dir = Path(run_dir)
     out = Path(out_dir) if out_dir is not None else run_dir / "merged"

@@ -46,6 +46,7 @@ import torch
 from scale.config import ModelConfig, help_text, load_config
 from scale.data.tasks.base import encode, special_affixes
 from scale.export import serving_tokenizer
+from scale.moe import explicit_targets
 from scale.logs import configure_logging
 from scale.modeling import keep_bitsandbytes_out, load_base, load_tokenizer
 
@@ -193,8 +194,6 @@ def load_model(path: str | Path) -> torch.nn.Module:
     if run_dir is None:
         return AutoModelForCausalLM.from_pretrained(path).eval()
     from peft import PeftModel
-
-    from scale.moe import explicit_targets
 
     cfg = load_config(run_dir / "config.yaml")
     base = load_base(cfg.model, len(load_tokenizer(cfg.model)), cfg.train.seed)

@@ -43,14 +43,13 @@ from scale.data.token_table import column, longest_first
 from scale.data.tokenize import Splits, removed_lines, show_example, show_legend, stats_line
 from scale.export import serving_tokenizer
 from scale.evaluate import metric_names
-from scale.flops import model_shape
 from scale.launch import ModePlan, build_accelerator, main_process_first, plan_for_mode
 from scale.loss import LossSpec
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
 from scale.modeling import (CPU_MIXED_PATHS, TINY, build_model, check_attention, check_packing,
                             check_sequence_parallel, load_tokenizer, parameter_counts, tokenizer_source,
                             use_cpu_mixed_paths)
-from scale.moe import ExpertLoad, moe_layout, targets_line
+from scale.moe import ExpertLoad, model_shape, moe_layout, targets_line
 from scale.names import differences_from_trl
 from scale.samples import SAMPLES_FILE, Generation, pick_samples, sample_metric_names, start_samples_file
 from scale.schedule import lr_factor, steps_for_epochs, warmup_steps
@@ -471,7 +470,8 @@ def shared_run_id(acc: Accelerator) -> str:
 
 
 def flops_shape(model: torch.nn.Module) -> Any:
-    """The model's matmul shape for the FLOPs count (:func:`scale.flops.model_shape`), or ``None`` with one
+    """The model's matmul shape for the FLOPs count (:func:`scale.moe.model_shape`: a mixture of experts counts the
+    experts a token uses), or ``None`` with one
     warning: an optional metric must never stop training."""
     try:
         return model_shape(model)

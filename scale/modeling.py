@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from scale import moe
 from scale.assets import EMBEDDED_MODEL, resolve_model
 from scale.config import ConfigError, LoraConfig, ModelConfig
 
@@ -270,8 +271,6 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model, prepare_model_for_kbit_training
-
-    from scale import moe
 
     layout = moe.moe_layout(model)  # None for a dense model
     loaded = {n: p.dtype for n, p in model.named_parameters()} if layout is not None else {}

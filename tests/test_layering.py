@@ -36,8 +36,9 @@ ALLOWED: dict[str, set[str]] = {
     "schedule": {"config"},
     "loss": {"config"},
     "chunked": {"loss"},  # the chunked tail loss and loss_step, the step's loss (chunked when it pays)
-    "modeling": {"config", "assets"},
-    "census": {"config", "loss", "modeling", "chunked"},  # scale-plan's counts: meta/fake tensors, no process group
+    "modeling": {"config", "assets", "moe"},
+    "moe": {"flops", "validation"},  # mixture-of-experts models: LoRA targets, expert load, active counts
+    "census": {"config", "loss", "modeling", "chunked", "moe"},  # scale-plan's counts: meta/fake tensors, no process group
     "layouts": {"census", "config", "modeling"},  # modeling: the sequence-parallel guard, for the SP columns
     # scale/data/: the stages, each importing only the ones before it (LAYERS)
     "data.read": {"config"},                                   # files -> rows of cells; DataError
@@ -52,12 +53,12 @@ ALLOWED: dict[str, set[str]] = {
     "data.order": set(),                                       # length-grouped sampling, packing into bins
     "data.sequence": {"data.collate"},                         # sequence-parallel rows: each rank's shard (issue 29)
     "data": {"data.collate", "data.read", "data.split", "data.tasks", "data.tokenize"},  # the face: hands names on
-    "export": {"config", "data", "data.tasks", "fileio", "logs", "modeling"},
-    "generate": {"config", "data.tasks", "export", "logs", "modeling"},
+    "export": {"config", "data", "data.tasks", "fileio", "logs", "modeling", "moe"},
+    "generate": {"config", "data.tasks", "export", "logs", "modeling", "moe"},
     # scale-lm-eval: the eval split (token cache, samples' prompt/answer split) as a harness task
     "lmeval": {"assets", "config", "data", "data.cache", "data.read", "data.tasks", "export", "fileio", "logs", "modeling",
                "samples"},
-    "plan": {"assets", "census", "config", "data.tokenize", "layouts", "logs", "modeling", "state"},  # data: the tails;
+    "plan": {"assets", "census", "config", "data.tokenize", "flops", "layouts", "logs", "modeling", "moe", "state"},  # data: the tails;
     # state: --resume reads a checkpoint's trainer_state.json
     # the loop side: may import accelerate / torch.distributed
     "rendezvous": set(),
@@ -72,8 +73,8 @@ ALLOWED: dict[str, set[str]] = {
     "samples": {"checkpoint", "signals", "tracking"},  # generation at each evaluation (issue 20)
     "job": {"assets", "best", "checkpoint", "checks", "config", "data.cache", "data.collate", "data.mixing",
             "data.order", "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize", "evaluate",
-            "export", "flops", "launch", "loss", "metrics", "modeling", "names", "samples", "schedule", "tracking",
-            "ulysses"},
+            "export", "flops", "launch", "loss", "metrics", "modeling", "moe", "names", "samples", "schedule",
+            "tracking", "ulysses"},
     "train": {"best", "checkpoint", "checks", "chunked", "config", "evaluate", "export", "job", "loss", "metrics",
               "portable", "samples", "signals", "tracking", "ulysses"},
     "cli": {"assets", "checkpoint", "config", "data.read", "data.tokenize", "launch", "logs", "modeling", "signals",
@@ -92,7 +93,7 @@ DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpo
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"fileio", "flops", "logs", "signals", "state", "rendezvous", "validation", "schema", "names", "config",
                      "assets", "schedule", "topology"}),
-    ("model and loss (plain tensors)", {"loss", "chunked", "modeling", "census", "layouts"}),
+    ("model and loss (plain tensors)", {"loss", "chunked", "moe", "modeling", "census", "layouts"}),
     ("data: reading files", {"data.read"}),
     ("data: sources", {"data.sources"}),
     ("data: tasks, one module per format", {"data.tasks"}),
