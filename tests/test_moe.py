@@ -300,3 +300,25 @@ def test_a_run_says_what_trains_logs_the_expert_load_and_exports(tmp_path, caplo
     # merged W + s B A against the adapter applied on the fly: the same float32 products summed in another order;
     # |logit| <= sum over H = 32 terms, so |diff| <= ~2 layers x 32 x eps32 x scale; bound 1e-4 of the largest logit
     assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def test_4bit_quantizes_the_linear_layers_and_keeps_the_experts_in_model_dtype(tmp_path):
+    """bitsandbytes 4-bit replaces nn.Linear only: the fused experts stay in model.dtype (bf16 here, not the fp32
+    prepare_model_for_kbit_training would make of them), the line says so, and their adapters get gradients."""
+    pytest.importorskip("bitsandbytes")
+    from scale.modeling import build_model
+
+    tiny_moe("qwen3_moe").to(torch.bfloat16).save_pretrained(tmp_path / "moe")
+    model = build_model(ModelConfig(name_or_path=str(tmp_path / "moe"), quantize_4bit=True, dtype="bfloat16",
+                                    bnb_4bit_compute_dtype="bfloat16", gradient_checkpointing=False),
+                        LoraConfig(r=4, alpha=8.0), V, 0)
+    layout = moe_layout(model)
+    params = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p for n, p in model.named_parameters()}
+    assert all(params[n].dtype == torch.bfloat16 and type(params[n]) is torch.nn.Parameter
+               for n in layout.expert_params)
+    assert type(params["model.layers.0.self_attn.q_proj.weight"]).__name__ == "Params4bit"
+    assert "quantizes the linear layers only: the fused expert weights stay in model.dtype" in \
+        targets_line(model, layout, 0.05, True)
+    model(input_ids=torch.tensor([[5, 17, 42, 9]])).logits.float().sum().backward()
+    grads = [w.lora_B["default"].weight.grad for w in parameter_adapters(model).values()]
+    assert len(grads) == 4 and all(g is not None and g.abs().max() > 0 for g in grads)
