@@ -1,5 +1,6 @@
-"""A mixture-of-experts model under DDP on 2 CPU processes: experts that receive no token (on a rank, in a
-micro-batch, or ever) neither stop the run with an unused-parameter error nor hang it, and the run equals one device.
+"""A mixture-of-experts model under DDP, ZeRO-2, ZeRO-3 and FSDP2 on 2 CPU processes: experts that receive no token
+(on a rank, in a micro-batch, or ever) neither stop the run with an unused-parameter error nor hang it, and the run
+equals one device.
 """
 
 from __future__ import annotations
@@ -41,15 +42,30 @@ def routed_dir(path):
     return path
 
 
+EXTRA = ["model.tokenizer=smollm2-135m", "model.gradient_checkpointing=true"]
+MODES = ["ddp 2x(2,2)"]
+if __import__("importlib").util.find_spec("deepspeed") is not None:
+    MODES += ["zero2 2x(2,2)", "zero3 2x(2,2)"]  # ZeRO-3 loads the directory under zero.Init
+MODES += ["fsdp2 2x(2,2)"]
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory):
+    """The model directory and its one-device run (tests/launching.py's single 1x(8,1), in this process)."""
+    root = tmp_path_factory.mktemp("moe")
+    model = routed_dir(root / "moe")
+    _, single = modes()["single 1x(8,1)"]
+    return model, run_in_process(single + EXTRA + [f"model.name_or_path={model}"], root / "single"), root / "single"
+
+
 @pytest.mark.launch
-def test_ddp_with_idle_experts_matches_one_device(tmp_path):
-    model = routed_dir(tmp_path / "moe")
-    extra = [f"model.name_or_path={model}", "model.tokenizer=smollm2-135m", "model.gradient_checkpointing=true"]
-    table = modes()
-    cmds, overrides = table["ddp 2x(2,2)"]
-    got = run_mode(cmds, overrides + extra, tmp_path / "ddp", timeout=900)  # a hang would end here, as a failure
-    _, single = table["single 1x(8,1)"]
-    reference = run_in_process(single + extra, tmp_path / "single")
+@pytest.mark.parametrize("mode", MODES)
+def test_idle_experts_train_as_on_one_device(mode, routed, tmp_path):
+    """Every rank computes every expert's W + B A (transformers' grouped kernel reads the whole stack), so no rank
+    skips a parameter another one gathers or reduces: no unused-parameter error (DDP), no hang (ZeRO-3, FSDP2)."""
+    model, reference, single_dir = routed
+    cmds, overrides = modes()[mode]
+    got = run_mode(cmds, overrides + EXTRA + [f"model.name_or_path={model}"], tmp_path / "run", timeout=900)
     assert got["steps"] == reference["steps"] == [1, 2, 3, 4, 5, 6]
     assert rel_dev(reference["loss"], got["loss"]) < TOL
     assert rel_dev(reference["grad_norm"], got["grad_norm"]) < TOL
@@ -62,14 +78,14 @@ def test_ddp_with_idle_experts_matches_one_device(tmp_path):
         assert all(per_expert[e] > 0 for e in range(4)), (name, per_expert)   # routed: trained
     import json
 
-    rows = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     load = [r for r in rows if "train/expert_load/idle_experts" in r]
     assert len(load) == 6
     for r in load:  # summed over both ranks: experts 4-7 idle in both layers, 0-3 share every token
         assert all(r[f"train/expert_load/tokens/e{e}"] == 0 for e in IDLE)
         assert r["train/expert_load/idle_experts"] == 2 * len(IDLE)
         assert sum(r[f"train/expert_load/tokens/e{e}"] for e in range(4)) > 0
-    single_load = [r for r in map(json.loads, (tmp_path / "single" / "metrics.jsonl").read_text().splitlines())
+    single_load = [r for r in map(json.loads, (single_dir / "metrics.jsonl").read_text().splitlines())
                    if "train/expert_load/idle_experts" in r]
     for a, b in zip(single_load, load):  # the same tokens routed to the same experts, counted on 1 or 2 ranks
         assert {k: v for k, v in a.items() if k.startswith("train/expert_load/tokens")} == \
