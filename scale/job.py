@@ -49,7 +49,7 @@ from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_prec
 from scale.modeling import (CPU_MIXED_PATHS, TINY, build_model, check_attention, check_packing,
                             check_sequence_parallel, load_tokenizer, parameter_counts, tokenizer_source,
                             use_cpu_mixed_paths)
-from scale.moe import ExpertLoad, model_shape, moe_layout, targets_line
+from scale.moe import ExpertLoad, RouterAux, model_shape, moe_layout, targets_line
 from scale.names import differences_from_trl
 from scale.samples import SAMPLES_FILE, Generation, pick_samples, sample_metric_names, start_samples_file
 from scale.schedule import lr_factor, steps_for_epochs, warmup_steps
@@ -82,6 +82,7 @@ class Job:
     chat: bool = True  # the rows were rendered by a chat template (Splits.template_sha256): adapter/ carries it
     sequence: SequenceParallel | None = None  # train.sequence_parallel_size > 1 (scale.ulysses)
     expert_load: ExpertLoad | None = None  # a mixture-of-experts model: tokens per expert (scale.moe)
+    router_aux: RouterAux | None = None  # its load-balancing loss while the routers train (loss.router_aux_coef)
 
     def __post_init__(self) -> None:
         if self.max_steps is None:
@@ -271,6 +272,10 @@ def setup(cfg: Config) -> Job:
     else:
         model = (on_every_rank if model_here else main_process_first)(acc, prepare_model)  # collective
     check_sequence_parallel(model, cfg.model, sp, cfg.data.packing or cfg.data.padding_free, cfg.data.max_length)
+    layout = moe_layout(model)  # a mixture-of-experts model: what trains, the tokens per expert, the aux loss
+    router_aux = RouterAux.for_run(model, layout, cfg.loss.router_aux_coef, cfg.lora.train_router)  # before writing
+    experts_line = targets_line(model, layout, cfg.lora.dropout, cfg.model.quantize_4bit) if layout else None
+    expert_load = ExpertLoad(model, layout, acc.device) if layout else None
     # bf16 autocast on CPU: attention, casts and the 4-bit backward where they are fastest (scale.modeling)
     # Under sequence parallelism the attention stays the one Ulysses wraps (its name is what scale.ulysses registers).
     paths = [n for n in CPU_MIXED_PATHS if not (sequence is not None and n == "attention_fp32_short")]
@@ -303,9 +308,6 @@ def setup(cfg: Config) -> Job:
         dump_config(cfg, out / "config.yaml", comment=launch_comment(plan, acc.num_processes, G))
     optimizer, scheduler = make_optimizer(cfg, model, max_steps)
     shape = flops_shape(model)  # before prepare: acc.unwrap_model imports deepspeed whenever it is installed
-    layout = moe_layout(model)  # a mixture-of-experts model: what trains, and the tokens per expert
-    experts_line = targets_line(model, layout, cfg.lora.dropout, cfg.model.quantize_4bit) if layout else None
-    expert_load = ExpertLoad(model, layout, acc.device) if layout else None
     if sequence is None:
         model, optimizer, train_dl = acc.prepare(model, optimizer, train_dl)
         acc.even_batches = True  # eval: gather_for_metrics drops the repeated samples
@@ -336,7 +338,8 @@ def setup(cfg: Config) -> Job:
                     step_text(lengths, column(splits.train, "tail_len"), G, bins), len(splits.train),
                     len(splits.eval), splits.format, trainable, total, 100 * trainable / total)
         if experts_line:
-            logger.info(experts_line)
+            logger.info(experts_line + (f"; loss.router_aux_coef={router_aux.coef:g} (load-balancing loss)"
+                                        if router_aux else ""))
         log_data_stats(splits.stats, cfg.data)
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))
         for difference in differences_from_trl(cfg, min(warmup_steps(cfg.optim, max_steps), max_steps - 1)):
@@ -374,7 +377,7 @@ def setup(cfg: Config) -> Job:
         start_samples_file(gen.path, acc.is_main_process, state.step if resume else None)
     return Job(cfg, acc, plan, model, optimizer, scheduler, train_dl, eval_dl, spec, log, state,
                flops_fn, peak.flops, max_steps, gen, splits.task, sequence=sequence, chat=chat,
-               expert_load=expert_load)
+               expert_load=expert_load, router_aux=router_aux)
 
 
 def mode_plan_lines(notes: list[str], dtypes: dict[str, int], cpu_paths: list[str]) -> list[str]:

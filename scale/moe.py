@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -490,3 +491,93 @@ def model_shape(model: torch.nn.Module) -> flops.ModelShape:
     return dataclasses.replace(shape, layers=shape.layers + counts.experts * layout.top_k // layout.num_experts
                                + counts.routers,
                                inactive_lora=counts.expert_lora * inactive // layout.num_experts)
+
+
+class RouterAux:
+    """The model's own load-balancing loss (Switch Transformer, https://arxiv.org/abs/2101.03961, eqs. 4-6; the
+    family's ``load_balancing_loss_func`` in transformers) added to the tail loss while the routers train.
+
+    A forward hook on every router keeps its logits ``[n, E]`` of the training forward (not under ``no_grad``, not
+    in a checkpointed layer's recomputation); :meth:`term` turns them into ``coef x aux x (the micro-batch's loss
+    weights)``, added to the micro-batch's loss numerator: the window's loss ``sum(num) / sum(weights)`` becomes the
+    tail CE plus ``coef`` times the weight-averaged aux loss of its micro-batches, the same in every launch mode.
+
+    Args:
+        model: the model (peft-wrapped or not), before ``prepare``.
+        layout: its :func:`moe_layout`.
+        coef: the weight (> 0).
+        loss_fn: ``(router logits per layer, E, k, attention_mask [B, T] or None) -> aux []``.
+    """
+
+    def __init__(self, model: torch.nn.Module, layout: MoeLayout, coef: float, loss_fn: Any) -> None:
+        self.coef, self.loss_fn, self.layout = coef, loss_fn, layout
+        self._logits: list[torch.Tensor] = []
+        self.sums = torch.zeros(2, dtype=torch.float64)  # aux summed over micro-batches, micro-batches
+        modules = dict(model.named_modules())
+        prefix = next((p for p in ("base_model.model.", "") if f"{p}{layout.routers[0]}" in modules), "")
+        self._handles = [modules[f"{prefix}{name}"].register_forward_hook(self._keep) for name in layout.routers]
+
+    @classmethod
+    def for_run(cls, model: torch.nn.Module, layout: MoeLayout | None, coef: float | None,
+                train_router: bool) -> RouterAux | None:
+        """The aux loss of a run, or None: ``coef`` null means the model config's ``router_aux_loss_coef`` when
+        ``train_router``, else none.
+
+        Raises:
+            ConfigError: a coefficient > 0 on a dense model, with a frozen router, or for a family without a
+                load-balancing loss in transformers.
+        """
+        if coef is not None and coef < 0:
+            raise ConfigError(f"loss.router_aux_coef={coef} must be >= 0 (or null)")
+        if coef and layout is None:
+            raise ConfigError(f"loss.router_aux_coef={coef} needs a mixture-of-experts model; set it to null")
+        if layout is None:
+            return None
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if coef is None:
+            coef = float(getattr(_text_config(base.config), "router_aux_loss_coef", 0.0) or 0.0) if train_router \
+                else 0.0
+        if not coef:
+            return None
+        if not train_router:
+            raise ConfigError(f"loss.router_aux_coef={coef} balances the routers, which are frozen: set "
+                              f"lora.train_router=true, or loss.router_aux_coef=null")
+        loss_fn = getattr(sys.modules.get(type(base).__module__), "load_balancing_loss_func", None)
+        if loss_fn is None:
+            raise ConfigError(f"loss.router_aux_coef={coef}: transformers has no load-balancing loss for "
+                              f"{layout.family}; set loss.router_aux_coef=null")
+        return cls(model, layout, coef, loss_fn)
+
+    def _keep(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return
+        logits = output[0] if isinstance(output, tuple) else output
+        self._logits.append(logits)
+
+    def term(self, batch: dict[str, torch.Tensor], weight_sum: torch.Tensor) -> torch.Tensor:
+        """``coef x aux x weight_sum`` for the forward just run (its router logits are then dropped).
+
+        Args:
+            batch: the micro-batch (its ``attention_mask [B, T]`` keeps padding out of the aux loss).
+            weight_sum: the micro-batch's summed loss weights ``[]``.
+        """
+        logits, self._logits = tuple(self._logits), []
+        if not logits:
+            return torch.zeros((), device=weight_sum.device)
+        mask = batch.get("attention_mask")
+        aux = self.loss_fn(logits, self.layout.num_experts, self.layout.top_k,
+                           mask if mask is not None and mask.dim() == 2 else None)
+        if self.sums.device != aux.device:
+            self.sums = self.sums.to(aux.device)
+        self.sums += torch.stack([aux.detach().double(), torch.ones((), dtype=torch.float64, device=aux.device)])
+        return self.coef * aux.to(weight_sum.dtype) * weight_sum
+
+    def flush(self, reduce: Any = None) -> dict[str, float]:
+        """``train/router_aux_loss``: the aux loss averaged over the interval's micro-batches (all ranks), unweighted
+        by ``coef``; then reset."""
+        sums = self.sums.clone()
+        self.sums.zero_()
+        if reduce is not None:
+            sums = reduce(sums)  # collective: every rank calls flush at the same step
+        total, n = sums.tolist()  # host sync (log interval only)
+        return {"train/router_aux_loss": total / n} if n else {}

@@ -207,6 +207,10 @@ class LossConfig:
     fused: str | None = _f(None, "Kernel of the chunked tail loss (where chunk_size chunks): null: scale.chunked's "
                                  "(exact, any device); liger: Liger-Kernel's fused linear cross-entropy (CUDA only, "
                                  "pip install liger-kernel; unweighted tails: no type_weights, no criterion).")
+    router_aux_coef: float | None = _f(None, "Mixture-of-experts models with lora.train_router=true: weight of the "
+                                             "model's own load-balancing loss (Switch Transformer) added to the tail "
+                                             "loss; null: the model config's router_aux_loss_coef when the router "
+                                             "trains, else 0.")
 
 
 @dataclass

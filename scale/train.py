@@ -134,8 +134,9 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
             done = state.step >= job.max_steps
             if state.step % t.log_every == 0 or done:
                 metrics = meter.flush(acc, lr)  # collective + host sync: the log interval's only one
-                if job.expert_load is not None:  # collective: tokens per expert, summed over ranks
-                    metrics.update(job.expert_load.flush(lambda t: acc.reduce(t, reduction="sum")))
+                for watcher in (job.expert_load, job.router_aux):  # collectives: summed over ranks
+                    if watcher is not None:
+                        metrics.update(watcher.flush(lambda t: acc.reduce(t, reduction="sum")))
                 if t.on_nonfinite == "skip":
                     metrics["train/skipped_steps"] = state.skipped_steps
                 if 0.0 in (job.spec.type_weights or ()):
@@ -251,6 +252,8 @@ def train_window(job: Job, window: Window, meter: StepMeter) -> None:
         with acc.accumulate(job.model), (sharded() if job.sequence else contextlib.nullcontext()):
             num = loss_step(job.model, mb.batch, job.spec, mb.weights)
             nums.append(num.detach())
+            if job.router_aux is not None:  # + coef x load-balancing loss x this micro-batch's weights
+                num = num + job.router_aux.term(mb.batch, mb.weights.sum())
             # backward() divides by GA, and DDP/ZeRO divide the gradient summed over the ranks by the world size
             # (ZeRO-1/2 under sequence parallelism by the data-parallel degree: ModePlan.gradient_average_size);
             # undo both so the update is sum(weighted token CE) / den for the whole window on every rank (the

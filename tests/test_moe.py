@@ -322,3 +322,82 @@ def test_4bit_quantizes_the_linear_layers_and_keeps_the_experts_in_model_dtype(t
     model(input_ids=torch.tensor([[5, 17, 42, 9]])).logits.float().sum().backward()
     grads = [w.lora_B["default"].weight.grad for w in parameter_adapters(model).values()]
     assert len(grads) == 4 and all(g is not None and g.abs().max() > 0 for g in grads)
+
+
+def switch_aux_reference(logits: list[torch.Tensor], k: int) -> float:
+    """Switch Transformer's load-balancing loss (https://arxiv.org/abs/2101.03961, eqs. 4-6, in transformers' top-k
+    form) in float64 from the routers' logits: ``E x sum_e f_e P_e`` over the tokens of every layer, ``f_e`` the
+    fraction of (token, slot) pairs routed to ``e`` per slot summed over the ``k`` slots, ``P_e`` the mean router
+    probability of ``e``."""
+    z = torch.cat([t.detach().double() for t in logits])          # [L x n, E]
+    p = torch.softmax(z, dim=-1)
+    idx = torch.topk(p, k, dim=-1).indices                        # [L x n, k]
+    f = torch.nn.functional.one_hot(idx, E).double().mean(dim=0)  # [k, E]
+    return float(E * (f * p.mean(dim=0)).sum())
+
+
+def test_router_aux_loss_is_the_switch_loss_weighted_by_the_micro_batch():
+    from scale.moe import RouterAux
+
+    model = lora(tiny_moe("qwen3_moe"), train_router=True, dropout=0.0)
+    model.train()
+    layout = moe_layout(model)
+    aux = RouterAux.for_run(model, layout, None, True)
+    assert aux is not None and aux.coef == model.get_base_model().config.router_aux_loss_coef  # the model's own
+    kept: list = []
+    handles = [model.get_submodule(f"base_model.model.{r}").register_forward_hook(
+        lambda _m, _a, out: kept.append(out[0])) for r in layout.routers]
+    batch = {"input_ids": torch.tensor([[5, 17, 42, 9, 33, 2]]), "attention_mask": torch.ones(1, 6, dtype=torch.long)}
+    loss = tail_ce(model, batch)
+    for h in handles:
+        h.remove()
+    w = torch.tensor(2.0)
+    term = aux.term(batch, w)
+    # float32 means over 12 (token, layer) rows of 8 probabilities: relative error <= ~12 x 8 x eps32 = 6e-6
+    assert abs(float(term) / (aux.coef * 2.0) - switch_aux_reference(kept, K)) <= 1e-5
+    (loss + term).backward()  # the aux loss reaches the routers' adapters
+    router_grads = [w.lora_B["default"].weight.grad for n, w in parameter_adapters(model).items()
+                    if n in layout.router_params]
+    assert len(router_grads) == 2 and all(g.abs().max() > 0 for g in router_grads)
+    reference = switch_aux_reference(kept, K)
+    assert aux.flush() == {"train/router_aux_loss": pytest.approx(reference, abs=1e-5)}  # unweighted by coef
+    with torch.no_grad():
+        tail_ce(model, batch)  # evaluation: nothing kept
+    assert float(aux.term(batch, w)) == 0.0
+
+
+def test_router_aux_coef_with_a_frozen_router_or_a_dense_model_is_one_line():
+    from scale.moe import RouterAux
+
+    model = lora(tiny_moe("mixtral"))
+    with pytest.raises(ConfigError, match=r"^loss.router_aux_coef=0.01 balances the routers, which are frozen: set "
+                                          r"lora.train_router=true"):
+        RouterAux.for_run(model, moe_layout(model), 0.01, False)
+    assert RouterAux.for_run(model, moe_layout(model), None, False) is None  # null: off while the router is frozen
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
+        RouterAux.for_run(torch.nn.Linear(2, 2), None, 0.01, True)
+
+
+def test_a_run_with_a_trained_router_logs_its_aux_loss(tmp_path, caplog):
+    import logging
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from scale.metrics import read_jsonl
+    from scale.train import run
+    from tests.conftest import tiny_cfg
+
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=49152, hidden_size=H, intermediate_size=64, moe_intermediate_size=I,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       num_experts=E, num_experts_per_tok=K, head_dim=8, tie_word_embeddings=True,
+                                       bos_token_id=1, eos_token_id=2, pad_token_id=2)).save_pretrained(tmp_path / "m")
+    out = tmp_path / "run"
+    caplog.set_level(logging.INFO)
+    run(tiny_cfg(out, f"model.name_or_path={tmp_path / 'm'}", "model.tokenizer=smollm2-135m", "lora.train_router=true",
+                 "loss.router_aux_coef=0.01", "train.max_steps=2", "train.log_every=1", "train.eval_every=0",
+                 "data.eval_size=16", "data.max_train_examples=32", "log.peak_flops=1e12"))
+    assert any("router trained (LoRA on 2 router weights); loss.router_aux_coef=0.01" in r.getMessage()
+               for r in caplog.records)
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "train/router_aux_loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["train/router_aux_loss"] > 0 for r in rows)
