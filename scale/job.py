@@ -338,8 +338,9 @@ def setup(cfg: Config) -> Job:
                     step_text(lengths, column(splits.train, "tail_len"), G, bins), len(splits.train),
                     len(splits.eval), splits.format, trainable, total, 100 * trainable / total)
         if experts_line:
-            logger.info(experts_line + (f"; loss.router_aux_coef={router_aux.coef:g} (load-balancing loss)"
-                                        if router_aux else ""))
+            aux = [f"loss.router_aux_coef={router_aux.coef:g} (load-balancing loss)"] if router_aux else []
+            for line in lines_within("", experts_line + aux):
+                logger.info(line)
         log_data_stats(splits.stats, cfg.data)
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(tokenizer, splits.train[0]))
         for difference in differences_from_trl(cfg, min(warmup_steps(cfg.optim, max_steps), max_steps - 1)):

@@ -266,8 +266,15 @@ def disable_cpu_inference_packing(model: torch.nn.Module) -> int:
 def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfig) -> torch.nn.Module:
     """Freeze the base, prepare k-bit training, enable checkpointing and wrap with a LoRA adapter.
 
+    A mixture-of-experts model (fused 3-D experts) gets its targets from :mod:`scale.moe`: the linear layers by
+    name and every expert's weights as peft ``target_parameters``, routers frozen unless ``lora.train_router``,
+    ``lora.dropout`` on the linear layers' adapters only, the experts kept in their loaded dtype under 4-bit.
+
     Returns:
         A ``peft.PeftModel``; only ``lora_A``/``lora_B`` require grad.
+
+    Raises:
+        ConfigError: ``lora.target_modules`` names a layer the model does not have.
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model, prepare_model_for_kbit_training
@@ -284,8 +291,7 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
         # pass gradient to LoRA (peft#137).
         model.activation_checkpointing_enable(**checkpointing_kwargs(model_cfg))
     if layout is not None:  # fused experts: explicit module and parameter names (scale.moe)
-        targets = moe.lora_targets(model, layout, lora_cfg.target_modules, lora_cfg.train_router,
-                                   linear_names(model))
+        targets = moe.lora_targets(layout, lora_cfg.target_modules, lora_cfg.train_router, linear_names(model))
         peft_cfg = PeftLoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, task_type="CAUSAL_LM",
                                   lora_dropout=0.0 if targets.parameters else lora_cfg.dropout,
                                   target_modules=targets.modules, target_parameters=targets.parameters or None)

@@ -133,12 +133,12 @@ class Targets:
     parameters: list[str]
 
 
-def lora_targets(model: torch.nn.Module, layout: MoeLayout, target_modules: list[str] | str,
-                 train_router: bool, linear: list[str]) -> Targets:
+def lora_targets(layout: MoeLayout, target_modules: list[str] | str, train_router: bool,
+                 linear: list[str]) -> Targets:
     """Resolve ``lora.target_modules`` on a mixture-of-experts model to full module and parameter names.
 
-    ``all-linear``: every linear layer in ``linear`` (the LM head already excluded) except router-like ones, and
-    every expert weight. A list: a name matches a linear layer by peft's suffix rule (``q_proj`` matches
+    ``all-linear``: every linear layer in ``linear`` (the model's, LM head excluded:
+    :func:`scale.modeling.linear_names`) except router-like ones, and every expert weight. A list: a name matches a linear layer by peft's suffix rule (``q_proj`` matches
     ``model.layers.0.self_attn.q_proj``) or an expert weight by its leaf (``gate_up_proj``, ``down_proj``; ``experts``
     takes all of them). A string other than ``all-linear``: a regular expression full-matched against linear layer
     names and expert weight names (peft's rule for a string). ``train_router`` adds the routers' weights.
@@ -255,8 +255,9 @@ def expert_factors(wrapper: torch.nn.Module, adapter: str = "default") -> tuple[
     return a.reshape(e, -1, a.shape[-1]), b.reshape(b.shape[0], -1, e).permute(2, 0, 1)
 
 
-def targets_line(model: torch.nn.Module, layout: MoeLayout, dropout: float, quantized: bool) -> str:
-    """The start-up line saying what trains in a mixture-of-experts model.
+def targets_line(model: torch.nn.Module, layout: MoeLayout, dropout: float, quantized: bool) -> list[str]:
+    """The start-up line saying what trains in a mixture-of-experts model, as parts to join with ``"; "`` (each
+    under 240 characters: :func:`scale.job.lines_within` wraps them).
 
     ``LoRA on qwen3_moe (top-2 of 8): attention 4 x 2 layers, experts 8 x 2 layers (gate_up_proj, down_proj; a LoRA
     pair per expert), router frozen (lora.train_router=false); lora.dropout=0.05 on the linear layers' adapters
@@ -290,14 +291,14 @@ def targets_line(model: torch.nn.Module, layout: MoeLayout, dropout: float, quan
                      f"of their weights)")
     parts.append(f"router trained (LoRA on {len(routers)} router weights)" if routers or "router" in kinds else
                  "router frozen (lora.train_router=false)")
-    line = f"LoRA on {layout.family} (top-{layout.top_k} of {layout.num_experts}): " + ", ".join(parts)
+    lines = [f"LoRA on {layout.family} (top-{layout.top_k} of {layout.num_experts}): " + ", ".join(parts)]
     if dropout > 0 and experts:
-        line += (f"; lora.dropout={dropout:g} on the linear layers' adapters only (an expert adapter is added to the "
-                 f"fused weight, it cannot drop its input)")
+        lines.append(f"lora.dropout={dropout:g} on the linear layers' adapters only (an expert adapter is added to "
+                     f"the fused weight, it cannot drop its input)")
     if quantized:
-        line += ("; model.quantize_4bit quantizes the linear layers only: the fused expert weights stay in "
-                 "model.dtype (bitsandbytes 4-bit covers nn.Linear)")
-    return line
+        lines.append("model.quantize_4bit quantizes the linear layers only: the fused expert weights stay in "
+                     "model.dtype (bitsandbytes 4-bit covers nn.Linear)")
+    return lines
 
 
 def restore_expert_dtype(model: torch.nn.Module, layout: MoeLayout, dtypes: dict[str, torch.dtype]) -> int:
@@ -368,7 +369,8 @@ class ExpertLoad:
         ``tokens/e{i}``: tokens routed to expert ``i``, summed over the MoE layers (a token counts once per expert it
         is sent to); ``min_share`` / ``max_share``: the smallest and largest share of a layer's routed tokens one
         expert received, over all layers (``1/E`` each when balanced; at most ``1/k``, reached when a router sends
-        every token to the same ``k`` experts: a collapsed router); ``idle_experts``: (layer, expert) pairs that received no token.
+        every token to the same ``k`` experts: a collapsed router); ``idle_experts``: (layer, expert) pairs that
+        received no token.
 
         Args:
             reduce: ``tensor -> tensor`` summing over ranks (``accelerator.reduce(t, "sum")``); None: this rank.

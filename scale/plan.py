@@ -365,8 +365,8 @@ def moe_text(model: torch.nn.Module, params: list[Any], max_length: int, thresho
     stack = max((sum(by_name[n].numel * nbytes(by_name[n].dtype) for n in layout.expert_params
                      if n.startswith(f"{e}.") and n in by_name) for e in layout.experts), default=0)
     return (f"mixture of experts: {layout.num_experts} routed experts, top-{layout.top_k}, in {len(layout.experts)} "
-            f"layers: {counts.total:,} parameters, {counts.active:,} active per token ({counts.active / counts.total:.1%}"
-            f"); training FLOPs per token {active:.3g} from the active ones (train/mfu counts these; {every:.3g} if "
+            f"layers: {counts.total:,} parameters, {counts.active:,} active per token "
+            f"({counts.active / counts.total:.1%}); training FLOPs per token {active:.3g} from the active ones (train/mfu counts these; {every:.3g} if "
             f"every expert ran); one layer's expert stack {_gib(stack)} GiB, computed as W + B A in each forward "
             f"(LoRA on fused experts) and kept for backward")
 

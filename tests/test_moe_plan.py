@@ -120,6 +120,7 @@ def test_active_parameters_and_flops_count_k_of_e_experts(tmp_path):
     assert flops_per_token(shape, 64, lora_params=trainable) == expected
 
 
+@pytest.mark.slow
 def test_qwen3_30b_a3b_plan_counts_its_published_sizes():
     """configs/models/qwen3-30b-a3b.json (Qwen/Qwen3-30B-A3B's config.json): 30.5B parameters, 3.3B activated
     (its model card); the plan says both and ZeRO-3 offload is what fits 2 x 24 GiB."""
