@@ -408,3 +408,41 @@ def test_a_run_with_a_trained_router_logs_its_aux_loss(tmp_path, caplog):
                for r in caplog.records)
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "train/router_aux_loss" in r]
     assert [r["step"] for r in rows] == [1, 2] and all(r["train/router_aux_loss"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_resume_of_a_moe_run_is_bit_exact(tmp_path):
+    """8 steps straight against 4 + a resume from the step-4 checkpoint: the same adapter (expert, attention) and the
+    same losses and expert loads, bit for bit (dropout on the linear adapters, so the RNG state must come back too)."""
+    from accelerate.state import AcceleratorState, GradientState
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from scale.metrics import read_jsonl
+    from scale.train import run
+    from tests.conftest import tiny_cfg
+
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=49152, hidden_size=H, intermediate_size=64, moe_intermediate_size=I,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       num_experts=E, num_experts_per_tok=K, head_dim=8, tie_word_embeddings=True,
+                                       bos_token_id=1, eos_token_id=2, pad_token_id=2)).save_pretrained(tmp_path / "m")
+    job = [f"model.name_or_path={tmp_path / 'm'}", "model.tokenizer=smollm2-135m", "lora.dropout=0.1",
+           "data.max_train_examples=20", "train.micro_batch_size=2", "train.gradient_accumulation_steps=2",
+           "train.max_steps=8", "train.log_every=1", "train.eval_every=0", "train.save_every=4", "data.eval_size=8",
+           "log.peak_flops=1e12"]
+    runs = {}
+    for name, extra in (("straight", []), ("resumed", [f"train.resume_from={tmp_path / 'straight'}/checkpoints/"
+                                                      f"step_{4:06d}"])):
+        run(tiny_cfg(tmp_path / name, *job, *extra))
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        rows = {r["step"]: r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "train/loss" in r}
+        runs[name] = (load_file(tmp_path / name / "adapter" / "adapter_model.safetensors"), rows)
+    (ref, ref_rows), (got, got_rows) = runs["straight"], runs["resumed"]
+    assert ref.keys() == got.keys() and any(".experts" in k for k in ref)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert sorted(got_rows) == [5, 6, 7, 8]
+    for s in got_rows:
+        keys = ["train/loss", "train/grad_norm"] + [k for k in ref_rows[s] if k.startswith("train/expert_load/")]
+        assert {k: got_rows[s][k] for k in keys} == {k: ref_rows[s][k] for k in keys}, s
