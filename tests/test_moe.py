@@ -446,3 +446,32 @@ def test_resume_of_a_moe_run_is_bit_exact(tmp_path):
     for s in got_rows:
         keys = ["train/loss", "train/grad_norm"] + [k for k in ref_rows[s] if k.startswith("train/expert_load/")]
         assert {k: got_rows[s][k] for k in keys} == {k: ref_rows[s][k] for k in keys}, s
+
+
+def test_a_saved_adapter_with_shared_experts_reloads_to_the_same_model(tmp_path):
+    """DeepSeek-V3's shared experts are linear layers named gate_proj/up_proj/down_proj: peft's transformers-4
+    conversion would move their adapters onto the routed experts' fused weights on reload (peft 0.21.2: the load
+    then fails, "Error(s) in loading state_dict for PeftModelForCausalLM"). Loaded under explicit_targets (as
+    scale-export and scale-generate load), the adapter gives the trained model's logits."""
+    from peft import PeftModel
+
+    from scale.moe import explicit_targets
+
+    model = lora(tiny_moe("deepseek_v3"), dropout=0.0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))  # a trained-looking adapter
+    model.eval()
+    model.save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([[3, 14, 15, 9, 26]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        with explicit_targets():
+            again = PeftModel.from_pretrained(tiny_moe("deepseek_v3"), tmp_path / "adapter").eval()
+        got = again(input_ids=ids).logits
+    shared = [n for n, m in again.named_modules() if "shared_experts" in n and hasattr(m, "lora_A")
+              and type(m).__name__ != "ParamWrapper"]
+    assert len(shared) == 3  # gate_proj, up_proj, down_proj of the one MoE layer's shared expert
+    # the same float32 operations in the same order on the same weights: equal
+    assert torch.equal(got, want)

@@ -5,41 +5,15 @@ equals one device.
 
 from __future__ import annotations
 
-import pytest
-import torch
+import json
 
-from tests.launching import modes, read_run, rel_dev, run_in_process, run_mode, weight_dev
+import pytest
+
+from tests.launching import modes, rel_dev, run_in_process, run_mode, save_tiny_moe_directory, weight_dev
 
 TOL = 1e-5  # the launch tests' parity bound (tests/test_distributed.py): fp32 sums over 2 ranks in another order
-E, K, H = 8, 2, 32
-IDLE = (4, 5, 6, 7)
-
-
-def routed_dir(path):
-    """A tiny Qwen3-MoE whose routers send every token to one of experts {0, 1} and one of {2, 3}, never to 4-7.
-
-    Each MoE input is the post-attention RMSNorm's output; its weight is zeroed but for coordinates 0 and 1, so the
-    router sees ``x = (x0, x1, 0, ...)``; router rows ``+-8 e_0`` (experts 0, 1) and ``+-8 e_1`` (experts 2, 3) give
-    logits ``+-8 x0``, ``+-8 x1`` and 0 for experts 4-7: the top 2 are the two positive ones (x0, x1 != 0).
-    """
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=49152, hidden_size=H, intermediate_size=64, moe_intermediate_size=16,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=E,
-                         num_experts_per_tok=K, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    model = Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            gamma = torch.zeros(H)
-            gamma[:2] = 1.0
-            layer.post_attention_layernorm.weight.copy_(gamma)
-            w = torch.zeros(E, H)
-            w[0, 0], w[1, 0], w[2, 1], w[3, 1] = 8.0, -8.0, 8.0, -8.0
-            layer.mlp.gate.weight.copy_(w)
-    model.save_pretrained(path)
-    return path
+E = 8
+IDLE = (4, 5, 6, 7)  # experts the routers of save_tiny_moe_directory's model never choose
 
 
 EXTRA = ["model.tokenizer=smollm2-135m", "model.gradient_checkpointing=true"]
@@ -53,7 +27,7 @@ MODES += ["fsdp2 2x(2,2)"]
 def routed(tmp_path_factory):
     """The model directory and its one-device run (tests/launching.py's single 1x(8,1), in this process)."""
     root = tmp_path_factory.mktemp("moe")
-    model = routed_dir(root / "moe")
+    model = save_tiny_moe_directory(root / "moe")
     _, single = modes()["single 1x(8,1)"]
     return model, run_in_process(single + EXTRA + [f"model.name_or_path={model}"], root / "single"), root / "single"
 
@@ -76,8 +50,6 @@ def test_idle_experts_train_as_on_one_device(mode, routed, tmp_path):
         per_expert = b.reshape(b.shape[0], -1, E).abs().amax(dim=(0, 1))
         assert all(per_expert[e] == 0 for e in IDLE), (name, per_expert)      # never routed: never trained
         assert all(per_expert[e] > 0 for e in range(4)), (name, per_expert)   # routed: trained
-    import json
-
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     load = [r for r in rows if "train/expert_load/idle_experts" in r]
     assert len(load) == 6
