@@ -161,9 +161,11 @@ def lora_targets(layout: MoeLayout, target_modules: list[str] | str, train_route
         params = [n for n in experts if n.rsplit(".", 1)[-1] in wanted or "experts" in wanted]
         known = {n.rsplit(".", 1)[-1] for n in linear} | {n.rsplit(".", 1)[-1] for n in experts} | {"experts"}
         unknown = sorted(t for t in wanted if t.rsplit(".", 1)[-1] not in known)
+        router_leaves = {n.rsplit(".", 1)[-1] for n in layout.routers + layout.router_linears}
         if unknown:
+            routers = " (routers train with lora.train_router=true)" if set(unknown) & router_leaves else ""
             raise ConfigError(f"lora.target_modules: {unknown} match no linear layer or expert weight of this "
-                              f"{layout.family} model; its names are {sorted(known)} (or use all-linear)")
+                              f"{layout.family} model{routers}; its names are {sorted(known)} (or use all-linear)")
     if train_router:
         params = params + [p for p in layout.router_params if p.rsplit(".", 2)[-2] not in ROUTER_LEAVES]
         modules = modules + [n for n in layout.router_linears if n not in modules]

@@ -105,6 +105,9 @@ def test_train_router_adds_a_router_adapter(family):
 def test_a_listed_name_that_matches_nothing_is_refused():
     with pytest.raises(ConfigError, match=r"lora.target_modules: \['w9'\]"):
         lora(tiny_moe("qwen3_moe"), target_modules=["q_proj", "w9"])
+    with pytest.raises(ConfigError, match=r"^lora.target_modules: \['gate'\] match no linear layer or expert weight "
+                                          r"of this qwen3_moe model \(routers train with lora.train_router=true\)"):
+        lora(tiny_moe("qwen3_moe"), target_modules=["q_proj", "gate"])
     model = lora(tiny_moe("qwen3_moe"), target_modules=["q_proj", "down_proj"])
     assert sorted(n.rsplit(".", 1)[-1] for n in parameter_adapters(model)) == ["down_proj"] * 2
 
@@ -475,3 +478,17 @@ def test_a_saved_adapter_with_shared_experts_reloads_to_the_same_model(tmp_path)
     assert len(shared) == 3  # gate_proj, up_proj, down_proj of the one MoE layer's shared expert
     # the same float32 operations in the same order on the same weights: equal
     assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_an_aux_coefficient_with_frozen_routers_is_exit_2_before_anything_is_written(tmp_path, capsys):
+    from scale.cli import main
+    from tests.conftest import TINY_DATA, TINY_YAML
+
+    tiny_moe("qwen3_moe").save_pretrained(tmp_path / "m")
+    code = main(["--config", str(TINY_YAML), f"output_dir={tmp_path / 'out'}", f"data.path={TINY_DATA}",
+                 f"model.name_or_path={tmp_path / 'm'}", "model.tokenizer=smollm2-135m", "loss.router_aux_coef=0.01"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1] == ("scale-train: error: ConfigError: loss.router_aux_coef=0.01 balances the routers, "
+                                     "which are frozen: set lora.train_router=true, or loss.router_aux_coef=null")
+    assert not (tmp_path / "out").exists()
