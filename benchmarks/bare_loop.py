@@ -70,7 +70,7 @@ def bare_run(job: Job, model: torch.nn.Module, examples: list[Example], device: 
     loader = DataLoader(examples, batch_size=job.micro_batch_size, shuffle=False, collate_fn=collator())
     N, ga = job.threshold, job.gradient_accumulation_steps
     model.train()
-    losses: list[torch.Tensor] = []
+    losses: list[tuple[torch.Tensor, float]] = []   # per step: (loss sum on ``device``, tail tokens)
     while len(losses) < job.steps:                                      # epochs
         batches = iter(loader)
         while len(losses) < job.steps:                                  # optimizer steps
@@ -95,10 +95,10 @@ def bare_run(job: Job, model: torch.nn.Module, examples: list[Example], device: 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            losses.append(torch.stack([step_loss, torch.tensor(float(n_tail))]))
+            losses.append((step_loss, float(n_tail)))
     windows = window_batches(examples, job.micro_batch_size, ga, job.steps)
     seconds, tokens = timed_span(scheduler.stamps, step_tokens(windows), job.warmup)
-    return RunResult(seconds, tokens, logged_losses([x.tolist() for x in losses], job.log_every))
+    return RunResult(seconds, tokens, logged_losses([[s.item(), n] for s, n in losses], job.log_every))
 
 
 def logged_losses(sums: list[list[float]], log_every: int) -> list[float]:

@@ -34,7 +34,9 @@ times, each run ``--steps`` optimizer steps of which the first ``--warmup`` are 
   shape's config, ``--full-rows``: the rows have no padding; its ``allocated``, i.e. without the assumed CUDA
   context and fragmentation overhead) next to ``max_memory_allocated``; the goal is within 15%.
 
-Written and dry-run on a CPU machine only; not yet run on a GPU.
+Figures: none measured on this commit yet (docs/benchmarks.md holds no GPU table; a GPU run's table belongs
+there, with the GPU's name and the commit). ``--dry-run`` runs the same functions on CPU at the tiny shape in CI
+(tests/test_benchmarks.py), so a device mismatch or a broken code path fails there, not on the first GPU.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Parity: the same tiny fp32 tail-loss job under every launch mode gives the same numbers.
 
-    python benchmarks/parity.py [--modes single_8x1,ddp_2x2x2 ...] [--jobs reviews,completions] [--tolerance 1e-5]
+    python benchmarks/parity.py [--modes "ulysses,ddp 2x(2,2)" ...] [--jobs reviews,completions] [--tolerance 1e-5]
                                 [--set data.group_by_length=true]
 
 Jobs: configs/train/tiny_cpu.yaml on 20 examples (global batch 8, so every epoch ends with a partial
@@ -18,7 +18,15 @@ share every row (ZeRO-1/2/3), or 4 processes form 2 data-parallel groups of 2 (Z
 (the reviews cut to 16 tokens) puts every tail prediction on the second rank's shard: the first rank's loss is an
 exact 0 in every micro-batch. The ``moe`` job trains a tiny Qwen3-MoE (8 experts, top-2; LoRA on every expert)
 whose routers never send a token to 4 of the experts (``tests.launching.save_tiny_moe_directory``); its rows are the
-modes that load a directory (not the ``from a directory`` row, which loads the tiny Llama, nor the Ulysses rows).
+modes that load a directory (not the ``from a directory`` row, which loads the tiny Llama, nor the Ulysses rows);
+it runs when ``--jobs`` names it.
+
+``--modes`` takes items separated by commas outside parentheses (names hold commas inside them, as ``4x(2,2)``): an
+item equal to a mode name selects that row only, any other item the rows whose names contain it (``ulysses``);
+an item that selects nothing stops with exit 2. The first row, the reference, always runs. A row this machine
+cannot launch (more processes than its GPUs, or without a GPU than ``max(2, CPU cores)``: the launcher's own
+``scale.launch.check_ranks_per_machine``) is skipped with one line saying why, before it starts; the summary still
+prints.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
+import yaml
 
 if __package__ in (None, ""):  # `python benchmarks/parity.py`: make `tests.launching` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,21 +48,90 @@ JOBS = {"reviews": [], "completions": COMPLETIONS, "chats": CHATS, "late_tails":
 SKIP = {"moe": ("from a directory", "ulysses")}  # rows a job cannot run as the others do (see the module docstring)
 
 
-def main() -> int:
+def _flag(cmd: list[str], name: str) -> str | None:
+    """The value after the last ``name`` in ``cmd`` (a later flag overrides an earlier one), or None."""
+    at = [i for i, a in enumerate(cmd) if a == name]
+    return cmd[at[-1] + 1] if at else None
+
+
+def local_processes(cmds: list[list[str]]) -> int:
+    """How many processes a row's commands start on this machine together: ``--num_processes`` (else the
+    ``--config_file`` YAML's ``num_processes``) over ``--num_machines`` for ``accelerate launch``,
+    ``--num_accelerators`` for the ``deepspeed`` launcher, 1 for a plain ``python -m``."""
+    total = 0
+    for cmd in cmds:
+        if (n := _flag(cmd, "--num_accelerators")) is not None:
+            total += int(n)
+            continue
+        tree = {}
+        if (path := _flag(cmd, "--config_file")) is not None:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        procs = int(_flag(cmd, "--num_processes") or tree.get("num_processes", 1))
+        machines = int(_flag(cmd, "--num_machines") or tree.get("num_machines", 1))
+        total += max(1, procs // machines)
+    return total
+
+
+def launch_problem(cmds: list[list[str]]) -> str | None:
+    """Why this machine cannot launch the row (the launcher's :func:`scale.launch.check_ranks_per_machine` on
+    the row's :func:`local_processes`), or None."""
+    from scale.launch import LaunchError, check_ranks_per_machine
+
+    try:
+        check_ranks_per_machine({"LOCAL_WORLD_SIZE": str(local_processes(cmds))})
+    except LaunchError as e:
+        return str(e).split(": launch with")[0]   # the count and the limit; the fix names flags this row fixes
+    return None
+
+
+def split_modes(text: str) -> list[str]:
+    """``--modes``'s items: split at commas outside parentheses (``"ddp 2x(2,2),ulysses"`` is two items)."""
+    items, depth, cur = [], 0, ""
+    for ch in text:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [i for i in [*items, cur.strip()] if i]
+
+
+def select(table: dict, wanted: list[str]) -> dict:
+    """The reference row (the first) and the rows ``wanted`` selects, in table order: an item equal to a name
+    selects that row only, another item the names containing it.
+
+    Raises:
+        SystemExit: an item selects no row (exit 2, one line listing the names).
+    """
+    if not wanted:
+        return table
+    chosen = set()
+    for item in wanted:
+        hits = [item] if item in table else [k for k in table if item in k]
+        if not hits:
+            sys.stderr.write(f"--modes item {item!r} selects no mode; the modes are: {'; '.join(table)}\n")
+            raise SystemExit(2)
+        chosen.update(hits)
+    return {k: v for i, (k, v) in enumerate(table.items()) if i == 0 or k in chosen}
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default=None, help="comma-separated subset of the mode names (substring match)")
+    parser.add_argument("--modes", default="", help="comma-separated mode names (whole names, commas inside "
+                        "parentheses kept: 'ulysses sp2 zero2 4x(2,2) dp2') or parts of names ('ulysses'); "
+                        "default: all")
     parser.add_argument("--jobs", default=",".join(j for j in JOBS if j != "moe"),
-                        help=f"comma-separated subset of {list(JOBS)}")
+                        help=f"comma-separated subset of {list(JOBS)} (default: all but moe)")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override for every mode, e.g. --set data.group_by_length=true")
     parser.add_argument("--out", default=str(ROOT / "runs" / "parity"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     # The tiny model saved as a directory: the ZeRO-3 row loading it goes through from_pretrained under zero.Init.
     table = modes(save_tiny_directory(Path(args.out) / "tiny-llama-dir"))
-    if args.modes:
-        wanted = args.modes.split(",")
-        table = {k: v for i, (k, v) in enumerate(table.items()) if i == 0 or any(w in k for w in wanted)}
+    table = select(table, split_modes(args.modes))
+    problems = {name: launch_problem(cmds) for name, (cmds, _) in table.items()}
     worst, report = 0.0, []
     if "moe" in args.jobs.split(","):
         moe = save_tiny_moe_directory(Path(args.out) / "tiny-qwen3-moe-dir")
@@ -63,6 +142,10 @@ def main() -> int:
         lines = [header, "|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|"]
         for i, (name, (cmds, overrides)) in enumerate(table.items()):
             if any(skip in name for skip in SKIP.get(job, ())):
+                continue
+            if problems[name]:
+                lines.append(f"| {name:<34} | skipped: {problems[name]} |")
+                sys.stdout.write(lines[-1] + "\n")
                 continue
             t0 = time.perf_counter()
             res = run_mode(cmds, [*JOBS[job], *overrides, *args.set], Path(args.out) / f"{job}{i}")
@@ -77,6 +160,9 @@ def main() -> int:
             sys.stdout.flush()
         report += [*lines, "", f"{job}: steps {ref['steps']}, losses {[round(x, 6) for x in ref['loss']]}", ""]
     sys.stdout.write("\n" + "\n".join(report) + "\n(windows of 8, 8, 4 examples per epoch)\n")
+    skipped = [name for name, why in problems.items() if why]
+    if skipped:
+        sys.stdout.write(f"skipped on this machine ({len(skipped)}): {'; '.join(skipped)}\n")
     sys.stdout.write(f"max relative deviation: {worst:.3e}\n")
     return 0 if worst <= args.tolerance else 1
 

@@ -150,6 +150,25 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
     return (ConfigError, DataError, LaunchError, CheckpointError)
 
 
+def check_names(cfg: Config) -> None:
+    """The paths the config names, checked from the names alone before the model libraries are imported (bitsandbytes
+    logs a kernel notice at import, which would precede the one-line error): ``model.name_or_path``/``model.tokenizer``
+    (:func:`scale.launch.check_model_paths`), ``data.path``/``data.eval_path``
+    (:func:`scale.data.mixing.check_sources`) and a ``train.resume_from`` directory
+    (:func:`scale.checkpoint.resolve_resume`). The run checks them again where it uses them.
+
+    Raises:
+        ConfigError, DataError, CheckpointError: a path that does not exist, or is not what the key needs.
+    """
+    from scale.checkpoint import resolve_resume  # deferred: torch (module comment above)
+    from scale.data.tokenize import check_sources  # deferred: scale.data imports torch
+    from scale.launch import check_model_paths  # deferred: accelerate
+
+    check_model_paths(cfg)
+    check_sources(cfg.data)
+    resolve_resume(cfg.train.resume_from, cfg.output_dir)
+
+
 def start_fast(cfg: Config) -> None:
     """Start-up of a process that runs one job: keep bitsandbytes out unless the run can need it, import the
     libraries with the cyclic garbage collector paused, then freeze what they created.
@@ -263,6 +282,11 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
             _error(e)
             return EXIT_BAD_INPUT
         return 0
+    try:
+        check_names(cfg)  # before transformers, peft and bitsandbytes print anything
+    except bad_input_errors() as e:
+        _error(e)
+        return EXIT_BAD_INPUT
     if own_process:
         start_fast(cfg)  # first: the imports below run with the collector paused
     from scale.train import NonFiniteError, run  # deferred: after start_fast
@@ -342,6 +366,23 @@ def _without_accelerate_config(argv: list[str]) -> list[str]:
     return out
 
 
+# `accelerate launch` (accelerate.commands.launch's main) run so that a job that reported its outcome (every bad-input
+# error: one line, printed by launch_with_accelerate) ends without torch elastic's ChildFailedError traceback and
+# summary, which repeat that line; any other failure (a crash, no report) keeps both.
+_LAUNCHER = f"""
+import os, sys
+from accelerate.commands.launch import main
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+sys.argv[0] = "accelerate launch"
+try:
+    main()
+except ChildFailedError:
+    if not any(n.startswith("rank_") for n in os.listdir(os.environ["{OUTCOME_DIR}"])):
+        raise
+    sys.exit(1)
+"""
+
+
 def launch_with_accelerate(name_or_path: str, job_args: list[str], num_processes: int | None = None) -> int:
     """Run ``scale-train job_args`` under ``accelerate launch`` with a (shipped or own) accelerate config.
 
@@ -351,7 +392,8 @@ def launch_with_accelerate(name_or_path: str, job_args: list[str], num_processes
     is read relative to the YAML and passed on as an absolute ``--deepspeed_config_file``, so the launch works from
     any directory. SIGTERM/SIGINT are forwarded to the launcher (which forwards them to the ranks: pre-emption
     works as without the wrapper). When a rank reported an outcome (:func:`_error`), its message is printed last
-    and its exit code is returned, whatever the launcher's own code (torch elastic turns every failure into 1).
+    and its exit code is returned, whatever the launcher's own code (torch elastic turns every failure into 1), and
+    the launcher's ``ChildFailedError`` traceback and summary, which repeat it, are left out (:data:`_LAUNCHER`).
 
     Returns:
         The job's exit code.
@@ -365,8 +407,7 @@ def launch_with_accelerate(name_or_path: str, job_args: list[str], num_processes
     count, why = processes_for(tree, yaml_path.stem, num_processes, visible_gpus(), usable_cores(), shipped)
     sys.stderr.write(f"scale-train: accelerate launch --config_file {yaml_path.name} --num_processes {count} "
                      f"({why})\n")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_path),
-           "--num_processes", str(count)]
+    cmd = [sys.executable, "-c", _LAUNCHER, "--config_file", str(yaml_path), "--num_processes", str(count)]
     ds = (tree.get("deepspeed_config") or {}).get("deepspeed_config_file")
     if isinstance(ds, str) and ds != "none" and not Path(ds).is_absolute() and (yaml_path.parent / ds).is_file():
         cmd += ["--deepspeed_config_file", str((yaml_path.parent / ds).resolve())]

@@ -47,8 +47,8 @@ from scale.launch import ModePlan, build_accelerator, main_process_first, plan_f
 from scale.loss import LossSpec
 from scale.metrics import JsonlSink, MetricsLog, model_flops, resolve_mixed_precision, resolve_peak_flops
 from scale.modeling import (CPU_MIXED_PATHS, TINY, build_model, check_attention, check_packing,
-                            check_sequence_parallel, load_tokenizer, parameter_counts, tokenizer_source,
-                            use_cpu_mixed_paths)
+                            check_sequence_parallel, check_sequence_parallel_config, load_tokenizer,
+                            parameter_counts, tokenizer_source, use_cpu_mixed_paths)
 from scale.moe import ExpertLoad, RouterAux, model_shape, moe_layout, targets_line
 from scale.names import differences_from_trl
 from scale.samples import SAMPLES_FILE, Generation, pick_samples, sample_metric_names, start_samples_file
@@ -216,6 +216,7 @@ def setup(cfg: Config) -> Job:
             that an edited data file is detected when the checkpoint is loaded).
     """
     check_attention(cfg.model)  # before the process group, the data and the model
+    check_sequence_parallel_config(cfg.model, cfg.train.sequence_parallel_size)  # before the Accelerator
     # train.mixed_precision=auto resolved in place, once for every rank (rank 0 decides, a resume keeps its
     # checkpoint's): config.yaml, the checkpoints and the Accelerator get the choice
     out = Path(cfg.output_dir)

@@ -98,20 +98,7 @@ def check_inputs(cfg: Config) -> None:
             raise ConfigError(f"loss.fused=liger needs liger-kernel ({e}): pip install liger-kernel, or set "
                               f"loss.fused=null") from None
     check_output_dir(cfg.output_dir)
-    for key in ("model.name_or_path", "model.tokenizer"):
-        value = get_key(cfg, key)
-        if value is None or value in _EMBEDDED_MODELS:
-            continue
-        path = Path(value).expanduser()
-        if path.is_dir():
-            if key == "model.name_or_path" and not (path / "config.json").is_file():
-                raise ConfigError(f"{key}={value!r} is a directory without config.json, not a transformers model "
-                                  f"(write one with save_pretrained)")
-        elif path.exists():
-            raise ConfigError(f"{key}={value!r} is a file; point it at a model directory or a hub id")
-        elif not _HUB_ID.match(value) or value.startswith((".", "~")):
-            raise ConfigError(f"{key}={value!r} does not exist (a relative path is read from the current directory, "
-                              f"{os.getcwd()})")
+    check_model_paths(cfg)
     ds = cfg.train.deepspeed_config
     if ds is not None and not Path(ds).is_file():
         raise ConfigError(f"train.deepspeed_config={ds!r} does not exist (a relative path is read from the current "
@@ -128,6 +115,29 @@ def check_inputs(cfg: Config) -> None:
         if name not in available:
             raise ConfigError(f"log.trackers: {name!r} needs its package: pip install "
                               f"{_TRACKER_PACKAGES.get(name, name)}, or drop it from log.trackers")
+
+
+def check_model_paths(cfg: Config) -> None:
+    """``model.name_or_path`` and ``model.tokenizer`` name a model directory, an embedded model or a hub id, checked
+    from the names alone (no library is imported: ``scale-train`` runs it before transformers and bitsandbytes).
+
+    Raises:
+        ConfigError: a path that does not exist, a file, or a directory without ``config.json``.
+    """
+    for key in ("model.name_or_path", "model.tokenizer"):
+        value = get_key(cfg, key)
+        if value is None or value in _EMBEDDED_MODELS:
+            continue
+        path = Path(value).expanduser()
+        if path.is_dir():
+            if key == "model.name_or_path" and not (path / "config.json").is_file():
+                raise ConfigError(f"{key}={value!r} is a directory without config.json, not a transformers model "
+                                  f"(write one with save_pretrained)")
+        elif path.exists():
+            raise ConfigError(f"{key}={value!r} is a file; point it at a model directory or a hub id")
+        elif not _HUB_ID.match(value) or value.startswith((".", "~")):
+            raise ConfigError(f"{key}={value!r} does not exist (a relative path is read from the current directory, "
+                              f"{os.getcwd()})")
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -284,6 +294,7 @@ def build_accelerator(cfg: Config, settle: Callable[[], Any] | None = None) -> A
                      or cfg.train.deepspeed_config is not None)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check_sequence_parallel_launch(cfg.train.sequence_parallel_size, use_deepspeed, world)
+    parallelism = sequence_parallelism_config(cfg, world)  # accelerate's own checks, before any process group
     on_cpu = not torch.cuda.is_available()
     # DeepSpeed on CPU needs gloo (cpu=True would silently drop DeepSpeed); otherwise accelerate picks.
     # The timeout bounds how long a rank waits for a peer that died on another node.
@@ -318,7 +329,7 @@ def build_accelerator(cfg: Config, settle: Callable[[], Any] | None = None) -> A
         dataloader_config=DataLoaderConfiguration(even_batches=False, use_seedable_sampler=True),
         deepspeed_plugin=plugin,
         log_with=[t for t in cfg.log.trackers if t != "none"] or None,
-        parallelism_config=sequence_parallelism_config(cfg, world),
+        parallelism_config=parallelism,
         project_config=ProjectConfiguration(project_dir=cfg.output_dir,
                                             save_on_each_node=cfg.train.save_on_each_node),
         kwargs_handlers=handlers,
@@ -372,17 +383,31 @@ def sequence_parallelism_config(cfg: Config, world: int) -> Any:
 
     ``dp_shard_size`` is the data-parallel degree ``world / N``: accelerate sets DeepSpeed's ``train_batch_size``
     from it (``micro_batch_size x gradient_accumulation_steps x data-parallel degree``).
+
+    Built before the Accelerator (:func:`build_accelerator`): accelerate checks these values as the objects are made
+    (``DeepSpeedSequenceParallelConfig.__post_init__`` refuses ``eager`` and, in accelerate 1.16, ``flex_attention``;
+    ``ParallelismConfig.__post_init__`` the sizes), so a refusal is one line here instead of a ``ValueError``
+    traceback on every rank from inside ``Accelerator()``.
+
+    Raises:
+        ConfigError: accelerate refused the values (its reason, and the keys that set them).
     """
     n = cfg.train.sequence_parallel_size
     if n == 1:
         return None
+    import accelerate
     from accelerate.utils import ParallelismConfig
     from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
 
-    return ParallelismConfig(dp_replicate_size=1, dp_shard_size=world // n, tp_size=1, cp_size=1, sp_size=n,
-                             sp_backend="deepspeed", sp_handler=DeepSpeedSequenceParallelConfig(
-                                 sp_seq_length_is_variable=True,
-                                 sp_attn_implementation=cfg.model.attn_implementation or "sdpa"))
+    attn = cfg.model.attn_implementation or "sdpa"
+    try:
+        return ParallelismConfig(dp_replicate_size=1, dp_shard_size=world // n, tp_size=1, cp_size=1, sp_size=n,
+                                 sp_backend="deepspeed", sp_handler=DeepSpeedSequenceParallelConfig(
+                                     sp_seq_length_is_variable=True, sp_attn_implementation=attn))
+    except ValueError as e:
+        raise ConfigError(f"train.sequence_parallel_size={n} with model.attn_implementation={attn} on {world} "
+                          f"process(es): accelerate {accelerate.__version__} refuses it ({' '.join(str(e).split())}); "
+                          f"set model.attn_implementation=sdpa (or null), or train.sequence_parallel_size=1") from None
 
 
 def reconcile_deepspeed(cfg: Config, ds: dict[str, Any]) -> None:

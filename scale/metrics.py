@@ -414,14 +414,86 @@ def _time_gemm(device: torch.device, dtype: torch.dtype, seconds: float, n: int,
     return best
 
 
+PEAK_PROBES = 3
+"""Probes (each the best product of about 0.4 s, :func:`measure_peak_flops`) whose best is a machine's cached peak."""
+
+
+def device_model(device: torch.device) -> str:
+    """What a measured peak belongs to: the GPU's name, or the CPU's model name (``/proc/cpuinfo``; the platform's
+    processor string elsewhere)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def peak_cache_path() -> Path:
+    """``$SCALE_CACHE/peak_flops.json`` (default ``~/.cache/scale``, the asset cache of :mod:`scale.assets`)."""
+    return Path(os.environ.get("SCALE_CACHE", Path.home() / ".cache" / "scale")) / "peak_flops.json"
+
+
+def machine_peak(key: str, probe: Callable[[], tuple[float, int]], path: Path, probes: int = PEAK_PROBES
+                 ) -> tuple[dict[str, Any], bool]:
+    """The peak FLOP/s of ``key`` (device model, torch version, dtype, threads) as ``path`` caches it, measured
+    once: the best of ``probes`` calls of ``probe`` (each ``(FLOP/s, GEMM size n)``) when ``path`` holds none.
+
+    One figure per machine keeps ``train/mfu`` comparable between runs: a probe at every start measured 0.44-0.70
+    vs 0.25-0.35 MFU for two identical runs, the second on a busy machine. The best of several probes is the figure
+    least lowered by a neighbour's load; the cache is the one figure every later run divides by. Delete the file
+    (or set ``log.peak_flops: measure``) to measure again.
+
+    Returns:
+        ``({"flops", "n", "probes", "date"}, cached)``: ``cached`` is False when measured by this call. A cache
+        that cannot be written (read-only home) is skipped: the figure is then this run's best probe.
+    """
+    try:
+        table = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        table = {}
+    entry = table.get(key) if isinstance(table, dict) else None
+    if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0:
+        return entry, True
+    runs = [probe() for _ in range(probes)]
+    flops, n = max(runs)
+    entry = {"flops": flops, "n": n, "probes": probes, "date": time.strftime("%Y-%m-%d")}
+    table = {**(table if isinstance(table, dict) else {}), key: entry}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps(table, indent=1, sort_keys=True) + "\n")
+    except OSError:
+        pass
+    return entry, False
+
+
+def _machine_peak(device: torch.device, dtype: torch.dtype) -> tuple[dict[str, Any], bool, str]:
+    key = (f"{device_model(device)} | torch {torch.__version__} | {str(dtype).removeprefix('torch.')} | "
+           f"{torch.get_num_threads()} threads")
+    n = measured_size(device, dtype)  # the size grown as for one probe (scale to this dtype's speed)
+
+    def probe() -> tuple[float, int]:
+        return _time_gemm(device, dtype, 0.4, n), n
+
+    entry, cached = machine_peak(key, probe, peak_cache_path())
+    return entry, cached, key
+
+
 def resolve_peak_flops(cfg: Config, acc: Accelerator) -> PeakFlops:
     """One device's peak FLOP/s for ``train/mfu`` from ``log.peak_flops``.
 
     - a number: used as given;
     - ``false``: no MFU;
     - ``null``: a GPU's dense bf16 figure from :data:`scale.flops.PEAK_BF16_FLOPS` by device name; on CPU, or
-      a GPU missing from the table, measured as with ``"measure"``;
-    - ``"measure"``: :func:`measure_peak_flops` at the run's :func:`compute_dtype` on every rank at once
+      a GPU missing from the table, this machine's figure: measured once (best of :data:`PEAK_PROBES` probes) and
+      cached per device model, torch version, dtype and thread count (:func:`machine_peak`), so identical runs
+      divide by the same peak;
+    - ``"measure"``: measured now, :func:`measure_peak_flops` at the run's :func:`compute_dtype` on every rank at once
       (so that ranks sharing a machine measure what they share), averaged over ranks. On CPU the other of
       float32/bfloat16 is measured too, and the source names it when it is faster (a hint for
       ``train.mixed_precision`` / ``model.bnb_4bit_compute_dtype``).
@@ -441,14 +513,26 @@ def resolve_peak_flops(cfg: Config, acc: Accelerator) -> PeakFlops:
     dtype = compute_dtype(cfg)
     other = {torch.float32: torch.bfloat16, torch.bfloat16: torch.float32}.get(dtype) if device.type == "cpu" else None
     acc.wait_for_everyone()  # collective: ranks on one machine measure together, as they will train
-    measured = [measure_peak_flops(device, dtype)] + ([measure_peak_flops(device, other)] if other else [])
+    once = setting is None  # null: the machine's figure, measured once and cached; "measure": measured now
+    if once:
+        entries = [_machine_peak(device, d) for d in [dtype] + ([other] if other else [])]
+        measured, n = [e["flops"] for e, _, _ in entries], int(entries[0][0]["n"])
+    else:
+        measured = [measure_peak_flops(device, dtype)] + ([measure_peak_flops(device, other)] if other else [])
+        n = measured_size(device, dtype)
     mine = torch.tensor([measured], dtype=torch.float64, device=device)
     flops = acc.gather(mine).mean(0).tolist() if acc.num_processes > 1 else mine[0].tolist()  # collective
     n_threads = torch.get_num_threads()
     threads = f", {n_threads} thread{'s' if n_threads != 1 else ''}" if device.type == "cpu" else ""
-    n = measured_size(device, dtype)
     source = (f"{_fmt_flops(flops[0])} per device (measured: {str(dtype).removeprefix('torch.')} GEMM {n}^3 on "
-              f"{device.type}{threads})")
+              f"{device.type}{threads}")
+    if once:
+        entry, cached, _ = entries[0]
+        where = str(peak_cache_path()).replace(str(Path.home()), "~", 1)
+        source += (f"; best of {entry.get('probes', PEAK_PROBES)} probes "
+                   + (f"of {entry.get('date', '?')}, cached" if cached else "now, cached") + f" in {where})")
+    else:
+        source += "; measured now)"
     if other is not None:
         other_name = str(other).removeprefix("torch.")
         faster = "faster" if flops[1] > flops[0] else "slower"

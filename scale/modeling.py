@@ -377,6 +377,30 @@ SEQUENCE_PARALLEL_ATTENTION = ("sdpa", "flash_attention_2", "flex_attention")
 VARLEN_ATTENTION = ("flash_attention_2",)
 
 
+def sequence_parallel_attention_problem(attn_implementation: str) -> str | None:
+    """Why ``model.attn_implementation`` cannot run under sequence parallelism (:data:`SEQUENCE_PARALLEL_ATTENTION`),
+    or None: the part of :func:`sequence_parallel_problem` the config alone decides, so it is checked before a
+    process group, an Accelerator or a model exists (:func:`check_sequence_parallel_config`)."""
+    if attn_implementation in SEQUENCE_PARALLEL_ATTENTION:
+        return None
+    return (f"model.attn_implementation={attn_implementation} is not an attention the sequence-parallel attention can "
+            f"wrap (Ulysses drops the [T, T] mask eager needs); set model.attn_implementation=sdpa (or null), or "
+            f"flash_attention_2 on a GPU")
+
+
+def check_sequence_parallel_config(cfg: ModelConfig, sp_size: int) -> None:
+    """Refuse ``train.sequence_parallel_size > 1`` with an attention it cannot wrap, from the config alone: before
+    the Accelerator is built (accelerate's own check of the attention, ``DeepSpeedSequenceParallelConfig``, would
+    otherwise stop every rank with a ``ValueError`` traceback while it is built).
+
+    Raises:
+        ConfigError: one line naming ``model.attn_implementation`` and the fix.
+    """
+    why = sequence_parallel_attention_problem(cfg.attn_implementation or "sdpa") if sp_size > 1 else None
+    if why:
+        raise ConfigError(f"train.sequence_parallel_size={sp_size} cannot be exact here: {why}")
+
+
 def sequence_parallel_problem(config: Any, attn_implementation: str, sp_size: int, packed: bool,
                               max_length: int) -> str | None:
     """Why ``train.sequence_parallel_size=sp_size`` cannot be exact for this model, or None when it can.
@@ -397,10 +421,9 @@ def sequence_parallel_problem(config: Any, attn_implementation: str, sp_size: in
     """
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     family = getattr(config, "model_type", "?")
-    if attn_implementation not in SEQUENCE_PARALLEL_ATTENTION:
-        return (f"model.attn_implementation={attn_implementation} is not an attention the sequence-parallel "
-                f"attention can wrap (Ulysses drops the [T, T] mask eager needs); use sdpa, flash_attention_2 or "
-                f"flex_attention")
+    why = sequence_parallel_attention_problem(attn_implementation)
+    if why:
+        return why
     types = {t for c in (config, text) for a in ("layer_types", "layers_block_type") for t in getattr(c, a, None) or []}
     recurrent = sorted(t for t in types if t not in ATTENTION_LAYER_TYPES)
     if recurrent:

@@ -338,8 +338,9 @@ class LogConfig:
     peak_flops: float | bool | str | None = _f(None, "Peak FLOP/s of one device for train/mfu: a number (e.g. 989e12 "
                                                      "for an H100 SXM in bf16), 'measure' (time a dense GEMM at the "
                                                      "run's compute dtype at start-up, ~1 s), false (no MFU), or "
-                                                     "null: the GPU table by device name (measured if missing), "
-                                                     "measured on CPU.")
+                                                     "null: the GPU table by device name, else this machine's "
+                                                     "figure, measured once (best of 3 probes) and cached in "
+                                                     "~/.cache/scale/peak_flops.json.")
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 from safetensors.torch import load_file
 
 from scale.train import run
+from tests.bounds import TINY_JOB_REL
 from tests.conftest import tiny_cfg
 
 COMMON = ("data.max_train_examples=8", "optim.name=sgd", "optim.lr=0.5", "optim.warmup_steps=0",
@@ -35,7 +36,9 @@ def test_one_step_same_update_for_any_micro_batching(tmp_path):
     assert any(v.abs().max() > 0 for k, v in ref.items() if "lora_B" in k)
     for mb, ga in [(2, 4), (3, 3), (1, 8)]:   # (3, 3) runs micro-batches of 3, 3 and 2
         got = _run(tmp_path, f"mb{mb}_ga{ga}", mb, ga, 1)
-        assert _max_rel(ref, got) < 1e-5, (mb, ga, _max_rel(ref, got))
+        # One SGD step from lora_B = 0: the weights differ by lr * (the two fp32 gradients' difference), at most
+        # TINY_JOB_REL of the largest update (tests/bounds.py), itself at most the largest weight.
+        assert _max_rel(ref, got) <= TINY_JOB_REL, (mb, ga, _max_rel(ref, got))
 
 
 def test_partial_last_window_is_normalised_by_its_own_tokens(tmp_path):
@@ -62,5 +65,7 @@ def test_loss_is_token_weighted_not_mean_of_micro_batch_means(tmp_path):
     out8 = tmp_path / "log8"
     run(tiny_cfg(out8, *COMMON, "train.micro_batch_size=8", "train.max_steps=1"))
     train8 = [r for r in read_jsonl(out8 / "metrics.jsonl") if "train/loss" in r]
-    assert abs(train[0]["train/loss"] - train8[0]["train/loss"]) < 1e-6 * train8[0]["train/loss"]
-    assert abs(train[0]["train/grad_norm"] - train8[0]["train/grad_norm"]) < 1e-5 * train8[0]["train/grad_norm"]
+    # Step 1 (before any update): two fp32 paths of the same loss and gradient (tests/bounds.py).
+    assert abs(train[0]["train/loss"] - train8[0]["train/loss"]) <= TINY_JOB_REL * train8[0]["train/loss"]
+    norm8 = train8[0]["train/grad_norm"]
+    assert abs(train[0]["train/grad_norm"] - norm8) <= TINY_JOB_REL * norm8

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -676,7 +677,7 @@ def test_bad_input_under_every_launcher(launcher, tmp_path):
     assert not (tmp_path / "out").exists()
     if launcher == "scale-train --accelerate-config":
         assert code == 2 and lines[-1] == BAD_TRACKER
-        assert len(mentions) == 2  # the launcher's summary, then ours as the last line
+        assert mentions == [BAD_TRACKER] and not any("Traceback" in line for line in lines)  # no launcher summary
     elif launcher == "deepspeed":
         assert code == 2 and mentions == [BAD_TRACKER]  # deepspeed's own "Killing subprocess" lines follow
     else:
@@ -822,6 +823,78 @@ def test_long_completions_dropped_and_counted(tmp_path, tokenizer):
     path = _write(tmp_path / "d.jsonl", rows)
     cfg = DataConfig(max_length=6, eval_size=4, drop_long_completions=True)
     splits = build_splits(cfg, LossConfig(), tokenizer, path, seed=0)
+    assert splits.stats["data/dropped_long_rows"] == 1 and len(splits.train) + len(splits.eval) == 20
+
+
+def _chatml_length(tokenizer, messages):
+    """Tokens of ``messages`` rendered by configs/chat/chatml.jinja with plain transformers, cut after the last
+    end-of-turn marker (where the harness's row ends)."""
+    template = (Path(__file__).parents[1] / "configs" / "chat" / "chatml.jinja").read_text()
+    ids = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True)["input_ids"]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return max(k for k, t in enumerate(ids) if t == end) + 1
+
+
+def test_truncation_drop_that_empties_the_train_split_names_itself(tmp_path, capsys, tokenizer):
+    """Every chat longer than data.max_length with data.truncation=drop: the line names data.truncation=drop and the
+    shortest/longest rendered row, never data.drop_long_completions (left false)."""
+    short, long = _hi("Fine."), _hi("Fine, thanks; and you, how was the week at the farm?")
+    rows = [{"messages": short}] * 20 + [{"messages": long}] * 20  # eval_size=4 leaves both lengths in train
+    lo, hi = _chatml_length(tokenizer, short), _chatml_length(tokenizer, long)
+    assert lo < hi
+    limit = lo - 1
+    path = _write(tmp_path / "d.jsonl", rows)
+    code, err = _cli(tmp_path, capsys, f"data.path={path}", "data.chat_template=chatml", "data.truncation=drop",
+                     f"data.max_length={limit}", "data.eval_size=4")
+    assert code == 2 and err == (
+        f"data.truncation=drop dropped every train row: 36 rows of {lo}-{hi} tokens, over data.max_length={limit}; "
+        f"raise data.max_length (to {lo} keeps the shortest), or set data.truncation=keep_end to cut over-long rows "
+        f"instead of dropping them")
+
+
+def test_truncation_drop_that_empties_the_eval_split(tmp_path, tokenizer):
+    """Short train rows (data.path), over-long eval rows (data.eval_path): the eval split is the one named, with the
+    eval rows' length."""
+    from scale.data import build_splits
+
+    short, long = _hi("Fine."), _hi("Fine, thanks; and you, how was the week at the farm?")
+    lo, n = _chatml_length(tokenizer, short), _chatml_length(tokenizer, long)
+    train = _write(tmp_path / "train.jsonl", [{"messages": short}] * 10)
+    held = _write(tmp_path / "eval.jsonl", [{"messages": long}] * 3)
+    cfg = DataConfig(chat_template="chatml", truncation="drop", max_length=lo, eval_path=held)
+    with pytest.raises(DataError) as e:
+        build_splits(cfg, LossConfig(), tokenizer, train, seed=0)
+    assert str(e.value) == (
+        f"data.truncation=drop dropped every eval row: 3 rows of {n} tokens, over data.max_length={lo}; raise "
+        f"data.max_length (to {n} keeps the shortest), or set data.truncation=keep_end to cut over-long rows instead "
+        f"of dropping them")
+
+
+def test_drop_long_completions_that_empties_the_train_split_names_itself(tmp_path, capsys, tokenizer):
+    """data.drop_long_completions=true (data.truncation=keep_end) dropping every row is named, with the rows' lengths
+    as rendered (prompt + completion + EOS, counted here with the tokenizer alone)."""
+    completions = [" one two three four five six", " one two three four five six seven eight"]
+    rows = [{"prompt": "Q", "completion": c} for c in completions for _ in range(20)]
+    lengths = [len(tokenizer("Q", add_special_tokens=False)["input_ids"])
+               + len(tokenizer(c, add_special_tokens=False)["input_ids"]) + 1 for c in completions]
+    path = _write(tmp_path / "d.jsonl", rows)
+    code, err = _cli(tmp_path, capsys, f"data.path={path}", "data.max_length=6", "data.eval_size=4",
+                     "data.drop_long_completions=true")
+    assert code == 2 and err == (
+        f"data.drop_long_completions=true dropped every train row: 36 rows of {min(lengths)}-{max(lengths)} tokens, "
+        f"whose trained tails cannot fit in data.max_length=6 even with the prompt cut; raise data.max_length")
+    assert "truncation" not in err
+
+
+def test_truncation_drop_drops_a_row_whose_tail_alone_is_over_the_limit(tmp_path, tokenizer):
+    """data.truncation=drop drops every row over data.max_length, also one whose completion alone cannot fit (it
+    used to stop with the error that asks for data.drop_long_completions)."""
+    from scale.data import build_splits
+
+    rows = [{"prompt": f"Q{i}", "completion": " A"} for i in range(20)]
+    rows.append({"prompt": "Q", "completion": " " + "x " * 9})
+    path = _write(tmp_path / "d.jsonl", rows)
+    splits = build_splits(DataConfig(max_length=6, eval_size=4, truncation="drop"), LossConfig(), tokenizer, path, 0)
     assert splits.stats["data/dropped_long_rows"] == 1 and len(splits.train) + len(splits.eval) == 20
 
 

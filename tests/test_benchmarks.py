@@ -38,6 +38,76 @@ def test_bare_loop_and_harness_agree():
     assert all(t > 0 for ts in res["tokens_per_s"].values() for t in ts) and math.isfinite(res["ratio"][0])
 
 
+def test_bare_loop_command_on_cpu():
+    """``python benchmarks/bare_loop.py --device cpu`` at a micro shape, as a user runs it: both contestants train
+    and the table reports their loss trajectories within fp32 round-off of each other (same model, rows, loss)."""
+    cmd = [sys.executable, "benchmarks/bare_loop.py", "--device", "cpu", "--shape", "tiny", "--seq", "16", "--batch",
+           "2", "--ga", "2", "--steps", "3", "--warmup", "1", "--repeats", "1"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| **ratio harness/bare** (per pair) |" in done.stdout
+    diff = float(done.stdout.split("max relative difference harness vs bare over all runs: ")[1].split()[0])
+    assert diff < 1e-5   # as test_bare_loop_and_harness_agree
+
+
+def test_parity_mode_selection_and_unlaunchable_rows(monkeypatch, capsys):
+    """benchmarks/parity.py: ``--modes`` splits at commas outside parentheses and matches whole names (``2x(4,2)``
+    holds a comma; a fragment such as ``2)`` used to select every ``(2,2)`` row); a row starting more processes than
+    the machine takes is found before launch by the launcher's own check."""
+    import scale.launch
+    from benchmarks import parity
+    from tests.launching import modes
+
+    table = modes()
+    four = "ulysses sp2 zero2 4x(2,2) dp2"
+    assert parity.split_modes(f"ulysses sp2 zero1 2x(4,2),{four}") == ["ulysses sp2 zero1 2x(4,2)", four]
+    assert parity.split_modes("single, ddp") == ["single", "ddp"]
+    assert list(parity.select(table, parity.split_modes(f"ulysses sp2 zero1 2x(4,2),{four}"))) == [
+        "single 1x(8,1)", "ulysses sp2 zero1 2x(4,2)", four]
+    assert list(parity.select(table, ["zero3 2x(2,2)"])) == ["single 1x(8,1)", "zero3 2x(2,2)"]   # a whole name only
+    assert [k for k in parity.select(table, ["ulysses"])][1:] == [k for k in table if k.startswith("ulysses")]
+    assert parity.select(table, []) == table
+    with pytest.raises(SystemExit) as e:
+        parity.select(table, ["zero4"])
+    assert e.value.code == 2 and "--modes item 'zero4' selects no mode" in capsys.readouterr().err
+    counts = {name: parity.local_processes(cmds) for name, (cmds, _) in table.items()}
+    assert counts["single 1x(8,1)"] == 1 and counts["2 nodes x 1 proc (2,2)"] == 2
+    assert counts["deepspeed launcher 2x(2,2)"] == counts["fsdp2 2x(2,2)"] == counts["ddp 2x(2,2)"] == 2
+    assert counts[four] == counts["ulysses sp2 zero3 4x(2,2) dp2"] == 4
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(scale.launch, "usable_cores", lambda: 2)
+    assert parity.launch_problem(table[four][0]) == ("4 processes on this machine without a GPU and 2 CPU cores: "
+                                                     "at most 2")
+    assert parity.launch_problem(table["zero3 2x(2,2)"][0]) is None
+    monkeypatch.setattr(scale.launch, "usable_cores", lambda: 4)
+    assert parity.launch_problem(table[four][0]) is None
+
+
+@pytest.mark.slow
+def test_parity_skips_a_row_and_still_prints_its_summary(monkeypatch, capsys, tmp_path):
+    import scale.launch
+    from benchmarks import parity
+
+    monkeypatch.setattr(scale.launch, "usable_cores", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert parity.main(["--modes", "ulysses sp2 zero2 4x(2,2) dp2", "--jobs", "reviews", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"| {'ulysses sp2 zero2 4x(2,2) dp2':<34} | skipped: 4 processes on this machine without a GPU" in out
+    assert "skipped on this machine (1): ulysses sp2 zero2 4x(2,2) dp2" in out
+    assert "max relative deviation: 0.000e+00" in out     # the reference row against itself
+
+
+def test_gpu_tests_collect_without_error():
+    """``pytest -m gpu --collect-only`` (what a GPU machine runs first) imports tests/test_gpu.py and selects every
+    GPU test: an import or fixture error there shows on CPU."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "tests/test_gpu.py"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:]
+    names = {line.split("::")[1] for line in done.stdout.splitlines() if "::" in line}
+    assert names == {"test_bf16_qlora_trains_and_beats_fp32_lora_per_step", "test_fsdp2_qlora_matches_single_gpu",
+                     "test_liger_fused_loss_matches_the_chunked_loss", "test_sequence_parallel_matches_single_gpu"}
+
+
 def test_trainer_and_ours_same_first_steps():
     from benchmarks.vs_trainer import compare
 

@@ -18,6 +18,7 @@ from scale.loss import LossSpec
 from scale.metrics import read_jsonl
 from scale.modeling import load_base
 from scale.train import run
+from tests.bounds import TINY_JOB_REL  # two fp32 paths of the tiny job (tests/bounds.py)
 from tests.conftest import ROOT, TINY_DATA, TINY_YAML, tiny_cfg
 
 TINY_COMPLETIONS = ROOT / "configs" / "data" / "tiny_completions.jsonl"
@@ -70,7 +71,7 @@ def test_multi_token_accuracy_equals_brute_force(tmp_path, tokenizer, model, sid
         correct += max(range(4), key=ranked.__getitem__) == ex.label
         nll -= brute_force(model, tokenizer, ex, splits.label_seqs)[ex.label]
     assert got["eval/accuracy"] == correct / 12 and got["eval/examples"] == 12
-    assert got["eval/target_nll"] == pytest.approx(nll / 12, rel=1e-5)
+    assert got["eval/target_nll"] == pytest.approx(nll / 12, rel=TINY_JOB_REL)
     assert set(got) == {"eval/loss", "eval/target_nll", "eval/accuracy", "eval/examples"}
 
 
@@ -88,7 +89,7 @@ def test_single_token_fast_path_equals_brute_force(tokenizer, model):
     assert got["eval/accuracy"] == sum(max(range(2), key=s.__getitem__) == ex.label
                                        for s, ex in zip(brute, splits.eval)) / 32
     assert got["eval/target_nll"] == pytest.approx(-sum(s[ex.label] for s, ex in zip(brute, splits.eval)) / 32,
-                                                   rel=1e-5)
+                                                   rel=TINY_JOB_REL)
 
 
 @torch.no_grad()
@@ -105,7 +106,7 @@ def test_completion_loss_and_exact_match(tokenizer, model):
         den += ex.tail_len
         hits += bool((logits.argmax(-1) == ids[0, -ex.tail_len:]).all())
     assert set(got) == {"eval/loss", "eval/exact_match", "eval/examples"}
-    assert got["eval/loss"] == pytest.approx(num / den, rel=1e-5) and got["eval/exact_match"] == hits / 16
+    assert got["eval/loss"] == pytest.approx(num / den, rel=TINY_JOB_REL) and got["eval/exact_match"] == hits / 16
 
 
 def test_text_format_target_nll(tmp_path, tokenizer, model):
@@ -122,7 +123,7 @@ def test_text_format_target_nll(tmp_path, tokenizer, model):
         assert ex.input_ids[-3] == here
         ref -= model(input_ids=ids).logits[0, -4].log_softmax(-1)[here].item()   # predicts the 3rd-last token
     assert set(got) == {"eval/loss", "eval/target_nll", "eval/examples"}
-    assert got["eval/target_nll"] == pytest.approx(ref / 5, rel=1e-5)
+    assert got["eval/target_nll"] == pytest.approx(ref / 5, rel=TINY_JOB_REL)
 
 
 def test_prompt_completion_job_with_epochs(tmp_path):

@@ -11,6 +11,7 @@ import pytest
 from scale.export import merge_run
 from scale.lmeval import evaluate, last_eval, main, task_name
 from scale.train import run
+from tests.bounds import TINY_JOB_REL  # two fp32 paths of the tiny job (tests/bounds.py)
 from tests.conftest import tiny_cfg
 
 
@@ -38,7 +39,7 @@ def test_lm_eval_accuracy_is_the_runs_eval_accuracy(tmp_path, capsys):
     correct = [p == s["target"] for p, s in zip(predicted, samples)]
     assert summary["results"][name]["acc,none"] == sum(correct) / 32 == final["eval/accuracy"]
     gold = [ll[s["target"]] for ll, s in zip(lls, samples)]  # the label token's log-probability, nats
-    assert -sum(gold) / 32 == pytest.approx(final["eval/target_nll"], rel=1e-5)
+    assert -sum(gold) / 32 == pytest.approx(final["eval/target_nll"], rel=TINY_JOB_REL)
     written = json.loads((out / "lm_eval" / "results.json").read_text())
     assert written["run"] == {"step": 4, "eval/accuracy": final["eval/accuracy"]}
     assert written["results"][name]["acc,none"] == final["eval/accuracy"]

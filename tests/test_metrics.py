@@ -50,8 +50,10 @@ def test_paused_time_is_not_training_time():
     assert 4 / out["train/tokens_per_s"] < 0.1 and "train/mfu" not in out
 
 
-def test_peak_flops_setting_number_off_and_measured(tmp_path):
+def test_peak_flops_setting_number_off_and_measured(tmp_path, monkeypatch):
     from tests.conftest import tiny_cfg
+
+    monkeypatch.setenv("SCALE_CACHE", str(tmp_path / "cache"))  # null measures this machine once: a fresh cache
 
     acc = Accelerator(cpu=True)
     fixed = resolve_peak_flops(tiny_cfg(tmp_path, "log.peak_flops=2.5e11"), acc)

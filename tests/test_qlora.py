@@ -56,8 +56,15 @@ def test_qlora_lora_grads_match_dequantized_reference(gradient_checkpointing):
     assert gq.keys() == gr.keys() and len(gq) == 28
     nonzero = [n for n in gr if gr[n].abs().max() > 0]
     assert len(nonzero) == 14   # every lora_B (lora_A grads are 0 while B is 0 at init)
-    for n in gq:
-        torch.testing.assert_close(gq[n], gr[n], rtol=1e-5, atol=1e-7, msg=n)
+    # The same maths on the same (dequantized) weights in other kernels: two fp32 paths (tests/bounds.py), each
+    # gradient tensor relative to its largest element.
+    from tests.bounds import fp32_paths_rel
+
+    cfg = ref.config if hasattr(ref, "config") else ref.get_base_model().config
+    rel = fp32_paths_rel(cfg.vocab_size, cfg.intermediate_size)
+    for n in nonzero:
+        assert (gq[n] - gr[n]).abs().max() <= rel * gr[n].abs().max(), n
+    assert all(torch.equal(gq[n], gr[n]) for n in gq if n not in nonzero)   # lora_A: exactly 0 on both
 
 
 def test_qlora_job_trains_on_cpu(tmp_path):

@@ -160,7 +160,13 @@ def test_padding_free_matches_padded_loss_and_gradients(tokenizer):
     (a_logits, a_t), (b_logits, b_t) = forward_tail(model, padded), forward_tail(model, packed)
     mask = padded["tail_mask"].bool()
     assert torch.equal(a_t[mask], b_t[mask]) and a_logits.shape == b_logits.shape == (4, 5, len(tokenizer))
-    assert torch.allclose(a_logits[mask], b_logits[mask], atol=1e-5, rtol=0)
+    # Padded and packed rows attend over the same keys in other orders and shapes: fp32 paths apart by at most
+    # fp32_paths_rel (tests/bounds.py: vocabulary-long reductions, MLP-wide dot products), relative to the largest.
+    from tests.bounds import fp32_paths_rel
+
+    rel = fp32_paths_rel(len(tokenizer), model.config.intermediate_size)
+    scale = a_logits[mask].abs().max()
+    assert (a_logits[mask] - b_logits[mask]).abs().max() <= rel * scale
     grads = []
     for batch in (padded, packed):
         model.zero_grad()
@@ -169,10 +175,10 @@ def test_padding_free_matches_padded_loss_and_gradients(tokenizer):
         num.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
     worst = max(float((grads[0][n] - grads[1][n]).abs().max() / grads[0][n].abs().max()) for n in grads[0])
-    assert worst < 1e-5, worst
-    # Without restarting position ids the rows would attend to each other: the check above can fail.
+    assert worst <= rel, (worst, rel)
+    # Without restarting position ids the rows would attend to each other: the check above fails on that.
     crossed = dict(packed, position_ids=torch.arange(34)[None])
-    assert not torch.allclose(forward_tail(model, crossed)[0][mask], a_logits[mask], atol=1e-3)
+    assert (forward_tail(model, crossed)[0][mask] - a_logits[mask]).abs().max() > rel * scale
 
 
 def _spec():
@@ -286,7 +292,7 @@ def test_pack_bfd_fills_bins_best_fit_decreasing():
 def test_packed_loader_trains_every_row_once_and_matches_padded(tmp_path, tokenizer):
     """`data.packing`: an epoch of the real loader holds every train row once, in micro-batches of 2 bins of
     at most `max_length` tokens each; a packed micro-batch's tail loss and LoRA gradients equal the padded
-    batch of the same examples within 1e-5."""
+    batch of the same examples within fp32 round-off (tests/bounds.py)."""
     from scale.data import Collator, build_splits
     from scale.job import make_loaders
     from scale.chunked import loss_step
@@ -318,9 +324,12 @@ def test_packed_loader_trains_every_row_once_and_matches_padded(tmp_path, tokeni
         num.backward()
         losses.append(float(num.detach()))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
-    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0])
+    from tests.bounds import fp32_paths_rel
+
+    rel = fp32_paths_rel(len(tokenizer), model.config.intermediate_size)   # two fp32 paths (tests/bounds.py)
+    assert abs(losses[0] - losses[1]) <= rel * abs(losses[0])
     worst = max(float((grads[0][n] - grads[1][n]).abs().max() / grads[0][n].abs().max()) for n in grads[0])
-    assert worst < 1e-5, worst
+    assert worst <= rel, (worst, rel)
 
 
 def test_packed_epoch_job_counts_its_steps_in_bins(tmp_path):

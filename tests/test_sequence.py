@@ -224,6 +224,51 @@ def test_check_names_the_key_and_passes_size_one():
     assert SEQUENCE_PARALLEL_ATTENTION[0] == "sdpa"
 
 
+EAGER_UNDER_SP = ("train.sequence_parallel_size=2 cannot be exact here: model.attn_implementation=eager is not an "
+                  "attention the sequence-parallel attention can wrap (Ulysses drops the [T, T] mask eager needs); "
+                  "set model.attn_implementation=sdpa (or null), or flash_attention_2 on a GPU")
+
+
+def test_attention_is_refused_from_the_config_before_the_accelerator(monkeypatch, tmp_path):
+    """The config alone decides it: scale.job.setup raises before build_accelerator is called (accelerate's own check
+    would fire inside Accelerator() with a ValueError on every rank)."""
+    import scale.job as job
+    from scale.modeling import check_sequence_parallel_config
+
+    eager = load_config(TINY_YAML, ["model.attn_implementation=eager", "train.sequence_parallel_size=2"])
+    with pytest.raises(ConfigError) as e:
+        check_sequence_parallel_config(eager.model, 2)
+    assert str(e.value) == EAGER_UNDER_SP
+    check_sequence_parallel_config(eager.model, 1)  # no sequence parallelism: eager is fine
+    check_sequence_parallel_config(load_config(TINY_YAML).model, 2)  # null: sdpa
+
+    def built(*args, **kwargs):
+        raise AssertionError("the Accelerator was built before the sequence-parallel attention was checked")
+
+    monkeypatch.setattr(job, "build_accelerator", built)
+    eager.output_dir = str(tmp_path / "out")
+    with pytest.raises(ConfigError) as e:
+        job.setup(eager)
+    assert str(e.value) == EAGER_UNDER_SP and not (tmp_path / "out").exists()
+
+
+def test_accelerate_refusing_the_parallelism_config_is_one_line():
+    """Whatever accelerate's own checks refuse when ParallelismConfig is built (the installed version decides:
+    1.16 refuses eager and flex_attention) is a ConfigError naming the keys, raised before any Accelerator."""
+    from scale.launch import sequence_parallelism_config
+
+    cfg = load_config(TINY_YAML, ["model.attn_implementation=eager", "train.sequence_parallel_size=2"])
+    with pytest.raises(ConfigError) as e:
+        sequence_parallelism_config(cfg, 2)
+    msg = str(e.value)
+    assert msg.startswith("train.sequence_parallel_size=2 with model.attn_implementation=eager on 2 process(es): "
+                          "accelerate ") and "eager" in msg.split("refuses it (", 1)[1]
+    assert msg.endswith("; set model.attn_implementation=sdpa (or null), or train.sequence_parallel_size=1")
+    assert "\n" not in msg
+    pc = sequence_parallelism_config(load_config(TINY_YAML, ["train.sequence_parallel_size=2"]), 4)
+    assert (pc.sp_size, pc.dp_shard_size, pc.sp_handler.sp_attn_implementation) == (2, 2, "sdpa")
+
+
 def test_config_rejects_size_zero_and_global_batch_counts_data_parallel_ranks():
     with pytest.raises(ConfigError, match=r"train.sequence_parallel_size=0 must be >= 1"):
         load_config(TINY_YAML, ["train.sequence_parallel_size=0"])

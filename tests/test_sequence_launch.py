@@ -68,3 +68,35 @@ def test_every_tail_on_one_shard_matches_one_device_and_resumes_bit_exact(tmp_pa
     assert again["steps"] == [4, 5, 6] and again["loss"] == got["loss"][3:]
     assert again["weights"].keys() == got["weights"].keys()
     assert all(torch.equal(again["weights"][k], got["weights"][k]) for k in got["weights"])
+
+
+@pytest.mark.launch
+def test_eager_attention_under_sequence_parallelism_is_one_line_through_the_launcher(tmp_path):
+    """`train.sequence_parallel_size=2 model.attn_implementation=eager` on 2 processes: refused before the
+    Accelerator is built (accelerate's own check there raised a ValueError traceback on every rank). Through
+    `scale-train --accelerate-config cpu_zero2` (accelerate launch underneath): exit 2, exactly one error line, the
+    last, no traceback; through plain `accelerate launch` (torch elastic exits 1): the message only as the summary's
+    root cause, no rank's traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.launching import JOB, ROOT, TINY, accelerate_cmd
+    from tests.test_sequence import EAGER_UNDER_SP
+
+    job = ["--config", str(TINY), *JOB, "train.sequence_parallel_size=2", "model.attn_implementation=eager"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
+    line = f"scale-train: error: ConfigError: {EAGER_UNDER_SP}"
+    ours = subprocess.run([sys.executable, "-m", "scale.cli", "--accelerate-config", "cpu_zero2", *job,
+                           f"output_dir={tmp_path / 'a'}"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env=env)
+    lines = [x for x in (ours.stdout + ours.stderr).splitlines() if x.strip()]
+    assert ours.returncode == 2, lines[-20:]
+    assert [x for x in lines if "error:" in x.lower()] == [line] and lines[-1] == line
+    assert "Traceback" not in ours.stdout + ours.stderr and not (tmp_path / "a").exists()
+
+    plain = subprocess.run([*accelerate_cmd("cpu_zero2.yaml"), *job, f"output_dir={tmp_path / 'b'}"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600, env=env)
+    text = plain.stdout + plain.stderr
+    assert plain.returncode == 1 and "ValueError" not in text  # torch elastic turns the job's 2 into 1
+    assert [x for x in text.splitlines() if EAGER_UNDER_SP in x] == [f"  traceback : {line}"]

@@ -153,11 +153,12 @@ class _BatchEncoded:
 _WORK: dict[str, Any] = {}  # set before the pool forks: the rows, task, builder and loss config the workers read
 
 
-def _tokenize_span(span: tuple[int, int]) -> tuple[dict[str, np.ndarray], list[int], dict[str, int]]:
-    """Tokenize rows ``[start, end)`` of ``_WORK["rows"]``; return packed columns, the dropped rows and the
-    builder's notes (counts the format reports once)."""
+def _tokenize_span(span: tuple[int, int]) -> tuple[dict[str, np.ndarray], tuple[list[int], list[tuple[int, str]]],
+                                                   dict[str, int]]:
+    """Tokenize rows ``[start, end)`` of ``_WORK["rows"]``; return packed columns, the dropped rows (with their
+    lengths and what dropped them) and the builder's notes (counts the format reports once)."""
     rows, builder, task = _WORK["rows"][span[0]:span[1]], copy.copy(_WORK["builder"]), _WORK["task"]
-    builder.dropped, builder.notes = [], {}
+    builder.dropped, builder.drop_info, builder.notes = [], [], {}
     texts = [t for r in rows for t in task.texts(r, builder.cfg)]  # what the format's encode() will encode
     builder.tokenizer = _BatchEncoded(_WORK["builder"].tokenizer, texts)
     examples = _tokenize(rows, task, builder, _WORK["loss"])
@@ -174,7 +175,7 @@ def _tokenize_span(span: tuple[int, int]) -> tuple[dict[str, np.ndarray], list[i
     cols["trained"] = np.fromiter(itertools.chain.from_iterable(flags), dtype=np.uint8,
                                   count=int(cols["trained_length"].sum()))
     cols["fingerprint"] = b"".join(map(fingerprint_bytes, examples))  # hashed in row order by the writer
-    return cols, builder.dropped, builder.notes
+    return cols, (builder.dropped, builder.drop_info), builder.notes
 
 
 def _arrow(a: np.ndarray) -> pa.Array:
@@ -219,8 +220,9 @@ def write_table(path: Path, rows: list[dict[str, Any]], task: Any, builder: Buil
     try:
         results: Iterator = pool.imap(_tokenize_span, spans) if pool is not None else map(_tokenize_span, spans)
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-            for cols, dropped, notes in results:
+            for cols, (dropped, drop_info), notes in results:
                 builder.dropped.extend(dropped)
+                builder.drop_info.extend(drop_info)
                 for note, n in notes.items():
                     builder.notes[note] = builder.notes.get(note, 0) + n
                 if digest is not None:

@@ -39,10 +39,10 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
-from scale.assets import resolve_data
+from scale.assets import DATASETS, resolve_data
 from scale.config import DataConfig, LossConfig
 from scale.data.read import DataError
-from scale.data.sources import eval_source_of, source_digest
+from scale.data.sources import eval_source_of, read_source, source_digest, source_kind
 from scale.data.split import cleaned, split_source
 from scale.data.tasks import MIXABLE, load_rows
 from scale.data.tasks.base import Builder, Example, Rows, Task
@@ -349,3 +349,17 @@ def data_digest(cfg: Any, path: str) -> str:
     if digests["eval_source"] is None:
         return digests["source"]
     return hashlib.sha256(f"{digests['source']}\0{digests['eval_source']}".encode()).hexdigest()
+
+
+def check_sources(data_cfg: DataConfig) -> None:
+    """``data.path`` and ``data.eval_path`` name something that exists (a file, directory, glob, hub id or embedded
+    data set), checked from the names alone: nothing is read, no library is imported, so ``scale-train`` reports a
+    missing file before it imports transformers, peft and bitsandbytes (whose import-time notices would precede the
+    one-line error). The sources of ``data.datasets`` are checked when they are read.
+
+    Raises:
+        DataError: the one line :func:`scale.data.sources.read_source` raises for a missing source.
+    """
+    for path in (data_cfg.path if not data_cfg.datasets else None, data_cfg.eval_path):
+        if path and path not in DATASETS and source_kind(path) == "missing":
+            read_source(data_cfg, path)  # raises at once for a missing source, reading nothing

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scale.config import DataConfig, LossConfig
-from scale.data.mixing import dropped_per_source, read_rows
+from scale.data.mixing import check_sources, dropped_per_source, read_rows  # noqa: F401 - check_sources: scale.cli's
 from scale.data.read import DataError, with_line
 from scale.data.split import count_copies
-from scale.data.tasks.base import Builder, Example, Rows, Task
+from scale.data.tasks.base import BY_TRUNCATION, Builder, Example, Rows, Task
 
 logger = logging.getLogger(__name__)
 
@@ -172,13 +172,14 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
     try:
         task.check(tokenizer, mix.train + mix.eval)
         train = tokenize("train", mix.train, task, builder)
-        train_notes = dict(builder.notes)
+        train_notes, train_drops = dict(builder.notes), len(builder.drop_info)
         held = tokenize("eval", mix.eval, task, builder)
     except DataError as e:  # name the line an editor shows the row on
         raise DataError(with_line(str(e), mix.lines)) from None
-    if not train or not held:
-        raise DataError(f"data.drop_long_completions dropped every {'train' if not train else 'eval'} row; raise "
-                        f"data.max_length")
+    if not train:
+        raise DataError(emptied_split("train", builder.drop_info[:train_drops], data_cfg))
+    if not held:
+        raise DataError(emptied_split("eval", builder.drop_info[train_drops:], data_cfg))
     stats = {"data/train_rows": len(train), "data/eval_rows": len(held), "data/duplicates_removed": mix.removed,
              "data/eval_rows_in_train": overlap, "data/dropped_long_rows": len(builder.dropped),
              # a mixture, per source: rows read, train rows mixed in, eval rows, rows dropped
@@ -197,6 +198,37 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
     return Splits(train=with_task(train, mix.evaluating), eval=with_task(held, mix.evaluating), stats=stats,
                   fingerprint=(fingerprint_of or (lambda a, b: token_fingerprint(itertools.chain(a, b))))(train, held),
                   template_sha256=hashlib.sha256(extra.encode()).hexdigest() if extra else "")
+
+
+def emptied_split(split: str, drops: list[tuple[int, str]], data_cfg: DataConfig) -> str:
+    """The one-line error for a split that tokenization left empty: the setting that dropped its rows, how many, the
+    shortest and longest as rendered, and the fix.
+
+    One setting drops the rows of a run: ``data.truncation=drop`` drops every row over ``data.max_length``, so
+    ``data.drop_long_completions`` (rows whose trained tail cannot fit once the prompt is cut) acts only under
+    ``data.truncation=keep_end``.
+
+    Args:
+        split: ``train`` or ``eval``.
+        drops: the split's dropped rows as :attr:`scale.data.tasks.base.Builder.drop_info` holds them:
+            ``(rendered length in tokens, setting)``.
+
+    >>> emptied_split("train", [(30, "data.truncation=drop"), (14, "data.truncation=drop")],
+    ...               DataConfig(max_length=12, truncation="drop"))  # doctest: +ELLIPSIS
+    'data.truncation=drop dropped every train row: 2 rows of 14-30 tokens, over data.max_length=12; raise ...'
+    """
+    if not drops:
+        return (f"no {split} row is left after tokenization (the data format made no example of its rows); check "
+                f"the data file and data.format")
+    setting, lengths = drops[0][1], sorted(n for n, _ in drops)
+    size = f"{lengths[0]}" if lengths[0] == lengths[-1] else f"{lengths[0]}-{lengths[-1]}"
+    rows = f"{len(lengths)} row{'s' * (len(lengths) != 1)} of {size} tokens"
+    if setting == BY_TRUNCATION:
+        return (f"{setting} dropped every {split} row: {rows}, over data.max_length={data_cfg.max_length}; raise "
+                f"data.max_length (to {lengths[0]} keeps the shortest), or set data.truncation=keep_end to cut "
+                f"over-long rows instead of dropping them")
+    return (f"{setting} dropped every {split} row: {rows}, whose trained tails cannot fit in data.max_length="
+            f"{data_cfg.max_length} even with the prompt cut; raise data.max_length")
 
 
 _MAIN_STATS = ("data/train_rows", "data/eval_rows", "data/duplicates_removed", "data/eval_rows_in_train",

@@ -78,6 +78,9 @@ def encode_literal(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
+BY_TRUNCATION, BY_LONG_COMPLETIONS = "data.truncation=drop", "data.drop_long_completions=true"  # what dropped a row
+
+
 class Builder:
     """Shared pieces of tokenization: special tokens, EOS, the length limit and what it dropped."""
 
@@ -89,6 +92,9 @@ class Builder:
         self.eos = tokenizer.eos_token_id
         self.prefix, _ = special_affixes(tokenizer)
         self.dropped: list[int] = []
+        # per dropped row, in the order of :attr:`dropped`: (its rendered length in tokens, the setting that dropped
+        # it: "data.truncation=drop" or "data.drop_long_completions=true")
+        self.drop_info: list[tuple[int, str]] = []
         self.notes: dict[str, int] = {}  # counts a format reports once (e.g. special-token spellings kept as text)
 
     def with_eos(self, ids: list[int]) -> list[int]:
@@ -104,13 +110,19 @@ class Builder:
         """Add ``n`` to the count ``note`` (:attr:`notes`)."""
         self.notes[note] = self.notes.get(note, 0) + n
 
+    def drop(self, i: int, n: int, setting: str) -> None:
+        """Record that row ``i`` (``n`` tokens as rendered, before any cut) was dropped by ``setting``
+        (:data:`BY_TRUNCATION` or :data:`BY_LONG_COMPLETIONS`): :attr:`dropped` and :attr:`drop_info`."""
+        self.dropped.append(i)
+        self.drop_info.append((n, setting))
+
     def too_long(self, i: int, n: int) -> bool:
         """Whether row ``i`` of ``n`` tokens is dropped: over ``data.max_length`` with ``data.truncation=drop``
         (listed in :attr:`dropped`). A row over the limit that is kept and cut is counted (``rows_truncated``)."""
         if n <= self.cfg.max_length:
             return False
         if self.cfg.truncation == "drop":
-            self.dropped.append(i)
+            self.drop(i, n, BY_TRUNCATION)
             return True
         self.count("rows_truncated")
         return False
@@ -118,15 +130,16 @@ class Builder:
     def assemble(self, prefix: list[int], prompt: list[int], tail: list[int], i: int) -> list[int] | None:
         """``prefix + prompt + tail``, losing prompt tokens after ``prefix`` to fit ``data.max_length``
         (``data.truncation=keep_end``), or ``None`` for a row over it that is dropped (``drop``)."""
-        room = self.cfg.max_length - len(prefix) - len(tail)
-        if prompt and room >= 1 and self.too_long(i, len(prefix) + len(prompt) + len(tail)):
+        room, n = self.cfg.max_length - len(prefix) - len(tail), len(prefix) + len(prompt) + len(tail)
+        # data.truncation=drop drops every row over the limit, also one whose tail alone could not fit
+        if prompt and (room >= 1 or self.cfg.truncation == "drop") and self.too_long(i, n):
             return None
         if room < 1 or not prompt:
             if not prompt:
                 raise DataError(f"row {i}: nothing precedes the tail, so its first token has no prediction; "
                                 f"give the row a prompt")
             if self.cfg.drop_long_completions:
-                self.dropped.append(i)
+                self.drop(i, n, BY_LONG_COMPLETIONS)
                 return None
             raise DataError(f"row {i}: the trained tail is {len(tail)} tokens; with {len(prefix) + 1} token(s) "
                             f"before it the row needs {len(prefix) + len(tail) + 1} > data.max_length="
@@ -182,7 +195,8 @@ class Task:
         """
 
     def encode(self, row: dict[str, Any], b: Builder, loss_cfg: LossConfig) -> Example | None:
-        """Token ids and the trained tail of one row; ``None`` when ``data.drop_long_completions`` dropped it.
+        """Token ids and the trained tail of one row; ``None`` when it was dropped (``data.truncation=drop``, or
+        ``data.drop_long_completions``; :meth:`Builder.drop`).
 
         Raises:
             DataError: the row cannot be tokenized (names the row).

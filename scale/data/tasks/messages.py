@@ -55,7 +55,8 @@ from typing import Any
 
 from scale.config import DataConfig, LossConfig, configs_dir
 from scale.data.read import DataError
-from scale.data.tasks.base import Builder, CompletionTask, Example, encode, encode_literal
+from scale.data.tasks.base import (BY_LONG_COMPLETIONS, BY_TRUNCATION, Builder, CompletionTask, Example, encode,
+                                   encode_literal)
 
 logger = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
@@ -616,13 +617,16 @@ class Messages(CompletionTask):
         options = _cuts(messages)
         system = messages[0]["role"] == "system"
 
+        rendered: dict[int, int] = {}  # tokens of each cut tried whole (0: the whole conversation)
+
         def attempt(c: int, shorten: bool = False) -> tuple[list[list[int]], dict[str, int]] | None:
             conv, at = [messages[k] for k in options[c]], sum(k < first for k in options[c])
             if shorten:
                 return self._shorten(row, conv, at, train_on, b)
             notes: dict[str, int] = {}
             pieces = self._pieces(*self._render(row, conv, at, train_on, b, notes), b)
-            return (pieces, notes) if sum(map(len, pieces)) <= limit else None
+            rendered[c] = sum(map(len, pieces))
+            return (pieces, notes) if rendered[c] <= limit else None
 
         got, chosen = attempt(0), 0
         if got is None and b.cfg.truncation == "keep_end":
@@ -644,7 +648,7 @@ class Messages(CompletionTask):
                     break
         if got is None:
             if b.cfg.truncation == "drop" or b.cfg.drop_long_completions:
-                b.dropped.append(i)
+                b.drop(i, rendered[0], BY_TRUNCATION if b.cfg.truncation == "drop" else BY_LONG_COMPLETIONS)
                 return None
             raise DataError(f"row {i}: the conversation does not fit in data.max_length={limit} tokens even cut to "
                             f"its last exchange with the start of its user turn's text cut (data.truncation=keep_end "

@@ -1,0 +1,110 @@
+"""What a new user meets first: the README's first command run twice, and a one-line error for a bad path that no
+library notice precedes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scale.config import load_config
+from tests.conftest import ROOT, TINY_YAML
+
+
+def test_the_main_job_resumes_when_run_again():
+    """`make train` (scale-train with configs/train/default.yaml) run a second time resumes its run instead of
+    refusing the directory it wrote."""
+    assert load_config(None).train.resume_from == "auto"
+
+
+def test_a_finished_run_started_again_with_resume_auto_exits_0_and_trains_nothing(tmp_path):
+    """The second start of a finished run (train.resume_from=auto, as the main job sets it) resumes from its last
+    checkpoint: exit 0, no optimizer step trained again, the adapter and the logged training steps as they were."""
+    from scale.cli import main
+
+    out = tmp_path / "out"
+    args = ["--config", str(TINY_YAML), f"output_dir={out}", "train.max_steps=2", "train.log_every=1",
+            "train.eval_every=0", "train.resume_from=auto"]
+    assert main(args) == 0
+    adapter = (out / "adapter" / "adapter_model.safetensors").read_bytes()
+    steps = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
+    assert steps == [1, 2]
+    assert main(args) == 0
+    again = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r]
+    assert again == [1, 2] and (out / "adapter" / "adapter_model.safetensors").read_bytes() == adapter
+
+
+@pytest.mark.parametrize("override, line", [
+    ("data.path={tmp}/missing.jsonl", "DataError: data.path='{tmp}/missing.jsonl' does not exist; point it at a data "
+                                      "file"),
+    ("model.name_or_path={tmp}/no_model", "ConfigError: model.name_or_path='{tmp}/no_model' does not exist"),
+    ("train.resume_from={tmp}/no_ckpt", "CheckpointError: train.resume_from='{tmp}/no_ckpt' is not a complete "
+                                        "checkpoint (no trainer_state.json)"),
+])
+def test_a_bad_path_in_the_main_job_is_the_only_line_on_stderr(tmp_path, override, line):
+    """The main job is QLoRA, so bitsandbytes is imported, and it logs a kernel notice at import: the paths are
+    checked before that, and the error is all stderr holds."""
+    tmp = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "scale.cli", f"output_dir={tmp}/out", "log.trackers=[]",
+                           override.format(tmp=tmp)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2
+    err = proc.stderr.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"scale-train: error: {line.format(tmp=tmp)}"), proc.stderr
+    assert "bitsandbytes" not in proc.stdout + proc.stderr and not (tmp_path / "out").exists()
+
+
+# ---- train/mfu divides by one peak per machine ----
+
+def test_machine_peak_is_the_best_probe_once_then_the_cached_figure(tmp_path):
+    """Injected probe timings: the first call keeps the best of 3 probes (a busy neighbour lowers a probe, not the
+    best of three); a later call on a busier machine returns the cached figure without probing; another key (another
+    dtype, CPU, torch or thread count) is measured on its own."""
+    from scale.metrics import machine_peak
+
+    path = tmp_path / "peak_flops.json"
+    idle = iter([(150e9, 1024), (340e9, 1024), (290e9, 1024)])
+    entry, cached = machine_peak("cpu A | torch 2.13.0 | float32 | 2 threads", lambda: next(idle), path)
+    assert (entry["flops"], entry["n"], entry["probes"], cached) == (340e9, 1024, 3, False)
+    assert json.loads(path.read_text())["cpu A | torch 2.13.0 | float32 | 2 threads"]["flops"] == 340e9
+
+    def busy():
+        raise AssertionError("a cached machine is not probed again")
+
+    again, cached = machine_peak("cpu A | torch 2.13.0 | float32 | 2 threads", busy, path)
+    assert again == entry and cached
+    other, cached = machine_peak("cpu A | torch 2.13.0 | bfloat16 | 2 threads", lambda: (2.1e12, 2048), path)
+    assert other["flops"] == 2.1e12 and not cached and len(json.loads(path.read_text())) == 2
+    path.write_text("not json")  # a damaged cache is measured again, not an error
+    assert machine_peak("cpu A | torch 2.13.0 | float32 | 2 threads", lambda: (1e9, 256), path)[0]["flops"] == 1e9
+
+
+def test_two_identical_runs_divide_by_the_same_peak_on_a_busier_machine(tmp_path, monkeypatch):
+    """resolve_peak_flops (log.peak_flops: null) on an idle machine, then on one where every GEMM takes twice as
+    long: the same peak both times, and the start-up line says it was measured once and cached. log.peak_flops=measure
+    still measures now."""
+    from accelerate import Accelerator
+
+    import torch
+    from scale import metrics
+    from scale.metrics import resolve_peak_flops
+    from tests.conftest import tiny_cfg
+
+    monkeypatch.setenv("SCALE_CACHE", str(tmp_path / "cache"))
+    rate = {"now": 300e9}
+    monkeypatch.setattr(metrics, "_MEASURED", {})
+    monkeypatch.setattr(metrics, "_time_gemm", lambda device, dtype, seconds, n, reps=3:
+                        rate["now"] * (7 if dtype == torch.bfloat16 else 1))
+    acc = Accelerator(cpu=True)
+    first = resolve_peak_flops(tiny_cfg(tmp_path), acc)
+    rate["now"] = 150e9  # a busy machine
+    monkeypatch.setattr(metrics, "_MEASURED", {})
+    second = resolve_peak_flops(tiny_cfg(tmp_path), acc)
+    assert first.flops == second.flops == 300e9
+    assert "best of 3 probes now, cached in " in first.source and "best of 3 probes of 20" in second.source
+    assert "; bfloat16 measures 2.1 TFLOP/s (faster on this CPU)" in second.source
+    now = resolve_peak_flops(tiny_cfg(tmp_path, "log.peak_flops=measure"), acc)
+    assert now.flops == 150e9 and "measured now" in now.source
