@@ -18,6 +18,7 @@ from scale.loss import forward_tail
 from scale.modeling import add_lora
 from scale.moe import ExpertLoad, expert_factors, moe_layout, parameter_adapters, targets_line
 from scale.schema import LoraConfig, ModelConfig
+from tests.bounds import fp32_paths_rel
 
 E, K, H, I, V = 8, 2, 32, 16, 64  # experts, experts per token, hidden, expert width, vocabulary
 
@@ -224,10 +225,8 @@ def test_one_step_trains_exactly_the_experts_that_received_tokens(family):
             assert torch.equal(p, before[n]), n  # routers, fused expert weights, everything frozen: bit-identical
 
     # The loss after the step (adapters non-zero), dropout off: peft's fused-expert forward against the token-by-token
-    # reference on the same routing, both in float64. Each is a chain of dot products of at most n = 2 * I * ... <= 64
-    # terms per layer (H = 32, 2I = 32, attention 32) over 2 layers; the two orders of summation differ by at most
-    # ~ n * eps64 relative per dot product (Higham, Accuracy and Stability, 3.1), compounded over <= 6 matmuls per
-    # layer x 2 layers: 12 * 64 * 1.1e-16 * |terms| < 1e-13 for O(1)-scaled terms; bound 1e-10 (x1000 margin).
+    # reference on the same routing, both in float64, summing in other orders: tests/bounds.py's fp32_paths_rel
+    # with float64's eps over the vocabulary (V) and the widest dot product (H = 2I = 32).
     model.eval()
     with torch.no_grad():
         # transformers' default experts kernel (grouped_mm) takes float32/bf16/fp16 only: eager in float64
@@ -242,13 +241,12 @@ def test_one_step_trains_exactly_the_experts_that_received_tokens(family):
         loss32 = float(tail_ce(model, batch))
         for h in handles + more + most:
             h.remove()
-    assert abs(peft64 - ref64) <= 1e-10 * max(1.0, abs(ref64)), (peft64, ref64)
+    eps64 = torch.finfo(torch.float64).eps
+    assert abs(peft64 - ref64) <= fp32_paths_rel(V, H, eps=eps64) * abs(ref64), (peft64, ref64)
     routed = [[i.tolist() for _, i in s] for s in (seen_p, seen_r, seen32)]
     assert routed[0] == routed[1] == routed[2]  # the same routing in the three forwards
-    # float32 harness forward against the float64 reference: <= 6 matmuls per layer x 2 layers, each with
-    # n <= 64 terms, relative error <= n * eps32 (6e-8) each: 12 * 64 * 6e-8 = 4.6e-5 of the loss (plus the
-    # softmax/norm, O(eps32)); bound 1e-4 relative.
-    assert abs(loss32 - ref64) <= 1e-4 * max(1.0, abs(ref64)), (loss32, ref64)
+    # float32 harness forward (transformers' grouped kernel) against the float64 reference: the same bound in float32
+    assert abs(loss32 - ref64) <= fp32_paths_rel(V, H) * abs(ref64), (loss32, ref64)
     with torch.no_grad(), f64.disable_adapter():  # the comparison can see the adapters: without them it differs
         assert abs(float(tail_ce(f64, batch)) - ref64) > 1e-6 * abs(ref64)
 
@@ -305,9 +303,9 @@ def test_a_run_says_what_trains_logs_the_expert_load_and_exports(tmp_path, caplo
     ids = torch.tensor([[1, 300, 4000, 17, 2]])
     with torch.no_grad():
         a, b = merged(input_ids=ids).logits, peft_model(input_ids=ids).logits
-    # merged W + s B A against the adapter applied on the fly: the same float32 products summed in another order;
-    # |logit| <= sum over H = 32 terms, so |diff| <= ~2 layers x 32 x eps32 x scale; bound 1e-4 of the largest logit
-    assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    # merged W + s B A against the adapter applied on the fly: two float32 paths summing in other orders over the
+    # hidden width H (tests/bounds.py), relative to the largest logit
+    assert (a - b).abs().max() <= fp32_paths_rel(H, H) * b.abs().max()
 
 
 @pytest.mark.slow
@@ -362,14 +360,16 @@ def test_router_aux_loss_is_the_switch_loss_weighted_by_the_micro_batch():
         h.remove()
     w = torch.tensor(2.0)
     term = aux.term(batch, w)
-    # float32 means over 12 (token, layer) rows of 8 probabilities: relative error <= ~12 x 8 x eps32 = 6e-6
-    assert abs(float(term.detach()) / (aux.coef * 2.0) - switch_aux_reference(kept, K)) <= 1e-5
+    # float32 softmax over E and means over the 12 (token, layer) rows, then a sum over E of products: within
+    # tests/bounds.py's fp32 bound of the float64 value for the longest reduction (12 rows) and width E
+    reference = switch_aux_reference(kept, K)
+    assert abs(float(term.detach()) / (aux.coef * 2.0) - reference) <= fp32_paths_rel(12, E) * reference
     (loss + term).backward()  # the aux loss reaches the routers' adapters
     router_grads = [w.lora_B["default"].weight.grad for n, w in parameter_adapters(model).items()
                     if n in layout.router_params]
     assert len(router_grads) == 2 and all(g.abs().max() > 0 for g in router_grads)
-    reference = switch_aux_reference(kept, K)
-    assert aux.flush() == {"train/router_aux_loss": pytest.approx(reference, abs=1e-5)}  # unweighted by coef
+    flushed = aux.flush()["train/router_aux_loss"]  # unweighted by coef
+    assert abs(flushed - reference) <= fp32_paths_rel(12, E) * reference
     with torch.no_grad():
         tail_ce(model, batch)  # evaluation: nothing kept
     assert float(aux.term(batch, w)) == 0.0
