@@ -1,6 +1,7 @@
 # The two commands on a fresh machine (Python >= 3.10, make):
 #   make train    set up .venv, then run the main job (scale-train; ARGS="key=value ..." to override)
-#   make test     set up .venv, then run the unit tests, then the multi-process launch and slow tests
+#   make test     set up .venv, then run the unit tests on the newest and on the lowest declared versions, then the
+#                 multi-process launch and slow tests
 # TORCH picks the torch build: the default is the CPU wheel; on a CUDA machine run `make train TORCH=torch`.
 PYTHON ?= python3
 VENV ?= .venv
@@ -8,14 +9,15 @@ TORCH ?= torch==2.13.0
 EXTRAS ?= qlora,wandb,report,deepspeed,test
 BIN := $(VENV)/bin
 
-.PHONY: setup train test test-unit test-launch test-heavy
+LOWEST ?= .venv-lowest
+.PHONY: setup train test test-unit test-newest test-lowest test-launch test-heavy
 
 # uv installs what pip would (the best version over every index, as pip picks; pip's own sources handed over by
 # .ci/uv_flags.py, uv reads no pip.conf) in ~50 s instead of pip's ~130 s on 2 cores. INSTALL=pip, or any failure of
 # uv, installs with pip.
 INSTALL ?= uv
 UV = $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode --index-strategy unsafe-best-match \
-	$$($(BIN)/python .ci/uv_flags.py)
+	--resolution highest $$($(BIN)/python .ci/uv_flags.py)
 
 $(BIN)/scale-train: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +31,31 @@ setup: $(BIN)/scale-train
 train: setup
 	$(BIN)/scale-train $(ARGS)
 
-test-unit: setup
+# The newest tier: .venv holds the newest release of every dependency the registry serves (uv's highest resolution),
+# upgraded in place first (~10 s when nothing is newer), so the unit tier meets an upper-side break the day it is
+# released. torch stays $(TORCH): the CPU wheel; PyPI's newer Linux torch wheels (2.14.1, 2.15.0) are CUDA builds.
+test-newest: setup
+	if [ -x $(BIN)/uv ]; then $(UV) --upgrade "$(TORCH)" -e '.[$(EXTRAS)]'; \
+	else $(BIN)/pip install -q --upgrade "$(TORCH)" -e '.[$(EXTRAS)]'; fi
+	$(BIN)/scale-env | grep -E '^- (torch|accelerate|transformers|peft|datasets):'
+
+test-unit: test-newest
 	$(BIN)/python -m pytest -q
+
+# The lowest tier: a second venv with each direct dependency at pyproject.toml's lower bound (.ci/lowest.py pins every
+# `>=` bound with `==`; a bound that cannot install with the others fails here) and the unit tier run in it. torch
+# stays $(TORCH): PyPI's Linux wheels of older torch are multi-GB CUDA builds.
+$(LOWEST)/bin/scale-train: pyproject.toml .ci/lowest.py | setup
+	rm -rf $(LOWEST) && $(PYTHON) -m venv $(LOWEST)
+	$(BIN)/python .ci/lowest.py > $(LOWEST)/lowest.txt
+	$(BIN)/pip install -q uv
+	$(BIN)/uv pip install -q --python $(LOWEST)/bin/python --index-strategy unsafe-best-match \
+	  $$($(BIN)/python .ci/uv_flags.py) -c $(LOWEST)/lowest.txt "$(TORCH)" -e '.[$(EXTRAS)]'
+	touch $@
+
+test-lowest: $(LOWEST)/bin/scale-train
+	$(LOWEST)/bin/scale-env | grep -E '^- (torch|accelerate|transformers|peft|datasets):'
+	$(LOWEST)/bin/python -m pytest -q
 
 test-launch: setup
 	$(BIN)/python -m pytest -q -m '(launch or slow) and not heavy'   # multi-process launches, whole jobs, W&B
@@ -38,4 +63,4 @@ test-launch: setup
 test-heavy: setup      # not in `make test`: the planner against counts on the real SmolLM2-135M shape (~10 min)
 	$(BIN)/python -m pytest -q -m heavy
 
-test: test-unit test-launch
+test: test-unit test-lowest test-launch

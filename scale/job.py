@@ -30,6 +30,7 @@ from scale.best import check_reported
 from scale.checkpoint import (STATE_FILE, TrainerState, adapt_to_checkpoint, check_resume, clear_previous_run,
                               load_checkpoint, pick_resume, register_hooks, resolve_resume)
 from scale.checks import dtype_census
+from scale.compat import warn_untested
 from scale.config import Config, ConfigError, dump_config
 from scale.data.cache import load_splits, wait_for_splits
 from scale.data.collate import Collator, PackedCollator, PaddingFreeCollator
@@ -329,6 +330,7 @@ def setup(cfg: Config) -> Job:
     lengths = column(splits.train, "length")  # per-row columns, no token read
     bins = train_bins.bins if train_bins is not None else None
     if acc.is_main_process:  # lines under 300 characters: they end up in SLURM and nohup logs
+        warn_untested(logger)  # one line when a dependency is outside the versions the tests passed on
         shared = f" sequence_parallel_size={sp}" if sp > 1 else ""  # world_size = data-parallel x sequence ranks
         logger.info("start: mode=%s world_size=%d%s global_batch_size=%d (micro_batch_size=%d x "
                     "gradient_accumulation_steps=%d x %d data-parallel ranks) max_steps=%d", plan.mode,

@@ -6,7 +6,7 @@ the LoRA matrices. Workarounds carry their reason and link:
 - Gradient checkpointing goes through the model's own API with ``use_reentrant=False`` by default:
   re-entrant checkpointing breaks DDP + LoRA ("marked ready twice", peft#313, trl#921).
 - Input-embedding outputs require grad when checkpointing a frozen base (peft#137), which transformers'
-  ``activation_checkpointing_enable`` does itself.
+  transformers' checkpointing call does itself (:func:`scale.compat.enable_checkpointing`: the API moved in 5.23).
 - ``use_cache=False`` while training; :func:`restore_inference_config` puts it back before saving.
 """
 
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from scale import moe
+from scale.compat import enable_checkpointing
 from scale.assets import EMBEDDED_MODEL, resolve_model
 from scale.config import ConfigError, LoraConfig, ModelConfig
 
@@ -289,7 +290,7 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
     if model_cfg.gradient_checkpointing:
         # Also makes the embedding output require grad, so checkpointed blocks of a frozen base still
         # pass gradient to LoRA (peft#137).
-        model.activation_checkpointing_enable(**checkpointing_kwargs(model_cfg))
+        enable_checkpointing(model, **checkpointing_kwargs(model_cfg))
     if layout is not None:  # fused experts: explicit module and parameter names (scale.moe)
         targets = moe.lora_targets(layout, lora_cfg.target_modules, lora_cfg.train_router, linear_names(model))
         peft_cfg = PeftLoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, task_type="CAUSAL_LM",
@@ -312,7 +313,7 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
 
 
 def checkpointing_kwargs(cfg: ModelConfig) -> dict[str, Any]:
-    """Arguments of transformers' ``activation_checkpointing_enable`` for ``model.gradient_checkpointing``:
+    """Arguments of :func:`scale.compat.enable_checkpointing` for ``model.gradient_checkpointing``:
     ``true`` every layer, ``every_n`` every ``checkpoint_every_n_layers``-th layer, ``offload`` every layer with
     the saved layer inputs in (pinned) host memory (``torch.autograd.graph.save_on_cpu``). Without a GPU the
     activations already live in host memory and transformers 5.24's offload fails on CPU ("pin_memory=True

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from scale import flops
+from scale.compat import installed, peft_adapts_parameters
 from scale.validation import ConfigError
 
 # Class-name markers of the router modules (Qwen3MoeTopKRouter, MixtralTopKRouter, GptOssTopKRouter,
@@ -144,8 +145,13 @@ def lora_targets(layout: MoeLayout, target_modules: list[str] | str, train_route
     names and expert weight names (peft's rule for a string). ``train_router`` adds the routers' weights.
 
     Raises:
-        ConfigError: a listed name matches nothing; the message lists the model's names.
+        ConfigError: a listed name matches nothing (the message lists the model's names); a peft without
+            ``target_parameters``.
     """
+    if not peft_adapts_parameters():
+        raise ConfigError(f"model.name_or_path is a mixture-of-experts model ({layout.family}) whose experts are fused "
+                          f"3-D parameters: LoRA on them needs peft's target_parameters, which peft "
+                          f"{installed('peft')} lacks; pip install -U peft")
     routers = set(layout.router_linears)
     linear = [n for n in linear if n not in routers]
     experts = list(layout.expert_params)

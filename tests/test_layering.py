@@ -22,6 +22,7 @@ SCALE = ROOT / "scale"
 # room -> the rooms it may import. Plain-tensor rooms first, then the data stages, the loop side, the entry points.
 ALLOWED: dict[str, set[str]] = {
     "fileio": set(),
+    "compat": set(),  # library APIs that moved between the declared bounds, and the tested version ranges
     "logs": set(),  # the log format and third-party notice filters every command uses
     "flops": set(),
     "signals": set(),
@@ -36,8 +37,8 @@ ALLOWED: dict[str, set[str]] = {
     "schedule": {"config"},
     "loss": {"config"},
     "chunked": {"loss"},  # the chunked tail loss and loss_step, the step's loss (chunked when it pays)
-    "modeling": {"config", "assets", "moe"},
-    "moe": {"flops", "validation"},  # mixture-of-experts models: LoRA targets, expert load, active counts
+    "modeling": {"config", "assets", "compat", "moe"},
+    "moe": {"compat", "flops", "validation"},  # mixture-of-experts models: LoRA targets, expert load, active counts
     "census": {"config", "loss", "modeling", "chunked", "moe"},  # scale-plan's counts: meta/fake tensors, no process group
     "layouts": {"census", "config", "modeling"},  # modeling: the sequence-parallel guard, for the SP columns
     # scale/data/: the stages, each importing only the ones before it (LAYERS)
@@ -74,12 +75,13 @@ ALLOWED: dict[str, set[str]] = {
     "job": {"assets", "best", "checkpoint", "checks", "config", "data.cache", "data.collate", "data.mixing",
             "data.order", "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize", "evaluate",
             "export", "flops", "launch", "loss", "metrics", "modeling", "moe", "names", "samples", "schedule",
-            "tracking", "ulysses"},
+            "tracking", "ulysses", "compat"},
     "train": {"best", "checkpoint", "checks", "chunked", "config", "evaluate", "export", "job", "loss", "metrics",
               "portable", "samples", "signals", "tracking", "ulysses"},
     "cli": {"assets", "checkpoint", "config", "data.read", "data.tokenize", "launch", "logs", "modeling", "signals",
             "topology", "train"},
     "report": {"config", "metrics", "schedule"},
+    "env": {"compat"},  # scale-env: versions, devices, CPU flags and launcher variables for a bug report
     "prepare": {"assets", "config", "data.cache", "data.read", "data.token_table", "logs", "modeling"},  # scale-prepare
     # aliases kept for scripts written against the modules' old paths
     "formats": {"data.read", "data.tasks"},
@@ -91,7 +93,7 @@ DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpo
 # Bottom first. A room imports rooms of its own layer or below; an import into a higher layer runs upward. The data
 # stages are one layer each, in the order rows flow: files, sources, formats, split, mixing, tokens, cache, batches.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundations", {"fileio", "flops", "logs", "signals", "state", "rendezvous", "validation", "schema", "names", "config",
+    ("foundations", {"compat", "fileio", "flops", "logs", "signals", "state", "rendezvous", "validation", "schema", "names", "config",
                      "assets", "schedule", "topology"}),
     ("model and loss (plain tensors)", {"loss", "chunked", "moe", "modeling", "census", "layouts"}),
     ("data: reading files", {"data.read"}),
@@ -105,7 +107,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("data: the package's face", {"data"}),
     ("the loop side", {"metrics", "tracking", "launch", "ulysses", "checks", "portable", "checkpoint", "best", "evaluate",
                        "samples", "export", "generate", "job", "train"}),
-    ("entry points and aliases", {"cli", "plan", "prepare", "report", "lmeval", "formats", "sampling"}),
+    ("entry points and aliases", {"cli", "env", "plan", "prepare", "report", "lmeval", "formats", "sampling"}),
 ]
 # Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and
 # `--accelerate-config` import neither torch nor accelerate (scale/cli.py's module comment), and start_fast imports
