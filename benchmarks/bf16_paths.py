@@ -1,4 +1,4 @@
-"""The CPU mixed-precision paths (``scale.modeling.CPU_MIXED_PATHS``), each measured alone: time and exactness.
+"""The CPU mixed-precision paths (``scale.cpu_bf16.CPU_MIXED_PATHS``), each measured alone: time and exactness.
 
     python benchmarks/bf16_paths.py                       # the default job's model and rows, 8 rounds
     python benchmarks/bf16_paths.py --rounds 12 --micro 2
@@ -11,14 +11,14 @@ from N(0, 0.01) so that every LoRA gradient is non-zero):
 - the **bf16 model**: compute dtype bfloat16, its forward under ``torch.autocast("cpu", bfloat16)`` as
   ``accelerate`` wraps it (``train.mixed_precision=bf16``).
 
-Variants of the bf16 model: ``none`` (every path off: the bf16 path before the paths existed), each path alone,
-``all`` and ``all but <path>``. Each round runs every variant once, in a new order each round, on the same
-``--micro`` micro-batches of 8 rows (forward + tail loss + backward, as ``scale.chunked.loss_step`` and the loop do
-it), after one untimed micro-batch (a path that caches, like the LM head's cast, starts warm as in a run); a
-variant's time is its median over rounds and its ratio to ``none`` is the median of the per-round ratios
-(so a busy moment hits both sides of a ratio). Exactness: the relative L2 difference of the LoRA gradients (all
-LoRA tensors as one vector) and of the loss against the fp32 reference, beside the same figure for ``none``
-(the bf16 round-off every bf16 run has): a path is kept when it is faster and its difference stays at ``none``'s.
+Variants of the bf16 model: ``none`` (every path off: the bf16 path before the paths existed), each path alone, ``all``
+and ``all but <path>``. Each round runs every variant once, in a new order each round, on the same ``--micro``
+micro-batches of 8 rows (forward + tail loss + backward, as ``scale.objectives.tail.LossSpec.loss_step`` and the loop do
+it), after one untimed micro-batch (a path that caches, like the LM head's cast, starts warm as in a run); a variant's
+time is its median over rounds and its ratio to ``none`` is the median of the per-round ratios (so a busy moment hits
+both sides of a ratio). Exactness: the relative L2 difference of the LoRA gradients (all LoRA tensors as one vector) and
+of the loss against the fp32 reference, beside the same figure for ``none`` (the bf16 round-off every bf16 run has): a
+path is kept when it is faster and its difference stays at ``none``'s.
 
 The last lines are ``speedup_all: <x>`` (``none`` time / ``all`` time) and ``grad_diff_all: <d>``.
 """
@@ -62,7 +62,7 @@ def micro_batches(cfg, tok, n: int, rows: int = 8):
     """``n`` micro-batches of ``rows`` train rows of similar length (as ``data.group_by_length`` makes them)."""
     from scale.assets import resolve_data
     from scale.data import Collator, build_splits
-    from scale.loss import LossSpec
+    from scale.objectives.tail import LossSpec
 
     splits = build_splits(cfg.data, cfg.loss, tok, resolve_data(cfg.data.path), cfg.train.seed)
     train = sorted(splits.train, key=lambda e: len(e.input_ids))
@@ -77,12 +77,10 @@ def step(model, batches, spec, autocast: bool) -> tuple[float, dict]:
     """Forward + backward of every micro-batch; return the summed loss numerator and the LoRA gradients."""
     import torch
 
-    from scale.chunked import loss_step
-
     total = 0.0
     for b in batches:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            num = loss_step(model, b, spec, spec.weights(b))  # the model's forward under autocast, as accelerate
+            num = spec.loss_step(model, b, spec.weights(b))  # the model's forward under autocast, as accelerate
         num.backward()
         total += float(num.detach())
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -108,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from benchmarks.common import machine_line
-    from scale.modeling import CPU_MIXED_PATHS, use_cpu_mixed_paths
+    from scale.cpu_bf16 import CPU_MIXED_PATHS, use_cpu_mixed_paths
 
     cfg, tok, ref_model = build("float32", a.seed)
     batches, spec = micro_batches(cfg, tok, a.micro)

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from scale.config import Config, LogConfig, LoraConfig, LossConfig, ModelConfig, OptimConfig, TrainConfig
 from scale.data import Collator, Example
+from scale.schema import Config, LogConfig, LoraConfig, LossConfig, ModelConfig, OptimConfig, TrainConfig
 
 # SmolLM2-135M (the real model's shape) and smaller/larger Llama shapes; random weights, built in code.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -296,7 +296,7 @@ class Harness:
 
         from scale.data.tasks import get
         from scale.launch import build_accelerator
-        from scale.loss import LossSpec
+        from scale.objectives.tail import LossSpec
 
         self.job = job
         self.tmp = tempfile.TemporaryDirectory()
@@ -310,7 +310,7 @@ class Harness:
         self.model = model if model is not None else build_lora_model(job.shape, self.cfg.model, self.cfg.lora,
                                                                       job.seed, self.device, job.seq)
         if model is None and torch.device(self.device).type == "cpu" and self.cfg.train.mixed_precision == "bf16":
-            from scale.modeling import use_cpu_mixed_paths
+            from scale.cpu_bf16 import use_cpu_mixed_paths
 
             use_cpu_mixed_paths(self.model)  # as scale.job.setup does for a CPU bf16 run
         self.spec = LossSpec.from_config(self.cfg)
@@ -330,7 +330,7 @@ class Harness:
         self.tokens = step_tokens(self.windows)
 
     def run(self) -> RunResult:
-        from scale.checkpoint import TrainerState
+        from scale.state import TrainerState
         from scale.job import Job
         from scale.launch import ModePlan
         from scale.metrics import MetricsLog

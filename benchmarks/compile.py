@@ -4,14 +4,15 @@
     python benchmarks/compile.py --config configs/train/default.yaml --micro-batches 4
     python benchmarks/compile.py --set data.packing=true            # any override of the job
 
-Issue 19 asks to measure ``torch.compile`` on the jobs and to offer ``train.compile`` only if it is faster and
-exact. The job's model is built as ``scale.modeling.build_model`` builds it (LoRA on the real SmolLM2-135M),
-and its first ``--micro-batches`` train micro-batches come from the job's own loader (``scale.job.make_loaders``:
-the same collator, padding or packing). One forward + backward of the tail loss (``scale.loss.loss_step``) per
-micro-batch, timed; no optimizer step, so eager and compiled see the same weights and their losses and LoRA
-gradients are compared directly (with ``lora.dropout=0``: the two would draw different dropout masks). The compiled module is ``torch.compile(model)`` (inductor, default mode,
-``dynamic`` left to dynamo: it marks the sequence length dynamic after the first recompile). Round 1 of the
-compiled model includes compilation (reported apart); later rounds alternate eager and compiled.
+Issue 19 asks to measure ``torch.compile`` on the jobs and to offer ``train.compile`` only if it is faster and exact.
+The job's model is built as ``scale.modeling.build_model`` builds it (LoRA on the real SmolLM2-135M), and its first
+``--micro-batches`` train micro-batches come from the job's own loader (``scale.parts.loaders.make_loaders``: the same
+collator, padding or packing). One forward + backward of the tail loss (``scale.objectives.tail.LossSpec.loss_step``)
+per micro-batch, timed; no optimizer step, so eager and compiled see the same weights and their losses and LoRA
+gradients are compared directly (with ``lora.dropout=0``: the two would draw different dropout masks). The compiled
+module is ``torch.compile(model)`` (inductor, default mode, ``dynamic`` left to dynamo: it marks the sequence length
+dynamic after the first recompile). Round 1 of the compiled model includes compilation (reported apart); later rounds
+alternate eager and compiled.
 
 Prints a table and ``compile: speedup=X`` (eager seconds / compiled seconds over the rounds after the first).
 """
@@ -36,9 +37,8 @@ def main() -> int:
     from scale.assets import resolve_data
     from scale.config import load_config
     from scale.data import build_splits
-    from scale.job import make_loaders
-    from scale.chunked import loss_step
-    from scale.loss import LossSpec
+    from scale.parts.loaders import make_loaders
+    from scale.objectives.tail import LossSpec
     from scale.modeling import build_model, load_tokenizer
 
     # LoRA dropout off: inductor draws its own dropout masks (philox), so eager and compiled would differ by the
@@ -48,8 +48,7 @@ def main() -> int:
     splits = build_splits(cfg.data, cfg.loss, tok, resolve_data(cfg.data.path), cfg.train.seed)
     train_dl, _ = make_loaders(cfg, splits, tok.pad_token_id)
     batches = [b for _, b in zip(range(args.micro_batches), train_dl)]
-    spec = LossSpec.from_config(cfg, splits.label_token_ids, format=splits.format, label_seqs=splits.label_seqs,
-                                has_target=splits.has_target, pad_token_id=tok.pad_token_id)
+    spec = LossSpec.from_config(cfg)
     model = build_model(cfg.model, cfg.lora, len(tok), cfg.train.seed)
     for p in model.parameters():  # LoRA B starts at 0: give every adapter a value so every gradient path counts
         if p.requires_grad:
@@ -62,7 +61,7 @@ def main() -> int:
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train.mixed_precision == "bf16"):
             w = spec.weights(batch)
-            num = loss_step(m, batch, spec, w)
+            num = spec.loss_step(m, batch, w)
         (num / w.sum()).backward()
         seconds = time.perf_counter() - t0
         return seconds, float(num / w.sum()), [p.grad.clone() for _, p in params]

@@ -133,7 +133,8 @@ def rank_probe(data: Path, cache: Path, num_proc: int) -> None:
 
     from scale.data.cache import load_splits, wait_for_splits
     from scale.data.token_table import column
-    from scale.job import make_loaders, on_every_rank, shared_run_id
+    from scale.collective import on_every_rank, shared_run_id
+    from scale.parts.loaders import make_loaders
     from scale.modeling import load_tokenizer
 
     t0 = time.perf_counter()

@@ -26,7 +26,7 @@ times, each run ``--steps`` optimizer steps of which the first ``--warmup`` are 
   d_attn`` per token (PaLM appendix B's ``6N + 12LHQT`` without weight gradients for the frozen base;
   recomputation from checkpointing not counted); peak = dense bf16 from ``scale.flops.PEAK_BF16_FLOPS`` by device name,
   ``--peak-tflops``, or a bf16 GEMM timed on the device (``--measure-peak``; the default on CPU and for a GPU
-  missing from the table), resolved by ``scale.metrics.resolve_peak_flops`` as ``log.peak_flops`` is in a run:
+  missing from the table), resolved by ``scale.precision.resolve_peak_flops`` as ``log.peak_flops`` is in a run:
   the same code that logs ``train/mfu``;
 - peak memory: ``torch.cuda.max_memory_allocated`` during the contestant's first run, minus what was allocated
   before its model was built: its weights, adapters, optimizer state, activations and workspace (GiB);
@@ -56,8 +56,9 @@ if __package__ in (None, ""):  # `python benchmarks/gpu.py`: make `benchmarks.co
 
 from benchmarks.common import Harness, Job, RunResult, fmt_spread, llama_config, machine_line, reset_accelerate
 from scale.flops import mfu
-from scale.metrics import PeakFlops, model_flops, resolve_peak_flops
+from scale.metrics import model_flops
 from scale.plan import make_plan
+from scale.precision import PeakFlops, resolve_peak_flops
 
 NO_CUDA = ("benchmarks/gpu.py needs a CUDA GPU: torch.cuda.is_available() is False (torch {v}). Run it on a GPU "
            "machine with a CUDA build of torch, or pass --dry-run to exercise the same code path on CPU.")

@@ -3,17 +3,17 @@ that trains within a fixed per-rank budget.
 
     python benchmarks/sp_memory.py [--tokens 4096] [--budget-mib 128] [--max-tokens 12288] [--step 1024]
 
-The job is the harness's own (:func:`scale.job.setup` of ``configs/train/tiny_cpu.yaml`` at a wider Llama shape:
-hidden 256, 4 layers, 4 heads, 2 key/value heads, MLP 768, SmolLM2's 49,152-token vocabulary; LoRA r=8 on every
-linear layer, fp32, gradient checkpointing on): SP=1 is one process, SP=2 is DeepSpeed ZeRO-2 with Ulysses on 2 CPU
-processes (``configs/accelerate/cpu_zero2.yaml``, ``train.sequence_parallel_size=2``). One row of ``T`` tokens
-whose last 16 are trained (a long document, a short answer) goes through the product's path: the row cut into
-the rank's shard (:func:`scale.data.sequence.shard_rows`), :func:`scale.chunked.loss_step` under the sharded attention,
+The job is the harness's own (:func:`scale.job.setup` of ``configs/train/tiny_cpu.yaml`` at a wider Llama shape: hidden
+256, 4 layers, 4 heads, 2 key/value heads, MLP 768, SmolLM2's 49,152-token vocabulary; LoRA r=8 on every linear layer,
+fp32, gradient checkpointing on): SP=1 is one process, SP=2 is DeepSpeed ZeRO-2 with Ulysses on 2 CPU processes
+(``configs/accelerate/cpu_zero2.yaml``, ``train.sequence_parallel_size=2``). One row of ``T`` tokens whose last 16 are
+trained (a long document, a short answer) goes through the product's path: the row cut into the rank's shard
+(:func:`scale.data.sequence.shard_rows`), :meth:`scale.objectives.tail.LossSpec.loss_step` under the sharded attention,
 and the gradient of the LoRA weights (``torch.autograd.grad``: the activations' backward without ZeRO's gradient
-buckets, which are model states, planned by ``scale-plan``). The **activation peak** is the most tensor bytes alive
-at once during that forward and backward beyond what was alive before it (a ``TorchDispatchMode`` that follows
-every storage, as tests/test_plan.py counts the single-device peak: the CPU stand-in for
-``torch.cuda.max_memory_allocated`` minus the model states).
+buckets, which are model states, planned by ``scale-plan``). The **activation peak** is the most tensor bytes alive at
+once during that forward and backward beyond what was alive before it (a ``TorchDispatchMode`` that follows every
+storage, as tests/test_plan.py counts the single-device peak: the CPU stand-in for ``torch.cuda.max_memory_allocated``
+minus the model states).
 
 Prints a table (peak per rank at each length; SP=2: the larger of the two ranks), then::
 
@@ -52,7 +52,6 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from scale.checkpoint import unwrap
-    from scale.chunked import loss_step
     from scale.config import load_config
     from scale.data import Example
     from scale.data.sequence import shard_rows
@@ -79,7 +78,7 @@ def worker(args: argparse.Namespace) -> None:
         live = LiveBytes(*net.parameters(), *net.buffers(), *batch.values())
         t0 = time.perf_counter()
         with live, (sharded() if job.sequence else contextlib.nullcontext()):
-            num = loss_step(net, batch, job.spec, job.spec.weights(batch))
+            num = job.objective.loss_step(net, batch, job.objective.weights(batch))
             grads = torch.autograd.grad(num, lora, allow_unused=True)
         del num, grads
         peak = live.peak - live.before  # the activations' peak: beyond the weights and the batch

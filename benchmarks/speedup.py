@@ -96,7 +96,7 @@ def worker(name: str, steps: int, out: str, profile: int) -> dict:
     cfg = load_config(DEFAULT, job_overrides(name, steps + (1 if profile else 0), out))
     job = setup(cfg)
     if name == "auto-without-paths":
-        from scale.modeling import use_cpu_mixed_paths
+        from scale.cpu_bf16 import use_cpu_mixed_paths
 
         use_cpu_mixed_paths(job.model, on=False)
     # Evaluation is not timed; one batch keeps the run short (the step-0 and final evaluations still run).
@@ -127,11 +127,12 @@ def profile_steps(job, steps: int) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     from scale.metrics import StepMeter
-    from scale.train import epoch_loader, train_window, windows
+    from scale.train import epoch_loader, train_window
+    from scale.windows import windows
 
     job.model.train()
     meter = StepMeter(job.acc.device)
-    it = iter(windows(job.acc, epoch_loader(job), job.cfg.train.gradient_accumulation_steps, job.spec))
+    it = iter(windows(job.acc, epoch_loader(job), job.cfg.train.gradient_accumulation_steps, job.objective))
     train_window(job, next(it), meter)
     batches = [next(it) for _ in range(steps)]
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:

@@ -81,13 +81,13 @@ def sft_config(out: str, packing: bool, max_rows: int | None, precision: str = "
 
 def run_ours(packing: bool, warmup: int, max_rows: int | None, precision: str = "fp32") -> tuple[float, int, int]:
     """One epoch of the SFT job in ``scale.train.fit``; returns (seconds, real tokens, steps) of the timed span."""
-    import scale.job
+    import scale.parts.loaders
     from scale.job import setup
     from scale.train import fit
 
     reset_accelerate()
     name = "PackedCollator" if packing else "Collator"
-    original = getattr(scale.job, name)
+    original = getattr(scale.parts.loaders, name)
     count = (lambda b: b["seq_lens"].sum()) if packing else (lambda b: b["attention_mask"].sum())
     counter = CountingCollator(None, count)
 
@@ -95,12 +95,12 @@ def run_ours(packing: bool, warmup: int, max_rows: int | None, precision: str = 
         counter.inner = original(*args)
         return counter
 
-    setattr(scale.job, name, counted)
+    setattr(scale.parts.loaders, name, counted)
     with tempfile.TemporaryDirectory() as out:
         try:
             job = setup(sft_config(out, packing, max_rows, precision))
         finally:
-            setattr(scale.job, name, original)
+            setattr(scale.parts.loaders, name, original)
         timed = TimedLambdaLR(job.scheduler.optimizer, job.scheduler.lr_lambdas[0])
         job.scheduler = timed
         fit(job)
@@ -116,7 +116,7 @@ def run_trl(warmup: int, max_rows: int | None, precision: str = "fp32") -> tuple
 
     from scale.data import build_splits
     from scale.assets import resolve_data
-    from scale.job import make_optimizer
+    from scale.parts.optimizer import make_optimizer
     from scale.modeling import build_model, load_tokenizer
 
     reset_accelerate()

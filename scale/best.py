@@ -18,10 +18,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from scale.config import ConfigError
 from scale.fileio import write_text_atomic
-from scale.validation import best_mode
 from scale.state import TrainerState
+from scale.validation import ConfigError
+from scale.validation import best_mode
 
 BEST_FILE = "best.json"
 

@@ -33,8 +33,9 @@ import torch
 from scale import chunked
 from scale.moe import moe_layout, static_experts
 from scale import loss as scale_loss
-from scale.config import Config, ModelConfig, configs_dir
+from scale.config import configs_dir
 from scale.modeling import TINY, add_lora, tiny_llama_config
+from scale.schema import Config, ModelConfig
 
 GIB = 2**30
 TINY_VOCAB = 49152  # `tiny-llama` borrows SmolLM2's tokenizer: len(tokenizer) == 49,152

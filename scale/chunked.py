@@ -24,7 +24,8 @@ product runs as a matrix-vector product with several times the round-off.
   holds one chunk at a time (one more LM-head product per chunk). A criterion must then be per-token (it
   returns ``[M]`` losses or their mean, as ``loss.criterion`` documents): its sum over chunks is its sum.
 
-:func:`loss_step` (one micro-batch's loss, the training loop's) picks this path when it pays, else the unchunked one.
+:meth:`scale.objectives.tail.LossSpec.loss_step` (one micro-batch's loss, the training loop's) picks this path when it
+pays, else the unchunked one.
 
 Plain tensors only: no accelerate, no torch.distributed.
 """
@@ -291,26 +292,3 @@ def chunked_tail_loss(model: torch.nn.Module, tail_hidden: Tensor, targets: Tens
             continue  # no tail token in this chunk: a criterion's mean of nothing would be NaN
         num = num + (checkpoint(one, *args, use_reentrant=False) if torch.is_grad_enabled() else one(*args))
     return num, (w > 0).sum().float() if criterion is not None else w.sum()
-
-
-def loss_step(model: torch.nn.Module, batch: dict[str, Tensor], spec: scale_loss.LossSpec, weights: Tensor) -> Tensor:
-    """Forward one micro-batch; return the tail-loss numerator ``[]`` under ``weights`` ``[B, N]``.
-
-    Pure: no collectives; the caller divides by the window's denominator. The rows were checked by
-    ``scale.train.windows`` (inside its all-gather), so no check here. The tail logits ``[B, N, V]`` are
-    freed before returning; when ``spec.chunk_size`` cuts the tail into several chunks they are never built at
-    once (:func:`chunked_tail_loss`: fp32 logits of one chunk at a time, exact to round-off), else the loss is
-    :func:`scale.loss.tail_loss` of the tail logits.
-    """
-    B, N = weights.shape
-    if chunkable(model):
-        chunk = resolve_chunk_size(spec.chunk_size, B * N, vocab_size(model))
-        if chunk:
-            hidden, targets = forward_tail_hidden(model, batch, padding_side=spec.padding_side, check=False)
-            num, _ = chunked_tail_loss(model, hidden, targets, weights, chunk, batch["type_indicator"],
-                                       spec.criterion, scale_loss.CRITERION_MODE,
-                                       fused="liger" if spec.chunk_size == "liger" else None)
-            return num
-    tail_logits, targets = scale_loss.forward_tail(model, batch, padding_side=spec.padding_side, check=False)
-    num, _ = spec.tail_loss(tail_logits, targets, weights, batch["type_indicator"])
-    return num

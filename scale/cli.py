@@ -38,11 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from scale.assets import resolve_data
-from scale.config import (Config, ConfigError, configs_dir, help_text, keys_help, load_config, named_config,
-                          yaml_load)
+from scale.config import configs_dir, load_config, named_config, yaml_load
+from scale.config_help import help_text, keys_help
 from scale.logs import configure_logging
+from scale.schema import Config
 from scale.signals import EXIT_PREEMPTED, Preempted, Preemption
 from scale.topology import processes_for, usable_cores, visible_gpus
+from scale.validation import ConfigError
 
 # torch, transformers and the loop are imported when a job runs (start_fast, main): `scale-train --accelerate-config`
 # and `--help` only start a launcher or print, without the ~4 s of CPU their import costs. The imports of scale
@@ -131,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def print_help(topic: str) -> int:
-    """``scale-train --help [TOPIC]`` on stdout (:func:`scale.config.keys_help`); return the exit code."""
+    """``scale-train --help [TOPIC]`` on stdout (:func:`scale.config_help.keys_help`); return the exit code."""
     try:
         text = keys_help(topic) if topic else build_parser().format_help() + "\n" + keys_help()
     except ConfigError as e:
@@ -153,7 +155,7 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
 def check_names(cfg: Config) -> None:
     """The paths the config names, checked from the names alone before the model libraries are imported (bitsandbytes
     logs a kernel notice at import, which would precede the one-line error): ``model.name_or_path``/``model.tokenizer``
-    (:func:`scale.launch.check_model_paths`), ``data.path``/``data.eval_path``
+    (:func:`scale.inputs.check_model_paths`), ``data.path``/``data.eval_path``
     (:func:`scale.data.mixing.check_sources`) and a ``train.resume_from`` directory
     (:func:`scale.checkpoint.resolve_resume`). The run checks them again where it uses them.
 
@@ -161,8 +163,8 @@ def check_names(cfg: Config) -> None:
         ConfigError, DataError, CheckpointError: a path that does not exist, or is not what the key needs.
     """
     from scale.checkpoint import resolve_resume  # deferred: torch (module comment above)
-    from scale.data.tokenize import check_sources  # deferred: scale.data imports torch
-    from scale.launch import check_model_paths  # deferred: accelerate
+    from scale.data.mixing import check_sources  # deferred: scale.data imports torch
+    from scale.inputs import check_model_paths  # deferred: torch
 
     check_model_paths(cfg)
     check_sources(cfg.data)

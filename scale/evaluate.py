@@ -27,10 +27,9 @@ from accelerate import Accelerator
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from scale.data.tasks.base import Task, exact_match  # noqa: F401 - exact_match importable from here
-from scale.data.tasks.classification import (TargetStats, sequence_logprob,  # noqa: F401 - importable from here
-                                             target_stats)
-from scale.loss import LossSpec, forward_tail
+from scale.data.tasks.base import Task
+from scale.loss import forward_tail
+from scale.objectives.tail import LossSpec
 from scale.signals import EvalInterrupted
 
 

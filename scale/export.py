@@ -28,12 +28,15 @@ from typing import Any
 
 import torch
 
-from scale.config import Config, help_text, load_config
-from scale.data.tasks.messages import chat_template, render_chat
+from scale.config import load_config
+from scale.config_help import help_text
+from scale.data.tasks.chat_spans import render_chat
+from scale.data.tasks.chat_template import chat_template
 from scale.fileio import replace_dir, temp_dir_for
 from scale.logs import configure_logging
 from scale.modeling import keep_bitsandbytes_out, load_base, load_tokenizer
 from scale.moe import explicit_targets
+from scale.schema import Config
 
 logger = logging.getLogger("scale.export")  # also under `python -m scale.export`
 

@@ -43,12 +43,14 @@ from typing import Any
 
 import torch
 
-from scale.config import ModelConfig, help_text, load_config
+from scale.config import load_config
+from scale.config_help import help_text
 from scale.data.tasks.base import encode, special_affixes
 from scale.export import serving_tokenizer
 from scale.moe import explicit_targets
 from scale.logs import configure_logging
 from scale.modeling import keep_bitsandbytes_out, load_base, load_tokenizer
+from scale.schema import ModelConfig
 
 logger = logging.getLogger("scale.generate")  # also under `python -m scale.generate`
 

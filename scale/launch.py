@@ -10,25 +10,22 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, PartialState
-from accelerate.utils import (DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration,
-                               broadcast_object_list)
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
-from scale.config import Config, ConfigError, configs_dir, get_key
+from scale.config import configs_dir
+from scale.inputs import check_inputs
 from scale.rendezvous import init_elastic_process_group, with_rendezvous_retries
+from scale.schema import Config
 from scale.topology import ranks_problem, usable_cores
-
-
-T = TypeVar("T")
+from scale.validation import ConfigError
 
 
 class LaunchError(RuntimeError):
@@ -70,95 +67,6 @@ def check_ranks_per_machine(env: dict[str, str] | None = None) -> None:
                           f"process per visible GPU)")
 
 
-_EMBEDDED_MODELS = ("smollm2-135m", "tiny-llama")
-_HUB_ID = re.compile(r"^(?:[\w\-.]{1,96}/)?[\w\-.]{1,96}$")  # huggingface_hub's repo-id shape
-_TRACKER_PACKAGES = {"wandb": "'scale[wandb]'", "comet_ml": "comet-ml"}
-
-
-def check_inputs(cfg: Config) -> None:
-    """Reject inputs that would fail later with a traceback or a silent wrong result, before any process
-    group, file or model exists. Every rank runs it and reaches the same verdict (shared storage).
-
-    Raises:
-        ConfigError: ``train.mixed_precision=fp16`` without a GPU; ``loss.fused=liger`` without a GPU or
-            liger-kernel; ``output_dir`` is a file or not writable;
-            ``model.name_or_path``/``model.tokenizer``/``train.deepspeed_config`` name a path that does not exist;
-            an unknown tracker or one whose package is missing.
-    """
-    if cfg.train.mixed_precision == "fp16" and not torch.cuda.is_available():
-        raise ConfigError("train.mixed_precision=fp16 needs a CUDA GPU: on CPU it would silently run in fp32 while "
-                          "config.yaml says fp16; use train.mixed_precision=bf16 or no")
-    if cfg.loss.fused == "liger":
-        if not torch.cuda.is_available():
-            raise ConfigError("loss.fused=liger needs a CUDA GPU (Liger-Kernel's Triton kernels); on CPU set "
-                              "loss.fused=null (scale.chunked's loss, exact on any device)")
-        try:
-            import liger_kernel.transformers.functional  # noqa: F401
-        except ImportError as e:
-            raise ConfigError(f"loss.fused=liger needs liger-kernel ({e}): pip install liger-kernel, or set "
-                              f"loss.fused=null") from None
-    check_output_dir(cfg.output_dir)
-    check_model_paths(cfg)
-    ds = cfg.train.deepspeed_config
-    if ds is not None and not Path(ds).is_file():
-        raise ConfigError(f"train.deepspeed_config={ds!r} does not exist (a relative path is read from the current "
-                          f"directory, {os.getcwd()})")
-    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
-
-    available = {str(t) for t in get_available_trackers()}
-    for name in cfg.log.trackers:
-        if name == "none":
-            continue
-        if name not in LOGGER_TYPE_TO_CLASS:
-            raise ConfigError(f"log.trackers: unknown tracker {name!r}; known: {sorted(LOGGER_TYPE_TO_CLASS)}, "
-                              f"or [] for none")
-        if name not in available:
-            raise ConfigError(f"log.trackers: {name!r} needs its package: pip install "
-                              f"{_TRACKER_PACKAGES.get(name, name)}, or drop it from log.trackers")
-
-
-def check_model_paths(cfg: Config) -> None:
-    """``model.name_or_path`` and ``model.tokenizer`` name a model directory, an embedded model or a hub id, checked
-    from the names alone (no library is imported: ``scale-train`` runs it before transformers and bitsandbytes).
-
-    Raises:
-        ConfigError: a path that does not exist, a file, or a directory without ``config.json``.
-    """
-    for key in ("model.name_or_path", "model.tokenizer"):
-        value = get_key(cfg, key)
-        if value is None or value in _EMBEDDED_MODELS:
-            continue
-        path = Path(value).expanduser()
-        if path.is_dir():
-            if key == "model.name_or_path" and not (path / "config.json").is_file():
-                raise ConfigError(f"{key}={value!r} is a directory without config.json, not a transformers model "
-                                  f"(write one with save_pretrained)")
-        elif path.exists():
-            raise ConfigError(f"{key}={value!r} is a file; point it at a model directory or a hub id")
-        elif not _HUB_ID.match(value) or value.startswith((".", "~")):
-            raise ConfigError(f"{key}={value!r} does not exist (a relative path is read from the current directory, "
-                              f"{os.getcwd()})")
-
-
-def check_output_dir(output_dir: str) -> None:
-    """``output_dir`` is a directory this process can write to, or can be created; nothing is left behind.
-
-    Raises:
-        ConfigError: it (or a parent) is a file, or the nearest existing directory refuses a file.
-    """
-    out = Path(output_dir).expanduser().absolute()
-    existing = next(p for p in (out, *out.parents) if p.exists())
-    if not existing.is_dir():
-        where = "is a file" if existing == out else f"cannot be created: {existing} is a file"
-        raise ConfigError(f"output_dir={output_dir} {where}; point output_dir at a directory")
-    try:  # os.access says yes to root on a read-only mount: try a nameless temporary file instead
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        raise ConfigError(f"output_dir={output_dir} is not writable ({existing}: {e.strerror}); choose a directory "
-                          f"you can write to") from None
-
-
 def resolve_deepspeed_file(env: Any = None) -> None:
     """Make the DeepSpeed JSON that an accelerate config names readable from any directory.
 
@@ -192,40 +100,6 @@ def cpu_threads_per_rank(env: dict[str, str]) -> None:
         torch.set_num_threads(threads)
         logging.getLogger(__name__).warning("OMP_NUM_THREADS unset with %d local ranks: using %d threads per rank",
                                             local, threads)
-
-
-def main_process_first(acc: Accelerator, fn: Callable[[], T]) -> T:
-    """``fn()`` on the main process first (it prepares the cached assets), then on the others. Collective.
-
-    Unlike ``Accelerator.main_process_first``, an exception on the main process is raised on every rank
-    (the others skip ``fn``): the ranks then fail together with the main process's message instead of
-    waiting in a barrier until the launcher kills them. An exception on another rank alone (a file missing
-    on one node) is marked ``rank_local`` so that the CLI prints it although that rank is not rank 0.
-    """
-    error: BaseException | None = None
-    result: Any = None
-    if acc.is_main_process:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - shared with the other ranks, then raised everywhere
-            error = e
-    if acc.num_processes > 1:
-        box = [error]
-        try:
-            broadcast_object_list(box, from_process=0)  # collective
-        except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its text
-            box = [RuntimeError(f"{type(error).__name__}: {error}") if error is not None else None]
-            broadcast_object_list(box, from_process=0)
-        error = box[0]
-    if error is not None:
-        raise error
-    if not acc.is_main_process:
-        try:
-            result = fn()
-        except Exception as e:
-            e.rank_local = True  # type: ignore[attr-defined]
-            raise
-    return result
 
 
 def skip_deepspeed_shm_op() -> None:

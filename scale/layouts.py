@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
+from scale.attention import sequence_parallel_problem
 from scale.census import DTYPES, GIB, Activations, ParamInfo, nbytes, nf4_bytes
-from scale.config import Config, configs_dir
-from scale.modeling import sequence_parallel_problem
+from scale.config import configs_dir
+from scale.schema import Config
 
 # Launch modes, cheapest first: bytes moved between ranks per optimizer step (W = all weights, G = trainable
 # gradients): single 0; DDP all-reduce of G; ZeRO-1/2 reduce-scatter of G + all-gather of the updated trainable

@@ -38,10 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from scale.assets import resolve_data
-from scale.config import help_text, load_config
+from scale.config import load_config
+from scale.config_help import help_text
 from scale.data import tasks
-from scale.data.read import DataError
 from scale.data.cache import load_splits
+from scale.data.read import DataError
 from scale.export import serving_tokenizer
 from scale.fileio import write_text_atomic
 from scale.logs import configure_logging

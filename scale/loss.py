@@ -22,13 +22,11 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from scale.config import Config
 
 SHARD_KEY = "shard_index"
 """A batch holding this key is one rank's shard of sequence-parallel rows (:func:`scale.data.sequence.shard_rows`)."""
@@ -412,56 +410,3 @@ def forward_tail_shard(model: torch.nn.Module, batch: dict[str, Tensor]) -> tupl
     R, Kc = out.logits.shape[:2]
     flat = out.logits.reshape(R * Kc, -1)                                           # [R x Kc, V]
     return flat[(index // C) * Kc + inverse], batch["shard_targets"]
-
-
-@dataclass
-class LossSpec:
-    """What the tail loss reads besides the model and the batch (from the config): how the batches are padded,
-    how tokens are weighted, the criterion and how the loss is chunked. What evaluation adds per data format is the
-    split's task (:class:`scale.data.tasks.base.Task`), not this.
-
-    Attributes:
-        padding_side: ``"left"`` or ``"right"`` (how batches are padded; see :func:`forward_tail`).
-        type_weights: weight per ``type_indicator`` id, or ``None`` (every tail token weighs 1).
-        criterion: a user criterion (:func:`load_criterion`: it takes the type ids whatever ``loss.criterion_mode``
-            says), or ``None`` for cross-entropy.
-        chunk_size: ``loss.chunk_size``: ``"auto"``, 0 (unchunked) or positions per chunk of the tail loss
-            (:mod:`scale.chunked`); ``"liger"`` under ``loss.fused: liger`` (chunks where ``auto`` would, with
-            Liger-Kernel's fused linear cross-entropy).
-    """
-
-    padding_side: str = "left"
-    type_weights: list[float] | None = None
-    criterion: Criterion | None = None
-    chunk_size: int | str = "auto"
-
-    @classmethod
-    def from_config(cls, cfg: Config, label_token_ids: list[int] | None = None, **data: Any) -> LossSpec:
-        """Build from the ``loss`` and ``data`` sections.
-
-        Args:
-            cfg: the run's config.
-            label_token_ids, **data: what the data pipeline found (``Splits.label_token_ids``, ``format``,
-                ``label_seqs``...), which callers written when the spec also carried evaluation's context still
-                pass; unused: evaluation reads the split's task.
-
-        Raises:
-            ValueError: a criterion that cannot be imported.
-        """
-        return cls(
-            padding_side=cfg.data.padding_side,
-            type_weights=cfg.loss.type_weights,
-            criterion=load_criterion(cfg.loss.criterion, cfg.loss.criterion_mode) if cfg.loss.criterion else None,
-            chunk_size="liger" if cfg.loss.fused == "liger" else cfg.loss.chunk_size,
-        )
-
-    def weights(self, batch: dict[str, Tensor]) -> Tensor:
-        """``[B, N]`` tail-token weights of a batch (a user criterion counts every trained tail token once)."""
-        if self.criterion is not None:
-            return batch["tail_mask"].float()
-        return token_weights(batch["type_indicator"], batch["tail_mask"], self.type_weights)
-
-    def tail_loss(self, tail_logits: Tensor, targets: Tensor, weights: Tensor,
-                  type_indicator: Tensor) -> tuple[Tensor, Tensor]:
-        """:func:`tail_loss` under this spec's criterion: ``(numerator, denominator)``, float32 scalars ``[]``."""
-        return tail_loss(tail_logits, targets, weights, type_indicator, self.criterion, CRITERION_MODE)

@@ -59,7 +59,8 @@ import torch
 from scale.assets import resolve_data
 from scale.census import (GIB, Activations, PlanError, build_meta_model, census, count_activations,
                           load_model_config, nbytes)
-from scale.config import Config, ConfigError, ModelConfig, help_text, load_config
+from scale.config import load_config
+from scale.config_help import help_text
 from scale.data.tokenize import build_splits
 from scale.flops import flops_per_token
 from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, SP_MODES, Rank, predict_mode
@@ -67,7 +68,9 @@ from scale.logs import ignore_known_warnings
 from scale.modeling import load_tokenizer
 from scale.moe import active_counts, moe_layout
 from scale.moe import model_shape as moe_model_shape
+from scale.schema import Config, ModelConfig
 from scale.state import divisors, read_state, resume_accumulation, saved_global_batch
+from scale.validation import ConfigError
 
 # A mode "fits" when its total leaves this fraction of the GPU free: the predictions are checked to within 10% on
 # CPU, not on every GPU stack. Between that and 100% the plan says "tight".

@@ -15,12 +15,14 @@ import sys
 import time
 
 from scale.assets import resolve_data
-from scale.config import ConfigError, help_text, load_config
+from scale.config import load_config
+from scale.config_help import help_text
 from scale.data.cache import default_cache_dir, fingerprint, load_splits
 from scale.data.read import DataError
 from scale.data.token_table import column
 from scale.logs import configure_logging
 from scale.modeling import load_tokenizer
+from scale.validation import ConfigError
 
 EXIT_BAD_INPUT = 2
 

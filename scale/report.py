@@ -17,9 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from scale.config import ConfigError, help_text, load_config
+from scale.config import load_config
+from scale.config_help import help_text
 from scale.metrics import read_jsonl
 from scale.schedule import lr_factor
+from scale.validation import ConfigError
 
 Rows = list[dict[str, Any]]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from scale.config import OptimConfig
+from scale.schema import OptimConfig
 
 
 def warmup_steps(optim: OptimConfig, max_steps: int) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from scale.validation import ConfigError, get_key, validate  # noqa: F401 - ConfigError, get_key: importable from here
+from scale.validation import validate
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
@@ -190,6 +190,8 @@ class DataConfig:
 class LossConfig:
     """The tail loss: cross-entropy over the last `threshold` real tokens of each row."""
 
+    objective: str = _f("sft", "What the run minimizes (scale.objectives): sft: the tail loss below (cross-entropy "
+                               "over each row's trained tokens).")
     threshold: int | str = _f(2, "text format: tail length (tokens): CE over the last `threshold` real tokens of "
                                  "each row; all: every token after the first (the whole row, as TRL's "
                                  "dataset_text_field and axolotl's completion type train).")

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scale.config import ConfigError
+from scale.validation import ConfigError
 
 
 @dataclass
@@ -20,7 +20,7 @@ class TrainerState:
     ``windows_in_epoch`` accumulation windows of epoch ``epoch`` are done; each rank skips
     ``windows_in_epoch * gradient_accumulation_steps`` micro-batches of its shard to continue mid-epoch. Optimizer
     step ``s`` trains rows ``[s * G, (s + 1) * G)`` of the epoch's order whatever the number of processes
-    (:mod:`scale.sampling`), so a run resumed on another number of processes with the same ``global_batch_size``
+    (:mod:`scale.data.order`), so a run resumed on another number of processes with the same ``global_batch_size``
     ``G`` continues where this one stopped.
     """
 
@@ -52,6 +52,10 @@ class TrainerState:
     # Every other file of the checkpoint, relative path -> [bytes, sha256], recorded when it was written;
     # resume_from=latest|auto takes the newest checkpoint whose files still match (scale.checkpoint.verify).
     files: dict[str, list[Any]] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every field by name, as ``trainer_state.json`` holds it (:func:`read_state` reads it back)."""
+        return asdict(self)
 
     def with_reason(self, reason: str) -> TrainerState:
         """Set why the next checkpoint is written (``interval``, ``end``, ``preempted``, ``best``,

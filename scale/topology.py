@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from scale.config import ConfigError
+from scale.validation import ConfigError
 
 CPU_RANKS = 2  # ranks of a multi-process launch without a GPU, as configs/accelerate/cpu_*.yaml
 GPU_TOPOLOGIES = ("ddp", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload")  # shipped, count from the GPUs

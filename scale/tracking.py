@@ -30,9 +30,10 @@ import string
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from scale.config import Config, redact, to_dict
+from scale.config import redact, to_dict
 from scale.fileio import write_text_atomic
 from scale.metrics import drop_trackers, read_jsonl
+from scale.schema import Config
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

@@ -11,19 +11,17 @@ The maths of one optimizer step: the window of ``gradient_accumulation_steps`` m
 contributes ``sum(weighted tail CE) / sum(weights)`` where both sums run over the whole window and all
 ranks. A partial last window (end of an epoch) is normalised by its own sums: not dropped, not rescaled.
 
-Reading order: :func:`fit` (the loop), :func:`train_window` (one optimizer step), :func:`windows` (how ranks
-stay in step), :func:`run` (:func:`scale.job.setup`, which builds everything before the loop, + fit + the adapter).
+Reading order: :func:`fit` (the loop), :func:`train_window` (one optimizer step), :func:`scale.windows.windows` (how
+ranks stay in step), :func:`run` (:func:`scale.job.setup`, which builds everything before the loop, + fit + the
+adapter).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import math
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,61 +31,25 @@ from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 
 from scale.best import observe, out_of_patience, write_best
-from scale.checkpoint import ADAPTER_FILE, STATE_FILE, SaveTimer, save_adapter, save_checkpoint
+from scale.checkpoint import ADAPTER_FILE, rng_states, save_adapter, save_checkpoint, set_rng_states
 from scale.checks import check_invariants, fingerprints
-from scale.chunked import loss_step
-from scale.config import Config
 from scale.evaluate import evaluate
 from scale.export import save_serving_files, serving_tokenizer
 from scale.job import Job, setup
-from scale.loss import LossSpec, batch_bad_rows, describe_batch_row
 from scale.metrics import Progress, StepMeter, duration_text
-from scale.portable import rng_states, set_rng_states
 from scale.samples import generate_samples, sample_metrics, write_samples
+from scale.schema import Config
 from scale.signals import EvalInterrupted, Preempted, Preemption
+from scale.state import STATE_FILE, SaveTimer
 from scale.tracking import finish_trackers, log_model
 from scale.ulysses import sharded
+from scale.windows import Window, windows
 
 logger = get_logger(__name__)
 
 
 class NonFiniteError(FloatingPointError):
     """A non-finite loss or gradient norm (``train.on_nonfinite=error``); the message names the step and rows."""
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch of an accumulation window on this rank.
-
-    Attributes:
-        batch: the collated tensors (:class:`scale.data.Collator`), on the device.
-        weights: ``[B, N]`` tail-token weights; all zero for a stand-in.
-        real: ``False`` for a stand-in: a rank whose shard ran out at the end of an epoch repeats its last
-            batch so that every rank runs the same number of forward/backward passes (no collective hangs);
-            a stand-in backpropagates an exact zero and is not counted.
-    """
-
-    batch: dict[str, torch.Tensor]
-    weights: torch.Tensor
-    real: bool = True
-
-
-@dataclass
-class Window:
-    """The micro-batches of one optimizer step on this rank.
-
-    Attributes:
-        micro: at most ``gradient_accumulation_steps`` micro-batches, the same number on every rank.
-        den: the loss denominator: the sum of token weights over the window on every rank (host float).
-        stop: some rank was asked to stop (SIGTERM/SIGINT) before this window; ``micro`` is then empty.
-        save_due: some rank's checkpoint timer (``train.save_every_minutes``) ran out before this window: every
-            rank checkpoints after it.
-    """
-
-    micro: list[MicroBatch]
-    den: float = 0.0
-    stop: bool = False
-    save_due: bool = False
 
 
 def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
@@ -120,7 +82,8 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     job.model.train()
     while state.step < job.max_steps and state.reason != "early_stopped":  # an early-stopped run resumes stopped
         ready = time.perf_counter()
-        for window in windows(acc, epoch_loader(job), t.gradient_accumulation_steps, job.spec, preemption, timer):
+        for window in windows(acc, epoch_loader(job), t.gradient_accumulation_steps, job.objective, preemption,
+                              timer):
             meter.data_s += time.perf_counter() - ready  # host time waiting for batches (and the gather)
             if window.stop:
                 preempted(job, pbar)
@@ -134,12 +97,13 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
             done = state.step >= job.max_steps
             if state.step % t.log_every == 0 or done:
                 metrics = meter.flush(acc, lr)  # collective + host sync: the log interval's only one
-                for watcher in (job.expert_load, job.router_aux):  # collectives: summed over ranks
-                    if watcher is not None:
-                        metrics.update(watcher.flush(lambda t: acc.reduce(t, reduction="sum")))
+                if job.experts is not None:  # collectives: tokens per expert (and the aux loss), summed over ranks
+                    for watcher in (job.experts.load, job.experts.aux):
+                        if watcher is not None:
+                            metrics.update(watcher.flush(lambda t: acc.reduce(t, reduction="sum")))
                 if t.on_nonfinite == "skip":
                     metrics["train/skipped_steps"] = state.skipped_steps
-                if 0.0 in (job.spec.type_weights or ()):
+                if 0.0 in (cfg.loss.type_weights or ()):
                     metrics["train/zero_weight_steps"] = state.zero_weight_steps
                 job.log.write(state.step, metrics)
                 pbar.show(state.step, metrics)
@@ -156,7 +120,8 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
             state.windows_in_epoch = 0
     pbar.close()
     # Resumed from the last step's checkpoint: nothing was trained, the figures are already logged.
-    return last_eval or evaluate(acc, job.model, job.eval_dl, job.spec, task=job.task, sequence=job.sequence)
+    return last_eval or evaluate(acc, job.model, job.eval_dl, job.objective, task=job.task,
+                                    sequence=job.sequence)
 
 
 def conclude_step(job: Job, pbar: Any, preemption: Preemption | None, timer: SaveTimer, evaluate_now: bool,
@@ -250,10 +215,8 @@ def train_window(job: Job, window: Window, meter: StepMeter) -> None:
         # Under sequence parallelism the attention joins the group's shards, in forward and in the backward's
         # recomputation (checkpointing) alike: every rank of the group runs the same micro-batches.
         with acc.accumulate(job.model), (sharded() if job.sequence else contextlib.nullcontext()):
-            num = loss_step(job.model, mb.batch, job.spec, mb.weights)
+            num = job.objective.loss_step(job.model, mb.batch, mb.weights)
             nums.append(num.detach())
-            if job.router_aux is not None:  # + coef x load-balancing loss x this micro-batch's weights
-                num = num + job.router_aux.term(mb.batch, mb.weights.sum())
             # backward() divides by GA, and DDP/ZeRO divide the gradient summed over the ranks by the world size
             # (ZeRO-1/2 under sequence parallelism by the data-parallel degree: ModePlan.gradient_average_size);
             # undo both so the update is sum(weighted token CE) / den for the whole window on every rank (the
@@ -287,51 +250,6 @@ def sync_on_last_micro_batch(acc: Accelerator, n_micro: int) -> None:
     ``tests/test_accumulation.py`` fails if the sync point moves.
     """
     acc.step = acc.gradient_accumulation_steps - n_micro
-
-
-def windows(acc: Accelerator, dl: DataLoader, ga: int, spec: LossSpec,
-            preemption: Preemption | None = None, timer: SaveTimer | None = None) -> Iterator[Window]:
-    """Yield accumulation windows of at most ``ga`` micro-batches, the same length on every rank.
-
-    With ``even_batches=False`` a rank can run out of batches before the others at the end of an epoch; it
-    then repeats its last batch as a stand-in (``real=False``). The epoch ends when no rank has a batch left.
-
-    Collective: one tiny all-gather per window (``[B_count, stop, weight_sum, save_due, bad_rows]`` of every
-    rank), which also carries the stop flag (pre-emption costs no extra collective), the loss denominator, the
-    checkpoint timer (ranks agree on a time-based save) and the count of rows the tail loss cannot score (so
-    every rank stops together on such a batch), and is the loop's one host sync per optimizer step.
-
-    Raises:
-        ValueError: a micro-batch on some rank holds a row with a gap in its mask or fewer than its tail + 1
-            tokens (:func:`scale.loss.check_rows`).
-    """
-    it, last = iter(dl), None
-    while True:
-        batches = list(itertools.islice(it, ga))
-        last = batches[-1] if batches else last
-        micro = [MicroBatch(b, spec.weights(b)) for b in batches]
-        flag = preemption is not None and preemption.requested
-        due = timer is not None and timer.due
-        mine = torch.tensor([[len(micro), flag, 0.0, due, 0.0]], dtype=torch.float64, device=acc.device)
-        if micro:
-            mine[0, 2] = torch.stack([mb.weights.sum() for mb in micro]).double().sum()
-            mine[0, 4] = torch.stack([batch_bad_rows(b).sum() for b in batches]).sum()
-        table = acc.gather(mine).cpu()  # collective + host sync, once per window: [world, 5]
-        n_max, stop, den = int(table[:, 0].max()), bool(table[:, 1].max()), float(table[:, 2].sum())
-        if table[:, 4].any():
-            bad = next((b for b in batches if batch_bad_rows(b).any()), None)
-            raise ValueError(describe_batch_row(bad) if bad
-                             else "a micro-batch on another rank holds a row the tail loss cannot score (its "
-                                  "message names it)")
-        if stop:
-            yield Window([], stop=True)
-            return
-        if n_max == 0:
-            return
-        if last is None:
-            raise RuntimeError("a rank got no batch in an epoch: lower train.micro_batch_size or num_processes")
-        stand_ins = [MicroBatch(last, torch.zeros_like(spec.weights(last)), real=False)] * (n_max - len(micro))
-        yield Window(micro + stand_ins, den=den, save_due=bool(table[:, 3].max()))
 
 
 def epoch_loader(job: Job) -> DataLoader:
@@ -404,7 +322,8 @@ def evaluate_and_log(job: Job, preemption: Preemption | None = None) -> dict[str
         generating = f" + {len(job.gen.samples)} generated answers" if job.gen is not None and job.gen.samples else ""
         logger.info("eval step %d: evaluating %s held-out rows%s", job.state.step,
                     len(getattr(job.eval_dl, "dataset", ())), generating)
-    metrics = evaluate(job.acc, job.model, job.eval_dl, job.spec, stop=stop, task=job.task, sequence=job.sequence)
+    metrics = evaluate(job.acc, job.model, job.eval_dl, job.objective, stop=stop, task=job.task,
+                       sequence=job.sequence)
     if job.gen is not None and job.gen.samples:
         records = generate_samples(job.acc, job.model, job.gen, stop)  # collective
         metrics |= sample_metrics(records)

@@ -34,6 +34,7 @@ _CHOICES = {
     "model.attn_implementation": (None, "sdpa", "eager", "flash_attention_2", "flex_attention"),
     "data.format": ("auto", "text", "classification", "prompt_completion", "messages"),
     "data.stopping_strategy": ("first_exhausted", "all_exhausted"),
+    "loss.objective": ("sft",),  # what scale.objectives.build_objective builds
     "loss.criterion_mode": ("plain", "input"),
     "loss.fused": (None, "liger"),
     "optim.name": ("adamw", "sgd"),

@@ -19,11 +19,10 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
-from scale.chunked import loss_step
 from scale.config import load_config
 from scale.data import Collator, PackedCollator, PaddingFreeCollator, build_splits
-from scale.loss import LossSpec
 from scale.modeling import build_model, load_tokenizer
+from scale.objectives.tail import LossSpec
 from tests.launching import CHATS, TINY
 
 CHATS_PER_RANK = 4
@@ -58,7 +57,7 @@ def one_step(acc: Accelerator, out: Path) -> dict[str, dict[str, float]]:
         model, optimizer = acc.prepare(model, optimizer)
         weights = spec.weights(batch)
         den = acc.reduce(weights.sum(), reduction="sum")
-        num = loss_step(model, batch, spec, weights)
+        num = spec.loss_step(model, batch, weights)
         acc.backward(num * acc.num_processes / den)  # DDP averages over ranks: the step is sum(num) / sum(den)
         grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
                                                           if p.grad is not None]))

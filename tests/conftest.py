@@ -47,7 +47,7 @@ def _reset_accelerate():
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from scale.config import ModelConfig
+    from scale.schema import ModelConfig
     from scale.modeling import load_tokenizer
 
     return load_tokenizer(ModelConfig(name_or_path="tiny-llama"))

@@ -228,7 +228,7 @@ def assert_adapter_reproduces_eval(out: Path) -> None:
     from scale.config import load_config
     from scale.data import Collator, build_splits
     from scale.evaluate import evaluate
-    from scale.loss import LossSpec
+    from scale.objectives.tail import LossSpec
     from scale.metrics import read_jsonl
     from scale.modeling import load_base, load_tokenizer
 
@@ -242,7 +242,7 @@ def assert_adapter_reproduces_eval(out: Path) -> None:
     model = PeftModel.from_pretrained(load_base(cfg.model, len(tokenizer), cfg.train.seed), out / "adapter")
     splits = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed)
     dl = DataLoader(splits.eval, batch_size=16, collate_fn=Collator(tokenizer.pad_token_id, "left"))
-    again = evaluate(Accelerator(cpu=True), model, dl, LossSpec.from_config(cfg, splits.label_token_ids))
+    again = evaluate(Accelerator(cpu=True), model, dl, LossSpec.from_config(cfg))
     assert again["eval/accuracy"] == final["eval/accuracy"]
     assert abs(again["eval/loss"] / final["eval/loss"] - 1) <= TINY_JOB_REL, (again, final)
     assert abs(again["eval/target_nll"] / final["eval/target_nll"] - 1) <= TINY_JOB_REL, (again, final)

@@ -114,7 +114,7 @@ def count(cfg, out: str, before: set[int]) -> None:
     import time
 
     from scale import loss as scale_loss
-    from scale.job import make_optimizer
+    from scale.parts.optimizer import make_optimizer
     from scale.launch import build_accelerator, plan_for_mode
 
     t0 = time.perf_counter()

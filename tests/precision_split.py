@@ -3,7 +3,7 @@
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml -m tests.precision_split --config ... \\
         train.mixed_precision=auto
 
-Before ``scale.cli`` runs, the shim replaces ``scale.metrics.measure_peak_flops`` (the probe behind
+Before ``scale.cli`` runs, the shim replaces ``scale.precision.measure_peak_flops`` (the probe behind
 ``train.mixed_precision: auto``) with a fake that reports bf16 GEMMs at 2x fp32 on rank 0 and 0.5x on every other
 rank: ranks that decided on their own measurements would train one model in two dtypes. It also records, per
 rank, what the run was built with (``precision_rank<R>.json`` in ``output_dir``: the Accelerator's
@@ -25,9 +25,9 @@ def enable() -> None:
     import torch
 
     import scale.job
-    import scale.metrics
+    import scale.precision
 
-    if getattr(scale.metrics.measure_peak_flops, "_scale_split", False):
+    if getattr(scale.precision.measure_peak_flops, "_scale_split", False):
         return
     calls = [0]
 
@@ -37,7 +37,7 @@ def enable() -> None:
         return FP32 if dtype == torch.float32 else FP32 * (2.0 if rank == 0 else 0.5)
 
     fake._scale_split = True  # type: ignore[attr-defined]
-    scale.metrics.measure_peak_flops = fake
+    scale.precision.measure_peak_flops = fake
     setup = scale.job.setup
 
     def recorded(cfg):

@@ -6,9 +6,10 @@
 
 The job is set up as ``scale-train`` sets it up (:func:`scale.job.setup`: DeepSpeed Ulysses installed, the model
 prepared); each case is ``ROWS`` examples of ``LENGTH`` tokens whose last ``TAIL`` tokens are trained, cut into this
-rank's shard by the product's :func:`scale.data.sequence.shard_rows`, and one :func:`scale.chunked.loss_step` runs on it under
-the sharded attention with ``saved_tensors_hooks`` counting distinct storages (parameters excluded), with gradient
-checkpointing as configured and then turned off. Each rank writes ``OUT.<name>.<rank>.json``.
+rank's shard by the product's :func:`scale.data.sequence.shard_rows`, and one
+:meth:`scale.objectives.tail.LossSpec.loss_step` runs on it under the sharded attention with ``saved_tensors_hooks``
+counting distinct storages (parameters excluded), with gradient checkpointing as configured and then turned off. Each
+rank writes ``OUT.<name>.<rank>.json``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from scale.chunked import loss_step
 from scale.config import load_config
 from scale.data import Example
 from scale.data.sequence import shard_rows
@@ -37,7 +37,7 @@ def saved_bytes(model: torch.nn.Module, batch: dict, spec) -> int:
         return t
 
     with sharded(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss_step(model, batch, spec, spec.weights(batch))
+        spec.loss_step(model, batch, spec.weights(batch))
     return sum(seen.values())
 
 
@@ -58,9 +58,9 @@ def main() -> None:
     for name, rows, length, tail in cases:
         examples = [[Example(torch.randint(3, 400, (length,), generator=g).tolist(), tail, row=i)] for i in range(rows)]
         batch = {k: v.to(job.acc.device) for k, v in shard_rows(examples, seq.rank, seq.size, 0).items()}
-        counts = {"checkpointing_on": saved_bytes(job.model, batch, job.spec)}
+        counts = {"checkpointing_on": saved_bytes(job.model, batch, job.objective)}
         base.gradient_checkpointing_disable()
-        counts["checkpointing_off"] = saved_bytes(job.model, batch, job.spec)
+        counts["checkpointing_off"] = saved_bytes(job.model, batch, job.objective)
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         record = {"rank": seq.rank, "size": seq.size, "tail_here": int(batch["tail_mask"].sum()), **counts}
         Path(f"{out}.{name}.{job.acc.process_index}.json").write_text(json.dumps(record))

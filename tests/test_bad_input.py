@@ -16,13 +16,15 @@ import torch
 from accelerate.utils import DistributedType
 
 from scale.checkpoint import CheckpointError, list_checkpoints, record_files
-from scale.config import ConfigError, DataConfig, LossConfig, dump_config, load_config
+from scale.config import dump_config, load_config
 from scale.data import DataError, label_token_ids, load_rows, tokenize_rows
 from scale.data.tasks import get
 from scale.data.tasks.base import Rows
 from scale.launch import LaunchError, plan_for_mode, reconcile_deepspeed
 from scale.metrics import read_jsonl
+from scale.schema import DataConfig, LossConfig
 from scale.train import run
+from scale.validation import ConfigError
 from tests.conftest import TINY_YAML, tiny_cfg
 
 
@@ -392,7 +394,7 @@ def test_tracker_whose_package_is_missing(tmp_path, monkeypatch):
 
 
 def test_output_dir_that_is_a_file_or_not_writable(tmp_path, monkeypatch):
-    from scale.launch import check_output_dir
+    from scale.inputs import check_output_dir
 
     (tmp_path / "f").write_text("x")
     assert _message(ConfigError, run, tiny_cfg(tmp_path / "f")) == (
@@ -967,8 +969,8 @@ def test_training_windows_check_rows_inside_their_all_gather():
 
     import torch
 
-    from scale.loss import LossSpec
-    from scale.train import windows
+    from scale.objectives.tail import LossSpec
+    from scale.windows import windows
 
     spec = LossSpec(padding_side="left", type_weights=None, criterion=None)
     good = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4, dtype=torch.long),

@@ -9,11 +9,11 @@ import pytest
 
 from scale.best import observe, out_of_patience, write_best
 from scale.checkpoint import list_checkpoints, rotate
-from scale.config import ConfigError
 from scale.metrics import read_jsonl
-from scale.validation import best_mode
 from scale.state import TrainerState
 from scale.train import run
+from scale.validation import ConfigError
+from scale.validation import best_mode
 from tests.conftest import tiny_cfg
 
 
@@ -133,7 +133,7 @@ def test_the_metrics_a_run_will_report_are_known_before_it_evaluates():
     from scale.config import load_config
     from scale.data import tasks
     from scale.evaluate import metric_names
-    from scale.loss import LossSpec
+    from scale.objectives.tail import LossSpec
     from scale.samples import Sample, sample_metric_names
     from tests.conftest import TINY_YAML
 

@@ -10,10 +10,11 @@ import torch
 
 from scale import chunked
 from scale import loss as scale_loss
-from scale.config import LoraConfig, ModelConfig
 from scale.data import Collator, Example
 from scale.data.collate import PaddingFreeCollator
 from scale.modeling import build_model, load_base
+from scale.objectives.tail import LossSpec
+from scale.schema import LoraConfig, ModelConfig
 from tests.test_loss import my_criterion, my_typed_criterion
 
 V = 300
@@ -43,11 +44,11 @@ def _grads(model):
 
 
 def _run(model, batch, spec, chunk):
-    """(loss, LoRA grads) of one micro-batch through scale.loss.loss_step with loss.chunk_size=chunk."""
+    """(loss, LoRA grads) of one micro-batch through LossSpec.loss_step with loss.chunk_size=chunk."""
     model.zero_grad(set_to_none=True)
     spec.chunk_size = chunk
     w = spec.weights(batch)
-    num = chunked.loss_step(model, batch, spec, w)
+    num = spec.loss_step(model, batch, w)
     den = (w > 0).sum().float() if spec.criterion is not None else w.sum()
     (num / den).backward()
     return (num / den).item(), _grads(model)
@@ -55,7 +56,7 @@ def _run(model, batch, spec, chunk):
 
 def _spec(side="left", type_weights=None, criterion=None, mode="plain"):
     criterion = scale_loss.bind_criterion(criterion, mode) if criterion is not None else None  # as from_config
-    return scale_loss.LossSpec(padding_side=side, type_weights=type_weights, criterion=criterion)
+    return LossSpec(padding_side=side, type_weights=type_weights, criterion=criterion)
 
 
 def _assert_same(a, b, tol=None):
@@ -140,7 +141,8 @@ def test_the_chunked_loss_never_builds_full_fp32_logits():
 
 
 def test_config_field_rules():
-    from scale.config import ConfigError, load_config
+    from scale.config import load_config
+    from scale.validation import ConfigError
 
     assert load_config("tiny_cpu").loss.chunk_size == "auto"
     assert load_config("tiny_cpu", ["loss.chunk_size=256"]).loss.chunk_size == 256

@@ -150,7 +150,7 @@ def test_log_file_of_a_run_is_plain_lines(tmp_path):
 def test_mode_plan_lines_stay_within_a_log_line():
     """The sequence-parallel DeepSpeed plan (311 characters as one line) and the CPU QLoRA plan with its bf16 paths
     (329): split where a line would pass 300 characters, every note kept, in order."""
-    from scale.job import mode_plan_lines
+    from scale.startup import mode_plan_lines
 
     sp = ["sequence parallel: 2 ranks per row (DeepSpeed Ulysses, sdpa attention), 1 data-parallel",
           "checkpointing use_reentrant=False", "checkpoints: DeepSpeed's files, frozen base excluded"]
@@ -165,7 +165,7 @@ def test_mode_plan_lines_stay_within_a_log_line():
     assert lines == ["mode plan: 4-bit base on cpu, storage uint8",
                      "parameter dtypes: {'float32/frozen': 28346688, 'uint8/frozen': 53084160, 'float32/trainable': "
                      "4884480}; CPU bf16 paths: " + ", ".join(paths)]
-    prefix = "2026-12-02 14:00:58,690 WARNING scale.job: [RANK 0] "  # the longest level name
+    prefix = "2026-12-02 14:00:58,690 WARNING scale.startup: [RANK 0] "  # the longest level name
     many = sp + [f"WARNING: train.sequence_parallel_size=2 does not divide the 3 processes of a node: some rows' ranks "
                  f"sit on two nodes and every attention call crosses the network", "4-bit base on cpu, storage uint8"]
     lines = mode_plan_lines(many, {"float32/frozen": 1}, paths)

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from scale.config import DataConfig, LossConfig
 from scale.data import (
     Collator,
     build_splits,
@@ -18,6 +17,7 @@ from scale.data import (
     split_rows,
     tokenize_rows,
 )
+from scale.schema import DataConfig, LossConfig
 from tests.conftest import ROOT, SHARED_DATA, TINY_DATA
 
 TINY_COMPLETIONS = ROOT / "configs" / "data" / "tiny_completions.jsonl"

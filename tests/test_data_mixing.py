@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from scale.config import ConfigError, load_config
+from scale.config import load_config
 from scale.data import DataError, build_splits
+from scale.validation import ConfigError
 from tests.conftest import ROOT, TINY_YAML, tiny_cfg
 
 COMPLETIONS = ROOT / "configs" / "data" / "tiny_completions.jsonl"

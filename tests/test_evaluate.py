@@ -11,12 +11,13 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from scale.config import DataConfig, LossConfig, load_config
+from scale.config import load_config
 from scale.data import Collator, build_splits
 from scale.evaluate import evaluate
-from scale.loss import LossSpec
 from scale.metrics import read_jsonl
 from scale.modeling import load_base
+from scale.objectives.tail import LossSpec
+from scale.schema import DataConfig, LossConfig
 from scale.train import run
 from tests.bounds import TINY_JOB_REL  # two fp32 paths of the tiny job (tests/bounds.py)
 from tests.conftest import ROOT, TINY_DATA, TINY_YAML, tiny_cfg
@@ -27,7 +28,7 @@ LABELS = ["very negative", "negative", "positive", "thumbs-up"]
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    from scale.config import ModelConfig
+    from scale.schema import ModelConfig
 
     return load_base(ModelConfig(name_or_path="tiny-llama"), vocab_size=len(tokenizer), seed=3).eval()
 
@@ -81,8 +82,7 @@ def test_single_token_fast_path_equals_brute_force(tokenizer, model):
     # The call of scripts written when the spec carried evaluation's context: the data's keywords are accepted
     # (unused) and evaluate finds the task the examples of splits.eval carry.
     cfg = load_config(TINY_YAML)
-    spec = LossSpec.from_config(cfg, splits.label_token_ids, format=splits.format, label_seqs=splits.label_seqs,
-                                has_target=splits.has_target, pad_token_id=tokenizer.pad_token_id)
+    spec = LossSpec.from_config(cfg)
     assert spec == _spec("left") and splits.eval.task is splits.task
     got = evaluate(Accelerator(cpu=True), model, dl, spec)
     brute = [brute_force(model, tokenizer, ex, splits.label_seqs) for ex in splits.eval]

@@ -9,9 +9,11 @@ import re
 import pytest
 
 from scale.cli import main, parse_args
-from scale.config import ConfigError, keys_help, load_config
+from scale.config import load_config
+from scale.config_help import keys_help
 from scale.names import TRL_NAMES, all_keys, differences_from_trl, schema_fields, suggest
 from scale.schedule import lr_factor, warmup_steps
+from scale.validation import ConfigError
 from tests.conftest import TINY_YAML
 
 
@@ -226,7 +228,7 @@ def test_every_command_help_reads_as_plain_text(module, first, capsys):
     """Each command's --help prints its module docstring without reST markup (double backquotes, :data: roles)."""
     import importlib
 
-    from scale.config import help_text
+    from scale.config_help import help_text
 
     mod = importlib.import_module(f"scale.{module}")
     try:

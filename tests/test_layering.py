@@ -26,76 +26,91 @@ ALLOWED: dict[str, set[str]] = {
     "logs": set(),  # the log format and third-party notice filters every command uses
     "flops": set(),
     "signals": set(),
-    "state": {"config"},  # TrainerState, SaveTimer (moved out of checkpoint, issue 20), the global batch of a resume
+    "state": {"validation"},  # TrainerState, SaveTimer (moved out of checkpoint, issue 20), a resume's global batch
     "validation": set(),  # the config's rules and ConfigError: the schema imports them
     "schema": {"validation"},  # Config.__post_init__ runs the rules
-    "best": {"config", "fileio", "state", "validation"},  # train.keep_best, early stopping (issue 20)
-    "config": {"fileio", "names", "schema"},
+    "best": {"fileio", "state", "validation"},  # train.keep_best, early stopping (issue 20)
+    "config_help": {"names", "schema", "validation"},  # --help and docs/config.md, generated from the schema
+    "config": {"fileio", "names", "schema", "validation"},
     "names": {"schema"},  # TRL/transformers names -> scale keys, closest keys to a typo
-    "topology": {"config"},  # processes per machine: one per visible GPU (torch only where a GPU driver is)
+    "topology": {"validation"},  # processes per machine: one per visible GPU (torch only where a GPU driver is)
     "assets": {"fileio"},
-    "schedule": {"config"},
-    "loss": {"config"},
-    "chunked": {"loss"},  # the chunked tail loss and loss_step, the step's loss (chunked when it pays)
-    "modeling": {"config", "assets", "compat", "moe"},
+    "schedule": {"schema"},
+    "loss": set(),
+    "chunked": {"loss"},  # the chunked tail loss: fp32 logits of one chunk of the tail at a time
+    "objectives": {"chunked", "loss", "schema", "validation"},  # one file per objective; loss.objective picks one
+    "modeling": {"assets", "compat", "moe", "schema", "validation"},
     "moe": {"compat", "flops", "validation"},  # mixture-of-experts models: LoRA targets, expert load, active counts
-    "census": {"config", "loss", "modeling", "chunked", "moe"},  # scale-plan's counts: meta/fake tensors, no process group
-    "layouts": {"census", "config", "modeling"},  # modeling: the sequence-parallel guard, for the SP columns
+    "cpu_bf16": set(),  # the CPU mixed-precision paths (bf16 autocast where it pays)
+    "attention": {"schema", "validation"},  # which attention a run may use: the kernel, packing, sequence parallelism
+    # scale-plan's counts: meta/fake tensors, no process group
+    "census": {"chunked", "config", "loss", "modeling", "moe", "schema"},
+    "layouts": {"attention", "census", "config", "schema"},  # modeling: the sequence-parallel guard, for the SP columns
     # scale/data/: the stages, each importing only the ones before it (LAYERS)
-    "data.read": {"config"},                                   # files -> rows of cells; DataError
+    "data.read": {"schema"},                                   # files -> rows of cells; DataError
     "data.sources": {"assets", "data.read", "fileio"},         # any source -> rows
-    "data.tasks": {"config", "data.read", "data.sources", "loss"},  # one module per format: rows -> tokens
-    "data.split": {"config", "data.read"},                     # one source's train/eval rows
-    "data.mixing": {"assets", "config", "data.read", "data.sources", "data.split", "data.tasks", "validation"},
-    "data.tokenize": {"config", "data.mixing", "data.read", "data.split", "data.tasks"},  # rows -> Splits
+    "data.tasks": {"config", "data.read", "data.sources", "loss", "schema"},  # one module per format: rows -> tokens
+    "data.split": {"data.read", "schema"},                     # one source's train/eval rows
+    "data.mixing": {"assets", "data.read", "data.sources", "data.split", "data.tasks", "schema", "validation"},
+    "data.tokenize": {"data.mixing", "data.read", "data.split", "data.tasks", "schema"},  # rows -> Splits
     "data.token_table": {"data.tasks"},                        # the cache's memory-mapped splits
     "data.cache": {"data.mixing", "data.read", "data.tasks", "data.token_table", "data.tokenize", "fileio"},
     "data.collate": {"data.tasks"},                            # padded, padding-free and packed batches
     "data.order": set(),                                       # length-grouped sampling, packing into bins
     "data.sequence": {"data.collate"},                         # sequence-parallel rows: each rank's shard (issue 29)
     "data": {"data.collate", "data.read", "data.split", "data.tasks", "data.tokenize"},  # the face: hands names on
-    "export": {"config", "data", "data.tasks", "fileio", "logs", "modeling", "moe"},
-    "generate": {"config", "data.tasks", "export", "logs", "modeling", "moe"},
+    "export": {"config", "config_help", "data.tasks", "fileio", "logs", "modeling", "moe", "schema"},
+    "generate": {"config", "config_help", "data.tasks", "export", "logs", "modeling", "moe", "schema"},
     # scale-lm-eval: the eval split (token cache, samples' prompt/answer split) as a harness task
-    "lmeval": {"assets", "config", "data", "data.cache", "data.read", "data.tasks", "export", "fileio", "logs", "modeling",
-               "samples"},
-    "plan": {"assets", "census", "config", "data.tokenize", "flops", "layouts", "logs", "modeling", "moe", "state"},  # data: the tails;
+    "lmeval": {"assets", "config", "config_help", "data", "data.cache", "data.read", "data.tasks", "export", "fileio",
+               "logs", "modeling", "samples"},
+    "plan": {"assets", "census", "config", "config_help", "data.tokenize", "flops", "layouts", "logs", "modeling",
+             "moe", "schema", "state", "validation"},  # data: the tails;
     # state: --resume reads a checkpoint's trainer_state.json
     # the loop side: may import accelerate / torch.distributed
     "rendezvous": set(),
-    "launch": {"config", "rendezvous", "topology"},
+    "launch": {"config", "inputs", "rendezvous", "schema", "topology", "validation"},
+    # paths, output_dir, GPU-only kernels, trackers: checked before any process group
+    "inputs": {"schema", "validation"},
+    "collective": set(),  # on_every_rank, main_process_first, shared_run_id
+    "startup": {"checks", "compat", "data.token_table", "data.tokenize", "launch", "names", "parts", "precision",
+                "schedule", "schema"},  # the start-up lines
+    # scale/parts/: each part of a run builds itself (launch, data, model, loaders, ...)
+    "parts": {"assets", "attention", "best", "checkpoint", "collective", "cpu_bf16", "data.cache", "data.collate",
+              "data.mixing", "data.order", "data.read", "data.sequence", "data.token_table", "data.tokenize",
+              "evaluate", "export", "flops", "launch", "metrics", "modeling", "moe", "objectives", "precision",
+              "samples", "schedule", "schema", "state", "tracking", "ulysses", "validation"},
+    "windows": {"loss", "objectives", "signals", "state"},  # accumulation windows: one all-gather per optimizer step
     "ulysses": {"data.sequence"},  # the sequence-parallel attention, loaders and eval forward (DeepSpeed Ulysses)
-    "metrics": {"config", "fileio", "flops"},
-    "tracking": {"config", "fileio", "metrics"},
+    "metrics": {"fileio", "flops", "schema"},
+    "precision": {"fileio", "flops", "schema"},  # train.mixed_precision=auto, the GEMM probe, one device's peak FLOP/s
+    "tracking": {"config", "fileio", "metrics", "schema"},
     "checks": {"modeling"},
-    "portable": {"launch"},  # the mode-independent checkpoint state: any launch mode loads it (issue 30)
-    "checkpoint": {"config", "fileio", "launch", "modeling", "portable", "state"},
-    "evaluate": {"data.tasks", "loss", "signals"},
+    # the package scale/checkpoint/: store, resume rules, save/load, the portable state any launch mode loads
+    "checkpoint": {"config", "fileio", "launch", "modeling", "schema", "state", "validation"},
+    "evaluate": {"data.tasks", "loss", "objectives", "signals"},
     "samples": {"checkpoint", "signals", "tracking"},  # generation at each evaluation (issue 20)
-    "job": {"assets", "best", "checkpoint", "checks", "config", "data.cache", "data.collate", "data.mixing",
-            "data.order", "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize", "evaluate",
-            "export", "flops", "launch", "loss", "metrics", "modeling", "moe", "names", "samples", "schedule",
-            "tracking", "ulysses", "compat"},
-    "train": {"best", "checkpoint", "checks", "chunked", "config", "evaluate", "export", "job", "loss", "metrics",
-              "portable", "samples", "signals", "tracking", "ulysses"},
-    "cli": {"assets", "checkpoint", "config", "data.read", "data.tokenize", "launch", "logs", "modeling", "signals",
-            "topology", "train"},
-    "report": {"config", "metrics", "schedule"},
+    "job": {"checkpoint", "config", "data.tasks", "launch", "metrics", "modeling", "objectives", "parts", "precision",
+            "samples", "schema", "startup", "state", "ulysses"},
+    "train": {"best", "checkpoint", "checks", "evaluate", "export", "job", "metrics", "samples", "schema", "signals",
+              "state", "tracking", "ulysses", "windows"},
+    "cli": {"assets", "checkpoint", "config", "config_help", "data.mixing", "data.read", "data.tokenize", "inputs",
+            "launch", "logs", "modeling", "schema", "signals", "topology", "train", "validation"},
+    "report": {"config", "config_help", "metrics", "schedule", "validation"},
+    "prepare": {"assets", "config", "config_help", "data.cache", "data.read", "data.token_table", "logs", "modeling",
+                "validation"},  # scale-prepare
     "env": {"compat"},  # scale-env: versions, devices, CPU flags and launcher variables for a bug report
-    "prepare": {"assets", "config", "data.cache", "data.read", "data.token_table", "logs", "modeling"},  # scale-prepare
-    # aliases kept for scripts written against the modules' old paths
-    "formats": {"data.read", "data.tasks"},
-    "sampling": {"data.collate", "data.order"},
 }
 DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpoint", "evaluate", "job", "train", "cli",
-               "samples", "portable", "ulysses"}
+               "samples", "precision", "ulysses", "collective", "startup", "parts", "windows", "inputs"}
 
 # Bottom first. A room imports rooms of its own layer or below; an import into a higher layer runs upward. The data
 # stages are one layer each, in the order rows flow: files, sources, formats, split, mixing, tokens, cache, batches.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundations", {"compat", "fileio", "flops", "logs", "signals", "state", "rendezvous", "validation", "schema", "names", "config",
-                     "assets", "schedule", "topology"}),
-    ("model and loss (plain tensors)", {"loss", "chunked", "moe", "modeling", "census", "layouts"}),
+    ("foundations", {"compat", "fileio", "flops", "logs", "signals", "state", "rendezvous", "validation", "schema",
+                     "names", "config", "config_help", "assets", "schedule", "topology"}),
+    ("model and loss (plain tensors)", {"loss", "chunked", "objectives", "moe", "modeling", "cpu_bf16", "attention",
+                                        "census", "layouts"}),
     ("data: reading files", {"data.read"}),
     ("data: sources", {"data.sources"}),
     ("data: tasks, one module per format", {"data.tasks"}),
@@ -105,15 +120,16 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("data: cache", {"data.token_table", "data.cache"}),
     ("data: collation and order", {"data.collate", "data.order", "data.sequence"}),
     ("data: the package's face", {"data"}),
-    ("the loop side", {"metrics", "tracking", "launch", "ulysses", "checks", "portable", "checkpoint", "best", "evaluate",
-                       "samples", "export", "generate", "job", "train"}),
-    ("entry points and aliases", {"cli", "env", "plan", "prepare", "report", "lmeval", "formats", "sampling"}),
+    ("the loop side", {"inputs", "collective", "metrics", "precision", "tracking", "launch", "ulysses", "checks",
+                       "checkpoint", "best", "evaluate", "samples", "export", "generate", "parts", "startup", "windows",
+                       "job", "train"}),
+    ("entry points", {"cli", "env", "plan", "prepare", "report", "lmeval"}),
 ]
 # Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and
 # `--accelerate-config` import neither torch nor accelerate (scale/cli.py's module comment), and start_fast imports
 # the loop with the garbage collector paused. Nothing else may import inside a function.
-DEFERRED = {("cli", "checkpoint"), ("cli", "data.read"), ("cli", "data.tokenize"), ("cli", "launch"),
-            ("cli", "modeling"), ("cli", "train")}
+DEFERRED = {("cli", "checkpoint"), ("cli", "data.mixing"), ("cli", "data.read"), ("cli", "data.tokenize"),
+            ("cli", "inputs"), ("cli", "launch"), ("cli", "modeling"), ("cli", "train")}
 
 
 def _room(module: str) -> str | None:
@@ -244,7 +260,7 @@ def test_no_scale_import_inside_a_function_but_the_deferred():
 
 
 def test_loop_has_no_print_empty_cache_or_len_batch():
-    for name in ("train", "evaluate", "loss", "metrics"):
+    for name in ("train", "windows", "evaluate", "loss", "metrics"):
         src = (ROOT / "scale" / f"{name}.py").read_text(encoding="utf-8")
         for banned in ("print(", "empty_cache(", "len(batch)", ".item()"):
             assert banned not in src, (name, banned)

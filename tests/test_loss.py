@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scale import evaluate as E
 from scale import loss as scale_loss
-from scale.config import ModelConfig
 from scale.data import Collator, Example
+from scale.data.tasks.base import exact_match
+from scale.data.tasks.classification import sequence_logprob, target_stats
 from scale.modeling import load_base
+from scale.schema import ModelConfig
 
 N = 3
 
@@ -182,7 +183,7 @@ def test_target_stats_logprob_and_accuracy():
     logits = torch.zeros(2, 2, V)
     logits[0, 0, 4] = 3.0   # row 0 predicts label token 4 (its target)
     logits[1, 0, 4] = 3.0   # row 1 also predicts 4, but its target is 6
-    stats = E.target_stats(logits, torch.tensor([4, 6]), torch.tensor([4, 6]), position=-2)
+    stats = target_stats(logits, torch.tensor([4, 6]), torch.tensor([4, 6]), position=-2)
     expected0 = torch.log_softmax(logits[0, 0], -1)[4]
     assert stats.logprob[0].item() == pytest.approx(expected0.item(), abs=1e-6)
     assert stats.correct.tolist() == [1.0, 0.0]
@@ -192,9 +193,9 @@ def test_sequence_logprob_and_exact_match():
     logits = torch.log(torch.tensor([[[0.1, 0.9], [0.7, 0.3], [0.2, 0.8]]]))    # [1, 3, 2]
     targets = torch.tensor([[0, 0, 1]])
     mask = torch.tensor([[0, 1, 1]])
-    assert E.sequence_logprob(logits, targets, mask).item() == pytest.approx(float(torch.log(torch.tensor(0.7 * 0.8))))
-    assert E.exact_match(logits, targets, mask).tolist() == [1.0]                 # column 0 is outside the tail
-    assert E.exact_match(logits, targets, torch.ones(1, 3)).tolist() == [0.0]
+    assert sequence_logprob(logits, targets, mask).item() == pytest.approx(float(torch.log(torch.tensor(0.7 * 0.8))))
+    assert exact_match(logits, targets, mask).tolist() == [1.0]                 # column 0 is outside the tail
+    assert exact_match(logits, targets, torch.ones(1, 3)).tolist() == [0.0]
 
 
 def my_criterion(logits, labels):

@@ -8,8 +8,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from scale.metrics import (StepMeter, compute_dtype, measure_peak_flops, measured_size, peak_memory_gib,
-                           resolve_peak_flops)
+from scale.metrics import StepMeter, peak_memory_gib
+from scale.precision import compute_dtype, measure_peak_flops, measured_size, resolve_peak_flops
 
 
 def _batch(rows, seq_len, real):
@@ -71,13 +71,13 @@ def test_peak_flops_setting_number_off_and_measured(tmp_path, monkeypatch):
 
 def test_probe_stays_small_for_a_dtype_without_a_fast_kernel(monkeypatch):
     """A dtype at 0.2 GFLOP/s (bf16 on an AVX2-only CPU) is measured at 256^3, not at 2048^3 (~80 s a product)."""
-    from scale import metrics
+    from scale import precision
 
-    monkeypatch.setattr(metrics, "_MEASURED", {})
-    monkeypatch.setattr(metrics, "_time_gemm", lambda device, dtype, seconds, n, reps=3: 0.2e9 if dtype == torch.bfloat16
-                        else 300e9)
+    monkeypatch.setattr(precision, "_MEASURED", {})
+    monkeypatch.setattr(precision, "_time_gemm",
+                        lambda device, dtype, seconds, n, reps=3: 0.2e9 if dtype == torch.bfloat16 else 300e9)
     cpu = torch.device("cpu")
-    assert metrics.measured_size(cpu, torch.bfloat16) == 256 and metrics.measured_size(cpu, torch.float32) == 2048
+    assert precision.measured_size(cpu, torch.bfloat16) == 256 and precision.measured_size(cpu, torch.float32) == 2048
 
 
 def test_compute_dtype_follows_autocast_then_4bit_then_weights(tmp_path):
@@ -91,7 +91,7 @@ def test_compute_dtype_follows_autocast_then_4bit_then_weights(tmp_path):
 
 
 def test_bad_peak_flops_setting(tmp_path):
-    from scale.config import ConfigError
+    from scale.validation import ConfigError
     from tests.conftest import tiny_cfg
 
     for bad in ("fast", "-1", "0", "true"):
@@ -103,14 +103,14 @@ def test_bad_peak_flops_setting(tmp_path):
 def test_auto_precision_follows_the_probe(monkeypatch, tmp_path, bf16_rate, choice):
     """fp32 at 290 GFLOP/s: AMX-like bf16 (2.12 TFLOP/s, 7.3x) -> bf16, 4-bit compute dtype bf16 as well; an AVX2 CPU
     (0.2 GFLOP/s) or a ratio under 1.3x (1.24x) -> fp32."""
-    from scale import metrics
+    from scale import precision
     from tests.conftest import tiny_cfg
 
-    monkeypatch.setattr(metrics, "_MEASURED", {})
-    monkeypatch.setattr(metrics, "_time_gemm", lambda device, dtype, seconds, n, reps=3:
+    monkeypatch.setattr(precision, "_MEASURED", {})
+    monkeypatch.setattr(precision, "_time_gemm", lambda device, dtype, seconds, n, reps=3:
                         bf16_rate if dtype == torch.bfloat16 else 290e9)
     cfg = tiny_cfg(tmp_path, "train.mixed_precision=auto", "model.bnb_4bit_compute_dtype=auto")
-    got = metrics.resolve_mixed_precision(cfg, torch.device("cpu"))
+    got = precision.resolve_mixed_precision(cfg, torch.device("cpu"))
     assert got.choice == choice and cfg.train.mixed_precision == choice
     assert cfg.model.bnb_4bit_compute_dtype == ("bfloat16" if choice == "bf16" else "float32")
     assert got.fp32_flops == 290e9 and got.bf16_flops == bf16_rate
@@ -120,13 +120,14 @@ def test_auto_precision_follows_the_probe(monkeypatch, tmp_path, bf16_rate, choi
 
 
 def test_auto_precision_pinned_and_qlora_fp32(tmp_path):
-    from scale import metrics
+    from scale import precision
     from tests.conftest import tiny_cfg
 
     pinned = tiny_cfg(tmp_path)                                   # tiny_cpu pins "no": tests stay fp32 on any CPU
-    assert pinned.train.mixed_precision == "no" and metrics.resolve_mixed_precision(pinned, torch.device("cpu")) is None
+    assert pinned.train.mixed_precision == "no"
+    assert precision.resolve_mixed_precision(pinned, torch.device("cpu")) is None
     qlora = tiny_cfg(tmp_path, "train.mixed_precision=auto", "model.quantize_4bit=true")
-    got = metrics.resolve_mixed_precision(qlora, torch.device("cpu"))
+    got = precision.resolve_mixed_precision(qlora, torch.device("cpu"))
     assert got.choice == "no" and "bnb_4bit_compute_dtype=float32" in got.reason and got.fp32_flops is None
     from scale.config import load_config
 

@@ -39,7 +39,7 @@ def test_checkpointed_lora_and_qlora_in_every_mode(mode, kind, tmp_path):
 
 
 def test_checkpointing_on_equals_off_gradients():
-    from scale.config import LoraConfig, ModelConfig
+    from scale.schema import LoraConfig, ModelConfig
     from scale.modeling import build_model
 
     ids = torch.randint(3, 300, (4, 16), generator=torch.Generator().manual_seed(1))

@@ -407,8 +407,9 @@ def test_a_run_with_a_trained_router_logs_its_aux_loss(tmp_path, caplog):
     run(tiny_cfg(out, f"model.name_or_path={tmp_path / 'm'}", "model.tokenizer=smollm2-135m", "lora.train_router=true",
                  "loss.router_aux_coef=0.01", "train.max_steps=2", "train.log_every=1", "train.eval_every=0",
                  "data.eval_size=16", "data.max_train_examples=32", "log.peak_flops=1e12"))
-    assert any("router trained (LoRA on 2 router weights); loss.router_aux_coef=0.01" in r.getMessage()
-               for r in caplog.records)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "router trained (LoRA on 2 router weights)" in text
+    assert "loss.router_aux_coef=0.01 (the model's load-balancing loss, added to the loss)" in text
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "train/router_aux_loss" in r]
     assert [r["step"] for r in rows] == [1, 2] and all(r["train/router_aux_loss"] > 0 for r in rows)
 

@@ -63,7 +63,7 @@ def test_planned_moe_activations_within_10_percent_of_saved_tensor_hooks(checkpo
 
 def test_planned_moe_single_device_peak_within_10_percent_of_live_tensor_bytes(tmp_path):
     from scale import loss as scale_loss
-    from scale.job import make_optimizer
+    from scale.parts.optimizer import make_optimizer
     from scale.modeling import build_model
 
     B, T = 4, 32

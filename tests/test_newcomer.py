@@ -63,7 +63,7 @@ def test_machine_peak_is_the_best_probe_once_then_the_cached_figure(tmp_path):
     """Injected probe timings: the first call keeps the best of 3 probes (a busy neighbour lowers a probe, not the
     best of three); a later call on a busier machine returns the cached figure without probing; another key (another
     dtype, CPU, torch or thread count) is measured on its own."""
-    from scale.metrics import machine_peak
+    from scale.precision import machine_peak
 
     path = tmp_path / "peak_flops.json"
     idle = iter([(150e9, 1024), (340e9, 1024), (290e9, 1024)])
@@ -90,7 +90,7 @@ def test_two_identical_runs_divide_by_the_same_peak_on_a_busier_machine(tmp_path
 
     import torch
     from scale import metrics
-    from scale.metrics import resolve_peak_flops
+    from scale.precision import resolve_peak_flops
     from tests.conftest import tiny_cfg
 
     monkeypatch.setenv("SCALE_CACHE", str(tmp_path / "cache"))

@@ -209,8 +209,6 @@ def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, ch
 
 def loss_step_saved_bytes(model: torch.nn.Module, batch: dict, spec) -> int:
     """Bytes autograd saves in the product's ``loss_step`` on ``batch`` (distinct storages, parameters excluded)."""
-    from scale.chunked import loss_step
-
     params_ptr = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -220,7 +218,7 @@ def loss_step_saved_bytes(model: torch.nn.Module, batch: dict, spec) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss_step(model, batch, spec, spec.weights(batch))
+        spec.loss_step(model, batch, spec.weights(batch))
     return sum(seen.values())
 
 
@@ -232,7 +230,7 @@ def test_predicted_packed_activations_within_10_percent_of_saved_tensor_hooks(ch
     for 8 bins of 64 tokens, each two examples of 32 tokens whose tails are all but their first token."""
     from scale.data import Example
     from scale.data.collate import PackedCollator
-    from scale.loss import LossSpec
+    from scale.objectives.tail import LossSpec
     from scale.modeling import build_model
 
     cfg, hf, params = planned([f"model.gradient_checkpointing={str(checkpointing).lower()}", "data.packing=true",
@@ -257,7 +255,7 @@ def test_predicted_padded_chunked_activations_within_10_percent_of_saved_tensor_
     """[issue 19] loss.chunk_size on a padded micro-batch (an SFT tail of 32 positions a row, chunks of 64 of the
     B x N = 256): the plan's count against what autograd saves in the product's own path (``loss_step`` ->
     ``forward_tail_hidden`` -> ``chunked_tail_loss``), one row left-padded as the collator pads it."""
-    from scale.loss import LossSpec
+    from scale.objectives.tail import LossSpec
     from scale.modeling import build_model
 
     cfg, hf, params = planned([f"model.gradient_checkpointing={str(checkpointing).lower()}", "loss.threshold=32",
@@ -291,7 +289,7 @@ def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(sha
     import copy
 
     from scale import loss as scale_loss
-    from scale.job import make_optimizer
+    from scale.parts.optimizer import make_optimizer
     from scale.modeling import add_lora, build_model
 
     if "qlora" in shape:

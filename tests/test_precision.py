@@ -1,4 +1,4 @@
-"""bf16 on CPU: each mixed-precision path (scale.modeling.CPU_MIXED_PATHS) against the bf16 maths it replaces and
+"""bf16 on CPU: each mixed-precision path (scale.cpu_bf16.CPU_MIXED_PATHS) against the bf16 maths it replaces and
 the fp32 maths it approximates; ``train.mixed_precision: auto`` decided once (rank 0's choice on every rank) and
 kept by a resume."""
 
@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
-from scale import modeling
-from scale.config import ConfigError, LoraConfig, ModelConfig
+from scale import cpu_bf16, modeling
+from scale.schema import LoraConfig, ModelConfig
+from scale.validation import ConfigError
 from tests.conftest import tiny_cfg
 from tests.launching import accelerate_cmd, run_mode
 
@@ -71,7 +72,7 @@ def test_head_cast_cache_is_bit_identical_and_follows_the_weight():
     model = _model()
     ids = _ids()
     ref_logits, ref = _grads(model, ids)
-    assert modeling.use_cpu_mixed_paths(model, ["head_cast_cached"]) == ["head_cast_cached"]
+    assert cpu_bf16.use_cpu_mixed_paths(model, ["head_cast_cached"]) == ["head_cast_cached"]
     head = model.get_base_model().get_output_embeddings()
     logits, got = _grads(model, ids)
     first = head._scale_cast[1]
@@ -83,7 +84,7 @@ def test_head_cast_cache_is_bit_identical_and_follows_the_weight():
         head.weight.mul_(2.0)  # a changed weight (its version moves) is cast again
     logits2, _ = _grads(model, ids)
     assert head._scale_cast[1] is not first and torch.equal(head._scale_cast[1], head.weight.detach().to(BF16))
-    assert modeling.use_cpu_mixed_paths(model, ["head_cast_cached"], on=False) == ["head_cast_cached"]
+    assert cpu_bf16.use_cpu_mixed_paths(model, ["head_cast_cached"], on=False) == ["head_cast_cached"]
     assert "forward" not in vars(head) and not hasattr(head, "_scale_cast")
     assert torch.equal(_grads(model, ids)[0], logits2)
 
@@ -92,12 +93,12 @@ def test_dequantize_to_compute_dtype_gives_bit_identical_gradients():
     model = _model()
     ids = _ids()
     _, ref = _grads(model, ids)
-    assert modeling.dequantize_in_compute_dtype(model) == 14  # 2 layers x 7 linear
+    assert cpu_bf16.dequantize_in_compute_dtype(model) == 14  # 2 layers x 7 linear
     states = [m.weight.quant_state for m in model.modules() if hasattr(getattr(m, "weight", None), "quant_state")]
     assert {s.dtype for s in states} == {BF16}
     _, got = _grads(model, ids)
     assert all(torch.equal(got[n], ref[n]) for n in ref)
-    assert modeling.dequantize_in_compute_dtype(model, on=False) == 14
+    assert cpu_bf16.dequantize_in_compute_dtype(model, on=False) == 14
     assert {s.dtype for s in states} == {torch.float32}  # the load dtype back
 
 
@@ -106,15 +107,15 @@ def test_mixed_sdpa_is_fp32_attention_below_the_threshold_and_sdpa_above():
 
     layer = _model(quantize=False).get_base_model().model.layers[0].self_attn
     g = torch.Generator().manual_seed(0)
-    for T in (24, modeling.ATTENTION_FP32_BELOW):
+    for T in (24, cpu_bf16.ATTENTION_FP32_BELOW):
         q, k, v = (torch.randn(2, 4, T, 16, generator=g) for _ in range(3))
         mask = torch.ones(2, 1, T, T, dtype=torch.bool).tril()
         with torch.autocast("cpu", dtype=BF16):
-            got, _ = modeling.mixed_sdpa(layer, q, k, v, mask)
+            got, _ = cpu_bf16.mixed_sdpa(layer, q, k, v, mask)
             half, _ = sdpa_attention_forward(layer, q, k, v, mask)
         full, _ = sdpa_attention_forward(layer, q, k, v, mask)  # float32, no autocast
         assert got.dtype == half.dtype == BF16
-        if T < modeling.ATTENTION_FP32_BELOW:
+        if T < cpu_bf16.ATTENTION_FP32_BELOW:
             assert torch.equal(got, full.to(BF16))  # fp32 attention, rounded once at the end
             assert (got.float() - full).abs().max() <= (half.float() - full).abs().max()
         else:
@@ -125,15 +126,15 @@ def test_mixed_sdpa_switch_is_not_saved(tmp_path):
     model = _model(quantize=False)
     base = model.get_base_model()
     assert base.config._attn_implementation == "sdpa"
-    assert modeling.use_mixed_sdpa(model) and base.config._attn_implementation == modeling.MIXED_SDPA
-    assert not modeling.use_mixed_sdpa(model)  # already on
+    assert cpu_bf16.use_mixed_sdpa(model) and base.config._attn_implementation == cpu_bf16.MIXED_SDPA
+    assert not cpu_bf16.use_mixed_sdpa(model)  # already on
     ids = _ids()
     with torch.autocast("cpu", dtype=BF16):
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
     assert torch.isfinite(out).all()
     base.config.save_pretrained(tmp_path)
-    assert modeling.MIXED_SDPA not in (tmp_path / "config.json").read_text()
-    assert modeling.use_mixed_sdpa(model, on=False) and base.config._attn_implementation == "sdpa"
+    assert cpu_bf16.MIXED_SDPA not in (tmp_path / "config.json").read_text()
+    assert cpu_bf16.use_mixed_sdpa(model, on=False) and base.config._attn_implementation == "sdpa"
 
 
 def test_adapter_inputs_cast_once_stays_within_bf16_round_off_of_fp32():
@@ -146,13 +147,13 @@ def test_adapter_inputs_cast_once_stays_within_bf16_round_off_of_fp32():
     seen = []
     hook = q.get_base_model().model.layers[0].self_attn.q_proj.register_forward_hook(
         lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
-    assert modeling.cast_adapter_inputs_once(q) == 14
+    assert cpu_bf16.cast_adapter_inputs_once(q) == 14
     _, after = _grads(q, ids)
     hook.remove()
     assert seen == [(BF16, BF16)]
     base_diff, diff = _rel(before, fp32), _rel(after, fp32)
     assert 0 < base_diff < 2e-2 and diff < 2 * base_diff, (base_diff, diff)
-    assert modeling.cast_adapter_inputs_once(q, on=False) == 14
+    assert cpu_bf16.cast_adapter_inputs_once(q, on=False) == 14
     _, again = _grads(q, ids)
     assert all(torch.equal(again[n], before[n]) for n in before)  # off is the old path, bit for bit
 
@@ -162,7 +163,7 @@ def test_adapter_sum_in_addmm_stays_within_bf16_round_off_and_falls_back_to_peft
     q = _model()
     _, fp32 = _grads(_fp32_twin(q), ids, autocast=False)
     logits_before, before = _grads(q, ids)
-    assert modeling.fuse_adapter_sum(q) == 14
+    assert cpu_bf16.fuse_adapter_sum(q) == 14
     logits, after = _grads(q, ids)
     assert logits.shape == logits_before.shape
     assert _rel(after, fp32) < 2 * _rel(before, fp32) < 4e-2
@@ -172,7 +173,7 @@ def test_adapter_sum_in_addmm_stays_within_bf16_round_off_and_falls_back_to_peft
         assert torch.equal(layer(x), type(layer).forward(layer, x))
         with q.disable_adapter():  # adapters off: the base layer alone
             assert torch.equal(layer(x), layer.base_layer(x))
-    assert modeling.fuse_adapter_sum(q, on=False) == 14 and "forward" not in vars(layer)
+    assert cpu_bf16.fuse_adapter_sum(q, on=False) == 14 and "forward" not in vars(layer)
     _, again = _grads(q, ids)
     assert all(torch.equal(again[n], before[n]) for n in before)
 
@@ -182,7 +183,7 @@ def test_all_paths_track_fp32_as_the_bf16_path_does():
     q = _model()
     _, fp32 = _grads(_fp32_twin(q), ids, autocast=False)
     _, before = _grads(q, ids)
-    assert sorted(modeling.use_cpu_mixed_paths(q)) == sorted(modeling.CPU_MIXED_PATHS)
+    assert sorted(cpu_bf16.use_cpu_mixed_paths(q)) == sorted(cpu_bf16.CPU_MIXED_PATHS)
     _, after = _grads(q, ids)
     assert _rel(after, fp32) < 2 * _rel(before, fp32) < 4e-2
 
@@ -191,7 +192,7 @@ def test_all_paths_track_fp32_as_the_bf16_path_does():
 
 def _fake_probe(monkeypatch, bf16_over_fp32: float) -> list[int]:
     """Make the start-up probe report bf16 GEMMs at ``bf16_over_fp32`` x fp32; return a call counter."""
-    import scale.metrics
+    import scale.precision
 
     calls = [0]
 
@@ -199,7 +200,7 @@ def _fake_probe(monkeypatch, bf16_over_fp32: float) -> list[int]:
         calls[0] += 1
         return 100e9 * (bf16_over_fp32 if dtype == BF16 else 1.0)
 
-    monkeypatch.setattr(scale.metrics, "measure_peak_flops", fake)
+    monkeypatch.setattr(scale.precision, "measure_peak_flops", fake)
     return calls
 
 
@@ -242,8 +243,8 @@ def test_auto_precision_is_kept_on_resume_and_an_explicit_change_is_an_error(tmp
 
 
 def test_saved_precision_reads_the_state_then_the_saved_config(tmp_path):
-    from scale.checkpoint import STATE_FILE
-    from scale.job import saved_precision
+    from scale.state import STATE_FILE
+    from scale.checkpoint import saved_precision
 
     ckpt = tmp_path / "checkpoints" / "step_000003"
     ckpt.mkdir(parents=True)

@@ -12,8 +12,8 @@ import torch
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from scale.config import LoraConfig, ModelConfig  # noqa: E402
 from scale.modeling import build_model  # noqa: E402
+from scale.schema import LoraConfig, ModelConfig
 from tests.conftest import tiny_cfg  # noqa: E402
 
 LORA = LoraConfig(r=4, alpha=8.0, dropout=0.0)

@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scale.checkpoint import (STATE_FILE, CheckpointError, compare_configs, list_checkpoints, record_files,
-                              resolve_resume)
-from scale.config import ConfigError
+from scale.checkpoint import CheckpointError, compare_configs, list_checkpoints, record_files, resolve_resume
 from scale.fileio import sha256_file
 from scale.metrics import read_jsonl
+from scale.state import STATE_FILE
 from scale.train import run
+from scale.validation import ConfigError
 from tests.conftest import tiny_cfg
 
 # 20 rows, micro-batch 2, GA 2: 5 windows per epoch. K = 7 is the 2nd window of the 2nd epoch.
@@ -220,9 +220,11 @@ def test_epoch_extension_is_handled_like_a_step_extension():
 def test_portable_state_alone_resumes_bit_exact(reference, tmp_path, monkeypatch):
     """The mode-independent files (adapter_model + optimizer_state.safetensors, the scheduler, the RNG states) hold
     everything: read instead of accelerate's optimizer.bin, the resume is still bit-exact."""
-    import scale.checkpoint
+    import scale.checkpoint.rules
+    import scale.checkpoint.saving
 
-    monkeypatch.setattr(scale.checkpoint, "native", lambda *a: False)
+    for room in (scale.checkpoint.rules, scale.checkpoint.saving):  # where check_resume and load_checkpoint read it
+        monkeypatch.setattr(room, "native", lambda *a: False)
     ckpt = tmp_path / "ckpt"
     shutil.copytree(reference / "checkpoints" / f"step_{K:06d}", ckpt)
     (ckpt / "optimizer.bin").unlink()  # not read on this path

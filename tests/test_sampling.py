@@ -91,7 +91,7 @@ def test_same_rows_per_step_in_every_mode_and_after_resume():
 
 def test_accelerate_keeps_the_sampler_and_passes_the_epoch(tmp_path, tokenizer):
     from scale.data import build_splits
-    from scale.job import make_loaders
+    from scale.parts.loaders import make_loaders
     from tests.conftest import tiny_cfg
 
     cfg = tiny_cfg(tmp_path, "data.group_by_length=true", "data.mega_batch_steps=2")
@@ -137,9 +137,8 @@ def test_grouped_resume_mid_epoch_is_bit_exact(tmp_path):
 
 def test_padding_free_matches_padded_loss_and_gradients(tokenizer):
     """One packed row with restarting position ids = the padded batch: same tail loss and LoRA gradients."""
-    from scale.config import LoraConfig, ModelConfig
+    from scale.schema import LoraConfig, ModelConfig
     from scale.data import Collator, Example
-    from scale.chunked import loss_step
     from scale.data.collate import PaddingFreeCollator
     from scale.loss import forward_tail
     from scale.modeling import build_model
@@ -171,7 +170,7 @@ def test_padding_free_matches_padded_loss_and_gradients(tokenizer):
     for batch in (padded, packed):
         model.zero_grad()
         weights = _spec().weights(batch)
-        num = loss_step(model, batch, _spec(), weights)
+        num = _spec().loss_step(model, batch, weights)
         num.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
     worst = max(float((grads[0][n] - grads[1][n]).abs().max() / grads[0][n].abs().max()) for n in grads[0])
@@ -182,7 +181,7 @@ def test_padding_free_matches_padded_loss_and_gradients(tokenizer):
 
 
 def _spec():
-    from scale.loss import LossSpec
+    from scale.objectives.tail import LossSpec
 
     return LossSpec(padding_side="left", type_weights=None, criterion=None)
 
@@ -294,8 +293,7 @@ def test_packed_loader_trains_every_row_once_and_matches_padded(tmp_path, tokeni
     at most `max_length` tokens each; a packed micro-batch's tail loss and LoRA gradients equal the padded
     batch of the same examples within fp32 round-off (tests/bounds.py)."""
     from scale.data import Collator, build_splits
-    from scale.job import make_loaders
-    from scale.chunked import loss_step
+    from scale.parts.loaders import make_loaders
     from scale.modeling import build_model
     from tests.conftest import tiny_cfg
 
@@ -320,7 +318,7 @@ def test_packed_loader_trains_every_row_once_and_matches_padded(tmp_path, tokeni
     spec, grads, losses = _spec(), [], []
     for batch in (padded, packed):
         model.zero_grad()
-        num = loss_step(model, batch, spec, spec.weights(batch))
+        num = spec.loss_step(model, batch, spec.weights(batch))
         num.backward()
         losses.append(float(num.detach()))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})

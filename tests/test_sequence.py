@@ -11,12 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scale.attention import SEQUENCE_PARALLEL_ATTENTION, check_sequence_parallel, sequence_parallel_problem
 from scale.chunked import chunked_tail_loss
-from scale.config import ConfigError, load_config
+from scale.config import load_config
 from scale.data import Collator, Example
 from scale.data.sequence import ShardCollator, padded_length, shard_padded, shard_rows
 from scale.loss import batch_bad_rows, describe_batch_row, forward_tail, tail_loss, token_weights
-from scale.modeling import SEQUENCE_PARALLEL_ATTENTION, check_sequence_parallel, sequence_parallel_problem
+from scale.validation import ConfigError
 from tests.conftest import TINY_YAML
 
 
@@ -233,7 +234,7 @@ def test_attention_is_refused_from_the_config_before_the_accelerator(monkeypatch
     """The config alone decides it: scale.job.setup raises before build_accelerator is called (accelerate's own check
     would fire inside Accelerator() with a ValueError on every rank)."""
     import scale.job as job
-    from scale.modeling import check_sequence_parallel_config
+    from scale.attention import check_sequence_parallel_config
 
     eager = load_config(TINY_YAML, ["model.attn_implementation=eager", "train.sequence_parallel_size=2"])
     with pytest.raises(ConfigError) as e:

@@ -30,7 +30,7 @@ def test_tiny_job_imports_no_deepspeed_wandb_or_matplotlib(tmp_path):
 
 
 def test_bitsandbytes_is_needed_for_4bit_a_quantized_directory_or_a_hub_id(tmp_path):
-    from scale.config import ModelConfig
+    from scale.schema import ModelConfig
     from scale.modeling import needs_bitsandbytes
 
     (tmp_path / "plain").mkdir()

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from scale.config import ConfigError, configs_dir, yaml_load
+from scale.config import configs_dir, yaml_load
 from scale.launch import LaunchError, check_ranks_per_machine
 from scale.topology import GPU_TOPOLOGIES, processes_for, ranks_problem
+from scale.validation import ConfigError
 from tests.conftest import ROOT, TINY_DATA
 
 

@@ -18,10 +18,10 @@ import yaml
 
 from scale.checkpoint import list_checkpoints
 from scale.cli import override_form
-from scale.config import ConfigError
 from scale.metrics import read_jsonl
 from scale.signals import EXIT_PREEMPTED
 from scale.tracking import RUN_FILE, job_run_id, supersede_offline
+from scale.validation import ConfigError
 from tests.conftest import ROOT, TINY_DATA, TINY_YAML, tiny_cfg
 from tests.wandb_records import read_run
 

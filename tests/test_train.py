@@ -54,7 +54,7 @@ def test_adapter_reloads_and_reproduces_final_eval(tiny_run, tokenizer):
     from scale.config import load_config
     from scale.data import Collator, build_splits
     from scale.modeling import load_base
-    from scale.loss import LossSpec
+    from scale.objectives.tail import LossSpec
     from scale.evaluate import evaluate
 
     out, final = tiny_run
@@ -64,7 +64,7 @@ def test_adapter_reloads_and_reproduces_final_eval(tiny_run, tokenizer):
     splits = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed)
     # Other batch size and the other padding side than the run used: the numbers must not move.
     dl = DataLoader(splits.eval, batch_size=7, collate_fn=Collator(tokenizer.pad_token_id, "right"))
-    spec = LossSpec.from_config(cfg, splits.label_token_ids)
+    spec = LossSpec.from_config(cfg)
     spec.padding_side = "right"
     again = evaluate(Accelerator(cpu=True), model, dl, spec)
     assert again["eval/accuracy"] == final["eval/accuracy"]
@@ -87,7 +87,7 @@ def test_no_full_logits_in_a_training_step(tmp_path, monkeypatch):
     monkeypatch.setattr(modeling, "add_lora", hooked)
     import scale.evaluate
     import scale.loss
-    import scale.job
+    import scale.parts.model
 
     T_seen = []
     real_forward_tail = scale.loss.forward_tail
@@ -98,7 +98,7 @@ def test_no_full_logits_in_a_training_step(tmp_path, monkeypatch):
 
     monkeypatch.setattr(scale.loss, "forward_tail", spy)   # training (loss_step)
     monkeypatch.setattr(scale.evaluate, "forward_tail", spy)   # evaluation
-    monkeypatch.setattr(scale.job, "build_model", lambda *a, **k: modeling.build_model(*a, **k))
+    monkeypatch.setattr(scale.parts.model, "build_model", lambda *a, **k: modeling.build_model(*a, **k))
     # eval.generate_samples=0: model.generate's own forwards keep one position ([1, 1, V]) but skip forward_tail
     run(tiny_cfg(tmp_path, "train.max_steps=2", "train.save_adapter=false", "eval.generate_samples=0"))
     assert len(seen) == len(T_seen) > 0

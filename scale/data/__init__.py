@@ -13,8 +13,9 @@ from scale.data.read import DataError
 from scale.data.split import split_rows
 from scale.data.tasks import load_rows
 from scale.data.tasks.base import Example, special_affixes
+from scale.data.tasks.chat_spans import render_chat
+from scale.data.tasks.chat_template import chat_template
 from scale.data.tasks.classification import label_candidates, label_sequences, label_token_ids, render_template
-from scale.data.tasks.messages import chat_template, render_chat
 from scale.data.tokenize import (Splits, build_splits, removed_lines, show_example, show_legend, stats_line,
                                  tokenize_rows)
 

@@ -52,7 +52,7 @@ from scale.data.mixing import sources_digests
 from scale.data.read import DataError
 from scale.data.tasks import get
 from scale.data.tasks.base import Builder
-from scale.data.tasks.messages import chat_template_path
+from scale.data.tasks.chat_template import chat_template_path
 from scale.data.token_table import LISTS, SCALARS, TokenTable
 from scale.data.tokenize import Splits, _tokenize, build_splits, fingerprint_bytes, with_task
 from scale.fileio import sha256_file, temp_dir_for, write_text_atomic

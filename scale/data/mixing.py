@@ -40,12 +40,12 @@ from fractions import Fraction
 from typing import Any
 
 from scale.assets import DATASETS, resolve_data
-from scale.config import DataConfig, LossConfig
 from scale.data.read import DataError
 from scale.data.sources import eval_source_of, read_source, source_digest, source_kind
 from scale.data.split import cleaned, split_source
 from scale.data.tasks import MIXABLE, load_rows
 from scale.data.tasks.base import Builder, Example, Rows, Task
+from scale.schema import DataConfig, LossConfig
 from scale.validation import dataset_name
 
 READ_KEYS = ("format", "split", "subset", "text_column", "label_column", "prompt_column", "completion_column",

@@ -23,7 +23,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-from scale.config import DataConfig
+from scale.schema import DataConfig
 
 EXTENSIONS = (".csv", ".json", ".jsonl", ".tsv")
 

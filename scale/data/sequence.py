@@ -13,7 +13,7 @@ received the same micro-batch (the loader is sharded over the data-parallel rank
    longest row rounded up to a multiple of ``N``. No attention mask: Ulysses drops masks (a ``[T, T]`` mask
    is what it exists to avoid) and the core attention runs causal, so a real token never sees the padding
    after it. Several examples in one row stay apart only under an attention that reads the restarting
-   position ids (flash-attention's varlen path): :func:`scale.modeling.check_sequence_parallel` refuses
+   position ids (flash-attention's varlen path): :func:`scale.attention.check_sequence_parallel` refuses
    packing otherwise.
 2. **labels shifted before the split**: the prediction at position ``p`` is scored against token ``p + 1``,
    which may lie on the next rank's shard; each trained tail token's *predictor* position, its target and its

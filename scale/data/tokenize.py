@@ -24,11 +24,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from scale.config import DataConfig, LossConfig
-from scale.data.mixing import check_sources, dropped_per_source, read_rows  # noqa: F401 - check_sources: scale.cli's
+from scale.data.mixing import dropped_per_source, read_rows
 from scale.data.read import DataError, with_line
 from scale.data.split import count_copies
 from scale.data.tasks.base import BY_TRUNCATION, Builder, Example, Rows, Task
+from scale.schema import DataConfig, LossConfig
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from scale.config import DataConfig, LossConfig
 from scale.data.read import DataError
+from scale.schema import DataConfig, LossConfig
 
 
 @dataclass
@@ -226,7 +226,7 @@ class Task:
     def eval_columns(self, model: torch.nn.Module, batch: dict[str, Tensor], tail_logits: Tensor, targets: Tensor,
                      spec: Any) -> list[Tensor]:
         """``[B]`` per-row figures this format adds to the evaluation table (summed over the split); ``spec`` is
-        the run's :class:`scale.loss.LossSpec` (how the batches are padded)."""
+        the run's :class:`scale.objectives.tail.LossSpec` (how the batches are padded)."""
         return []
 
     def summary(self, sums: list[float], n: int, spec: Any) -> dict[str, float]:

@@ -49,357 +49,22 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-from pathlib import Path
 from typing import Any
 
-from scale.config import DataConfig, LossConfig, configs_dir
 from scale.data.read import DataError
 from scale.data.tasks.base import (BY_LONG_COMPLETIONS, BY_TRUNCATION, Builder, CompletionTask, Example, encode,
                                    encode_literal)
+from scale.data.tasks.chat_rows import (LINKING_KEYS, LINKING_KEYS_OF_TOOL_MESSAGES, PLAIN_KEYS, REASONING_KEYS,
+                                        TOOLS_TEMPLATE, read_messages, read_tools)
+from scale.data.tasks.chat_spans import content_ranges, find_all, first_difference, spans
+from scale.data.tasks.chat_template import ClockError, chat_template, render, special_strings, template_name
+from scale.schema import DataConfig, LossConfig
 
 logger = logging.getLogger(__name__)
-ROLES = ("system", "user", "assistant", "tool")
-_PLAIN_KEYS = {"role", "content"}
-# OpenAI's linking metadata: which call a tool result answers, and a tool result's function name. No common
-# tool-aware template renders them (Qwen2.5/Qwen3, Hermes and Llama 3.1 render a tool message's content only), and
-# they are no trained text: a template that ignores them is not reported as a problem.
-LINKING_KEYS = {"tool_call_id"}
-LINKING_KEYS_OF_TOOL_MESSAGES = {"name"}
-REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # where chat data holds an assistant turn's reasoning
-TOOLS_TEMPLATE = "chatml_tools"  # configs/chat/chatml_tools.jinja: ChatML with <tools> and <tool_call>
+
 # What this format counts per split (data/<split>_<name>, scale.data): removed by truncation, or not rendered.
 COUNTS = ("turns_cut", "tool_calls_cut", "system_cut", "user_text_cut", "empty_turns",
           "history_reasoning_dropped", "reasoning_not_rendered", "system_not_rendered")
-
-
-def _arguments(call: Any, i: int, path: str, j: int) -> Any:
-    """A tool call whose ``arguments`` is a JSON string, with it decoded once into its value (OpenAI's format
-    carries ``"arguments": "{\"city\": \"Oslo\"}"``; transformers' templates write ``arguments | tojson``, so a
-    string would be encoded a second time). Calls as ``{"function": {...}}`` or flat ``{name, arguments}``.
-
-    Raises:
-        DataError: the string is not JSON.
-    """
-    if not isinstance(call, dict):
-        return call
-    fn = call.get("function") if isinstance(call.get("function"), dict) else None
-    args = (fn if fn is not None else call).get("arguments")
-    if not isinstance(args, str):
-        return call
-    try:
-        value = json.loads(args) if args.strip() else {}
-    except json.JSONDecodeError as e:
-        name = (fn if fn is not None else call).get("name")
-        raise DataError(f"row {i} of {path}: message {j} calls {name!r} with arguments that are not JSON ({e.msg}: "
-                        f"{args[:80]!r}); write them as a JSON object (a string or a mapping)") from None
-    return {**call, "function": {**fn, "arguments": value}} if fn is not None else {**call, "arguments": value}
-
-
-def read_messages(value: Any, column: str, i: int, path: str) -> list[dict[str, Any]]:
-    """Check one row's conversation; every key of a message is kept (the template decides what it renders), a
-    tool call's JSON-string ``arguments`` decoded into a mapping.
-
-    Raises:
-        DataError: not a non-empty list of messages, a role outside :data:`ROLES`, content that is not text (an
-            assistant turn with ``tool_calls`` may have none), tool-call arguments that are not JSON, no assistant
-            turn, a last turn that is not the assistant's or is empty.
-    """
-    if isinstance(value, str):  # a CSV cell holding JSON
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            pass
-    if not isinstance(value, list) or not value:
-        raise DataError(f"row {i} of {path}: {column!r} must be a non-empty list of {{role, content}} messages, "
-                        f"got {type(value).__name__}")
-    messages = []
-    for j, m in enumerate(value):
-        calls = isinstance(m, dict) and m.get("role") == "assistant" and bool(m.get("tool_calls"))
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not (
-                isinstance(m.get("content"), str) or calls and m.get("content") is None):
-            raise DataError(f"row {i} of {path}: message {j} must be {{'role': one of {list(ROLES)}, 'content': "
-                            f"text}}, got {m!r}"[:400])
-        m = {**m, "content": m.get("content") or ""}
-        if calls:
-            m["tool_calls"] = [_arguments(c, i, path, j) for c in m["tool_calls"]]
-        messages.append(m)
-    if not any(m["role"] == "assistant" for m in messages):
-        raise DataError(f"row {i} of {path}: no assistant message; the messages format trains assistant turns "
-                        f"(data.train_on), so every conversation needs one")
-    if messages[-1]["role"] != "assistant":
-        raise DataError(f"row {i} of {path}: the last message is from {messages[-1]['role']!r}, not 'assistant'; "
-                        f"a conversation ends with an assistant turn (the row is cut after it), so end every "
-                        f"conversation with one")
-    if not messages[-1]["content"].strip() and not messages[-1].get("tool_calls"):
-        raise DataError(f"row {i} of {path}: the last assistant message is empty")
-    return messages
-
-
-def _tools(raw: dict[str, Any], cfg: DataConfig, i: int, path: str) -> dict[str, Any]:
-    tools = raw.get(cfg.tools_column)
-    if isinstance(tools, str) and tools.strip():
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError:
-            pass
-    if tools in (None, "", []):
-        return {}
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise DataError(f"row {i} of {path}: {cfg.tools_column!r} must be a list of tool (function) schemas, got "
-                        f"{type(tools).__name__}")
-    return {"tools": tools}
-
-
-def conversational_row(raw: dict[str, Any], cfg: DataConfig, i: int, path: str) -> dict[str, Any]:
-    """A TRL conversational prompt/completion row (both lists of messages) as a chat whose completion's
-    assistant turns are the trained ones (``completion_from``: the index of the completion's first message)."""
-    prompt, completion = raw.get(cfg.prompt_column), raw.get(cfg.completion_column)
-    if not isinstance(prompt, list) or not isinstance(completion, list) or not completion:
-        raise DataError(f"row {i} of {path}: a conversational row needs {cfg.prompt_column!r} and "
-                        f"{cfg.completion_column!r} both as lists of messages (the completion non-empty); got "
-                        f"{type(prompt).__name__} and {type(completion).__name__}")
-    messages = read_messages(prompt + completion, f"{cfg.prompt_column} + {cfg.completion_column}", i, path)
-    return {"messages": messages, "completion_from": len(prompt), **_tools(raw, cfg, i, path)}
-
-
-def chat_template_path(value: str | None) -> Path | None:
-    """``data.chat_template`` as a file: the path itself, else a shipped template of that name
-    (``chatml``, ``chatml_tools``: ``configs/chat/<name>.jinja``); ``None`` when neither exists."""
-    if value is None:
-        return None
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path
-    shipped = configs_dir() / "chat" / f"{path.name.removesuffix('.jinja')}.jinja"
-    return shipped if len(path.parts) == 1 and shipped.is_file() else None
-
-
-def chat_template(tokenizer: Any, cfg: DataConfig) -> str:
-    """The chat template (Jinja text): ``data.chat_template``'s file (or shipped name), else the tokenizer's own.
-
-    Raises:
-        DataError: the file does not exist, or there is no template at all.
-    """
-    if cfg.chat_template is not None:
-        path = chat_template_path(cfg.chat_template)
-        if path is None:
-            shipped = sorted(p.stem for p in (configs_dir() / "chat").glob("*.jinja"))
-            raise DataError(f"data.chat_template={cfg.chat_template!r} is not a file; point it at a Jinja "
-                            f"chat-template file, or name a shipped one: {shipped}")
-        return path.read_text(encoding="utf-8")
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise DataError("the messages format needs a chat template and this tokenizer has none; set "
-                        "data.chat_template to a Jinja file (e.g. the chat_template of a tokenizer_config.json "
-                        "of the same model family), or write the data as prompt/completion columns")
-    return template
-
-
-def template_name(cfg: DataConfig) -> str:
-    """The chat template in words, for messages: ``data.chat_template=...`` or the tokenizer's own."""
-    if cfg.chat_template is not None:
-        return f"data.chat_template={cfg.chat_template}"
-    return "the tokenizer's chat template"
-
-
-def special_strings(tokenizer: Any) -> list[str]:
-    """The spellings of the tokenizer's special (control) tokens."""
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    specials = set(tokenizer.all_special_tokens) | {t.content for t in added.values() if getattr(t, "special", False)}
-    return sorted((s for s in specials if s), key=len, reverse=True)
-
-
-class ClockError(Exception):
-    """The template called ``strftime_now`` (raised by the probe to stop the render)."""
-
-
-def render(tokenizer: Any, template: str, messages: list[dict[str, Any]], i: int, generation: bool = False,
-           tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None) -> str:
-    """The chat template's text for ``messages`` (``tokenize=False``).
-
-    Raises:
-        DataError: the template raised (``raise_exception`` or any error): one line naming the row and the
-            template's own message.
-    """
-    try:
-        return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
-                                             add_generation_prompt=generation, **(kwargs or {}))
-    except ClockError:
-        raise
-    except Exception as e:  # noqa: BLE001 - jinja2's TemplateError, or a template's own TypeError/KeyError
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"row {i}: the chat template refuses this conversation ({type(e).__name__}: {msg}); fix "
-                        f"the row or data.chat_template") from None
-
-
-def render_chat(tokenizer: Any, template: str, messages: list[dict[str, Any]], i: int,
-                tools: list[dict[str, Any]] | None = None) -> tuple[str, str, bool]:
-    """The last assistant turn of a conversation as ``(prompt_text, tail_text, append_eos)`` (see :func:`spans`).
-
-    Raises:
-        DataError: see :func:`spans`.
-    """
-    full, cut, add_eos = spans(tokenizer, template, messages, i, "last_assistant", tools=tools)
-    (start, end), = cut
-    return full[:start], full[start:end], add_eos
-
-
-def _end_of_turn(text: str, specials: list[str]) -> int | None:
-    """Where a rendered turn ends: right after its last special token when only whitespace follows it."""
-    body = text.rstrip()
-    for s in specials:
-        if body.endswith(s):
-            return len(body)
-    return None
-
-
-def _without_marker(text: str, specials: list[str]) -> str:
-    """A turn's text without the special token that ends it (what the turn says)."""
-    for s in specials:
-        if text.endswith(s):
-            return text[:-len(s)]
-    return text
-
-
-def _first_difference(a: str, b: str) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def _history_end(full: str, start: int, as_last: str, specials: list[str]) -> int | None:
-    """Where a turn that the template renders differently in history ends in ``full``, from its own rendering.
-
-    ``as_last`` is the turn as the template renders it when it is the last one (after its generation prompt). The
-    history rendering at ``start`` is the shortest run ``full[start:p]`` ending with the same end-of-turn marker
-    that is an end of ``as_last`` (a Qwen3-style template drops the ``<think>`` block in front of the answer).
-    Returns ``p - start``, or ``None`` when no such run exists.
-    """
-    end = _end_of_turn(as_last, specials)
-    if end is None:
-        return None
-    body = as_last[:end]
-    marker = next(s for s in specials if body.endswith(s))
-    p = full.find(marker, start)
-    while p >= 0:
-        if body.endswith(full[start:p + len(marker)]):
-            return p + len(marker) - start
-        p = full.find(marker, p + 1)
-    return None
-
-
-def _reasoning(message: dict[str, Any]) -> str:
-    return next((str(message[k]).strip() for k in REASONING_KEYS if isinstance(message.get(k), str)
-                 and message[k].strip()), "")
-
-
-def spans(tokenizer: Any, template: str, messages: list[dict[str, Any]], i: int, train_on: str,
-          first: int = 0, tools: list[dict[str, Any]] | None = None, kwargs: dict[str, Any] | None = None,
-          name: str = "the chat template", notes: dict[str, int] | None = None
-          ) -> tuple[str, list[tuple[int, int]], bool]:
-    """Render a conversation and find the character spans of its trained assistant turns, from renderings only.
-
-    Turn ``k`` starts where the generation prompt of ``messages[:k]`` ends (that prompt must be the start of the
-    rendering; of an earlier turn's prompt, the part the rendering holds after the messages before it) and ends
-    right after the special token that closes the rendered turn (or after its text, trailing whitespace dropped).
-    A turn the template renders differently as history ends where :func:`_history_end` finds it. A turn that renders as nothing but its end-of-turn marker is not trained (``notes["empty_turns"]``);
-    a trained turn's reasoning (``reasoning_content``/``thinking``) that the rendering lacks is counted
-    (``history_reasoning_dropped`` when its last-turn rendering holds it, else ``reasoning_not_rendered``).
-
-    Args:
-        train_on: ``all_assistant`` or ``last_assistant``.
-        first: only messages from this index on are trained (a conversational prompt/completion row).
-        name: the template in words (:func:`template_name`), for messages.
-        notes: counts to add to (see above); ``None``: not counted.
-
-    Returns:
-        ``(text, spans, append_eos)``: the rendered conversation, ``[(start, end)]`` ascending, and whether the
-        last turn has no end-of-turn special token (EOS is then appended to it).
-
-    Raises:
-        DataError: the template raises, the generation prompt is not the start of the rendered last turn, the
-            last turn renders as nothing, or an earlier turn has no exact location in the rendering (one line
-            naming the template and the turn).
-    """
-    specials = special_strings(tokenizer)
-    notes = {} if notes is None else notes
-    full = render(tokenizer, template, messages, i, tools=tools, kwargs=kwargs)
-    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k >= first]
-    if train_on == "last_assistant":
-        turns = turns[-1:]
-    out: list[tuple[int, int]] = []
-    add_eos = False
-    for k in turns:
-        last = k == len(messages) - 1
-        prompt = render(tokenizer, template, messages[:k], i, generation=True, tools=tools, kwargs=kwargs)
-        whole = full if last else render(tokenizer, template, messages[:k + 1], i, tools=tools, kwargs=kwargs)
-        lo = out[-1][1] if out else 0
-        if not whole.startswith(prompt) or last and not full.startswith(prompt):
-            n = _first_difference(prompt, whole)
-            which = "last assistant turn" if last else f"assistant turn (message {k})"
-            raise DataError(f"row {i}: the chat template's generation prompt is not the start of the rendered "
-                            f"{which}: after {whole[max(0, n - 30):n]!r} the prompt continues "
-                            f"{prompt[n:n + 40]!r} but the conversation {whole[n:n + 40]!r}; the model would be "
-                            f"trained after a prompt inference never sends. Fix data.chat_template so that its "
-                            f"generation prompt is what the rendered turn starts with")
-        start, as_last = len(prompt), whole[len(prompt):]
-        if not full.startswith(prompt) or start < lo:
-            # The history rendering may hold only the start of the generation prompt (Qwen3 with enable_thinking:
-            # false opens every generation with an empty <think> block that history turns lack): the turn then
-            # starts after the part of its prompt the conversation holds, if all of the messages before it are.
-            before = render(tokenizer, template, messages[:k], i, tools=tools, kwargs=kwargs)
-            start = _first_difference(prompt, full)
-            if not full.startswith(before) or start < max(len(before), lo):
-                raise DataError(f"row {i}: {name} renders the messages before assistant message {k} differently "
-                                f"once later messages follow, so where that turn starts cannot be told from the "
-                                f"template's own rendering; set data.train_on=all_assistant_as_last (every assistant "
-                                f"turn the last of a row of its own) or data.train_on=last_assistant")
-        if last or start == len(prompt) and full.startswith(whole):
-            turn = as_last
-        else:
-            length = _history_end(full, start, as_last, specials)
-            if length is None:
-                raise DataError(f"row {i}: {name} renders assistant message {k} differently once later messages "
-                                f"follow (as history), and its rendering there is no end of its rendering as the "
-                                f"last turn, so its span has no exact location; set data.train_on="
-                                f"all_assistant_as_last (every assistant turn the last of a row of its own) or "
-                                f"data.train_on=last_assistant")
-            turn = full[start:start + length]
-        end = _end_of_turn(turn, specials)
-        if end is None:
-            end, add_eos = len(turn.rstrip()), last
-        said = _without_marker(turn[:end], specials)
-        if not said.strip():
-            if last:
-                raise DataError(f"row {i}: {name} renders the last assistant message ({k}) as no text but its "
-                                f"end-of-turn marker, so nothing would be trained; check the row and "
-                                f"data.chat_template")
-            notes["empty_turns"] = notes.get("empty_turns", 0) + 1
-            continue
-        reasoning = _reasoning(messages[k])
-        if reasoning and reasoning not in said:
-            key = "history_reasoning_dropped" if reasoning in as_last else "reasoning_not_rendered"
-            notes[key] = notes.get(key, 0) + 1
-        out.append((start, start + end))
-    for m in messages:
-        if m["role"] == "system" and m["content"].strip() and m["content"].strip() not in full:
-            notes["system_not_rendered"] = notes.get("system_not_rendered", 0) + 1
-    return full, out, add_eos
-
-
-def _content_ranges(full: str, messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
-    """Character ranges of the messages' text in the rendering (found in order; text the template changed is
-    not found and not protected). Only for encoding special-token spellings as text, never for trained spans."""
-    ranges, pos = [], 0
-    for m in messages:
-        content = m.get("content") or ""
-        at = full.find(content, pos) if content else -1
-        if at >= 0:
-            ranges.append((at, at + len(content)))
-            pos = at + len(content)
-    return ranges
 
 
 def _cuts(messages: list[dict[str, Any]]) -> list[list[int]]:
@@ -427,7 +92,7 @@ class Messages(CompletionTask):
 
     def read(self, raw: dict[str, Any], cfg: DataConfig, i: int, path: str) -> dict[str, Any]:
         return {"messages": read_messages(raw.get(cfg.messages_column), cfg.messages_column, i, path),
-                **_tools(raw, cfg, i, path)}
+                **read_tools(raw, cfg, i, path)}
 
     def prepare(self, tokenizer: Any, data_cfg: DataConfig, loss_cfg: LossConfig) -> None:
         self.template = chat_template(tokenizer, data_cfg)
@@ -515,7 +180,7 @@ class Messages(CompletionTask):
         OpenAI's linking metadata (:data:`LINKING_KEYS`: ``tool_call_id``; a tool message's ``name``), which no
         common template renders, is an INFO line. (Tool calls and tools are checked by :meth:`check_tools`;
         reasoning is counted.)"""
-        keys = sorted({k for r in rows for m in r["messages"] for k in m} - _PLAIN_KEYS - {"tool_calls"}
+        keys = sorted({k for r in rows for m in r["messages"] for k in m} - PLAIN_KEYS - {"tool_calls"}
                       - set(REASONING_KEYS))
         unused = []
         for key in keys:
@@ -559,8 +224,8 @@ class Messages(CompletionTask):
         trained), whether EOS is appended, and the special-token spellings inside message text (kept as text)."""
         full, cut, add_eos = spans(b.tokenizer, self.template, messages, row.get("row", -1), train_on, first,
                                    row.get("tools"), self.kwargs, self.template_name, notes)
-        protect = [(p, p + len(s)) for a, z in _content_ranges(full[:cut[-1][1]], messages)
-                   for s in self.specials for p in _find_all(full, s, a, z)]
+        protect = [(p, p + len(s)) for a, z in content_ranges(full[:cut[-1][1]], messages)
+                   for s in self.specials for p in find_all(full, s, a, z)]
         if protect:
             notes["special_spellings_as_text"] = notes.get("special_spellings_as_text", 0) + len(protect)
         return full, [0] + [x for s in cut for x in s], add_eos, protect
@@ -583,8 +248,8 @@ class Messages(CompletionTask):
             other = [dict(m, content=probe) if k == u else m for k, m in enumerate(messages)]
             alt = render(tokenizer, self.template, other, row.get("row", -1), tools=row.get("tools"),
                          kwargs=self.kwargs)
-            starts.append(_first_difference(full, alt))
-            ends.append(len(full) - _first_difference(full[::-1], alt[::-1]))
+            starts.append(first_difference(full, alt))
+            ends.append(len(full) - first_difference(full[::-1], alt[::-1]))
         return min(starts), max(ends)
 
     def _shorten(self, row: dict[str, Any], messages: list[dict[str, Any]], first: int, train_on: str,
@@ -679,11 +344,3 @@ class Messages(CompletionTask):
             ids += encode_literal(tok, full[p:q])
             pos = q
         return ids + (encode(tok, full[pos:z]) if z > pos else [])
-
-
-def _find_all(text: str, s: str, a: int, z: int) -> list[int]:
-    found, p = [], text.find(s, a)
-    while 0 <= p and p + len(s) <= z:
-        found.append(p)
-        p = text.find(s, p + len(s))
-    return found

@@ -1,0 +1,32 @@
+"""Training objectives, one file each behind one interface (:class:`scale.objectives.base.Objective`);
+:func:`build_objective` is the one place an objective is registered (by its ``loss.objective`` value).
+
+    objective = build_objective(cfg)                  # loss.objective: sft -> the tail loss
+    num = objective.loss_step(model, batch, objective.weights(batch))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from scale.objectives.base import Objective
+from scale.objectives.tail import LossSpec
+from scale.schema import Config
+from scale.validation import ConfigError
+
+OBJECTIVES: dict[str, Callable[[Config], Objective]] = {
+    "sft": LossSpec.from_config,  # cross-entropy over each row's tail (scale.objectives.tail)
+}
+
+
+def build_objective(cfg: Config) -> Objective:
+    """The objective ``loss.objective`` names, built from the config.
+
+    Raises:
+        ConfigError: an objective that is not registered in :data:`OBJECTIVES`.
+        ValueError: a ``loss.criterion`` that cannot be imported (:func:`scale.loss.load_criterion`).
+    """
+    build = OBJECTIVES.get(cfg.loss.objective)
+    if build is None:
+        raise ConfigError(f"loss.objective={cfg.loss.objective!r} is not one of {sorted(OBJECTIVES)}")
+    return build(cfg)

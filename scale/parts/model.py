@@ -1,0 +1,83 @@
+"""The model part: the base model with LoRA, loaded on the ranks in the order the launch mode needs, checked against
+the packing and sequence-parallel settings, with the CPU bf16 paths where they pay; its matmul shape for the FLOPs
+count. Collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+
+from scale.attention import check_packing, check_sequence_parallel
+from scale.collective import main_process_first, on_every_rank
+from scale.cpu_bf16 import CPU_MIXED_PATHS, use_cpu_mixed_paths
+from scale.launch import ModePlan
+from scale.modeling import build_model
+from scale.moe import model_shape
+from scale.parts.data import on_this_machine
+from scale.parts.launch import Launch
+from scale.schema import Config
+
+logger = get_logger(__name__)
+
+
+def build_run_model(launch: Launch, cfg: Config, vocab_size: int) -> tuple[torch.nn.Module, list[str]]:
+    """The model on every rank, and the CPU bf16 paths switched on for it (their names). Collective.
+
+    Under ZeRO-3 every rank loads at once (:func:`build_model_on_every_rank`); a model on this machine is loaded by
+    every rank at once, a hub id on the main process first. Under bf16 autocast on CPU the attention, casts and the
+    4-bit backward take the paths where they are fastest (:mod:`scale.cpu_bf16`); under sequence parallelism the
+    attention stays the one Ulysses wraps (its name is what :mod:`scale.ulysses` registers).
+
+    Raises:
+        ConfigError: the model does not fit ``data.padding_free``/``data.packing`` or the sequence-parallel size.
+    """
+    acc, plan, sp = launch.acc, launch.plan, cfg.train.sequence_parallel_size
+
+    def prepare_model() -> torch.nn.Module:
+        model = build_model(cfg.model, cfg.lora, vocab_size, cfg.train.seed, device_map=plan.device_map)
+        check_packing(model, cfg.data.padding_free, cfg.data.packing)  # before anything is written
+        return model
+
+    if plan.mode == "zero3":  # from_pretrained under ZeRO-3 runs collectives
+        model = build_model_on_every_rank(acc, cfg, plan, vocab_size)  # collective
+    else:
+        model = (on_every_rank if on_this_machine(cfg.model.name_or_path) else main_process_first)(
+            acc, prepare_model)  # collective
+    check_sequence_parallel(model, cfg.model, sp, cfg.data.packing or cfg.data.padding_free, cfg.data.max_length)
+    paths = [n for n in CPU_MIXED_PATHS if not (launch.sequence is not None and n == "attention_fp32_short")]
+    cpu_paths = (use_cpu_mixed_paths(model, paths) if launch.device.type == "cpu"
+                 and cfg.train.mixed_precision == "bf16" and not plan.partitioned else [])
+    return model, cpu_paths
+
+
+def build_model_on_every_rank(acc: Accelerator, cfg: Config, plan: ModePlan, vocab_size: int) -> torch.nn.Module:
+    """Build the model on every rank at the same time, as DeepSpeed ZeRO-3 needs. Collective.
+
+    Under ZeRO-3, transformers' ``from_pretrained`` creates the weights inside ``deepspeed.zero.Init`` and
+    loads the checkpoint into the partitioned parameters through ``GatheredParameters``: both are collectives
+    every rank must enter together. Built on the main process first (as the assets are), rank 0 waited in
+    ``from_pretrained``'s broadcast while rank 1 waited in ``main_process_first``'s, and gloo aborted with "Is
+    there a distributed collective mismatch". The ranks then agree on the outcome, so that an error
+    on one rank (a missing file on one node) stops all of them with its message instead of a hang.
+
+    Raises:
+        Whatever :func:`scale.modeling.build_model` raises, on every rank (``rank_local`` when only this one).
+    """
+    return on_every_rank(acc, lambda: build_model(cfg.model, cfg.lora, vocab_size, cfg.train.seed,
+                                                  device_map=plan.device_map))
+
+
+def flops_shape(model: torch.nn.Module) -> Any:
+    """The model's matmul shape for the FLOPs count (:func:`scale.moe.model_shape`: a mixture of experts counts the
+    experts a token uses), or ``None`` with one
+    warning: an optional metric must never stop training."""
+    try:
+        return model_shape(model)
+    except Exception as e:  # noqa: BLE001 - any family the count does not understand
+        logger.warning("no FLOPs count (train/mfu) for this model: %s: %s", type(e).__name__, e,
+                       main_process_only=True)
+        return None

@@ -1,0 +1,110 @@
+"""Accumulation windows: the micro-batches of one optimizer step, the same number on every rank, with the window's
+loss denominator, agreed on by one small all-gather per window (:func:`windows`) that also carries the stop flag,
+the checkpoint timer and the rows the tail loss cannot score.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from scale.loss import batch_bad_rows, describe_batch_row
+from scale.objectives.base import Objective
+from scale.signals import Preemption
+from scale.state import SaveTimer
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of an accumulation window on this rank.
+
+    Attributes:
+        batch: the collated tensors (:class:`scale.data.Collator`), on the device.
+        weights: ``[B, N]`` tail-token weights; all zero for a stand-in.
+        real: ``False`` for a stand-in: a rank whose shard ran out at the end of an epoch repeats its last
+            batch so that every rank runs the same number of forward/backward passes (no collective hangs);
+            a stand-in backpropagates an exact zero and is not counted.
+    """
+
+    batch: dict[str, torch.Tensor]
+    weights: torch.Tensor
+    real: bool = True
+
+
+@dataclass
+class Window:
+    """The micro-batches of one optimizer step on this rank.
+
+    Attributes:
+        micro: at most ``gradient_accumulation_steps`` micro-batches, the same number on every rank.
+        den: the loss denominator: the sum of token weights over the window on every rank (host float).
+        stop: some rank was asked to stop (SIGTERM/SIGINT) before this window; ``micro`` is then empty.
+        save_due: some rank's checkpoint timer (``train.save_every_minutes``) ran out before this window: every
+            rank checkpoints after it.
+    """
+
+    micro: list[MicroBatch]
+    den: float = 0.0
+    stop: bool = False
+    save_due: bool = False
+
+
+class Vote(NamedTuple):
+    """One rank's entry of the all-gather of :func:`windows`, float64 scalars on its device (after the gather each
+    field is ``[world]``, one per rank)."""
+
+    micro_batches: torch.Tensor  # real micro-batches this rank holds for the window
+    stop: torch.Tensor  # 1: a pre-emption signal arrived on this rank
+    weight_sum: torch.Tensor  # the sum of its micro-batches' loss weights: summed over ranks, the denominator
+    save_due: torch.Tensor  # 1: this rank's save_every_minutes timer is due
+    bad_rows: torch.Tensor  # rows the tail loss cannot score (scale.loss.batch_bad_rows)
+
+
+def windows(acc: Accelerator, dl: DataLoader, ga: int, objective: Objective,
+            preemption: Preemption | None = None, timer: SaveTimer | None = None) -> Iterator[Window]:
+    """Yield accumulation windows of at most ``ga`` micro-batches, the same length on every rank.
+
+    With ``even_batches=False`` a rank can run out of batches before the others at the end of an epoch; it
+    then repeats its last batch as a stand-in (``real=False``). The epoch ends when no rank has a batch left.
+
+    Collective: one tiny all-gather per window (a :class:`Vote` of every rank), which also carries the stop flag
+    (pre-emption costs no extra collective), the loss denominator, the checkpoint timer (ranks agree on a time-based
+    save) and the count of rows the tail loss cannot score (so every rank stops together on such a batch), and is the
+    loop's one host sync per optimizer step.
+
+    Raises:
+        ValueError: a micro-batch on some rank holds a row with a gap in its mask or fewer than its tail + 1
+            tokens (:func:`scale.loss.check_rows`).
+    """
+    it, last = iter(dl), None
+    while True:
+        batches = list(itertools.islice(it, ga))
+        last = batches[-1] if batches else last
+        micro = [MicroBatch(b, objective.weights(b)) for b in batches]
+        zero = torch.zeros((), dtype=torch.float64, device=acc.device)
+        mine = Vote(micro_batches=zero + len(micro), stop=zero + (preemption is not None and preemption.requested),
+                    weight_sum=torch.stack([mb.weights.sum() for mb in micro]).double().sum() if micro else zero,
+                    save_due=zero + (timer is not None and timer.due),
+                    bad_rows=torch.stack([batch_bad_rows(b).sum() for b in batches]).sum().double() if micro else zero)
+        votes = Vote(*acc.gather(torch.stack(mine)[None]).cpu().T)  # collective + host sync, once per window
+        n_max, stop, den = int(votes.micro_batches.max()), bool(votes.stop.max()), float(votes.weight_sum.sum())
+        if votes.bad_rows.any():
+            bad = next((b for b in batches if batch_bad_rows(b).any()), None)
+            raise ValueError(describe_batch_row(bad) if bad
+                             else "a micro-batch on another rank holds a row the tail loss cannot score (its "
+                                  "message names it)")
+        if stop:
+            yield Window([], stop=True)
+            return
+        if n_max == 0:
+            return
+        if last is None:
+            raise RuntimeError("a rank got no batch in an epoch: lower train.micro_batch_size or num_processes")
+        stand_ins = [MicroBatch(last, torch.zeros_like(objective.weights(last)), real=False)] * (n_max - len(micro))
+        yield Window(micro + stand_ins, den=den, save_due=bool(votes.save_due.max()))
