@@ -16,7 +16,8 @@ import torch
 from scale.config import ConfigError
 from scale.loss import forward_tail
 from scale.modeling import add_lora
-from scale.moe import ExpertLoad, expert_factors, moe_layout, parameter_adapters, targets_line
+from scale.moe import expert_factors, moe_layout, parameter_adapters, targets_line
+from scale.parts.experts import ExpertLoad, RouterAux
 from scale.schema import LoraConfig, ModelConfig
 from tests.bounds import fp32_paths_rel
 
@@ -344,8 +345,6 @@ def switch_aux_reference(logits: list[torch.Tensor], k: int) -> float:
 
 
 def test_router_aux_loss_is_the_switch_loss_weighted_by_the_micro_batch():
-    from scale.moe import RouterAux
-
     model = lora(tiny_moe("qwen3_moe"), train_router=True, dropout=0.0)
     model.train()
     layout = moe_layout(model)
@@ -376,8 +375,6 @@ def test_router_aux_loss_is_the_switch_loss_weighted_by_the_micro_batch():
 
 
 def test_router_aux_coef_with_a_frozen_router_or_a_dense_model_is_one_line():
-    from scale.moe import RouterAux
-
     model = lora(tiny_moe("mixtral"))
     with pytest.raises(ConfigError, match=r"^loss.router_aux_coef=0.01 balances the routers, which are frozen: set "
                                           r"lora.train_router=true"):
