@@ -216,32 +216,39 @@ def peak_cache_path() -> Path:
 
 def machine_peak(key: str, probe: Callable[[], tuple[float, int]], path: Path, probes: int = PEAK_PROBES
                  ) -> tuple[dict[str, Any], bool]:
-    """The peak FLOP/s of ``key`` (device model, torch version, dtype, threads) as ``path`` caches it, measured
-    once: the best of ``probes`` calls of ``probe`` (each ``(FLOP/s, GEMM size n)``) when ``path`` holds none.
+    """The peak FLOP/s of ``key`` (device model, torch version, dtype, threads): the best probe this machine ever
+    measured, as ``path`` caches it.
 
-    One figure per machine keeps ``train/mfu`` comparable between runs: a probe at every start measured 0.44-0.70
-    vs 0.25-0.35 MFU for two identical runs, the second on a busy machine. The best of several probes is the figure
-    least lowered by a neighbour's load; the cache is the one figure every later run divides by. Delete the file
-    (or set ``log.peak_flops: measure``) to measure again.
+    The first call takes the best of ``probes`` calls of ``probe`` (each ``(FLOP/s, GEMM size n)``); every later call
+    runs one probe and keeps the higher of it and the cached figure, writing the cache when the probe beat it. So
+    the figure only rises, towards the idle machine's: a probe on a busy machine (a neighbour's load lowers it, as
+    two identical runs measured 0.44-0.70 vs 0.25-0.35 MFU with a probe at every start) neither lowers the figure
+    nor, once cached, replaces it; and ``train/mfu`` never divides by less than what this run just measured (a
+    figure cached while the machine was busy would put it above 1). Delete the file (or set ``log.peak_flops:
+    measure``) to start over.
 
     Returns:
-        ``({"flops", "n", "probes", "date"}, cached)``: ``cached`` is False when measured by this call. A cache
-        that cannot be written (read-only home) is skipped: the figure is then this run's best probe.
+        ``({"flops", "n", "probes", "date"}, cached)``: ``cached`` is True when the cached figure stood (this call's
+        probe did not beat it). A cache that cannot be written (read-only home) is skipped: the figure is then this
+        call's best probe.
     """
     try:
         table = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (OSError, ValueError):
         table = {}
-    entry = table.get(key) if isinstance(table, dict) else None
+    table = table if isinstance(table, dict) else {}
+    entry = table.get(key)
     if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0:
-        return entry, True
-    runs = [probe() for _ in range(probes)]
-    flops, n = max(runs)
-    entry = {"flops": flops, "n": n, "probes": probes, "date": time.strftime("%Y-%m-%d")}
-    table = {**(table if isinstance(table, dict) else {}), key: entry}
+        flops, n = probe()
+        if flops <= entry["flops"]:
+            return entry, True
+        entry = {"flops": flops, "n": n, "probes": int(entry.get("probes", 0)) + 1, "date": time.strftime("%Y-%m-%d")}
+    else:
+        flops, n = max(probe() for _ in range(probes))
+        entry = {"flops": flops, "n": n, "probes": probes, "date": time.strftime("%Y-%m-%d")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps(table, indent=1, sort_keys=True) + "\n")
+        write_text_atomic(path, json.dumps({**table, key: entry}, indent=1, sort_keys=True) + "\n")
     except OSError:
         pass
     return entry, False
@@ -265,9 +272,9 @@ def resolve_peak_flops(cfg: Config, acc: Accelerator) -> PeakFlops:
     - a number: used as given;
     - ``false``: no MFU;
     - ``null``: a GPU's dense bf16 figure from :data:`scale.flops.PEAK_BF16_FLOPS` by device name; on CPU, or
-      a GPU missing from the table, this machine's figure: measured once (best of :data:`PEAK_PROBES` probes) and
-      cached per device model, torch version, dtype and thread count (:func:`machine_peak`), so identical runs
-      divide by the same peak;
+      a GPU missing from the table, this machine's figure: the best probe it ever measured (first the best of
+      :data:`PEAK_PROBES`, then one probe a start that can only raise it), cached per device model, torch version,
+      dtype and thread count (:func:`machine_peak`), so a busy machine does not change the peak runs divide by;
     - ``"measure"``: measured now, :func:`measure_peak_flops` at the run's :func:`compute_dtype` on every rank at once
       (so that ranks sharing a machine measure what they share), averaged over ranks. On CPU the other of
       float32/bfloat16 is measured too, and the source names it when it is faster (a hint for

@@ -341,8 +341,9 @@ class LogConfig:
                                                      "for an H100 SXM in bf16), 'measure' (time a dense GEMM at the "
                                                      "run's compute dtype at start-up, ~1 s), false (no MFU), or "
                                                      "null: the GPU table by device name, else this machine's "
-                                                     "figure, measured once (best of 3 probes) and cached in "
-                                                     "~/.cache/scale/peak_flops.json.")
+                                                     "figure: the best GEMM probe it ever measured (3 the "
+                                                     "first time, then 1 a start that can only raise it), cached "
+                                                     "in ~/.cache/scale/peak_flops.json.")
 
 
 @dataclass

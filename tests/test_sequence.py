@@ -234,6 +234,7 @@ def test_attention_is_refused_from_the_config_before_the_accelerator(monkeypatch
     """The config alone decides it: scale.job.setup raises before build_accelerator is called (accelerate's own check
     would fire inside Accelerator() with a ValueError on every rank)."""
     import scale.job as job
+    import scale.parts.launch
     from scale.attention import check_sequence_parallel_config
 
     eager = load_config(TINY_YAML, ["model.attn_implementation=eager", "train.sequence_parallel_size=2"])
@@ -246,7 +247,7 @@ def test_attention_is_refused_from_the_config_before_the_accelerator(monkeypatch
     def built(*args, **kwargs):
         raise AssertionError("the Accelerator was built before the sequence-parallel attention was checked")
 
-    monkeypatch.setattr(job, "build_accelerator", built)
+    monkeypatch.setattr(scale.parts.launch, "build_accelerator", built)  # where setup's launch part builds it
     eager.output_dir = str(tmp_path / "out")
     with pytest.raises(ConfigError) as e:
         job.setup(eager)
