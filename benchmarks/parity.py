@@ -16,7 +16,10 @@ The ``fsdp2`` row is accelerate's FSDP2 preparation on 2 CPU processes through t
 The ``ulysses`` rows are sequence parallelism (``train.sequence_parallel_size=2``, DeepSpeed Ulysses): 2 processes
 share every row (ZeRO-1/2/3), or 4 processes form 2 data-parallel groups of 2 (ZeRO-2/3). The ``late_tails`` job
 (the reviews cut to 16 tokens) puts every tail prediction on the second rank's shard: the first rank's loss is an
-exact 0 in every micro-batch.
+exact 0 in every micro-batch. The ``moe`` job trains a tiny Qwen3-MoE (8 experts, top-2; LoRA on every expert)
+whose routers never send a token to 4 of the experts (``tests.launching.save_tiny_moe_directory``); its rows are the
+modes that load a directory (not the ``from a directory`` row, which loads the tiny Llama, nor the Ulysses rows);
+it runs when ``--jobs`` names it.
 
 ``--modes`` takes items separated by commas outside parentheses (names hold commas inside them, as ``4x(2,2)``): an
 item equal to a mode name selects that row only, any other item the rows whose names contain it (``ulysses``);
@@ -39,9 +42,10 @@ if __package__ in (None, ""):  # `python benchmarks/parity.py`: make `tests.laun
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.launching import (CHATS, COMPLETIONS, LATE_TAILS, ROOT, modes, rel_dev, run_mode,  # noqa: E402
-                             save_tiny_directory, weight_dev)
+                             save_tiny_directory, save_tiny_moe_directory, weight_dev)
 
-JOBS = {"reviews": [], "completions": COMPLETIONS, "chats": CHATS, "late_tails": LATE_TAILS}
+JOBS = {"reviews": [], "completions": COMPLETIONS, "chats": CHATS, "late_tails": LATE_TAILS, "moe": []}
+SKIP = {"moe": ("from a directory", "ulysses")}  # rows a job cannot run as the others do (see the module docstring)
 
 
 def _flag(cmd: list[str], name: str) -> str | None:
@@ -117,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="", help="comma-separated mode names (whole names, commas inside "
                         "parentheses kept: 'ulysses sp2 zero2 4x(2,2) dp2') or parts of names ('ulysses'); "
                         "default: all")
-    parser.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated subset of {list(JOBS)}")
+    parser.add_argument("--jobs", default=",".join(j for j in JOBS if j != "moe"),
+                        help=f"comma-separated subset of {list(JOBS)} (default: all but moe)")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override for every mode, e.g. --set data.group_by_length=true")
@@ -128,11 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     table = select(table, split_modes(args.modes))
     problems = {name: launch_problem(cmds) for name, (cmds, _) in table.items()}
     worst, report = 0.0, []
+    if "moe" in args.jobs.split(","):
+        moe = save_tiny_moe_directory(Path(args.out) / "tiny-qwen3-moe-dir")
+        JOBS["moe"] = [f"model.name_or_path={moe}", "model.tokenizer=smollm2-135m", "model.gradient_checkpointing=true"]
     for job in args.jobs.split(","):
         results = {}
         header = f"| {job + ': mode':<34} | {'loss':>9} | {'grad_norm':>9} | {'weights':>9} | {'wall s':>6} |"
         lines = [header, "|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|"]
         for i, (name, (cmds, overrides)) in enumerate(table.items()):
+            if any(skip in name for skip in SKIP.get(job, ())):
+                continue
             if problems[name]:
                 lines.append(f"| {name:<34} | skipped: {problems[name]} |")
                 sys.stdout.write(lines[-1] + "\n")

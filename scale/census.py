@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from scale import chunked
+from scale.moe import moe_layout, static_experts
 from scale import loss as scale_loss
 from scale.config import configs_dir
 from scale.modeling import TINY, add_lora, tiny_llama_config
@@ -185,13 +186,17 @@ def census(cfg: Config, model: torch.nn.Module) -> list[ParamInfo]:
     """Every distinct parameter of the meta-built model (tied weights once), with its training dtype.
 
     With ``model.quantize_4bit`` the weights of the linear layers transformers quantizes are marked
-    ``quantized``; the other fp16/bf16 parameters become fp32, as ``prepare_model_for_kbit_training`` does.
+    ``quantized``; the other fp16/bf16 parameters become fp32, as ``prepare_model_for_kbit_training`` does, except
+    the fused expert weights of a mixture-of-experts model, which bitsandbytes does not quantize and the harness
+    keeps in ``model.dtype`` (:func:`scale.moe.restore_expert_dtype`).
     """
     base = model.get_base_model()
     quantized: set[int] = set()
     if cfg.model.quantize_4bit:
         names = quantized_linear_names(base)
         quantized = {id(mod.weight) for name, mod in base.named_modules() if name in names}
+    layout = moe_layout(model)
+    experts = set(layout.expert_params) if layout is not None else set()
     out, seen = [], set()
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:
@@ -199,7 +204,8 @@ def census(cfg: Config, model: torch.nn.Module) -> list[ParamInfo]:
         seen.add(id(p))
         q = id(p) in quantized
         dtype = p.dtype
-        if cfg.model.quantize_4bit and not q and dtype in (torch.float16, torch.bfloat16):
+        expert = name.removeprefix("base_model.model.").replace(".base_layer", "") in experts
+        if cfg.model.quantize_4bit and not q and not expert and dtype in (torch.float16, torch.bfloat16):
             dtype = torch.float32
         out.append(ParamInfo(name, tuple(p.shape), dtype, p.requires_grad, q))
     return out
@@ -439,7 +445,8 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
     amp_dtype = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else torch.float16
     compute = DTYPES.get(cfg.model.bnb_4bit_compute_dtype, amp_dtype if autocast else torch.float32)  # "auto": amp
     try:
-        with _fake_parameters(model, mode, dtype_of), four_bit_layers(model, quantized, compute), mode:
+        with _fake_parameters(model, mode, dtype_of), four_bit_layers(model, quantized, compute), mode, \
+                static_experts():
             param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
 
             def pack(t: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,8 @@ the bound, 1.13 |
 (``train.sequence_parallel_size``: DeepSpeed Ulysses) | 1.12.0 | the bound, 1.12 |
 | accelerate | ``DataLoaderConfiguration(use_seedable_sampler=)``, ``GradientAccumulationPlugin`` | < 1.10 | the bound |
 | peft | ``save_pretrained(state_dict=)``, ``target_modules="all-linear"`` | < 0.15 | the bound |
+| peft | ``LoraConfig(target_parameters=)`` (LoRA on the fused 3-D experts of transformers 5 MoE models) | after \
+0.15 | :func:`peft_adapts_parameters`: a MoE model on an older peft is refused in one line |
 
 (A trailing backslash continues a row.) "the bound" means ``pyproject.toml``'s lower bound already includes the
 change, so no branch is needed here; the lowest-versions tier proves it.
@@ -99,6 +101,14 @@ def untested_dependencies(tested: dict[str, tuple[str, str]] | None = None) -> s
         return None
     return ("untested dependency versions: " + ", ".join(outside)
             + "; scale-env prints the whole environment for a bug report")
+
+
+def peft_adapts_parameters() -> bool:
+    """Whether the installed peft adapts parameters (``LoraConfig(target_parameters=)``, its ``ParamWrapper``), which
+    LoRA on a mixture-of-experts model's fused experts needs (:mod:`scale.moe`)."""
+    from peft import LoraConfig
+
+    return "target_parameters" in getattr(LoraConfig, "__dataclass_fields__", {})
 
 
 def enable_checkpointing(model: Any, activation_checkpointing_kwargs: dict[str, Any] | None = None,

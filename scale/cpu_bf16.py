@@ -125,7 +125,8 @@ def cast_adapter_inputs_once(model: torch.nn.Module, on: bool = True) -> int:
 
     count = 0
     for module in model.modules():
-        if not isinstance(module, LoraLayer) or not isinstance(module, torch.nn.Module):
+        if not isinstance(module, LoraLayer) or not isinstance(module, torch.nn.Module) \
+                or type(module).__name__ == "ParamWrapper":  # LoRA on a fused expert weight, not on an input
             continue
         handle = getattr(module, "_scale_input_hook", None)
         if on and handle is None:
@@ -170,7 +171,8 @@ def fuse_adapter_sum(model: torch.nn.Module, on: bool = True) -> int:
 
     count = 0
     for module in model.modules():
-        if not isinstance(module, LoraLayer) or not isinstance(module, torch.nn.Module):
+        if not isinstance(module, LoraLayer) or not isinstance(module, torch.nn.Module) \
+                or type(module).__name__ == "ParamWrapper":  # LoRA on a fused expert weight, not on an input
             continue
         installed = "forward" in vars(module)
         if on and not installed:

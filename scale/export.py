@@ -35,6 +35,7 @@ from scale.data.tasks.chat_template import chat_template
 from scale.fileio import replace_dir, temp_dir_for
 from scale.logs import configure_logging
 from scale.modeling import keep_bitsandbytes_out, load_base, load_tokenizer
+from scale.moe import explicit_targets
 from scale.schema import Config
 
 logger = logging.getLogger("scale.export")  # also under `python -m scale.export`
@@ -140,7 +141,8 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
         raise FileNotFoundError(f"{run_dir}/adapter has no adapter_config.json: train with train.save_adapter=true")
     tokenizer, stops, note = serving_tokenizer(cfg, run_dir)
     base = dequantized_base(cfg.model, len(load_tokenizer(cfg.model)), cfg.train.seed)
-    merged = PeftModel.from_pretrained(base, run_dir / "adapter").merge_and_unload()
+    with explicit_targets():  # a mixture-of-experts adapter names its targets in full (scale.moe)
+        merged = PeftModel.from_pretrained(base, run_dir / "adapter").merge_and_unload()
     merged.config.use_cache = True
     tmp = temp_dir_for(out)
     merged.save_pretrained(tmp, safe_serialization=True)

@@ -98,12 +98,15 @@ class ModelShape:
         head: elements of the LM head (``N_head = V x d``; counted even when tied to the embedding).
         num_layers: decoder layers ``L``.
         attention_width: ``d_attn = heads x head_dim`` (query heads).
+        inactive_lora: adapter elements a token does not use: in a mixture-of-experts model, ``1 - k/E`` of the
+            LoRA on the routed experts (0 for a dense model).
     """
 
     layers: int
     head: int
     num_layers: int
     attention_width: int
+    inactive_lora: int = 0
 
 
 def _matmul_elements(module: Any) -> int:
@@ -121,7 +124,8 @@ def _matmul_elements(module: Any) -> int:
 def model_shape(model: Any) -> ModelShape:
     """Read a model's :class:`ModelShape` off its modules (plain, PEFT-wrapped, 4-bit or ZeRO-3 partitioned).
 
-    LoRA adapter matrices are left out (they are ``lora_params``); the LM head is
+    LoRA adapter matrices are left out (they are ``lora_params``); the fused 3-D experts of a mixture-of-experts
+    model are not matmul layers here (:func:`scale.moe.model_shape` adds them); the LM head is
     ``model.get_output_embeddings()``. The attention dimensions come from the (text) config through the
     standard names, which transformers maps per family (GPT-2's ``n_layer``/``n_head`` included).
     """
@@ -197,7 +201,7 @@ def flops_per_token(config: Any, seq_len: int, *, lora_params: int | None = None
     attention = 12 * shape.num_layers * seq_len * shape.attention_width
     if lora_params is None:
         return 6 * matmul_params + attention
-    return 4 * matmul_params + 6 * lora_params + attention
+    return 4 * matmul_params + 6 * max(lora_params - shape.inactive_lora, 0) + attention
 
 
 def mfu(positions_per_s: float, flops_per_position: float, peak: float) -> float:

@@ -47,6 +47,7 @@ from scale.config import load_config
 from scale.config_help import help_text
 from scale.data.tasks.base import encode, special_affixes
 from scale.export import serving_tokenizer
+from scale.moe import explicit_targets
 from scale.logs import configure_logging
 from scale.modeling import keep_bitsandbytes_out, load_base, load_tokenizer
 from scale.schema import ModelConfig
@@ -198,7 +199,8 @@ def load_model(path: str | Path) -> torch.nn.Module:
 
     cfg = load_config(run_dir / "config.yaml")
     base = load_base(cfg.model, len(load_tokenizer(cfg.model)), cfg.train.seed)
-    return PeftModel.from_pretrained(base, run_dir / "adapter").eval()
+    with explicit_targets():  # a mixture-of-experts adapter names its targets in full (scale.moe)
+        return PeftModel.from_pretrained(base, run_dir / "adapter").eval()
 
 
 def load_for_generation(path: str | Path) -> tuple[torch.nn.Module, Any, list[int]]:

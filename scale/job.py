@@ -28,7 +28,9 @@ from scale.metrics import MetricsLog, model_flops
 from scale.modeling import parameter_counts
 from scale.objectives import build_objective
 from scale.objectives.base import Objective
+from scale.objectives.router_aux import with_router_aux
 from scale.parts.data import build_data, check_type_weights
+from scale.parts.experts import Experts, build_experts
 from scale.parts.launch import build_launch, prepare
 from scale.parts.loaders import build_loaders, warn_larger_than_split
 from scale.parts.log import build_generation, build_log, pick_eval_samples
@@ -39,7 +41,7 @@ from scale.parts.resume import resume_or_start
 from scale.precision import resolve_peak_flops
 from scale.samples import Generation
 from scale.schema import Config
-from scale.startup import launch_comment, report_peak, report_precision, report_start
+from scale.startup import launch_comment, report_experts, report_peak, report_precision, report_start
 from scale.state import TrainerState
 from scale.ulysses import SequenceParallel
 
@@ -66,6 +68,7 @@ class Job:
     task: Task | None = None  # the eval split's prepared task (its format's metrics); None: the eval loader's
     chat: bool = True  # the rows were rendered by a chat template (Splits.template_sha256): adapter/ carries it
     sequence: SequenceParallel | None = None  # train.sequence_parallel_size > 1 (scale.ulysses)
+    experts: Experts | None = None  # a mixture-of-experts model (scale.parts.experts); None for a dense one
 
     def __post_init__(self) -> None:
         if self.max_steps is None:
@@ -83,11 +86,13 @@ def setup(cfg: Config) -> Job:
     acc = launch.acc
     data = build_data(launch, cfg)  # collective: the tokenizer and the token cache's splits
     model, cpu_paths = build_run_model(launch, cfg, len(data.tokenizer))  # collective
+    experts = build_experts(cfg, model, acc.device)  # a mixture of experts: its hooks, before anything is written
     loaders = build_loaders(launch, cfg, data.splits, data.tokenizer.pad_token_id)
     check_type_weights(cfg, data.splits)
-    objective = build_objective(cfg)
-    check_objective(cfg, data.splits, objective)
-    keep_reference(cfg, model, objective)  # model.adapter under DPO: its frozen copy is the reference
+    base = build_objective(cfg)  # loss.objective
+    check_objective(cfg, data.splits, base)
+    keep_reference(cfg, model, base)  # model.adapter under DPO: its frozen copy is the reference
+    objective = with_router_aux(base, experts.aux if experts else None)  # + the routers' load-balancing loss
     samples = pick_eval_samples(cfg, data.splits, objective)  # checks train.keep_best before step 1
     warn_larger_than_split(launch, cfg, loaders)
     clear_previous_run(acc, cfg, launch.resume)  # collective; train.overwrite_output_dir=true: the old run goes
@@ -100,10 +105,11 @@ def setup(cfg: Config) -> Job:
     shape = flops_shape(model)  # before prepare: acc.unwrap_model imports deepspeed whenever it is installed
     model, optimizer, train_dl, eval_dl = prepare(launch, cfg, model, optimizer, scheduler, loaders.train,
                                                   loaders.eval)  # collective
-    precompute_references(acc, cfg, model, objective, data.splits, data.tokenizer.pad_token_id,
+    precompute_references(acc, cfg, model, base, data.splits, data.tokenizer.pad_token_id,
                           [train_dl, eval_dl])  # collective; loss.reference=precomputed only
     counts = parameter_counts(model)  # (trainable, total)
     report_start(launch, cfg, data, loaders, model, cpu_paths, max_steps, counts)
+    report_experts(experts.lines if experts else [], acc)
     state = resume_or_start(launch, cfg, data, model, optimizer, scheduler)  # collective
     log = build_log(launch, cfg, data.splits, state)
     report_precision(launch.precision, acc)
@@ -113,4 +119,5 @@ def setup(cfg: Config) -> Job:
     chat = bool(data.splits.template_sha256)  # a chat template rendered the rows (classification, text: none did)
     gen = build_generation(launch, cfg, samples, chat, state)
     return Job(cfg, acc, launch.plan, model, optimizer, scheduler, train_dl, eval_dl, objective, log, state,
-               flops_fn, peak.flops, max_steps, gen, data.splits.task, sequence=launch.sequence, chat=chat)
+               flops_fn, peak.flops, max_steps, gen, data.splits.task, sequence=launch.sequence, chat=chat,
+               experts=experts)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from scale import moe
 from scale.compat import enable_checkpointing
 from scale.assets import EMBEDDED_MODEL, resolve_model
 from scale.schema import LoraConfig, ModelConfig
@@ -235,19 +236,40 @@ def disable_cpu_inference_packing(model: torch.nn.Module) -> int:
 def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfig) -> torch.nn.Module:
     """Freeze the base, prepare k-bit training, enable checkpointing and wrap with a LoRA adapter.
 
+    A mixture-of-experts model (fused 3-D experts) gets its targets from :mod:`scale.moe`: the linear layers by
+    name and every expert's weights as peft ``target_parameters``, routers frozen unless ``lora.train_router``,
+    ``lora.dropout`` on the linear layers' adapters only, the experts kept in their loaded dtype under 4-bit.
+
     Returns:
         A ``peft.PeftModel``; only ``lora_A``/``lora_B`` require grad.
+
+    Raises:
+        ConfigError: ``lora.target_modules`` names a layer the model does not have.
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model, prepare_model_for_kbit_training
 
+    layout = moe.moe_layout(model)  # None for a dense model
+    loaded = {n: p.dtype for n, p in model.named_parameters()} if layout is not None else {}
     if model_cfg.quantize_4bit:
         # Casts norms to fp32 and freezes the base. Checkpointing is enabled below, once, our way.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        if layout is not None:
+            moe.restore_expert_dtype(model, layout, loaded)
     if model_cfg.gradient_checkpointing:
         # Also makes the embedding output require grad, so checkpointed blocks of a frozen base still
         # pass gradient to LoRA (peft#137).
         enable_checkpointing(model, **checkpointing_kwargs(model_cfg))
+    if layout is not None:  # fused experts: explicit module and parameter names (scale.moe)
+        targets = moe.lora_targets(layout, lora_cfg.target_modules, lora_cfg.train_router, linear_names(model))
+        peft_cfg = PeftLoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, task_type="CAUSAL_LM",
+                                  lora_dropout=0.0 if targets.parameters else lora_cfg.dropout,
+                                  target_modules=targets.modules, target_parameters=targets.parameters or None)
+        with moe.explicit_targets():
+            model = get_peft_model(model, peft_cfg)
+        if targets.parameters:
+            moe.set_linear_dropout(model, lora_cfg.dropout)
+        return model
     check_lora_targets(model, lora_cfg.target_modules)
     peft_cfg = PeftLoraConfig(
         r=lora_cfg.r,

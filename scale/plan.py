@@ -58,13 +58,16 @@ import torch
 
 from scale.assets import resolve_data
 from scale.census import (GIB, Activations, PlanError, build_meta_model, census, count_activations,
-                          load_model_config)
+                          load_model_config, nbytes)
 from scale.config import load_config
 from scale.config_help import help_text
 from scale.data.tokenize import build_splits
+from scale.flops import flops_per_token
 from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, SP_MODES, Rank, predict_mode
 from scale.logs import ignore_known_warnings
 from scale.modeling import load_tokenizer
+from scale.moe import active_counts, moe_layout
+from scale.moe import model_shape as moe_model_shape
 from scale.schema import Config, ModelConfig
 from scale.state import divisors, read_state, resume_accumulation, saved_global_batch
 from scale.validation import ConfigError
@@ -97,6 +100,7 @@ class Plan:
     assumptions: list[str]
     resume: str | None = None  # --resume: the accumulation that keeps the checkpoint's global batch, in words
     advice: str = ""  # no mode fits: what would make one fit, in words (:func:`none_fits_advice`)
+    experts: str = ""  # a mixture-of-experts model: total vs active parameters and FLOPs per token (:func:`moe_text`)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -172,6 +176,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         lambda c: make_plan(c, gpus, gpu_mem_gib, nodes, model_config, root, padded))
     a_off, a_on = acts_by_gc[False][False], acts_by_gc[True][False]
     N, T = cfg.loss.threshold, cfg.data.max_length
+    experts = moe_text(models[on], params, T, N)
     name = str(model_config or cfg.model.name_or_path)
     n_params = sum(p.numel for p in params)
     return Plan(
@@ -182,7 +187,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         activations={"checkpointing_off": a_off.decoder, "checkpointing_on": a_on.decoder, "lm_head_and_loss": a_on.head},
         logits_tail_bytes=cfg.train.micro_batch_size * N * a_on.vocab * 4,
         logits_full_bytes=cfg.train.micro_batch_size * T * a_on.vocab * 4, ranks=ranks, fits=fits,
-        recommended=recommended, advice=advice,
+        recommended=recommended, advice=advice, experts=experts,
         assumptions=[tail_note, *assumptions(replace(user_cfg, train=cfg.train), gpus, nodes, padded),
                      loss_note(cfg, a_on)])
 
@@ -398,6 +403,34 @@ ROWS = (("base weights", "weights"), ("trainable (LoRA)", "trainable"), ("fp32 m
         ("TOTAL per rank", "total"), ("host memory per rank", "host"))
 
 
+def moe_text(model: torch.nn.Module, params: list[Any], max_length: int, threshold: int) -> str:
+    """The plan's line for a mixture-of-experts model (``""`` for a dense one): total and active parameters (a token
+    runs through ``k`` of the ``E`` routed experts, :func:`scale.moe.active_counts`), the training FLOPs per token
+    from the active ones (:func:`scale.moe.model_shape`, the ``train/mfu`` count) against every expert running, and
+    the expert stack one MoE layer holds in its training dtype: LoRA on fused experts (peft's ``ParamWrapper``)
+    computes ``W + B A`` for the whole stack in each forward, which backward keeps (counted in the saved
+    activations; checkpointing keeps one layer's)."""
+    layout = moe_layout(model)
+    if layout is None:
+        return ""
+    counts = active_counts(model, layout)
+    trainable = sum(p.numel for p in params if p.trainable)
+    shape = moe_model_shape(model)
+    fraction = threshold / max_length
+    active = flops_per_token(shape, max_length, lora_params=trainable, logits_fraction=fraction)
+    every = flops_per_token(replace(shape, layers=shape.layers + counts.experts - counts.experts * layout.top_k
+                                    // layout.num_experts, inactive_lora=0), max_length, lora_params=trainable,
+                            logits_fraction=fraction)
+    by_name = {p.name.removeprefix("base_model.model.").replace(".base_layer", ""): p for p in params}
+    stack = max((sum(by_name[n].numel * nbytes(by_name[n].dtype) for n in layout.expert_params
+                     if n.startswith(f"{e}.") and n in by_name) for e in layout.experts), default=0)
+    return (f"mixture of experts: {layout.num_experts} routed experts, top-{layout.top_k}, in {len(layout.experts)} "
+            f"layers: {counts.total:,} parameters, {counts.active:,} active per token "
+            f"({counts.active / counts.total:.1%}); training FLOPs per token {active:.3g} from the active ones (train/mfu counts these; {every:.3g} if "
+            f"every expert ran); one layer's expert stack {_gib(stack)} GiB, computed as W + B A in each forward "
+            f"(LoRA on fused experts) and kept for backward")
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a text table (GiB per rank), fits, recommendation and assumptions."""
     a = plan.activations
@@ -409,6 +442,7 @@ def format_plan(plan: Plan) -> str:
         (f"saved activations per micro-batch: checkpointing off {_gib(a['checkpointing_off'])} GiB, on "
         f"{_gib(a['checkpointing_on'])} GiB; fp32 log-probabilities the loss keeps: tail [B, N, V] "
         f"{plan.logits_tail_bytes / 2**20:.2f} MiB vs full [B, T, V] {_gib(plan.logits_full_bytes)} GiB"),
+        *([plan.experts] if plan.experts else []),
         "",
     ]
     labels = [MODE_LABELS[r.mode] for r in plan.ranks]

@@ -68,6 +68,8 @@ class LoraConfig:
     dropout: float = _f(0.05, "Dropout probability on the LoRA input (0 to 1).")
     target_modules: list[str] | str = _f("all-linear", "Modules that get an adapter: 'all-linear' or a list of "
                                                        "module names such as [q_proj, v_proj].")
+    train_router: bool = _f(False, "Mixture-of-experts models: give the routers' weights a LoRA pair too; false keeps "
+                                   "every router frozen (all-linear adapts attention and every expert, not routers).")
 
 
 @dataclass
@@ -223,6 +225,10 @@ class LossConfig:
     fused: str | None = _f(None, "Kernel of the chunked tail loss (where chunk_size chunks): null: scale.chunked's "
                                  "(exact, any device); liger: Liger-Kernel's fused linear cross-entropy (CUDA only, "
                                  "pip install liger-kernel; unweighted tails: no type_weights, no criterion).")
+    router_aux_coef: float | None = _f(None, "Mixture-of-experts models with lora.train_router=true: weight of the "
+                                             "model's own load-balancing loss (Switch Transformer) added to the tail "
+                                             "loss; null: the model config's router_aux_loss_coef when the router "
+                                             "trains, else 0.")
 
 
 @dataclass

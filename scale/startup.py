@@ -145,6 +145,14 @@ def report_start(launch: Launch, cfg: Config, data: Data, loaders: Loaders, mode
         logger.info(line)
 
 
+def report_experts(lines: list[str], acc: Accelerator) -> None:
+    """The lines of a mixture-of-experts model (:mod:`scale.parts.experts`): what LoRA trains in it (attention,
+    experts, router), its dropout and 4-bit notes, the load-balancing loss' weight; nothing for a dense model."""
+    if lines and acc.is_main_process:
+        for line in lines_within("", lines):
+            logger.info(line)
+
+
 def report_precision(precision: PrecisionChoice | None, acc: Accelerator) -> None:
     """The line of ``train.mixed_precision=auto``: what it chose, why, and the GEMM rates it measured."""
     if precision is not None and acc.is_main_process:

@@ -97,6 +97,10 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
             done = state.step >= job.max_steps
             if state.step % t.log_every == 0 or done:
                 metrics = meter.flush(acc, lr)  # collective + host sync: the log interval's only one
+                if job.experts is not None:  # collectives: tokens per expert (and the aux loss), summed over ranks
+                    for watcher in (job.experts.load, job.experts.aux):
+                        if watcher is not None:
+                            metrics.update(watcher.flush(lambda t: acc.reduce(t, reduction="sum")))
                 if t.on_nonfinite == "skip":
                     metrics["train/skipped_steps"] = state.skipped_steps
                 if 0.0 in (cfg.loss.type_weights or ()):

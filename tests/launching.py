@@ -76,6 +76,35 @@ def save_tiny_directory(path: Path, *overrides: str) -> Path:
     return path
 
 
+def save_tiny_moe_directory(path: Path) -> Path:
+    """A tiny Qwen3-MoE whose routers send every token to one of experts {0, 1} and one of {2, 3}, never to 4-7.
+
+    Each MoE input is the post-attention RMSNorm's output; its weight is zeroed but for coordinates 0 and 1, so the
+    router sees ``x = (x0, x1, 0, ...)``; router rows ``+-8 e_0`` (experts 0, 1) and ``+-8 e_1`` (experts 2, 3) give
+    logits ``+-8 x0``, ``+-8 x1`` and 0 for experts 4-7: the top 2 are the two positive ones (x0, x1 != 0).
+    """
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    E, K, H = 8, 2, 32  # experts, experts per token, hidden size
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=49152, hidden_size=H, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=E,
+                         num_experts_per_tok=K, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gamma = torch.zeros(H)
+            gamma[:2] = 1.0
+            layer.post_attention_layernorm.weight.copy_(gamma)
+            w = torch.zeros(E, H)
+            w[0, 0], w[1, 0], w[2, 1], w[3, 1] = 8.0, -8.0, 8.0, -8.0
+            layer.mlp.gate.weight.copy_(w)
+    model.save_pretrained(path)
+    return path
+
+
 def from_directory(path: Path) -> list[str]:
     """Overrides that load the model from ``path`` (:func:`save_tiny_directory`) instead of building it."""
     return [f"model.name_or_path={path}", "model.tokenizer=smollm2-135m"]

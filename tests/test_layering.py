@@ -39,11 +39,12 @@ ALLOWED: dict[str, set[str]] = {
     "loss": set(),
     "chunked": {"loss"},  # the chunked tail loss: fp32 logits of one chunk of the tail at a time
     "objectives": {"chunked", "loss", "schema", "validation"},  # one file per objective; loss.objective picks one
-    "modeling": {"assets", "compat", "schema", "validation"},
+    "modeling": {"assets", "compat", "moe", "schema", "validation"},
+    "moe": {"compat", "flops", "validation"},  # mixture-of-experts models: LoRA targets, expert load, active counts
     "cpu_bf16": set(),  # the CPU mixed-precision paths (bf16 autocast where it pays)
     "attention": {"schema", "validation"},  # which attention a run may use: the kernel, packing, sequence parallelism
     # scale-plan's counts: meta/fake tensors, no process group
-    "census": {"chunked", "config", "loss", "modeling", "schema"},
+    "census": {"chunked", "config", "loss", "modeling", "moe", "schema"},
     "layouts": {"attention", "census", "config", "schema"},  # modeling: the sequence-parallel guard, for the SP columns
     # scale/data/: the stages, each importing only the ones before it (LAYERS)
     "data.read": {"schema"},                                   # files -> rows of cells; DataError
@@ -58,13 +59,13 @@ ALLOWED: dict[str, set[str]] = {
     "data.order": set(),                                       # length-grouped sampling, packing into bins
     "data.sequence": {"data.collate"},                         # sequence-parallel rows: each rank's shard (issue 29)
     "data": {"data.collate", "data.read", "data.split", "data.tasks", "data.tokenize"},  # the face: hands names on
-    "export": {"config", "config_help", "data.tasks", "fileio", "logs", "modeling", "schema"},
-    "generate": {"config", "config_help", "data.tasks", "export", "logs", "modeling", "schema"},
+    "export": {"config", "config_help", "data.tasks", "fileio", "logs", "modeling", "moe", "schema"},
+    "generate": {"config", "config_help", "data.tasks", "export", "logs", "modeling", "moe", "schema"},
     # scale-lm-eval: the eval split (token cache, samples' prompt/answer split) as a harness task
     "lmeval": {"assets", "config", "config_help", "data", "data.cache", "data.read", "data.tasks", "export", "fileio",
                "logs", "modeling", "samples"},
-    "plan": {"assets", "census", "config", "config_help", "data.tokenize", "layouts", "logs", "modeling", "schema",
-             "state", "validation"},  # data: the tails;
+    "plan": {"assets", "census", "config", "config_help", "data.tokenize", "flops", "layouts", "logs", "modeling",
+             "moe", "schema", "state", "validation"},  # data: the tails;
     # state: --resume reads a checkpoint's trainer_state.json
     # the loop side: may import accelerate / torch.distributed
     "rendezvous": set(),
@@ -77,8 +78,8 @@ ALLOWED: dict[str, set[str]] = {
     # scale/parts/: each part of a run builds itself (launch, data, model, loaders, ...)
     "parts": {"assets", "attention", "best", "checkpoint", "collective", "cpu_bf16", "data.cache", "data.collate",
               "data.mixing", "data.order", "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize",
-              "evaluate", "export", "flops", "launch", "metrics", "modeling", "objectives", "precision", "samples",
-              "schedule", "schema", "state", "tracking", "ulysses", "validation"},
+              "evaluate", "export", "flops", "launch", "metrics", "modeling", "moe", "objectives", "precision",
+              "samples", "schedule", "schema", "state", "tracking", "ulysses", "validation"},
     "windows": {"loss", "objectives", "signals", "state"},  # accumulation windows: one all-gather per optimizer step
     "ulysses": {"data.sequence"},  # the sequence-parallel attention, loaders and eval forward (DeepSpeed Ulysses)
     "metrics": {"fileio", "flops", "schema"},
@@ -108,8 +109,8 @@ DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpo
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"compat", "fileio", "flops", "logs", "signals", "state", "rendezvous", "validation", "schema",
                      "names", "config", "config_help", "assets", "schedule", "topology"}),
-    ("model and loss (plain tensors)", {"loss", "chunked", "objectives", "modeling", "cpu_bf16", "attention", "census",
-                                        "layouts"}),
+    ("model and loss (plain tensors)", {"loss", "chunked", "objectives", "moe", "modeling", "cpu_bf16", "attention",
+                                        "census", "layouts"}),
     ("data: reading files", {"data.read"}),
     ("data: sources", {"data.sources"}),
     ("data: tasks, one module per format", {"data.tasks"}),

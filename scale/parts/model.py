@@ -14,9 +14,9 @@ from accelerate.logging import get_logger
 from scale.attention import check_packing, check_sequence_parallel
 from scale.collective import main_process_first, on_every_rank
 from scale.cpu_bf16 import CPU_MIXED_PATHS, use_cpu_mixed_paths
-from scale.flops import model_shape
 from scale.launch import ModePlan
 from scale.modeling import build_model
+from scale.moe import model_shape
 from scale.parts.data import on_this_machine
 from scale.parts.launch import Launch
 from scale.schema import Config
@@ -72,7 +72,8 @@ def build_model_on_every_rank(acc: Accelerator, cfg: Config, plan: ModePlan, voc
 
 
 def flops_shape(model: torch.nn.Module) -> Any:
-    """The model's matmul shape for the FLOPs count (:func:`scale.flops.model_shape`), or ``None`` with one
+    """The model's matmul shape for the FLOPs count (:func:`scale.moe.model_shape`: a mixture of experts counts the
+    experts a token uses), or ``None`` with one
     warning: an optional metric must never stop training."""
     try:
         return model_shape(model)
