@@ -24,8 +24,8 @@ the bound, 1.13 |
 (``train.sequence_parallel_size``: DeepSpeed Ulysses) | 1.12.0 | the bound, 1.12 |
 | accelerate | ``DataLoaderConfiguration(use_seedable_sampler=)``, ``GradientAccumulationPlugin`` | < 1.10 | the bound |
 | peft | ``save_pretrained(state_dict=)``, ``target_modules="all-linear"`` | < 0.15 | the bound |
-| peft | ``LoraConfig(target_parameters=)`` (LoRA on the fused 3-D experts of transformers 5 MoE models) | after \
-0.15 | :func:`peft_adapts_parameters`: a MoE model on an older peft is refused in one line |
+| peft | ``LoraConfig(target_parameters=)`` (LoRA on the fused 3-D experts of transformers 5 MoE models) | 0.17.0 \
+| :func:`peft_adapts_parameters`: a MoE model on an older peft is refused in one line |
 
 (A trailing backslash continues a row.) "the bound" means ``pyproject.toml``'s lower bound already includes the
 change, so no branch is needed here; the lowest-versions tier proves it.

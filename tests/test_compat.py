@@ -157,3 +157,19 @@ def test_cpu_flags_are_read_from_cpuinfo():
     model, flags = cpu_info(text)
     assert model == "AMD EPYC 9454 48-Core Processor"
     assert [f for f, on in flags.items() if on] == ["avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni"]
+
+
+def test_a_moe_model_on_a_peft_without_target_parameters_is_one_line(monkeypatch):
+    """LoRA on fused experts needs peft's target_parameters (peft 0.17): an older peft is refused in one line that
+    names the fix (on the lowest tier's peft 0.15 the check is real; elsewhere it is made to answer False)."""
+    from scale import moe
+    from scale.validation import ConfigError
+    from tests.test_moe import tiny_moe
+
+    if moe.peft_adapts_parameters():
+        monkeypatch.setattr(moe, "peft_adapts_parameters", lambda: False)
+    layout = moe.moe_layout(tiny_moe("qwen3_moe"))
+    assert layout is not None and layout.family == "qwen3_moe"
+    with pytest.raises(ConfigError, match=r"^model\.name_or_path is a mixture-of-experts model \(qwen3_moe\) .*needs "
+                                          r"peft's target_parameters, which peft \S+ lacks; pip install -U peft$"):
+        moe.lora_targets(layout, "all-linear", False, [])
