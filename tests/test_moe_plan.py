@@ -17,8 +17,7 @@ from scale.flops import flops_per_token
 from scale.flops import model_shape as dense_shape
 from scale.moe import active_counts, model_shape, moe_layout
 from tests.conftest import ROOT, TINY_YAML
-from tests.live_bytes import LiveBytes
-from tests.test_plan import real_saved_bytes
+from tests.test_plan import live_step_peak, real_saved_bytes
 
 # LoRA on fused experts needs peft's target_parameters (peft 0.17); the lowest-versions tier (peft 0.15) runs
 # tests/test_compat.py's refusal test instead.
@@ -68,34 +67,14 @@ def test_planned_moe_activations_within_10_percent_of_saved_tensor_hooks(checkpo
 
 
 def test_planned_moe_single_device_peak_within_10_percent_of_live_tensor_bytes(tmp_path):
-    from scale import loss as scale_loss
-    from scale.parts.optimizer import make_optimizer
     from scale.modeling import build_model
 
     B, T = 4, 32
     cfg, _hf, _ = planned(tmp_path, f"train.micro_batch_size={B}", f"data.max_length={T}",
                           "model.gradient_checkpointing=true")
     predicted = P.make_plan(cfg, 1).ranks[0]
-    model = build_model(cfg.model, cfg.lora, V, 0)
-    model.train()
-    optimizer, _ = make_optimizer(cfg, model)
-    ids = torch.randint(3, 400, (B, T), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
-    mask[0, :5] = 0
-
-    def step() -> None:
-        tail, targets = scale_loss.forward_tail(model, {"input_ids": ids, "attention_mask": mask}, cfg.loss.threshold)
-        num, den = scale_loss.tail_loss(tail.float(), targets, torch.ones_like(targets, dtype=torch.float32))
-        (num / den).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    step()
-    states = [t for s in optimizer.state.values() for t in s.values() if t.dim()]
-    live = LiveBytes(*model.parameters(), *model.buffers(), *states)
-    with live:
-        step()
-    assert abs(predicted.allocated / live.peak - 1) < 0.10, (predicted, live.peak)
+    peak = live_step_peak(cfg, build_model(cfg.model, cfg.lora, V, 0), B, T)
+    assert abs(predicted.allocated / peak - 1) < 0.10, (predicted, peak)
 
 
 def test_active_parameters_and_flops_count_k_of_e_experts(tmp_path):
