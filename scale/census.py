@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
@@ -29,12 +30,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from scale import chunked
 from scale.moe import moe_layout, static_experts
 from scale import loss as scale_loss
 from scale.config import configs_dir
 from scale.modeling import TINY, add_lora, tiny_llama_config
+from scale.objectives.preference import reference_mode, side_logps
 from scale.schema import Config, ModelConfig
 
 GIB = 2**30
@@ -249,6 +253,9 @@ class Activations:
             ``per_layer`` of a count without checkpointing); 0 without checkpointing.
         loss_positions: tail positions whose fp32 logits the loss holds at once: ``B x N`` unchunked, one
             chunk's ``C`` with ``loss.chunk_size`` (:mod:`scale.chunked`).
+        reference: a preference job's in-step DPO reference (``loss.reference: adapter``): the peak bytes of its
+            ``no_grad`` forward over the micro-batch's rows (:func:`count_reference_peak`), alive on top of the
+            policy's saved activations; 0 otherwise.
     """
 
     decoder: int
@@ -258,6 +265,7 @@ class Activations:
     vocab: int = 0
     recompute: int = 0
     loss_positions: int = 0
+    reference: int = 0
 
     @property
     def total(self) -> int:
@@ -433,7 +441,8 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
     layers = _decoder_layers(model)
     head_module = model.get_base_model().get_output_embeddings()
     V = head_module.weight.shape[0] if head_module is not None else 0
-    chunk = chunked.resolve_chunk_size(cfg.loss.chunk_size, B * N, V) if head_module is not None else 0
+    chunk = (chunked.resolve_chunk_size(cfg.loss.chunk_size, B * N, V)
+             if head_module is not None and cfg.loss.objective == "sft" else 0)  # preference losses run unchunked
     phase = {"now": "embed"}
     per_phase: dict[str, int] = {}
     hooks = [m.register_forward_pre_hook(lambda mod, args, i=i: phase.__setitem__("now", f"layer{i}"))
@@ -491,7 +500,9 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
                     with mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda *a, **k: None):
                         tail = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
                     targets = ids[:, T - N:]
-                if chunk and (packed or padded or sp > 1):  # tail holds hidden states: the head runs chunk by chunk
+                if cfg.loss.objective != "sft":  # preference pairs: each row's summed tail logps (unchunked)
+                    side_logps(tail, targets, torch.ones(targets.shape))[0].sum()
+                elif chunk and (packed or padded or sp > 1):  # tail holds hidden states: the head runs chunk by chunk
                     chunked.chunked_tail_loss(model, tail, targets, torch.ones(targets.shape), chunk,
                                               drop_zero_weights=False)
                 else:
@@ -508,6 +519,99 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
     layer_bytes = [v for k, v in per_phase.items() if k.startswith("layer")]
     return Activations(decoder=sum(per_phase.values()), head=head, per_layer=max(layer_bytes, default=0),
                        layers=len(layers), vocab=V, loss_positions=chunk or B * N)
+
+
+class PeakBytes(TorchDispatchMode):
+    """Follows every storage an op creates inside the mode, each forgotten when it is freed, and keeps the most
+    bytes alive at once (``peak``): what ``torch.cuda.max_memory_allocated`` would add over the block, without the
+    allocator's rounding. On fake tensors it counts shapes, no memory. Storages that existed before (parameters,
+    the input batch) are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now, self.peak, self.refs = 0, 0, {}
+
+    def add(self, t: Any) -> None:
+        """Count ``t``'s storage once, until it is freed; anything that is not a tensor is ignored."""
+        if not isinstance(t, torch.Tensor):
+            return
+        storage = t.untyped_storage()
+        key, size = storage._cdata, storage.nbytes()
+        if key in self.refs or not size:
+            return
+        self.now += size
+        self.peak = max(self.peak, self.now)
+
+        def freed(_: Any, key: int = key, size: int = size) -> None:
+            self.now -= size
+            self.refs.pop(key, None)
+
+        self.refs[key] = weakref.ref(storage, freed)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self.add(t)
+        return out
+
+
+def count_reference_peak(cfg: Config, model: torch.nn.Module, params: list[ParamInfo],
+                         cast: torch.dtype | None = None, rows: int | None = None) -> int:
+    """Peak bytes of the DPO reference's forward over one micro-batch: the model with its LoRA adapter disabled
+    (:func:`scale.objectives.preference.reference_mode`), under ``no_grad``, then each row's summed tail logps
+    (:func:`scale.objectives.preference.side_logps`): the ``[rows, N, V]`` fp32 tail logits, the log-softmax's
+    temporaries and one layer's intermediates, all freed when the forward returns. Counted on fake tensors as
+    :func:`count_activations` counts (``rows`` x ``data.max_length``, ``N`` = ``loss.threshold``), every storage
+    an op creates followed until it is freed.
+
+    Args:
+        cfg: the training config (length, threshold, mixed precision, 4-bit).
+        model: from :func:`build_meta_model`.
+        params: :func:`census` of that model.
+        cast: every floating parameter held in this dtype (DeepSpeed with bf16/fp16), or None.
+        rows: rows of the micro-batch (a preference micro-batch of ``P`` pairs: ``2P``); default
+            ``train.micro_batch_size``.
+
+    Returns:
+        Bytes; the parameters and the input batch are not counted.
+
+    Raises:
+        PlanError: the forward cannot run on fake tensors.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dtypes = {p.name: p.dtype for p in params}
+    quantized = {p.name for p in params if p.quantized}
+    by_id: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), n)
+
+    def dtype_of(p: torch.nn.Parameter) -> torch.dtype:
+        name = by_id.get(id(p))
+        if cast is not None and p.is_floating_point():
+            return cast
+        return torch.float32 if name in quantized else dtypes.get(name, p.dtype)
+
+    B, T, N = rows or cfg.train.micro_batch_size, cfg.data.max_length, cfg.loss.threshold
+    autocast = cfg.train.mixed_precision != "no" and cast is None
+    amp_dtype = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else torch.float16
+    compute = DTYPES.get(cfg.model.bnb_4bit_compute_dtype, amp_dtype if autocast else torch.float32)
+    mode = FakeTensorMode()
+    try:
+        with _fake_parameters(model, mode, dtype_of), four_bit_layers(model, quantized, compute), mode, \
+                static_experts():
+            batch = {"input_ids": torch.zeros(B, T, dtype=torch.long),
+                     "attention_mask": torch.ones(B, T, dtype=torch.long),
+                     "tail_mask": torch.ones(B, N, dtype=torch.long)}
+            peak = PeakBytes()
+            with reference_mode(model), torch.autocast("cpu", dtype=amp_dtype, enabled=autocast), peak:
+                tail, targets = scale_loss.forward_tail(model, batch, padding_side="left", check=False)
+                side_logps(tail, targets, batch["tail_mask"])
+                del tail, targets
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+        raise PlanError(f"cannot count the reference forward of model type {model.config.model_type!r} on fake "
+                        f"tensors ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
+    return peak.peak
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ import dataclasses
 import json
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +58,11 @@ import torch
 
 from scale.assets import resolve_data
 from scale.census import (GIB, Activations, PlanError, build_meta_model, census, count_activations,
-                          load_model_config, nbytes)
+                          count_reference_peak, load_model_config, nbytes)
 from scale.config import load_config
 from scale.config_help import help_text
 from scale.data.tokenize import build_splits
-from scale.flops import flops_per_token
+from scale.flops import ModelShape, flops_per_token, model_shape
 from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, SP_MODES, Rank, predict_mode
 from scale.logs import ignore_known_warnings
 from scale.modeling import load_tokenizer
@@ -101,6 +101,7 @@ class Plan:
     resume: str | None = None  # --resume: the accumulation that keeps the checkpoint's global batch, in words
     advice: str = ""  # no mode fits: what would make one fit, in words (:func:`none_fits_advice`)
     experts: str = ""  # a mixture-of-experts model: total vs active parameters and FLOPs per token (:func:`moe_text`)
+    preference: dict[str, Any] = field(default_factory=dict)  # pairs: :func:`plan_pairs`; empty for other jobs
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -130,7 +131,8 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     if gpu_mem_gib <= 0:
         raise PlanError(f"--gpu-mem {gpu_mem_gib}: GiB per GPU must be > 0")
     hf_config = load_model_config(cfg.model, model_config)
-    tail, tail_note = data_tail(cfg)
+    counts: dict[str, int] = {}
+    tail, tail_note = data_tail(cfg, counts)
     if cfg.data.packing:  # bins of data.max_length tokens, any of which may be trained
         tail, tail_note = cfg.data.max_length, (
             f"tail: data.packing: each micro-batch is one padding-free row of {cfg.train.micro_batch_size} bins x "
@@ -138,6 +140,8 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
             f"row; the LM head and loss are planned for every position trained (N = data.max_length per bin, the "
             f"worst case; the data's longest trained span is {tail})")
     user_cfg, cfg = cfg, with_tail(cfg, tail)  # the counts below see the data's tail as loss.threshold
+    if is_preference(cfg):  # P pairs are 2P rows: everything below counts rows
+        cfg = pair_rows(cfg)
     gc_setting, on = cfg.model.gradient_checkpointing, bool(cfg.model.gradient_checkpointing)
     models = {on: build_meta_model(cfg, hf_config, checkpointing=on)}
     params = census(cfg, models[on])
@@ -154,6 +158,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         acts_by_gc[True][regime].recompute = acts_by_gc[False][regime].per_layer
     acts = {regime: checkpoint_variant(acts_by_gc[True][regime], acts_by_gc[False][regime], cfg.model)
             for regime in (False, True)} if gc_setting in ("every_n", "offload") else acts_by_gc[on]
+    preference = plan_pairs(user_cfg, cfg, models[on], params, acts, cast, counts) if is_preference(cfg) else {}
     order, acts_sp = modes_in_order(cfg), None
     if cfg.train.sequence_parallel_size > 1:  # one rank's shard of every row (scale.ulysses), DeepSpeed's regime
         sp = cfg.train.sequence_parallel_size
@@ -187,7 +192,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         activations={"checkpointing_off": a_off.decoder, "checkpointing_on": a_on.decoder, "lm_head_and_loss": a_on.head},
         logits_tail_bytes=cfg.train.micro_batch_size * N * a_on.vocab * 4,
         logits_full_bytes=cfg.train.micro_batch_size * T * a_on.vocab * 4, ranks=ranks, fits=fits,
-        recommended=recommended, advice=advice, experts=experts,
+        recommended=recommended, advice=advice, experts=experts, preference=preference,
         assumptions=[tail_note, *assumptions(replace(user_cfg, train=cfg.train), gpus, nodes, padded),
                      loss_note(cfg, a_on)])
 
@@ -288,7 +293,7 @@ def modes_in_order(cfg: Config) -> tuple[str, ...]:
     return (*MODES[:-1], *SP_MODES, MODES[-1])
 
 
-def data_tail(cfg: Config) -> tuple[int, str]:
+def data_tail(cfg: Config, counts: dict[str, int] | None = None) -> tuple[int, str]:
     """``N``, the tail positions per row to plan the LM head and loss for, and the assumption in words.
 
     Every format's tails are read from the data (the harness's own tokenizer and
@@ -296,7 +301,8 @@ def data_tail(cfg: Config) -> tuple[int, str]:
     but its first token with ``loss.threshold: all``; classification, prompt/completion and chat tails vary. ``N``
     is the longest trained span of the train split, since a micro-batch's tail is padded to its longest row and the
     peak step is the one holding it. When the data cannot be read, ``loss.threshold`` (``all``:
-    ``data.max_length - 1``) with a note saying so.
+    ``data.max_length - 1``) with a note saying so. ``counts``, when given, receives the examples of each split
+    (``train``, ``eval``; a preference pair is two).
     """
     try:
         tok = load_tokenizer(cfg.model)
@@ -305,6 +311,8 @@ def data_tail(cfg: Config) -> tuple[int, str]:
         n = cfg.data.max_length - 1 if cfg.loss.threshold == "all" else cfg.loss.threshold  # all: the whole row
         return n, (f"tail: loss.threshold={cfg.loss.threshold}: {n} positions per row (the data could not be read "
                    f"for its tail lengths: {type(e).__name__}: {str(e)[:160]})")
+    if counts is not None:  # examples per split (a preference pair is two)
+        counts.update(train=len(splits.train), eval=len(splits.eval))
     tails = sorted(e.tail_len for e in splits.train) or [1]
     return tails[-1], (f"tail: N = {tails[-1]} positions per row, the longest trained span of the {splits.format} "
                        f"train split ({len(tails)} rows, median {tails[len(tails) // 2]}): every micro-batch's tail "
@@ -324,6 +332,95 @@ def with_tail(cfg: Config, tail: int) -> Config:
     return replace(cfg, loss=replace(cfg.loss, threshold=max(tail, -cfg.loss.target_position)),
                    train=replace(cfg.train, mixed_precision=precision),
                    model=replace(cfg.model, bnb_4bit_compute_dtype=compute))
+
+
+def is_preference(cfg: Config) -> bool:
+    """Whether ``cfg`` trains preference pairs (``loss.objective``: dpo | simpo | orpo)."""
+    return cfg.loss.objective != "sft"
+
+
+def pair_rows(cfg: Config) -> Config:
+    """A preference job as the planner counts it: a micro-batch of ``P`` pairs (``train.micro_batch_size``) is
+    ``2P`` rows of prompt + completion (:class:`scale.data.tasks.preference.PairCollator`: rows ``2p``, ``2p + 1``),
+    and the preference losses run unchunked (``loss.chunk_size`` 0: :func:`scale.objectives.preference.side_logps`
+    over the ``[2P, N, V]`` tail logits)."""
+    return replace(cfg, train=replace(cfg.train, micro_batch_size=2 * cfg.train.micro_batch_size),
+                   loss=replace(cfg.loss, chunk_size=0))
+
+
+def reference_flops_per_token(shape: ModelShape, seq_len: int, logits_fraction: float, adapter_params: int = 0
+                              ) -> float:
+    """Forward FLOPs per position of the DPO reference (no backward): ``2 (N + f N_head) + 4 L T d_attn``, a third of
+    :func:`scale.flops.flops_per_token`'s full fine-tuning count (Kaplan et al. 2020, table 1: forward ``2N +
+    2 n_layer n_ctx d_attn``, attention counted over all ``T`` keys as there), plus ``2 x adapter_params`` when the
+    reference is a frozen starting adapter (``model.adapter``) rather than the base with its adapter disabled."""
+    return (2 * (shape.layers + logits_fraction * shape.head) + 4 * shape.num_layers * seq_len * shape.attention_width
+            + 2 * adapter_params)
+
+
+def plan_pairs(user_cfg: Config, cfg: Config, model: torch.nn.Module, params: list[Any],
+               acts: dict[bool, Activations], cast: torch.dtype | None, counts: dict[str, int]) -> dict[str, Any]:
+    """What a preference job adds to the plan, and the in-step reference's bytes set on ``acts`` (``reference``).
+
+    - **Two sides per pair**: ``cfg`` is :func:`pair_rows`'s (``2P`` rows); the activations, logits and loss
+      backward are counted for them.
+    - **The reference** (``dpo``): ``loss.reference: adapter`` runs one more forward of the ``2P`` rows per
+      micro-batch under ``no_grad`` after the policy's, while the policy's saved activations are alive: its peak
+      (:func:`scale.census.count_reference_peak`: tail logits, log-softmax temporaries, one layer's intermediates)
+      is a transient of the step (``Activations.reference``, :func:`scale.layouts.predict_mode` takes the larger
+      of it and the loss backward). ``precomputed``: nothing in the step; one pass before training over every
+      train and eval pair, ``2 x train.eval_micro_batch_size`` rows at a time, with no gradients or optimizer
+      state yet.
+    - **FLOPs per pair**: the policy's training FLOPs of both sides (``2 T`` positions x
+      :func:`scale.flops.flops_per_token`) and the reference's forward (:func:`reference_flops_per_token`) in the
+      step or once in the pre-pass.
+
+    Args:
+        user_cfg: the config as given (``train.micro_batch_size`` in pairs).
+        cfg: the planned config (:func:`pair_rows` of :func:`with_tail`'s).
+        model: the meta-built model (:func:`scale.census.build_meta_model`).
+        params: its :func:`scale.census.census`.
+        acts: the activations by precision regime (as :func:`scale.layouts.predict_mode` reads them); their
+            ``reference`` is set.
+        cast: the DeepSpeed regime's parameter dtype, or None.
+        counts: examples per split (:func:`data_tail`), possibly empty.
+
+    Returns:
+        JSON-ready numbers (bytes, FLOPs) and ``text``, the plan's line in words.
+    """
+    loss = cfg.loss
+    P, rows, T, N = user_cfg.train.micro_batch_size, cfg.train.micro_batch_size, cfg.data.max_length, loss.threshold
+    reference = loss.reference if loss.objective == "dpo" else "none"
+    in_step = reference == "adapter"
+    peak = {regime: count_reference_peak(cfg, model, params, cast if regime else None) for regime in (False, True)
+            } if in_step else {False: 0, True: 0}
+    for regime, a in acts.items():
+        a.reference = peak[regime]
+    eval_rows = 2 * cfg.train.eval_micro_batch_size
+    prepass = (count_reference_peak(cfg, model, params, None, rows=eval_rows) if reference == "precomputed" else 0)
+    trainable = sum(p.numel for p in params if p.trainable)
+    shape, f = model_shape(model), N / T
+    policy = 2 * T * flops_per_token(shape, T, lora_params=trainable, logits_fraction=f)
+    forward = 2 * T * reference_flops_per_token(shape, T, f, trainable if cfg.model.adapter else 0)
+    train_pairs, eval_pairs = counts.get("train", 0) // 2, counts.get("eval", 0) // 2
+    out = {"objective": loss.objective, "pairs_per_micro_batch": P, "rows_per_micro_batch": rows,
+           "reference": reference, "reference_step_bytes": peak[False], "reference_pass_bytes": prepass,
+           "reference_pass_rows": eval_rows if prepass else 0, "train_pairs": train_pairs, "eval_pairs": eval_pairs,
+           "policy_flops_per_pair": policy, "reference_flops_per_pair": forward if reference != "none" else 0.0,
+           "step_flops_per_pair": policy + (forward if in_step else 0.0),
+           "reference_pass_flops": forward * (train_pairs + eval_pairs) if reference == "precomputed" else 0.0}
+    ref_text = {"adapter": (f"loss.reference=adapter: one more forward of the {rows} rows per micro-batch under "
+                            f"no_grad, {peak[False] / 2**20:.1f} MiB at its peak on top of the policy's saved "
+                            f"activations (in 'transient'), {forward:.3g} FLOPs per pair"),
+                "precomputed": (f"loss.reference=precomputed: nothing in the step; one pass before training over "
+                                f"{train_pairs + eval_pairs} pairs ({eval_rows} rows at a time, "
+                                f"{prepass / 2**20:.1f} MiB at its peak on top of the weights), "
+                                f"{out['reference_pass_flops']:.3g} FLOPs once"),
+                "none": f"loss.objective={loss.objective}: reference-free"}[reference]
+    out["text"] = (f"preference pairs ({loss.objective}): a micro-batch of {P} pairs is {rows} rows (chosen and "
+                   f"rejected each prompt + completion); {ref_text}; training FLOPs per pair "
+                   f"{out['step_flops_per_pair']:.3g} (policy {policy:.3g} over 2 x {T} positions)")
+    return out
 
 
 def checkpoint_variant(on: Activations, off: Activations, m: ModelConfig) -> Activations:
@@ -443,6 +540,7 @@ def format_plan(plan: Plan) -> str:
         f"{_gib(a['checkpointing_on'])} GiB; fp32 log-probabilities the loss keeps: tail [B, N, V] "
         f"{plan.logits_tail_bytes / 2**20:.2f} MiB vs full [B, T, V] {_gib(plan.logits_full_bytes)} GiB"),
         *([plan.experts] if plan.experts else []),
+        *([plan.preference["text"]] if plan.preference else []),
         "",
     ]
     labels = [MODE_LABELS[r.mode] for r in plan.ranks]

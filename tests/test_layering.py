@@ -44,7 +44,7 @@ ALLOWED: dict[str, set[str]] = {
     "cpu_bf16": set(),  # the CPU mixed-precision paths (bf16 autocast where it pays)
     "attention": {"schema", "validation"},  # which attention a run may use: the kernel, packing, sequence parallelism
     # scale-plan's counts: meta/fake tensors, no process group
-    "census": {"chunked", "config", "loss", "modeling", "moe", "schema"},
+    "census": {"chunked", "config", "loss", "modeling", "moe", "objectives", "schema"},  # objectives: the pairs' loss
     "layouts": {"attention", "census", "config", "schema"},  # modeling: the sequence-parallel guard, for the SP columns
     # scale/data/: the stages, each importing only the ones before it (LAYERS)
     "data.read": {"schema"},                                   # files -> rows of cells; DataError
