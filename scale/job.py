@@ -117,7 +117,7 @@ def setup(cfg: Config) -> Job:
     report_peak(peak, acc)
     flops_fn = model_flops(cfg, shape, counts[0]) if shape is not None else None
     chat = bool(data.splits.template_sha256)  # a chat template rendered the rows (classification, text: none did)
-    gen = build_generation(launch, cfg, samples, chat, state)
+    gen = build_generation(launch, cfg, samples, chat, state, base)
     return Job(cfg, acc, launch.plan, model, optimizer, scheduler, train_dl, eval_dl, objective, log, state,
                flops_fn, peak.flops, max_steps, gen, data.splits.task, sequence=launch.sequence, chat=chat,
                experts=experts)

@@ -39,6 +39,27 @@ class Panel(NamedTuple):
     from_zero: bool = False
 
 
+# Preference runs (loss.objective: dpo | simpo | orpo) log TRL's per-pair means (scale/objectives/preference.py):
+# implicit rewards (DPO: beta x (policy - reference) summed tail logps; SimPO/ORPO: beta x per-token logps), their
+# margin and how often chosen wins, and the policy's logps. Train keys are lines, held-out ones points.
+PREFERENCE_FIGURES: list[tuple[str, str, list[Panel]]] = [
+    ("rewards.png", "Preference rewards of chosen and rejected (left) and their margin (right)",
+     [Panel("reward (beta x nats)", [("train/rewards/chosen", "train chosen"),
+                                     ("train/rewards/rejected", "train rejected"),
+                                     ("eval/rewards/chosen", "eval chosen"),
+                                     ("eval/rewards/rejected", "eval rejected")]),
+      Panel("margin (beta x nats)", [("train/rewards/margins", "train"), ("eval/rewards/margins", "eval")])]),
+    ("reward_accuracy.png", "Preference accuracy (fraction of pairs whose chosen reward beats the rejected one)",
+     [Panel("accuracy (fraction)", [("train/rewards/accuracies", "train"), ("eval/rewards/accuracies", "eval")],
+            from_zero=True)]),
+    ("logps.png", "Policy log-probabilities of chosen and rejected (DPO: summed over each side's tail; SimPO, "
+     "ORPO: per token)",
+     [Panel("log-probability (nats)", [("train/logps/chosen", "train chosen"),
+                                       ("train/logps/rejected", "train rejected"),
+                                       ("eval/logps/chosen", "eval chosen"),
+                                       ("eval/logps/rejected", "eval rejected")])]),
+]
+
 # (file name, title, panels). Keys sharing a panel share a unit; different units get their own panel.
 FIGURES: list[tuple[str, str, list[Panel]]] = [
     ("loss.png", "Tail loss (weighted cross-entropy over each row's tail tokens)",
@@ -63,6 +84,7 @@ FIGURES: list[tuple[str, str, list[Panel]]] = [
     ("mfu.png", "Model FLOPs utilisation",
      [Panel("MFU (fraction of peak FLOP/s)", [("train/mfu", "")], from_zero=True)]),
     ("loss_scale.png", "Mixed-precision loss scale", [Panel("loss scale", [("train/loss_scale", "")], log=True)]),
+    *PREFERENCE_FIGURES,
 ]
 MAX_STEP_LABELS = 12  # eval points labelled with their step when a run has at most this many evaluations
 HEADROOM = 1.15  # from_zero panels end 15% above their largest value, so no line runs along the top frame
@@ -124,12 +146,14 @@ def summarize(runs: dict[str, Rows]) -> str:
     """A markdown table, one row per run: last step, final train loss, eval first → last, throughput, memory.
 
     The eval columns are those some run logged (classification: accuracy and target NLL; prompt/completion
-    and chat: exact match); a run without one shows ``n/a``.
+    and chat: exact match; preference pairs: reward accuracy and margin); a run without one shows ``n/a``.
     """
     with_mem = any(series(rows, "train/peak_mem_gib")[1] for rows in runs.values())
     evals = [(key, title) for key, title in (("eval/accuracy", "eval/accuracy"),
                                              ("eval/target_nll", "eval/target_nll (nats)"),
-                                             ("eval/exact_match", "eval/exact_match"))
+                                             ("eval/exact_match", "eval/exact_match"),
+                                             ("eval/rewards/accuracies", "eval/rewards/accuracies"),
+                                             ("eval/rewards/margins", "eval/rewards/margins"))
              if any(series(rows, key)[1] for rows in runs.values())]
 
     def span(rows: Rows, key: str) -> str:

@@ -18,6 +18,13 @@ Generation stops at those stops or after ``min(len(reference), eval.max_new_toke
 completion cannot match. Each completion goes to ``<output_dir>/samples.jsonl`` (``step, row, prompt, reference,
 completion, exact``; main process, one append per evaluation) and to a W&B table ``eval/samples``.
 
+Preference pairs (``data.format: preference``): the first ``eval.generate_samples`` held-out *pairs*; the policy
+answers their shared prompt (budget: the longer side), and each line holds ``step, row, prompt, completion,
+chosen, rejected, exact`` (the completion equals chosen) with the pair's scores under the model of that step
+(:meth:`scale.objectives.preference.PreferenceObjective.pair_scores`): ``logps`` (the policy's and, for DPO, the
+reference's summed tail logps of chosen and rejected, nats), ``rewards`` (chosen, rejected, margin, as
+``rewards/*``) and ``tokens`` (each side's tail).
+
 Launch modes: with whole weights on every rank (single, DDP, ZeRO-1/2) rank ``r`` generates rows ``r, r + W,
 ...`` of the unwrapped model and the texts are all-gathered; with partitioned weights (ZeRO-3, FSDP) every rank
 generates every row in lock-step on accelerate's unwrapped model (``synced_gpus=True``, as transformers' own
@@ -58,12 +65,17 @@ class Sample:
         prompt_ids: the tokens before its last trained answer (as trained: template, BOS).
         reference_ids: the last trained answer's tokens, through its stop token.
         label: the row's label (classification), else ``None``.
+        rejected_ids: a preference pair's rejected answer through its stop token (``reference_ids`` is the
+            chosen one), else ``None``.
+        pair: a preference pair's two examples ``[chosen, rejected]`` (what :attr:`Generation.score` scores).
     """
 
     row: int
     prompt_ids: list[int]
     reference_ids: list[int]
     label: str | None = None
+    rejected_ids: list[int] | None = None
+    pair: list[Any] | None = None
 
 
 def last_answer(input_ids: list[int], tail_len: int, flags: list[int]) -> tuple[list[int], list[int]]:
@@ -77,9 +89,19 @@ def last_answer(input_ids: list[int], tail_len: int, flags: list[int]) -> tuple[
     return input_ids[:start + first], input_ids[start + first:start + last + 1]
 
 
-def pick_samples(examples: Any, n: int, labels: list[str] | None = None) -> list[Sample]:
+def pick_samples(examples: Any, n: int, labels: list[str] | None = None, pairs: bool = False) -> list[Sample]:
     """The first ``n`` rows of the eval split (its order: the same in every launch mode) as :class:`Sample`; a row
-    with a label index (classification: ``Example.label >= 0``) gets its label from ``labels``."""
+    with a label index (classification: ``Example.label >= 0``) gets its label from ``labels``. With ``pairs``
+    (a preference split: examples ``2p``, ``2p + 1`` the chosen and rejected side of pair ``p``), the first ``n``
+    pairs: the shared prompt, the chosen answer as the reference and the rejected one beside it."""
+    if pairs:
+        out = []
+        for p in range(min(n, len(examples) // 2)):
+            chosen, rejected = examples[2 * p], examples[2 * p + 1]
+            prompt, answer = last_answer(chosen.input_ids, chosen.tail_len, chosen.tail_flags())
+            _, other = last_answer(rejected.input_ids, rejected.tail_len, rejected.tail_flags())
+            out.append(Sample(chosen.row, prompt, answer, rejected_ids=other, pair=[chosen, rejected]))
+        return out
     out = []
     for i in range(min(n, len(examples))):
         e = examples[i]
@@ -100,6 +122,8 @@ class Generation:
         max_new_tokens: ``eval.max_new_tokens``.
         partitioned: the weights are sharded over ranks (ZeRO-3, FSDP): every rank generates every row.
         path: ``<output_dir>/samples.jsonl``.
+        score: preference pairs: ``(model, pair) -> dict`` of the pair's logps and rewards
+            (:meth:`scale.objectives.preference.PreferenceObjective.pair_scores`), added to its record; else None.
     """
 
     samples: list[Sample]
@@ -109,6 +133,7 @@ class Generation:
     partitioned: bool
     path: Path
     texts: dict[int, tuple[str, str]] = field(default_factory=dict)  # sample -> (prompt, reference), decoded once
+    score: Callable[[torch.nn.Module, list[Any]], dict[str, Any]] | None = None
 
     def decoded(self, i: int) -> tuple[str, str]:
         """``(prompt, reference)`` texts of sample ``i``: the prompt with its special tokens, the reference without."""
@@ -161,13 +186,22 @@ def generate_samples(acc: Accelerator, model: torch.nn.Module, gen: Generation,
             net.train()
     if world > 1 and not gen.partitioned:
         records = sorted(gather_object(records), key=lambda r: r["sample"])  # collective: every rank gets all
+    if gen.score is not None:  # every rank scores every pair in lock-step (ZeRO-3/FSDP forwards are collective)
+        net.eval()
+        try:
+            for r in records:
+                with acc.autocast():
+                    r.update(gen.score(net, gen.samples[r["sample"]].pair))
+        finally:
+            if was_training:
+                net.train()
     return records
 
 
 def _complete(acc: Accelerator, net: torch.nn.Module, gen: Generation, i: int) -> dict[str, Any]:
     s = gen.samples[i]
     ids = torch.tensor([s.prompt_ids], dtype=torch.long, device=acc.device)
-    budget = min(len(s.reference_ids), gen.max_new_tokens)
+    budget = min(max(len(s.reference_ids), len(s.rejected_ids or ())), gen.max_new_tokens)
     with acc.autocast():  # the training's mixed precision (generate bypasses the prepared forward)
         out = net.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
                            min_new_tokens=0, do_sample=False, num_beams=1, eos_token_id=gen.stops,
@@ -176,6 +210,10 @@ def _complete(acc: Accelerator, net: torch.nn.Module, gen: Generation, i: int) -
     new = out[0, ids.shape[1]:].tolist()  # host sync (generation only)
     completion = gen.tokenizer.decode(new, skip_special_tokens=True).strip()
     prompt, reference = gen.decoded(i)
+    if s.rejected_ids is not None:  # a preference pair: the policy's answer beside chosen and rejected
+        rejected = gen.tokenizer.decode(s.rejected_ids, skip_special_tokens=True).strip()
+        return {"sample": i, "row": s.row, "prompt": prompt, "completion": completion, "chosen": reference,
+                "rejected": rejected, "exact": completion == reference}
     record = {"sample": i, "row": s.row, "prompt": prompt, "reference": reference, "completion": completion,
               "exact": completion == reference}
     if s.label is not None:
@@ -239,6 +277,9 @@ def write_samples(acc: Accelerator, path: Path, step: int, records: list[dict[st
         import wandb
 
         columns = ["step", "row", "prompt", "reference", "completion", "exact"]
+        if "chosen" in records[0]:  # preference pairs: the answer beside chosen and rejected, and the margin
+            columns = ["step", "row", "prompt", "completion", "chosen", "rejected", "exact", "margin"]
+            records = [{**r, "margin": r.get("rewards", {}).get("margin")} for r in records]
         table = wandb.Table(columns=columns, data=[[step, *(r[c] for c in columns[1:])] for r in records])
         run.log({"eval/samples": table}, step=step)
     except Exception as e:  # noqa: BLE001 - a tracker must not stop training

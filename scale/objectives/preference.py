@@ -390,6 +390,38 @@ class PreferenceObjective:
         loop's meter adds up and divides by the pairs of the log interval."""
         return self._metrics
 
+    @torch.no_grad()
+    def pair_scores(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> list[dict[str, Any]]:
+        """What ``samples.jsonl`` shows of each pair of ``batch`` beside the policy's answer, as Python floats: the
+        policy's summed tail logps of chosen and rejected (nats) and, for DPO, the reference's (always the in-step
+        reference, :func:`reference_forward`: the same numbers a precomputed pass stores), the objective's rewards
+        (module docstring: ``beta (policy - reference)`` for DPO, ``beta x`` per-token logps for SimPO and ORPO)
+        and their margin, and each side's tail tokens. Under ``no_grad``; ``model`` as given (train or eval mode).
+
+        Returns:
+            One dict per pair: ``logps`` (``policy``, and ``reference`` for DPO: ``{chosen, rejected}``),
+            ``rewards`` (``chosen``, ``rejected``, ``margin``), ``tokens`` (``chosen``, ``rejected``).
+        """
+        logps, lengths = tail_logps(model, batch, self.padding_side)
+        (lc, lr), (nc, nr) = pairs_of(logps), pairs_of(lengths)
+        ref = reference_forward(model, batch, self.padding_side).to(logps.dtype) if self.needs_reference else None
+        if self.name == "simpo":
+            terms = simpo_loss(lc, lr, nc, nr, self.beta, self.simpo_gamma, self.label_smoothing)
+        elif self.name == "orpo":
+            terms = orpo_loss(lc, lr, nc, nr, self.beta)
+        else:
+            rc, rr = pairs_of(ref)
+            terms = dpo_loss(lc, lr, rc, rr, nc, nr, self.beta, self.dpo_loss, self.label_smoothing)
+        out = []
+        for p in range(lc.shape[0]):
+            c, r = float(terms.chosen_rewards[p]), float(terms.rejected_rewards[p])  # host sync (samples only)
+            side = {"policy": {"chosen": float(lc[p]), "rejected": float(lr[p])}}
+            if ref is not None:
+                side["reference"] = {"chosen": float(ref[2 * p]), "rejected": float(ref[2 * p + 1])}
+            out.append({"logps": side, "rewards": {"chosen": c, "rejected": r, "margin": c - r},
+                        "tokens": {"chosen": int(nc[p]), "rejected": int(nr[p])}})
+        return out
+
     def loss_and_metrics(self, model: torch.nn.Module, batch: dict[str, Tensor],
                          weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """``(numerator [], metric sums)``: :meth:`loss_step` and :meth:`PairTerms.metrics` of one forward."""

@@ -6,12 +6,18 @@ and what every evaluation generates (``samples.jsonl``, :class:`scale.samples.Ge
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from scale.best import check_reported
+from scale.data.collate import Collator
+from scale.data.tasks.preference import Pair, PairCollator
 from scale.data.tokenize import Splits
 from scale.evaluate import metric_names
 from scale.export import serving_tokenizer
 from scale.metrics import JsonlSink, MetricsLog
+from scale.objectives.preference import PreferenceObjective
 from scale.objectives.tail import LossSpec
 from scale.parts.launch import Launch
 from scale.samples import SAMPLES_FILE, Generation, Sample, pick_samples, sample_metric_names, start_samples_file
@@ -27,8 +33,8 @@ def pick_eval_samples(cfg: Config, splits: Splits, spec: LossSpec) -> list[Sampl
     Raises:
         ConfigError: ``train.keep_best`` names a figure no evaluation reports (:func:`scale.best.check_reported`).
     """
-    samples = pick_samples(splits.eval, cfg.eval.generate_samples, cfg.data.labels) if cfg.eval.generate_samples \
-        else []
+    samples = pick_samples(splits.eval, cfg.eval.generate_samples, cfg.data.labels, pairs=bool(splits.task.sides)) \
+        if cfg.eval.generate_samples else []
     check_reported(cfg.train.keep_best, metric_names(splits.task, spec) | sample_metric_names(samples))
     return samples
 
@@ -46,14 +52,29 @@ def build_log(launch: Launch, cfg: Config, splits: Splits, state: TrainerState) 
     return log
 
 
+def pair_scorer(objective: PreferenceObjective, pad_token_id: int, padding_side: str, device: Any) -> Any:
+    """``(model, [chosen, rejected]) -> dict``: one pair collated as training collates it (padded,
+    :class:`scale.data.tasks.preference.PairCollator`) and scored by ``objective.pair_scores``."""
+    collate = PairCollator(Collator(pad_token_id, padding_side))
+
+    def score(model: torch.nn.Module, pair: list[Any]) -> dict[str, Any]:
+        batch = {k: v.to(device) for k, v in collate([Pair(*pair)]).items()}
+        return objective.pair_scores(model, batch)[0]
+
+    return score
+
+
 def build_generation(launch: Launch, cfg: Config, samples: list[Sample], chat: bool,
-                     state: TrainerState) -> Generation | None:
+                     state: TrainerState, objective: Any = None) -> Generation | None:
     """What every evaluation generates (``eval.generate_samples > 0``), or None: the serving tokenizer stops at EOS
-    and the trained template's end-of-turn marker (``chat``: a chat template rendered the rows)."""
+    and the trained template's end-of-turn marker (``chat``: a chat template rendered the rows). Under a
+    preference ``objective`` each pair's logps and rewards are added (:func:`pair_scorer`)."""
     if not cfg.eval.generate_samples:
         return None
     serving, stops, _ = serving_tokenizer(cfg, chat=chat)
+    score = (pair_scorer(objective, serving.pad_token_id, cfg.data.padding_side, launch.acc.device)
+             if isinstance(objective, PreferenceObjective) else None)
     gen = Generation(samples, serving, stops, cfg.eval.max_new_tokens, launch.plan.partitioned,
-                     Path(cfg.output_dir) / SAMPLES_FILE)
+                     Path(cfg.output_dir) / SAMPLES_FILE, score=score)
     start_samples_file(gen.path, launch.acc.is_main_process, state.step if launch.resume is not None else None)
     return gen
