@@ -521,15 +521,26 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
                        layers=len(layers), vocab=V, loss_positions=chunk or B * N)
 
 
+def head_vocab(model: torch.nn.Module) -> int:
+    """``V``: the LM head's output width (0 without one)."""
+    head = model.get_base_model().get_output_embeddings() if hasattr(model, "get_base_model") else \
+        model.get_output_embeddings()
+    return head.weight.shape[0] if head is not None else 0
+
+
 class PeakBytes(TorchDispatchMode):
     """Follows every storage an op creates inside the mode, each forgotten when it is freed, and keeps the most
     bytes alive at once (``peak``): what ``torch.cuda.max_memory_allocated`` would add over the block, without the
-    allocator's rounding. On fake tensors it counts shapes, no memory. Storages that existed before (parameters,
-    the input batch) are not counted."""
+    allocator's rounding. On fake tensors it counts shapes, no memory. The storages of ``existing`` (parameters,
+    buffers, the input batch) are known from the start and never counted, so a view of one (the LM head's transposed
+    weight) is not new memory."""
 
-    def __init__(self) -> None:
+    def __init__(self, *existing: torch.Tensor) -> None:
         super().__init__()
         self.now, self.peak, self.refs = 0, 0, {}
+        for t in existing:
+            if isinstance(t, torch.Tensor):
+                self.refs[t.untyped_storage()._cdata] = None  # known: never counted, never forgotten
 
     def add(self, t: Any) -> None:
         """Count ``t``'s storage once, until it is freed; anything that is not a tensor is ignored."""
@@ -562,7 +573,9 @@ def count_reference_peak(cfg: Config, model: torch.nn.Module, params: list[Param
     (:func:`scale.objectives.preference.side_logps`): the ``[rows, N, V]`` fp32 tail logits, the log-softmax's
     temporaries and one layer's intermediates, all freed when the forward returns. Counted on fake tensors as
     :func:`count_activations` counts (``rows`` x ``data.max_length``, ``N`` = ``loss.threshold``), every storage
-    an op creates followed until it is freed.
+    an op creates followed until it is freed (:class:`PeakBytes`), plus the one buffer no dispatch mode sees:
+    ``torch.logsumexp`` allocates ``exp(x - max)``, ``[rows, N, V]`` fp32, inside its kernel (ATen
+    ``logsumexp_out_impl``, every device) while the logits are alive.
 
     Args:
         cfg: the training config (length, threshold, mixed precision, 4-bit).
@@ -603,7 +616,7 @@ def count_reference_peak(cfg: Config, model: torch.nn.Module, params: list[Param
             batch = {"input_ids": torch.zeros(B, T, dtype=torch.long),
                      "attention_mask": torch.ones(B, T, dtype=torch.long),
                      "tail_mask": torch.ones(B, N, dtype=torch.long)}
-            peak = PeakBytes()
+            peak = PeakBytes(*model.parameters(), *model.buffers(), *batch.values())
             with reference_mode(model), torch.autocast("cpu", dtype=amp_dtype, enabled=autocast), peak:
                 tail, targets = scale_loss.forward_tail(model, batch, padding_side="left", check=False)
                 side_logps(tail, targets, batch["tail_mask"])
@@ -611,7 +624,8 @@ def count_reference_peak(cfg: Config, model: torch.nn.Module, params: list[Param
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
         raise PlanError(f"cannot count the reference forward of model type {model.config.model_type!r} on fake "
                         f"tensors ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
-    return peak.peak
+    logits_bytes = B * N * head_vocab(model) * 4
+    return peak.peak + logits_bytes  # + logsumexp's own exp(x - max) buffer
 
 
 # ---------------------------------------------------------------------------------------------------------------

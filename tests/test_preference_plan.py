@@ -156,3 +156,32 @@ def test_dpo_plan_is_the_sft_plan_of_twice_the_rows_plus_the_reference(pairs_pat
     assert ada.preference["step_flops_per_pair"] == pytest.approx(2 * T * (train + forward), rel=1e-12)
     assert pre.preference["reference_pass_flops"] == pytest.approx(40 * 2 * T * forward, rel=1e-12)
     assert "a micro-batch of 4 pairs is 8 rows" in P.format_plan(ada)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_counted_reference_peak_equals_a_real_reference_forward(pairs_path, checkpointing):
+    """The reference forward's peak as the plan counts it (fake tensors, :func:`scale.census.count_reference_peak`)
+    against the peak of live tensor bytes over the product's own in-step reference (``reference_forward``: adapter
+    disabled, no_grad, summed tail logps) on a real ``[2P, T]`` micro-batch: the same operations on the same shapes,
+    so the same storages, plus the ``[2P, N, V]`` fp32 buffer ``torch.logsumexp`` allocates inside its kernel (which
+    a dispatch mode cannot see, so the plan adds it); within 2% (the real forward's RoPE tables and masks are built
+    from the batch's values)."""
+    from scale.modeling import build_model
+    from scale.objectives.preference import reference_forward
+
+    cfg = config(pairs_path, f"model.gradient_checkpointing={str(checkpointing).lower()}")
+    tail, _ = P.data_tail(cfg)
+    planned_cfg = P.pair_rows(P.with_tail(cfg, tail))
+    hf = C.load_model_config(cfg.model)
+    meta = C.build_meta_model(planned_cfg, hf)
+    counted = C.count_reference_peak(planned_cfg, meta, C.census(planned_cfg, meta))
+    model = build_model(cfg.model, cfg.lora, C.TINY_VOCAB, 0)
+    model.train()
+    batch = pair_batch(2 * PAIRS, T, tail, ref=False)
+    live = LiveBytes(*model.parameters(), *model.buffers(), *batch.values())
+    with live:
+        reference_forward(model, batch)
+    inside = 2 * PAIRS * tail * C.TINY_VOCAB * 4  # logsumexp's exp(x - max), unseen by LiveBytes
+    real = live.peak - live.before + inside
+    assert abs(counted / real - 1) < 0.02, (counted, real)
+    assert counted >= 2 * PAIRS * tail * C.TINY_VOCAB * 4  # at least its fp32 tail logits
