@@ -366,7 +366,7 @@ def plan_pairs(user_cfg: Config, cfg: Config, model: torch.nn.Module, params: li
       backward are counted for them.
     - **The reference** (``dpo``): ``loss.reference: adapter`` runs one more forward of the ``2P`` rows per
       micro-batch under ``no_grad`` after the policy's, while the policy's saved activations are alive: its peak
-      (:func:`scale.census.count_reference_peak`: tail logits, log-softmax temporaries, one layer's intermediates)
+      (:func:`scale.census.count_reference_peak`: tail logits, logsumexp's buffer, one layer's intermediates)
       is a transient of the step (``Activations.reference``, :func:`scale.layouts.predict_mode` takes the larger
       of it and the loss backward). ``precomputed``: nothing in the step; one pass before training over every
       train and eval pair, ``2 x train.eval_micro_batch_size`` rows at a time, with no gradients or optimizer

@@ -62,8 +62,8 @@ PREFERENCE_FIGURES: list[tuple[str, str, list[Panel]]] = [
 
 # (file name, title, panels). Keys sharing a panel share a unit; different units get their own panel.
 FIGURES: list[tuple[str, str, list[Panel]]] = [
-    ("loss.png", "Tail loss (weighted cross-entropy over each row's tail tokens)",
-     [Panel("loss (nats/token)", [("train/loss", "train"), ("eval/loss", "eval")])]),
+    ("loss.png", "Loss (SFT: weighted cross-entropy over each row's tail tokens; preference: mean pair loss)",
+     [Panel("loss (nats/token; pairs: per pair)", [("train/loss", "train"), ("eval/loss", "eval")])]),
     ("target_nll.png", "Eval target NLL (-log p of the label token)",
      [Panel("NLL (nats/example)", [("eval/target_nll", "")])]),
     ("accuracy.png", "Eval accuracy (argmax over the label tokens)",
