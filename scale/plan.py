@@ -67,6 +67,7 @@ from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRA
 from scale.logs import ignore_known_warnings
 from scale.modeling import load_tokenizer
 from scale.moe import active_counts, moe_layout
+from scale.objectives.preference import REFERENCE_ADAPTER
 from scale.moe import model_shape as moe_model_shape
 from scale.schema import Config, ModelConfig
 from scale.state import divisors, read_state, resume_accumulation, saved_global_batch
@@ -371,6 +372,9 @@ def plan_pairs(user_cfg: Config, cfg: Config, model: torch.nn.Module, params: li
       of it and the loss backward). ``precomputed``: nothing in the step; one pass before training over every
       train and eval pair, ``2 x train.eval_micro_batch_size`` rows at a time, with no gradients or optimizer
       state yet.
+    - **A starting adapter** (``model.adapter``) under the in-step reference: its frozen copy, the peft adapter
+      ``reference`` (:func:`scale.objectives.preference.add_reference_adapter`), is appended to ``params`` as frozen
+      parameters of the LoRA matrices' shapes and dtypes, so every launch mode holds (or shards) it as weights.
     - **FLOPs per pair**: the policy's training FLOPs of both sides (``2 T`` positions x
       :func:`scale.flops.flops_per_token`) and the reference's forward (:func:`reference_flops_per_token`) in the
       step or once in the pre-pass.
@@ -379,7 +383,7 @@ def plan_pairs(user_cfg: Config, cfg: Config, model: torch.nn.Module, params: li
         user_cfg: the config as given (``train.micro_batch_size`` in pairs).
         cfg: the planned config (:func:`pair_rows` of :func:`with_tail`'s).
         model: the meta-built model (:func:`scale.census.build_meta_model`).
-        params: its :func:`scale.census.census`.
+        params: its :func:`scale.census.census`; the reference adapter's copies are appended (see above).
         acts: the activations by precision regime (as :func:`scale.layouts.predict_mode` reads them); their
             ``reference`` is set.
         cast: the DeepSpeed regime's parameter dtype, or None.
@@ -396,6 +400,9 @@ def plan_pairs(user_cfg: Config, cfg: Config, model: torch.nn.Module, params: li
             } if in_step else {False: 0, True: 0}
     for regime, a in acts.items():
         a.reference = peak[regime]
+    if in_step and cfg.model.adapter is not None:  # the starting adapter's frozen copy: more (frozen) parameters
+        params.extend(replace(p, name=p.name.replace(".default.", f".{REFERENCE_ADAPTER}."), trainable=False)
+                      for p in list(params) if p.trainable)
     eval_rows = 2 * cfg.train.eval_micro_batch_size
     prepass = (count_reference_peak(cfg, model, params, None, rows=eval_rows) if reference == "precomputed" else 0)
     trainable = sum(p.numel for p in params if p.trainable)

@@ -65,7 +65,7 @@ ALLOWED: dict[str, set[str]] = {
     "lmeval": {"assets", "config", "config_help", "data", "data.cache", "data.read", "data.tasks", "export", "fileio",
                "logs", "modeling", "samples"},
     "plan": {"assets", "census", "config", "config_help", "data.tokenize", "flops", "layouts", "logs", "modeling",
-             "moe", "schema", "state", "validation"},  # data: the tails;
+             "moe", "objectives", "schema", "state", "validation"},  # data: the tails; objectives: pairs' reference;
     # state: --resume reads a checkpoint's trainer_state.json
     # the loop side: may import accelerate / torch.distributed
     "rendezvous": set(),

@@ -185,3 +185,23 @@ def test_counted_reference_peak_equals_a_real_reference_forward(pairs_path, chec
     real = live.peak - live.before + inside
     assert abs(counted / real - 1) < 0.02, (counted, real)
     assert counted >= 2 * PAIRS * tail * C.TINY_VOCAB * 4  # at least its fp32 tail logits
+
+
+def test_a_starting_adapter_adds_its_frozen_copy_and_its_forward(pairs_path):
+    """model.adapter under the in-step reference: the reference is the starting adapter's frozen copy (a second peft
+    adapter of the LoRA matrices' shapes): one more copy of the trainable bytes held as frozen weights in single and
+    DDP, and the reference forward runs the adapter too (2 x its parameters FLOPs per position, 2T positions)."""
+    plain = P.make_plan(config(pairs_path, "loss.objective=dpo"), 2)
+    start = P.make_plan(config(pairs_path, "loss.objective=dpo", "model.adapter=runs/sft/adapter"), 2)
+    pre = P.make_plan(config(pairs_path, "loss.objective=dpo", "model.adapter=runs/sft/adapter",
+                             "loss.reference=precomputed"), 2)
+    lora_bytes = {r.mode: r for r in plain.ranks}["single"].trainable  # fp32 LoRA matrices, not sharded
+    assert lora_bytes == 4 * plain.trainable_parameters
+    for a, b in zip(plain.ranks, start.ranks):
+        if a.mode in ("single", "ddp"):
+            assert b.weights - a.weights == lora_bytes
+        assert (b.trainable, b.gradients, b.optimizer) == (a.trainable, a.gradients, a.optimizer)
+    assert start.parameters == plain.parameters + plain.trainable_parameters
+    assert pre.parameters == plain.parameters  # precomputed: no reference adapter is kept
+    extra = start.preference["reference_flops_per_pair"] - plain.preference["reference_flops_per_pair"]
+    assert extra == pytest.approx(2 * T * 2 * plain.trainable_parameters, rel=1e-12)
