@@ -102,7 +102,7 @@ ROWS = [{"prompt": f"Q: question number {i} about things?", "chosen": " A good a
 @pytest.fixture(scope="module")
 def dpo_run(tmp_path_factory):
     """A tiny DPO job: 40 text pairs, 8 held out, 4 steps of 4 pairs at lr 1e-2, evaluations at steps 0, 2, 4, each
-    generating 2 held-out pairs."""
+    generating 2 held-out pairs; W&B offline."""
     from scale.train import run
 
     tmp = tmp_path_factory.mktemp("dpo_run")
@@ -111,7 +111,7 @@ def dpo_run(tmp_path_factory):
     run(tiny_cfg(out, f"data.path={tmp / 'pairs.jsonl'}", "data.format=preference", "loss.objective=dpo",
                  "data.eval_size=8", "train.max_steps=4", "train.micro_batch_size=4",
                  "train.gradient_accumulation_steps=1", "train.eval_every=2", "train.log_every=1", "optim.lr=1e-2",
-                 "log.peak_flops=false", "eval.generate_samples=2", "eval.max_new_tokens=8"))
+                 "log.peak_flops=false", "eval.generate_samples=2", "eval.max_new_tokens=8", "log.trackers=[wandb]"))
     return out
 
 
@@ -141,6 +141,23 @@ def test_dpo_run_writes_samples_at_every_evaluation(dpo_run):
     metrics = [json.loads(x) for x in (dpo_run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     gen = {r["step"]: r["eval/gen_samples"] for r in metrics if "eval/gen_samples" in r}
     assert gen == {0: 2, 2: 2, 4: 2}
+
+
+def test_dpo_run_samples_are_a_wandb_table(dpo_run):
+    """Each evaluation's pair samples are the W&B table ``eval/samples`` at its step (offline run), row for row
+    samples.jsonl's: the answer beside chosen and rejected, and the margin."""
+    from tests.wandb_records import read_run
+
+    (run_dir,) = sorted((dpo_run / "wandb").glob("offline-run-*"))
+    history = read_run(run_dir)["history"]
+    lines = [json.loads(x) for x in (dpo_run / "samples.jsonl").read_text(encoding="utf-8").splitlines()]
+    for step in (0, 2, 4):
+        table = history[step]
+        assert table["eval/samples/_type"] == "table-file" and table["eval/samples/nrows"] == 2
+        data = json.loads((run_dir / "files" / table["eval/samples/path"]).read_text())
+        assert data["columns"] == ["step", "row", "prompt", "completion", "chosen", "rejected", "exact", "margin"]
+        assert data["data"] == [[r["step"], r["row"], r["prompt"], r["completion"], r["chosen"], r["rejected"],
+                                 r["exact"], r["rewards"]["margin"]] for r in lines if r["step"] == step]
 
 
 def test_report_of_a_dpo_run_draws_what_it_logged(dpo_run, tmp_path):
