@@ -274,6 +274,21 @@ def test_starting_adapter_is_the_frozen_reference(tmp_path, tokenizer, pair_exam
     assert all(p.requires_grad for n, p in policy.named_parameters() if ".default." in n)
 
 
+def test_precomputed_reference_of_a_starting_adapter_is_that_adapter(tmp_path, tokenizer, pair_examples):
+    """With ``model.adapter`` the pass before training scores the pairs with the starting adapter (bit-equal to the
+    in-step frozen copy, :func:`add_reference_adapter`), not with the adapter disabled (the base model)."""
+    sft = _model(tokenizer, adapter_seed=5)
+    sft.save_pretrained(tmp_path / "adapter")
+    policy, in_step = _model(tokenizer), _model(tokenizer)
+    for m in (policy, in_step):
+        load_adapter(m, str(tmp_path / "adapter"), LoraConfig(r=4, dropout=0.0))
+    add_reference_adapter(in_step)
+    batch = PairCollator(Collator(tokenizer.pad_token_id))(list(PairedExamples(pair_examples)))
+    got = reference_logps(policy, [batch], starting_adapter=True)
+    assert torch.equal(got, reference_forward(in_step, batch).double())
+    assert not torch.equal(got, reference_logps(policy, [batch]))  # the base model scores them differently
+
+
 def test_precomputed_reference_equals_in_step(tokenizer, pair_examples):
     """One pass before training stores each pair's reference logps; the step with them equals the step that runs
     the reference itself (the same batches: the same operations, so bit-equal), loss and gradients."""

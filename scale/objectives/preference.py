@@ -278,13 +278,17 @@ def reference_forward(model: torch.nn.Module, batch: dict[str, Tensor], padding_
     return logps.detach()
 
 
-def reference_logps(model: torch.nn.Module, batches: Any, padding_side: str = "left") -> Tensor:
+def reference_logps(model: torch.nn.Module, batches: Any, padding_side: str = "left",
+                    starting_adapter: bool = False) -> Tensor:
     """The reference pass before training (``loss.reference: precomputed``): every pair's reference logps.
 
     Args:
-        model: the policy model as training starts (its adapter as :func:`reference_mode` uses it).
+        model: the policy model as training starts, before any step and before a resumed checkpoint is loaded.
         batches: the split's pair batches in split order (:class:`scale.data.tasks.preference.PairCollator` over
             :class:`scale.data.tasks.preference.PairedExamples` without ``ref_logps``, unshuffled).
+        starting_adapter: the reference is the adapter the run starts from (``model.adapter``): the model runs as it
+            is (under ``no_grad``), which before the first step is that adapter; otherwise as :func:`reference_mode`
+            runs it (adapters disabled: the base model).
 
     Returns:
         ``[2 x pairs]`` float64 on the CPU, example order (``2p`` chosen, ``2p + 1`` rejected): what
@@ -293,7 +297,11 @@ def reference_logps(model: torch.nn.Module, batches: Any, padding_side: str = "l
     was_training = model.training
     model.eval()
     try:
-        out = [reference_forward(model, b, padding_side).double().cpu() for b in batches]
+        if starting_adapter:
+            with torch.no_grad():
+                out = [tail_logps(model, b, padding_side)[0].detach().double().cpu() for b in batches]
+        else:
+            out = [reference_forward(model, b, padding_side).double().cpu() for b in batches]
     finally:
         model.train(was_training)
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)

@@ -67,7 +67,7 @@ def precompute_references(acc: Accelerator, cfg: Config, model: torch.nn.Module,
         for name, split in (("train", splits.train), ("eval", splits.eval)):
             dl = DataLoader(PairedExamples(split), batch_size=cfg.train.eval_micro_batch_size, collate_fn=collate)
             refs[name] = reference_logps(model, ({k: v.to(acc.device) for k, v in b.items()} for b in dl),
-                                         cfg.data.padding_side)
+                                         cfg.data.padding_side, starting_adapter=cfg.model.adapter is not None)
         stored = {"key": key, **refs}
         if acc.is_main_process:
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
