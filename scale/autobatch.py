@@ -78,7 +78,9 @@ def resolve_auto_micro_batch(cfg: Config, data_parallel_size: int, memory_gib: f
     ``train.auto_global_batch_size`` ``G`` set, the largest that also divides ``G / data_parallel_size``, and
     ``train.gradient_accumulation_steps = G / (micro_batch_size x data_parallel_size)`` so the global batch stays.
     Without it, ``gradient_accumulation_steps`` stays as set and the global batch grows with the micro-batch (the
-    learning rate is not rescaled).
+    learning rate is not rescaled). Resolved, the config holds numbers only (``auto_global_batch_size`` null), as
+    ``config.yaml`` and the checkpoints then record them; a resume resolves ``auto`` again and keeps the checkpoint's
+    global batch as for any change of micro-batch (:func:`scale.checkpoint.adapt_to_checkpoint`).
 
     Every rank resolves alike: the plan is arithmetic on the config and the device's memory (ranks with GPUs of
     different sizes would disagree: set a number there).
@@ -88,7 +90,8 @@ def resolve_auto_micro_batch(cfg: Config, data_parallel_size: int, memory_gib: f
     shared with the OS and the data loader, so a number is what a CPU run wants.
 
     Args:
-        cfg: the config; ``train.micro_batch_size`` and ``train.gradient_accumulation_steps`` are set in place.
+        cfg: the config; ``train.micro_batch_size``, ``train.gradient_accumulation_steps`` and
+            ``train.auto_global_batch_size`` are set in place.
         data_parallel_size: ranks that hold different rows (:meth:`scale.schema.TrainConfig.data_parallel_size`).
         memory_gib: one device's memory (GiB, :func:`device_memory_gib`); ``None`` on a CPU.
 
@@ -110,8 +113,9 @@ def resolve_auto_micro_batch(cfg: Config, data_parallel_size: int, memory_gib: f
         raise ConfigError(f"train.auto_global_batch_size={G} is not divisible by the {data_parallel_size} "
                           f"data-parallel ranks: use a multiple of {data_parallel_size}")
     per_rank = G // data_parallel_size if G is not None else 4096
+    plain = replace(cfg, train=replace(t, auto_global_batch_size=None))  # a number with it set is refused
     try:
-        b, rank = largest_micro_batch(cfg, memory_gib, t.auto_memory_fraction, upper=per_rank)
+        b, rank = largest_micro_batch(plain, memory_gib, t.auto_memory_fraction, upper=per_rank)
     except PlanError as e:
         raise ConfigError(f"train.micro_batch_size=auto: the memory plan failed ({e}); set a number") from None
     if b == 0 or rank is None:
@@ -121,9 +125,9 @@ def resolve_auto_micro_batch(cfg: Config, data_parallel_size: int, memory_gib: f
     planned = rank.total
     if G is not None:
         fit, b = b, max(d for d in range(1, b + 1) if per_rank % d == 0)
-        planned = planned if b == fit else planned_bytes(cfg, b, memory_gib)
+        planned = planned if b == fit else planned_bytes(plain, b, memory_gib)
         t.gradient_accumulation_steps = per_rank // b
-    t.micro_batch_size = b
+    t.micro_batch_size, t.auto_global_batch_size = b, None  # resolved: config.yaml holds the numbers
     return AutoBatch(b, t.gradient_accumulation_steps, data_parallel_size, planned / GIB, memory_gib,
                      t.auto_memory_fraction, G is not None)
 

@@ -74,7 +74,7 @@ def build_launch(cfg: Config) -> Launch:
     out = Path(cfg.output_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data_parallel = cfg.train.data_parallel_size(int(os.environ.get("WORLD_SIZE", "1")))
-    memory = device_memory_gib() if device.type == "cuda" else None
+    memory = device_memory_gib(device)  # None on a CPU
     auto = resolve_auto_micro_batch(cfg, data_parallel, memory)  # before the accelerator reads the batch
     regrouped = adapt_to_checkpoint(cfg, data_parallel)
     decided: list[Any] = []
