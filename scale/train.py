@@ -117,7 +117,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
             if stop:
                 break
             ready = time.perf_counter()
-            meter.paused_s += ready - paused - commit.take_spent()  # evaluation and checkpoints are not training time
+            meter.paused_s += ready - paused  # evaluation and checkpoints are not training time
         else:  # the epoch ran out
             state.epoch += 1
             state.windows_in_epoch = 0
@@ -283,7 +283,8 @@ class StepCommit:
         job, meter: the run's.
         held: the window waiting (``None``: none, or a window of zero weight, which only steps the schedule).
         pending: a step is held.
-        spent: host seconds spent applying steps since :meth:`take_spent` (not data-loading time).
+        spent: host seconds the window vote spent applying steps since :meth:`take_spent` (not data-loading time;
+            a step :meth:`flush` applies at an evaluation or a checkpoint counts as paused time, as they do).
     """
 
     job: Job
@@ -303,14 +304,25 @@ class StepCommit:
         return self.held.flag if self.pending and self.held is not None else None
 
     def apply(self, nonfinite: bool) -> None:
-        """Apply the held step, or skip it when ``nonfinite`` (some rank's flag is 1); then step the schedule.
+        """Apply the held step, or skip it when ``nonfinite`` (some rank's flag is 1); then step the schedule. Called
+        by the window vote; its time is kept for :meth:`take_spent` (the loop counts it as compute, not data time).
 
         Raises:
             NonFiniteError: ``nonfinite`` and ``train.on_nonfinite=error`` (from :func:`report_nonfinite`).
         """
+        started = time.perf_counter()
+        self.settle(nonfinite)
+        self.spent += time.perf_counter() - started
+
+    def settle(self, nonfinite: bool) -> None:
+        """:meth:`apply` without the timing; a no-op when no step is held.
+
+        Raises:
+            NonFiniteError: ``nonfinite`` and ``train.on_nonfinite=error``.
+        """
         if not self.pending:
             return
-        started, job, held = time.perf_counter(), self.job, self.held
+        job, held = self.job, self.held
         self.held, self.pending = None, False
         if held is not None:
             if nonfinite:
@@ -323,7 +335,6 @@ class StepCommit:
                         self.meter.add_micro(num, mb.weights.sum(), mb.batch, terms)
             job.optimizer.zero_grad(set_to_none=True)
         job.scheduler.step()  # unprepared: exactly once per optimizer step, whatever num_processes is
-        self.spent += time.perf_counter() - started
 
     def flush(self) -> None:
         """Decide and apply the held step now: an all-reduce of the flag (world size > 1) and a host read. Collective:
@@ -333,10 +344,10 @@ class StepCommit:
         flag = self.flag()
         if flag is not None and self.job.acc.num_processes > 1:
             flag = self.job.acc.reduce(flag, reduction="sum")  # collective
-        self.apply(flag is not None and bool(flag))  # host sync
+        self.settle(flag is not None and bool(flag))  # host sync
 
     def take_spent(self) -> float:
-        """Seconds spent in :meth:`apply` since the last call (and reset)."""
+        """Seconds spent in :meth:`apply` since the last call (and reset to 0)."""
         spent, self.spent = self.spent, 0.0
         return spent
 

@@ -139,3 +139,15 @@ def test_auto_with_no_row_fitting_is_refused(tmp_path):
     assert str(e.value) == (f"train.micro_batch_size=auto: not even one row of data.max_length={cfg.data.max_length} "
                             f"fits 0.75 of 1.0 GiB: lower data.max_length, set model.gradient_checkpointing=true or "
                             f"raise train.auto_memory_fraction")
+
+
+def test_scale_plan_resolves_auto_against_gpu_mem(capsys):
+    from scale.config import load_config
+    from scale.plan import largest_micro_batch, main
+
+    assert main(["--config", str(TINY_YAML), "--gpus", "1", "--gpu-mem", "2", "train.micro_batch_size=auto"]) == 0
+    out = capsys.readouterr().out
+    b = largest_micro_batch(load_config(TINY_YAML, ["train.micro_batch_size=auto"]), 2.0, 0.75)[0]
+    assert out.startswith(f"train.micro_batch_size=auto: {b}, the largest whose single-GPU plan fits "
+                          f"train.auto_memory_fraction 0.75 of --gpu-mem 2 GiB\n")
+    assert f"micro-batch {b} x " in out

@@ -208,6 +208,20 @@ def test_nonfinite_loss_stops_naming_step_and_row(tmp_path, tokenizer, criterion
     assert all(torch.isfinite(t).all() for p in saved for t in load_file(p / "adapter_model.safetensors").values())
 
 
+def test_nonfinite_error_from_the_window_vote_is_the_log_steps_error(tmp_path, tokenizer):
+    """Without a log, an evaluation or a checkpoint after the bad step, its verdict comes with the next window's vote
+    (scale.train.StepCommit), not from a read of its own: the same error, naming the same step and rows."""
+    poison_row, step = _train_row(tmp_path, tokenizer)
+    data = _poisoned_data(tmp_path, poison_row)
+    messages = []
+    for name, every in (("log_steps", ["train.log_every=1"]), ("vote", ["train.log_every=100", "train.save_every=0"])):
+        with pytest.raises(NonFiniteError) as e:
+            run(tiny_cfg(tmp_path / name, *NONFINITE, f"data.path={data}", *every))
+        messages.append(str(e.value))
+    assert messages[0] == messages[1] and f"at optimizer step {step} (epoch 0" in messages[0] and step < 6
+    assert not list_checkpoints(tmp_path / "vote")
+
+
 def test_nonfinite_skip_drops_the_step(tmp_path, tokenizer, caplog):
     data = _poisoned_data(tmp_path, _train_row(tmp_path, tokenizer)[0])
     caplog.set_level(logging.WARNING)
