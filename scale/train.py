@@ -12,8 +12,8 @@ contributes ``sum(weighted tail CE) / sum(weights)`` where both sums run over th
 ranks. A partial last window (end of an epoch) is normalised by its own sums: not dropped, not rescaled.
 
 Reading order: :func:`fit` (the loop), :func:`train_window` (one optimizer step), :class:`StepCommit` (when that
-step is applied), :func:`scale.windows.windows` (how ranks stay in step), :func:`run` (:func:`scale.job.setup`, which builds everything before the loop, + fit + the
-adapter).
+step is applied), :func:`scale.windows.windows` (how ranks stay in step), :func:`run` (:func:`scale.job.setup`,
+which builds everything before the loop, + fit + the adapter).
 """
 
 from __future__ import annotations

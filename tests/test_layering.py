@@ -77,7 +77,8 @@ ALLOWED: dict[str, set[str]] = {
     "startup": {"checks", "compat", "data.token_table", "data.tokenize", "launch", "names", "parts", "precision",
                 "schedule", "schema"},  # the start-up lines
     # scale/parts/: each part of a run builds itself (launch, data, model, loaders, ...)
-    "parts": {"assets", "attention", "autobatch", "best", "checkpoint", "collective", "cpu_bf16", "data.cache", "data.collate",
+    "parts": {"assets", "attention", "autobatch", "best", "checkpoint", "collective", "cpu_bf16", "data.cache",
+              "data.collate",
               "data.mixing", "data.order", "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize",
               "evaluate", "export", "flops", "launch", "metrics", "modeling", "moe", "objectives", "precision",
               "samples", "schedule", "schema", "state", "tracking", "ulysses", "validation"},
@@ -122,7 +123,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("data: collation and order", {"data.collate", "data.order", "data.sequence"}),
     ("data: the package's face", {"data"}),
     ("the memory plan (scale-plan; the start-up plans train.micro_batch_size=auto)", {"plan"}),
-    ("the loop side", {"autobatch", "inputs", "collective", "metrics", "precision", "tracking", "launch", "ulysses", "checks",
+    ("the loop side", {"autobatch",
+                       "inputs", "collective", "metrics", "precision", "tracking", "launch", "ulysses", "checks",
                        "checkpoint", "best", "evaluate", "samples", "export", "generate", "parts", "startup", "windows",
                        "job", "train"}),
     ("entry points", {"cli", "env", "prepare", "report", "lmeval"}),
