@@ -21,6 +21,8 @@ from scale.validation import ConfigError
 
 # Below this share of the device's memory, a run with a set micro-batch is told about train.micro_batch_size=auto.
 UNDER_USED = 0.25
+# The largest micro-batch auto picks (scale.plan.largest_micro_batch's default bound).
+MAX_ROWS = 4096
 
 
 @dataclass
@@ -47,8 +49,9 @@ class AutoBatch:
 
     def line(self) -> str:
         """The start-up line: ``train.micro_batch_size=auto: micro_batch_size 64 x gradient_accumulation_steps 2 x 1
-        data-parallel rank(s) = global_batch_size 128 (gradient_accumulation_steps as set); planned 30.1 GiB of
-        139.8 GiB per device (train.auto_memory_fraction 0.75)``."""
+        data-parallel rank(s) = global_batch_size 128 (gradient_accumulation_steps as set; train.auto_global_batch_size
+        keeps one); planned 104.6 GiB of 139.8 GiB per device (train.auto_memory_fraction 0.75)``, and what caps a
+        plan under a quarter of the device."""
         G = self.micro_batch_size * self.gradient_accumulation_steps * self.data_parallel_size
         why = ("kept: train.auto_global_batch_size" if self.kept_global_batch
                else "gradient_accumulation_steps as set; train.auto_global_batch_size keeps one")
@@ -57,8 +60,8 @@ class AutoBatch:
                 f"global_batch_size {G} ({why}); planned {self.planned_gib:.1f} GiB of {self.device_gib:.1f} GiB per "
                 f"device (train.auto_memory_fraction {self.fraction:g})")
         if self.planned_gib < UNDER_USED * self.device_gib:
-            text += (f"; under a quarter of the device: train.auto_global_batch_size caps the micro-batch"
-                     if self.kept_global_batch else "; under a quarter of the device")
+            text += ("; under a quarter of the device: train.auto_global_batch_size caps the micro-batch"
+                     if self.kept_global_batch else f"; under a quarter of the device: {MAX_ROWS} rows is the cap")
         return text
 
 
@@ -112,7 +115,7 @@ def resolve_auto_micro_batch(cfg: Config, data_parallel_size: int, memory_gib: f
     if G is not None and G % data_parallel_size:
         raise ConfigError(f"train.auto_global_batch_size={G} is not divisible by the {data_parallel_size} "
                           f"data-parallel ranks: use a multiple of {data_parallel_size}")
-    per_rank = G // data_parallel_size if G is not None else 4096
+    per_rank = G // data_parallel_size if G is not None else MAX_ROWS
     plain = replace(cfg, train=replace(t, auto_global_batch_size=None))  # a number with it set is refused
     try:
         b, rank = largest_micro_batch(plain, memory_gib, t.auto_memory_fraction, upper=per_rank)

@@ -155,7 +155,10 @@ global_batch_size 96 (kept: train.auto_global_batch_size); planned 52.3 GiB of 1
   GEMMs saturate at a few rows), and RAM is shared with the OS and the data loader.
 - A GPU run with a set micro-batch whose plan uses under a quarter of the device says so at start-up and names
   `train.micro_batch_size: auto`. `scale-plan train.micro_batch_size=auto --gpus 1 --gpu-mem 141` shows the choice.
-- Every rank plans alike (same config, same device size); ranks with GPUs of different sizes need a number.
+- Every rank plans alike (same config, same device size); ranks with GPUs of different sizes need a number. The
+  one-device plan holds the whole model's states, so under ZeRO-3/FSDP2 (sharded) or sequence parallelism the choice
+  is conservative. The plan's fake forwards take seconds (one plan of the default job: 13 s on 2 busy CPU cores;
+  `auto` runs 4 or more), paid once at start-up.
 
 ## From TRL / transformers
 
