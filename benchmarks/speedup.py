@@ -127,18 +127,21 @@ def profile_steps(job, steps: int) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     from scale.metrics import StepMeter
-    from scale.train import epoch_loader, train_window
+    from scale.train import StepCommit, epoch_loader, train_window
     from scale.windows import windows
 
     job.model.train()
     meter = StepMeter(job.acc.device)
+    commit = StepCommit(job, meter)  # each step applied at once (flush), as fit does at a log step
     it = iter(windows(job.acc, epoch_loader(job), job.cfg.train.gradient_accumulation_steps, job.objective))
-    train_window(job, next(it), meter)
+    train_window(job, next(it), meter, commit)
+    commit.flush()
     batches = [next(it) for _ in range(steps)]
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         t0 = time.perf_counter()
         for window in batches:
-            train_window(job, window, meter)
+            train_window(job, window, meter, commit)
+            commit.flush()
         wall = time.perf_counter() - t0
     return categorize(prof.events(), wall, steps, job.model.config.vocab_size, job.cfg.lora.r)
 

@@ -131,6 +131,35 @@ key). `scale-train --help` lists every key on one line, `scale-train --help opti
 This page is generated from the schema (`scale/schema.py`) and `scale/names.py`; `tests/test_config.py` fails when
 it is stale. Regenerate it with `python -m scale.config_help > docs/config.md`.
 
+## `train.micro_batch_size: auto`
+
+On a GPU the start-up picks the largest micro-batch whose memory plan (`scale-plan`'s one-device row: model states,
+saved activations, logits, transient bytes, framework overhead) fits `train.auto_memory_fraction` of the device,
+before the accelerator, a DeepSpeed config or the loaders read the batch, and logs one line:
+
+```
+train.micro_batch_size=auto: micro_batch_size 48 x gradient_accumulation_steps 1 x 2 data-parallel rank(s) =
+global_batch_size 96 (kept: train.auto_global_batch_size); planned 52.3 GiB of 139.8 GiB per device
+(train.auto_memory_fraction 0.75)
+```
+
+- `train.auto_global_batch_size: G` keeps a global batch: the micro-batch is the largest that fits and divides
+  `G / data-parallel ranks`, and `gradient_accumulation_steps` makes up the rest. Without it (null, the default)
+  `gradient_accumulation_steps` stays as set and the global batch grows with the micro-batch; the learning rate is
+  not rescaled, so set `G` to keep a tuned recipe's batch.
+- `train.auto_memory_fraction` (default 0.75): the plan was 0.80-0.98 of the measured peak on an H200 (QLoRA
+  lowest), so a plan at 0.75 of the device should peak below ~0.94 of it.
+- `config.yaml` and the checkpoints record the numbers it resolved to; a resume resolves `auto` again and keeps
+  the checkpoint's global batch as for any other change of micro-batch.
+- On a CPU `auto` is refused in one line: the largest micro-batch host RAM holds is not the fastest there (CPU
+  GEMMs saturate at a few rows), and RAM is shared with the OS and the data loader.
+- A GPU run with a set micro-batch whose plan uses under a quarter of the device says so at start-up and names
+  `train.micro_batch_size: auto`. `scale-plan train.micro_batch_size=auto --gpus 1 --gpu-mem 141` shows the choice.
+- Every rank plans alike (same config, same device size); ranks with GPUs of different sizes need a number. The
+  one-device plan holds the whole model's states, so under ZeRO-3/FSDP2 (sharded) or sequence parallelism the choice
+  is conservative. The plan's fake forwards take seconds (one plan of the default job: 13 s on 2 busy CPU cores;
+  `auto` runs 4 or more), paid once at start-up.
+
 ## From TRL / transformers
 
 TRL's `SFTConfig` (TRL 1.16; the fields it inherits from transformers 5's `TrainingArguments`), peft's `LoraConfig`

@@ -131,6 +131,9 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
                         f"processes (num_processes = gpus per node x nodes)")
     if gpu_mem_gib <= 0:
         raise PlanError(f"--gpu-mem {gpu_mem_gib}: GiB per GPU must be > 0")
+    if cfg.train.micro_batch_size == "auto":
+        raise PlanError("train.micro_batch_size=auto: plan a number (scale.autobatch resolves auto at start-up; "
+                        "scale-plan resolves it against --gpu-mem)")
     hf_config = load_model_config(cfg.model, model_config)
     counts: dict[str, int] = {}
     tail, tail_note = data_tail(cfg, counts)
@@ -649,6 +652,15 @@ def main(argv: list[str] | None = None) -> int:
             cfg, note = resume_config(args.resume, args.overrides, args.gpus)
         else:
             cfg = load_config(args.config, args.overrides)
+        if cfg.train.micro_batch_size == "auto":
+            b, _ = largest_micro_batch(cfg, args.gpu_mem, cfg.train.auto_memory_fraction, args.model_config)
+            if b == 0:
+                raise PlanError(f"train.micro_batch_size=auto: not even one row fits {cfg.train.auto_memory_fraction:g}"
+                                f" of {args.gpu_mem:g} GiB")
+            cfg.train.micro_batch_size = b
+            note = "\n".join(filter(None, [note, (
+                f"train.micro_batch_size=auto: {b}, the largest whose single-GPU plan fits train.auto_memory_fraction "
+                f"{cfg.train.auto_memory_fraction:g} of --gpu-mem {args.gpu_mem:g} GiB")]))
         plan = make_plan(cfg, args.gpus, args.gpu_mem, args.nodes, args.model_config, padded=not args.full_rows)
         plan.resume = note
     except (ConfigError, PlanError, FileNotFoundError) as e:

@@ -259,8 +259,18 @@ class TrainConfig:
                                       "(set exactly one): steps = num_epochs * ceil(train rows / global_batch_size); with "
                                       "`data.packing`, ceil(bins / global_batch_size) per epoch (the start-up log "
                                       "gives the bins).")
-    micro_batch_size: int = _f(8, "Sequences per device per forward pass.")
+    micro_batch_size: int | str = _f(8, "Sequences per device per forward pass; auto (GPU only): the largest the "
+                                        "memory plan fits into `auto_memory_fraction` of the GPU, resolved at "
+                                        "start-up and logged (docs/config.md).")
     gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step on each device.")
+    auto_memory_fraction: float = _f(0.75, "With micro_batch_size: auto, the share of one GPU's memory the plan may "
+                                           "fill (0 < f <= 1); 0.75 leaves room for a plan ~20% under the measured "
+                                           "peak (QLoRA).")
+    auto_global_batch_size: int | None = _f(None, "With micro_batch_size: auto, keep this global batch: the "
+                                                  "micro-batch divides it over the data-parallel ranks and "
+                                                  "gradient_accumulation_steps makes up the rest; null: "
+                                                  "gradient_accumulation_steps as set (the global batch grows with "
+                                                  "the micro-batch).")
     sequence_parallel_size: int = _f(1, "Ranks that share each row along its length (DeepSpeed Ulysses; DeepSpeed "
                                         "launches only): each holds 1/N of the row's tokens, so rows N times longer "
                                         "fit. Data-parallel ranks = processes / N; global_batch_size = "

@@ -11,9 +11,9 @@ The maths of one optimizer step: the window of ``gradient_accumulation_steps`` m
 contributes ``sum(weighted tail CE) / sum(weights)`` where both sums run over the whole window and all
 ranks. A partial last window (end of an epoch) is normalised by its own sums: not dropped, not rescaled.
 
-Reading order: :func:`fit` (the loop), :func:`train_window` (one optimizer step), :func:`scale.windows.windows` (how
-ranks stay in step), :func:`run` (:func:`scale.job.setup`, which builds everything before the loop, + fit + the
-adapter).
+Reading order: :func:`fit` (the loop), :func:`train_window` (one optimizer step), :class:`StepCommit` (when that
+step is applied), :func:`scale.windows.windows` (how ranks stay in step), :func:`run` (:func:`scale.job.setup`,
+which builds everything before the loop, + fit + the adapter).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import contextlib
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,25 +78,27 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
                       job.plan.sequence_parallel_size, getattr(job.objective, "metric_names", ()))  # after step-0 eval
     pbar = Progress(job.max_steps, state.step, acc.is_local_main_process)  # a bar, or lines in a log file
     timer = SaveTimer(t.save_every_minutes)
+    commit = StepCommit(job, meter)
     if state.eval_pending:  # resumed from a checkpoint whose evaluation a signal cut short: that evaluation first
-        last_eval, _ = conclude_step(job, pbar, preemption, timer, True, False, state.step >= job.max_steps)
+        last_eval, _ = conclude_step(job, pbar, preemption, timer, True, False, state.step >= job.max_steps, commit)
     job.model.train()
     while state.step < job.max_steps and state.reason != "early_stopped":  # an early-stopped run resumes stopped
         ready = time.perf_counter()
         for window in windows(acc, epoch_loader(job), t.gradient_accumulation_steps, job.objective, preemption,
-                              timer):
-            meter.data_s += time.perf_counter() - ready  # host time waiting for batches (and the gather)
+                              timer, commit):
+            # host time waiting for batches (and the gather), not the previous step's optimizer step it applied
+            meter.data_s += time.perf_counter() - ready - commit.take_spent()
             if window.stop:
                 preempted(job, pbar)
-            train_window(job, window, meter)
-            lr = job.scheduler.get_last_lr()[0]
-            job.scheduler.step()  # unprepared: exactly once per optimizer step, whatever num_processes is
+            train_window(job, window, meter, commit)
+            lr = job.scheduler.get_last_lr()[0]  # the step's rate: the scheduler steps when the step is applied
             state.step += 1
             state.windows_in_epoch += 1
             meter.steps += 1
             pbar.update()
             done = state.step >= job.max_steps
             if state.step % t.log_every == 0 or done:
+                commit.flush()  # a host read of its own (and an all-reduce): logging steps only
                 metrics = meter.flush(acc, lr)  # collective + host sync: the log interval's only one
                 if job.experts is not None:  # collectives: tokens per expert (and the aux loss), summed over ranks
                     for watcher in (job.experts.load, job.experts.aux):
@@ -109,7 +112,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
                 pbar.show(state.step, metrics)
             paused = time.perf_counter()
             due = bool(done or (t.eval_every and state.step % t.eval_every == 0))
-            evaluated, stop = conclude_step(job, pbar, preemption, timer, due, window.save_due, done)
+            evaluated, stop = conclude_step(job, pbar, preemption, timer, due, window.save_due, done, commit)
             last_eval = evaluated if evaluated is not None else last_eval
             if stop:
                 break
@@ -118,6 +121,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
         else:  # the epoch ran out
             state.epoch += 1
             state.windows_in_epoch = 0
+    commit.flush()  # already applied wherever the loop ends (the last step logs); kept for any later exit
     pbar.close()
     # Resumed from the last step's checkpoint: nothing was trained, the figures are already logged.
     return last_eval or evaluate(acc, job.model, job.eval_dl, job.objective, task=job.task,
@@ -125,9 +129,10 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
 
 
 def conclude_step(job: Job, pbar: Any, preemption: Preemption | None, timer: SaveTimer, evaluate_now: bool,
-                  save_due: bool, done: bool) -> tuple[dict[str, float] | None, bool]:
+                  save_due: bool, done: bool, commit: StepCommit) -> tuple[dict[str, float] | None, bool]:
     """What follows optimizer step ``job.state.step``: its evaluation when due, the ``train.keep_best`` /
-    early-stopping verdict, and its checkpoint (interval, time, best, early stop, end). Collective.
+    early-stopping verdict, and its checkpoint (interval, time, best, early stop, end). Collective. Either first
+    applies the held optimizer step (``commit``).
 
     A signal during the evaluation checkpoints the step with the evaluation marked pending
     (``TrainerState.eval_pending``); the resumed run calls this first for that step (:func:`fit`), so its eval
@@ -143,6 +148,7 @@ def conclude_step(job: Job, pbar: Any, preemption: Preemption | None, timer: Sav
     cfg, acc, state, t = job.cfg, job.acc, job.state, job.cfg.train
     metrics, best, stopping = None, False, False
     if evaluate_now:
+        commit.flush()
         before = rng_states()  # an evaluation draws from the global RNG: each eval loader iterator takes a seed
         try:
             metrics = evaluate_and_log(job, preemption)
@@ -155,6 +161,7 @@ def conclude_step(job: Job, pbar: Any, preemption: Preemption | None, timer: Sav
     interval = t.save_every and state.step % t.save_every == 0
     if interval or save_due or best or stopping or (done and (t.save_every or t.save_every_minutes)):
         why = "end" if done else "early_stopped" if stopping else "best" if best else "interval"
+        commit.flush()
         path = save_checkpoint(acc, cfg, job.plan, state.with_reason(why), job.model, job.optimizer)
         if best and acc.is_main_process:
             write_best(cfg.output_dir, state, t.keep_best)  # after the checkpoint it names is whole
@@ -195,22 +202,24 @@ def judge(job: Job, metrics: dict[str, float]) -> tuple[bool, bool]:
     return best, stop
 
 
-def train_window(job: Job, window: Window, meter: StepMeter) -> None:
-    """One optimizer step: forward/backward every micro-batch of ``window``, clip, check, step.
+def train_window(job: Job, window: Window, meter: StepMeter, commit: StepCommit) -> None:
+    """One optimizer step: forward/backward every micro-batch of ``window``, clip, and hand the step to ``commit``,
+    which applies it (or skips it when non-finite) once the next host read tells every rank's verdict.
 
     Every rank calls it with a window of the same length (collectives inside). A window whose weights sum to
     zero on every rank trains nothing: no forward, no optimizer step (AdamW's momentum would still move the
-    weights), identically in every launch mode; the caller still advances the step and the schedule.
+    weights), identically in every launch mode; the schedule still steps.
     """
     acc, state = job.acc, job.state
     if window.den == 0:
         state.zero_weight_steps += 1
         meter.grad_norm = torch.zeros((), device=acc.device)  # this step's gradient is exactly zero
+        commit.hold(None)
         return
     ga, avg = job.cfg.train.gradient_accumulation_steps, job.plan.gradient_average_size
     max_norm = job.cfg.optim.max_grad_norm if job.cfg.optim.max_grad_norm is not None else math.inf
     sync_on_last_micro_batch(acc, len(window.micro))
-    nums, kept, finite = [], [], True
+    nums, kept = [], []
     for mb in window.micro:
         # Under sequence parallelism the attention joins the group's shards, in forward and in the backward's
         # recomputation (checkpointing) alike: every rank of the group runs the same micro-batches.
@@ -226,18 +235,121 @@ def train_window(job: Job, window: Window, meter: StepMeter) -> None:
             acc.backward(num * ((ga * avg) / window.den if mb.real else 0.0))
             if acc.sync_gradients:
                 meter.grad_norm = full_norm(acc.clip_grad_norm_(job.model.parameters(), max_norm))
-                finite = all_finite(acc, meter.grad_norm, nums)  # collective + host sync, once per step
-                if not finite:
-                    report_nonfinite(job, window, nums, meter.grad_norm)  # raises unless on_nonfinite=skip
-            if finite:
+    commit.hold(HeldWindow(window, nums, kept, meter.grad_norm, nonfinite_flag(acc, meter.grad_norm, nums),
+                           where_text(job)))
+
+
+@dataclass
+class HeldWindow:
+    """A trained window whose optimizer step waits for :class:`StepCommit`.
+
+    Attributes:
+        window: its micro-batches.
+        nums: ``[]`` each: every micro-batch's weighted tail-CE sum (detached), on the device.
+        kept: every micro-batch's objective metrics (``None`` for an objective without any).
+        grad_norm: the clipped gradients' norm before clipping (``acc.clip_grad_norm_``), on the device.
+        flag: ``[]`` float64 on the device: 1 when this rank's gradient norm or window loss is non-finite.
+        where: the step, epoch and window, as :func:`report_nonfinite` names them.
+    """
+
+    window: Window
+    nums: list[torch.Tensor]
+    kept: list[Any]
+    grad_norm: Any
+    flag: torch.Tensor
+    where: str
+
+
+@dataclass
+class StepCommit:
+    """The optimizer step of the last window, held from its backward until a host read decides it.
+
+    A non-finite step must be skipped on every rank alike (a NaN loss usually brings NaN gradients, but not always:
+    a criterion can add a constant NaN; a rank that skipped alone would fork the replicas), so its verdict needs a
+    host read of every rank's flag. Read where the step ends, that is a second host read per step beside the window
+    vote's gather; instead the step waits, its flag travels in the next window's vote
+    (:func:`scale.windows.windows` calls :meth:`flag` and :meth:`apply`), and the step is applied (``optimizer.step``,
+    ``zero_grad``, the meter's sums) or skipped before the next window's first forward: the same updates in the
+    same order as applying it at once, for one host read per step. GradScaler's ``found_inf`` skips on the device
+    instead, but only fused optimizers take it (``torch.amp.GradScaler.step`` reads it on the host otherwise).
+    Anything that reads the weights, the optimizer, the schedule or the meter between (logging, evaluation, a
+    checkpoint, the end) calls :meth:`flush` first, which decides with one all-reduce and a host read of its own.
+
+    The schedule steps here too, after the optimizer (every step, skipped or trained or of zero weight), so that the
+    step runs at its own learning rate. ``acc.sync_gradients`` is still true when the step is applied: nothing
+    enters ``accumulate()`` between a window's last micro-batch and the next vote.
+
+    Attributes:
+        job, meter: the run's.
+        held: the window waiting (``None``: none, or a window of zero weight, which only steps the schedule).
+        pending: a step is held.
+        spent: host seconds the window vote spent applying steps since :meth:`take_spent` (not data-loading time;
+            a step :meth:`flush` applies at an evaluation or a checkpoint counts as paused time, as they do).
+    """
+
+    job: Job
+    meter: StepMeter
+    held: HeldWindow | None = None
+    pending: bool = False
+    spent: float = 0.0
+
+    def hold(self, held: HeldWindow | None) -> None:
+        """Hold a trained window's step (``None``: a window of zero weight, nothing to apply but the schedule)."""
+        if self.pending:
+            raise RuntimeError("an optimizer step is held already: a window vote did not decide it")
+        self.held, self.pending = held, True
+
+    def flag(self) -> torch.Tensor | None:
+        """The held step's non-finite flag (``[]`` float64 on the device), or ``None`` when none needs a verdict."""
+        return self.held.flag if self.pending and self.held is not None else None
+
+    def apply(self, nonfinite: bool) -> None:
+        """Apply the held step, or skip it when ``nonfinite`` (some rank's flag is 1); then step the schedule. Called
+        by the window vote; its time is kept for :meth:`take_spent` (the loop counts it as compute, not data time).
+
+        Raises:
+            NonFiniteError: ``nonfinite`` and ``train.on_nonfinite=error`` (from :func:`report_nonfinite`).
+        """
+        started = time.perf_counter()
+        self.settle(nonfinite)
+        self.spent += time.perf_counter() - started
+
+    def settle(self, nonfinite: bool) -> None:
+        """:meth:`apply` without the timing; a no-op when no step is held.
+
+        Raises:
+            NonFiniteError: ``nonfinite`` and ``train.on_nonfinite=error``.
+        """
+        if not self.pending:
+            return
+        job, held = self.job, self.held
+        self.held, self.pending = None, False
+        if held is not None:
+            if nonfinite:
+                report_nonfinite(job, held)  # raises unless on_nonfinite=skip
+                job.state.skipped_steps += 1
+            else:
                 job.optimizer.step()
+                for mb, num, terms in zip(held.window.micro, held.nums, held.kept):
+                    if mb.real:
+                        self.meter.add_micro(num, mb.weights.sum(), mb.batch, terms)
             job.optimizer.zero_grad(set_to_none=True)
-    if not finite:
-        state.skipped_steps += 1
-        return
-    for mb, num, terms in zip(window.micro, nums, kept):
-        if mb.real:
-            meter.add_micro(num, mb.weights.sum(), mb.batch, terms)
+        job.scheduler.step()  # unprepared: exactly once per optimizer step, whatever num_processes is
+
+    def flush(self) -> None:
+        """Decide and apply the held step now: an all-reduce of the flag (world size > 1) and a host read. Collective:
+        every rank calls it at the same step."""
+        if not self.pending:
+            return
+        flag = self.flag()
+        if flag is not None and self.job.acc.num_processes > 1:
+            flag = self.job.acc.reduce(flag, reduction="sum")  # collective
+        self.settle(flag is not None and bool(flag))  # host sync
+
+    def take_spent(self) -> float:
+        """Seconds spent in :meth:`apply` since the last call (and reset to 0)."""
+        spent, self.spent = self.spent, 0.0
+        return spent
 
 
 def sync_on_last_micro_batch(acc: Accelerator, n_micro: int) -> None:
@@ -275,32 +387,30 @@ def full_norm(grad_norm: Any) -> Any:
     return grad_norm
 
 
-def all_finite(acc: Accelerator, grad_norm: Any, nums: list[torch.Tensor]) -> bool:
-    """Whether the gradient norm and every rank's window losses are finite; the same answer on every rank.
-
-    A NaN loss usually brings NaN gradients, but not always (a criterion can add a constant NaN), and a
-    rank that skipped the optimizer step alone would silently fork the replicas. Collective (one tiny
-    all-reduce per optimizer step when world size > 1) and a host sync.
-    """
+def nonfinite_flag(acc: Accelerator, grad_norm: Any, nums: list[torch.Tensor]) -> torch.Tensor:
+    """``[]`` float64 on the device: 1 when the gradient norm or this rank's window loss is non-finite, else 0. No
+    host read: :class:`StepCommit` carries it to the host with the next window vote."""
     local = torch.stack([torch.as_tensor(grad_norm, dtype=torch.float32, device=acc.device).reshape(()),
                          torch.stack(nums).sum().float().to(acc.device)])
-    bad = (~torch.isfinite(local)).any().float()
-    if acc.num_processes > 1:
-        bad = acc.reduce(bad, reduction="sum")  # collective: every rank reaches the sync micro-batch
-    return not bool(bad)
+    return (~torch.isfinite(local)).any().double()
 
 
-def report_nonfinite(job: Job, window: Window, nums: list[torch.Tensor], grad_norm: Any) -> None:
+def where_text(job: Job) -> str:
+    """The optimizer step being trained, as a non-finite step's message names it: ``optimizer step 3 (epoch 0, window
+    2 of the epoch)`` (1-based step, 0-based window)."""
+    state = job.state
+    return f"optimizer step {state.step + 1} (epoch {state.epoch}, window {state.windows_in_epoch} of the epoch)"
+
+
+def report_nonfinite(job: Job, held: HeldWindow) -> None:
     """Name the step and the data-file rows of a non-finite optimizer step; raise unless ``on_nonfinite=skip``.
 
     Raises:
         NonFiniteError: ``train.on_nonfinite=error``.
     """
-    state = job.state
-    bad_rows = [int(r) for mb, num in zip(window.micro, nums) if mb.real and not torch.isfinite(num)
+    bad_rows = [int(r) for mb, num in zip(held.window.micro, held.nums) if mb.real and not torch.isfinite(num)
                 for r in mb.batch["row"].tolist()]
-    where = (f"optimizer step {state.step + 1} (epoch {state.epoch}, window {state.windows_in_epoch} of the "
-             f"epoch): gradient norm {float(torch.as_tensor(grad_norm)):.4g}; ")
+    where = f"{held.where}: gradient norm {float(torch.as_tensor(held.grad_norm)):.4g}; "
     where += (f"micro-batches with a non-finite loss on this rank hold data-file rows {bad_rows}" if bad_rows
               else "the losses on this rank are finite (the bad rows are on another rank, or the weights are)")
     if job.cfg.train.on_nonfinite == "skip":

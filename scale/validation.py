@@ -51,6 +51,18 @@ _POSITIVE = ("train.micro_batch_size", "train.gradient_accumulation_steps",
              "train.sequence_parallel_size")
 
 
+def _validate_auto_batch(t: Any) -> None:
+    """``train.micro_batch_size: auto`` and its two keys (a :class:`scale.schema.TrainConfig`)."""
+    if not 0 < t.auto_memory_fraction <= 1:
+        raise ConfigError(f"train.auto_memory_fraction={t.auto_memory_fraction} must be in (0, 1]: the share of one "
+                          f"GPU's memory train.micro_batch_size=auto may plan for (default 0.75)")
+    if t.auto_global_batch_size is not None and t.micro_batch_size != "auto":
+        raise ConfigError(f"train.auto_global_batch_size={t.auto_global_batch_size} is read only with "
+                          f"train.micro_batch_size=auto: drop it, or set train.micro_batch_size=auto")
+    if t.auto_global_batch_size is not None and t.auto_global_batch_size < 1:
+        raise ConfigError(f"train.auto_global_batch_size={t.auto_global_batch_size} must be >= 1, or null")
+
+
 def validate(cfg: Any) -> None:
     """Check every rule of a :class:`scale.schema.Config` (choices, bounds, combinations).
 
@@ -62,8 +74,13 @@ def validate(cfg: Any) -> None:
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
     for key in _POSITIVE:
+        if key == "train.micro_batch_size" and cfg.train.micro_batch_size == "auto":
+            continue
+        if isinstance(get_key(cfg, key), str):  # train.micro_batch_size, the one such key that takes a word
+            raise ConfigError(f"{key}={get_key(cfg, key)!r} must be a number >= 1 or 'auto'")
         if get_key(cfg, key) < 1:
             raise ConfigError(f"{key}={get_key(cfg, key)} must be >= 1")
+    _validate_auto_batch(cfg.train)
     _validate_length(cfg.train)
     if cfg.data.num_proc is not None and cfg.data.num_proc < 1:
         raise ConfigError(f"data.num_proc={cfg.data.num_proc} must be >= 1, or null for the CPUs this process may use")

@@ -1,6 +1,7 @@
 """Accumulation windows: the micro-batches of one optimizer step, the same number on every rank, with the window's
 loss denominator, agreed on by one small all-gather per window (:func:`windows`) that also carries the stop flag,
-the checkpoint timer and the rows the tail loss cannot score.
+the checkpoint timer, the rows the tail loss cannot score and the previous window's non-finite flag (the loop's
+held optimizer step, :class:`HeldStep`).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from accelerate import Accelerator
@@ -64,10 +65,23 @@ class Vote(NamedTuple):
     weight_sum: torch.Tensor  # the sum of its micro-batches' loss weights: summed over ranks, the denominator
     save_due: torch.Tensor  # 1: this rank's save_every_minutes timer is due
     bad_rows: torch.Tensor  # rows the tail loss cannot score (scale.loss.batch_bad_rows)
+    nonfinite: torch.Tensor  # 1: the held optimizer step's gradient norm or window loss is non-finite on this rank
+
+
+class HeldStep(Protocol):
+    """The previous window's optimizer step, computed but not applied (:class:`scale.train.StepCommit`): its
+    non-finite flag travels in the next vote, whose gathered table then decides it without a host read of its own."""
+
+    def flag(self) -> torch.Tensor | None:
+        """``[]`` float64 on the device: 1 when this rank's held step is non-finite; ``None`` when none is held."""
+
+    def apply(self, nonfinite: bool) -> None:
+        """Apply the held step (``nonfinite`` on no rank) or drop it (on some rank); a no-op when none is held."""
 
 
 def windows(acc: Accelerator, dl: DataLoader, ga: int, objective: Objective,
-            preemption: Preemption | None = None, timer: SaveTimer | None = None) -> Iterator[Window]:
+            preemption: Preemption | None = None, timer: SaveTimer | None = None,
+            held: HeldStep | None = None) -> Iterator[Window]:
     """Yield accumulation windows of at most ``ga`` micro-batches, the same length on every rank.
 
     With ``even_batches=False`` a rank can run out of batches before the others at the end of an epoch; it
@@ -75,10 +89,12 @@ def windows(acc: Accelerator, dl: DataLoader, ga: int, objective: Objective,
 
     Collective: one tiny all-gather per window (a :class:`Vote` of every rank), which also carries the stop flag
     (pre-emption costs no extra collective), the loss denominator, the checkpoint timer (ranks agree on a time-based
-    save) and the count of rows the tail loss cannot score (so every rank stops together on such a batch), and is the
-    loop's one host sync per optimizer step.
+    save), the count of rows the tail loss cannot score (so every rank stops together on such a batch) and the
+    non-finite flag of the optimizer step ``held`` holds (applied or dropped on every rank alike, before the next
+    window, the stop or the epoch's end is yielded), and is the loop's one host sync per optimizer step.
 
     Raises:
+        NonFiniteError: from ``held.apply`` (:class:`scale.train.StepCommit`), under ``train.on_nonfinite=error``.
         ValueError: a micro-batch on some rank holds a row with a gap in its mask or fewer than its tail + 1
             tokens (:func:`scale.loss.check_rows`).
     """
@@ -88,11 +104,15 @@ def windows(acc: Accelerator, dl: DataLoader, ga: int, objective: Objective,
         last = batches[-1] if batches else last
         micro = [MicroBatch(b, objective.weights(b)) for b in batches]
         zero = torch.zeros((), dtype=torch.float64, device=acc.device)
+        flag = held.flag() if held is not None else None
         mine = Vote(micro_batches=zero + len(micro), stop=zero + (preemption is not None and preemption.requested),
                     weight_sum=torch.stack([mb.weights.sum() for mb in micro]).double().sum() if micro else zero,
                     save_due=zero + (timer is not None and timer.due),
-                    bad_rows=torch.stack([batch_bad_rows(b).sum() for b in batches]).sum().double() if micro else zero)
+                    bad_rows=torch.stack([batch_bad_rows(b).sum() for b in batches]).sum().double() if micro else zero,
+                    nonfinite=zero if flag is None else flag)
         votes = Vote(*acc.gather(torch.stack(mine)[None]).cpu().T)  # collective + host sync, once per window
+        if held is not None:
+            held.apply(bool(votes.nonfinite.max()))  # the previous window's optimizer step, before anything else
         n_max, stop, den = int(votes.micro_batches.max()), bool(votes.stop.max()), float(votes.weight_sum.sum())
         if votes.bad_rows.any():
             bad = next((b for b in batches if batch_bad_rows(b).any()), None)

@@ -208,6 +208,20 @@ def test_nonfinite_loss_stops_naming_step_and_row(tmp_path, tokenizer, criterion
     assert all(torch.isfinite(t).all() for p in saved for t in load_file(p / "adapter_model.safetensors").values())
 
 
+def test_nonfinite_error_from_the_window_vote_is_the_log_steps_error(tmp_path, tokenizer):
+    """Without a log, an evaluation or a checkpoint after the bad step, its verdict comes with the next window's vote
+    (scale.train.StepCommit), not from a read of its own: the same error, naming the same step and rows."""
+    poison_row, step = _train_row(tmp_path, tokenizer)
+    data = _poisoned_data(tmp_path, poison_row)
+    messages = []
+    for name, every in (("log_steps", ["train.log_every=1"]), ("vote", ["train.log_every=100", "train.save_every=0"])):
+        with pytest.raises(NonFiniteError) as e:
+            run(tiny_cfg(tmp_path / name, *NONFINITE, f"data.path={data}", *every))
+        messages.append(str(e.value))
+    assert messages[0] == messages[1] and f"at optimizer step {step} (epoch 0" in messages[0] and step < 6
+    assert not list_checkpoints(tmp_path / "vote")
+
+
 def test_nonfinite_skip_drops_the_step(tmp_path, tokenizer, caplog):
     data = _poisoned_data(tmp_path, _train_row(tmp_path, tokenizer)[0])
     caplog.set_level(logging.WARNING)
@@ -221,6 +235,41 @@ def test_nonfinite_skip_drops_the_step(tmp_path, tokenizer, caplog):
     assert [r["step"] for r in logged if "train/loss" not in r] == bad_steps
     assert all(math.isfinite(r["train/loss"]) for r in logged if "train/loss" in r)
     assert all(torch.isfinite(t).all() for t in _adapter(tmp_path).values())
+
+
+@pytest.mark.launch
+def test_nonfinite_skip_under_ddp_decided_alike_by_the_vote_and_at_log_steps(tmp_path, tokenizer):
+    """Under DDP a row whose loss is NaN but whose gradients are finite (``poison_value``) sits on one rank: only
+    that rank's flag is 1, and a rank that skipped alone would fork the replicas. With ``log_every=8`` every step but
+    the last is decided by the next window's vote (the flag rides in its gathered table), with ``log_every=1`` by an
+    all-reduce at each log step: the same steps are skipped, the adapters are equal bit for bit and the ranks agree
+    (train.check_invariants)."""
+    from scale.data import build_splits
+
+    cfg = tiny_cfg(tmp_path, "data.max_train_examples=20")
+    row = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed).train[0].row
+    data = _poisoned_data(tmp_path, row)
+    skipped, adapters = {}, {}
+    for every in (8, 1):
+        out = tmp_path / f"log_every_{every}"
+        proc = _launch(out, f"data.path={data}", "data.type_column=kind", "loss.criterion=tests.criteria:poison_value",
+                       "loss.criterion_mode=input", "train.on_nonfinite=skip", f"train.log_every={every}",
+                       "train.eval_every=0", "train.check_invariants=true", "train.save_every=0")
+        assert proc.returncode == 0, _log(out)[-3000:]
+        rows = read_jsonl(out / "metrics.jsonl")
+        assert [r["check/ranks_agree"] for r in rows if "check/ranks_agree" in r] == [True]
+        logged = [r for r in rows if "train/lr" in r]
+        assert logged[-1]["step"] == 8
+        # The main process names each skipped step (accelerate's logger), whichever rank holds the row.
+        named = [int(m.split(" ")[0]) for m in _log(out).split("skipping optimizer step ")[1:]]
+        skipped[every] = (logged[-1]["train/skipped_steps"], sorted(set(named)), len(named))
+        adapters[every] = _adapter(out)
+    # The row is trained once per epoch (3 windows): steps 1-3, 4-6, 7-8 hold it 2 or 3 times (measured: 3, 5, 7).
+    count, steps, names = skipped[8]
+    assert 2 <= count == len(steps) == names <= 3, skipped
+    assert skipped[1] == skipped[8]
+    assert adapters[1].keys() == adapters[8].keys()
+    assert all(torch.equal(adapters[1][k], adapters[8][k]) for k in adapters[8])
 
 
 @pytest.mark.slow

@@ -174,7 +174,7 @@ def test_nested_sweep_parameter_merges_into_its_section():
 def test_python_none_is_null_where_a_key_may_be_null():
     cfg = load_config(TINY_YAML, ["optim.max_grad_norm=None", "log.run_name=None"])
     assert cfg.optim.max_grad_norm is None and cfg.log.run_name is None
-    with pytest.raises(ConfigError, match="train.micro_batch_size='None' has the wrong type: expected int"):
+    with pytest.raises(ConfigError, match="train.micro_batch_size='None' must be a number >= 1 or 'auto'"):
         load_config(TINY_YAML, ["train.micro_batch_size=None"])
 
 

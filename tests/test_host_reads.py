@@ -4,7 +4,8 @@ host until the device has caught up; the loop's budget is one per optimizer step
 
 from __future__ import annotations
 
-import pytest
+import functools
+
 import torch
 
 from benchmarks.common import Harness, Job, build_lora_model
@@ -32,6 +33,7 @@ def per_step(m: HostReads, first: int, last: int) -> list[dict[str, int]]:
     return [dict(m.steps[i - 1]) for i in range(first, last + 1)]
 
 
+@functools.cache  # both tests read the same two runs (35 s here)
 def counted_steps() -> tuple[list[dict[str, int]], list[dict[str, int]]]:
     """Steps 2-5 of 6 (logging only at step 6; step 1 holds the set-up and the step-0 evaluation) of the harness
     and of the bare loop on the same model, data and optimizer: (harness counters, bare counters)."""
@@ -50,18 +52,17 @@ def counted_steps() -> tuple[list[dict[str, int]], list[dict[str, int]]]:
 
 def test_loop_host_reads_and_ops_against_a_bare_loop():
     """Both loops read what the model and AdamW read (transformers' mask checks, AdamW's step counters); the harness
-    adds one device-to-host copy per step, the window vote's gather (``.cpu()`` of the ``[world, 5]`` table; every
-    later read of it is on the host), and one scalar read, the finiteness check before ``optimizer.step()``. Its aten
-    ops per step are within 10% of the bare loop's (measured: 2,085 vs 1,949 on the tiny shape, +7%)."""
+    adds one device-to-host copy per step, the window vote's gather (``.cpu()`` of the ``[world, 6]`` table; every
+    later read of it is on the host), which also carries the previous step's non-finite flag (the step is held until
+    then: scale.train.StepCommit), and no scalar read. Its aten ops per step are within 10% of the bare loop's
+    (measured: 2,083 vs 1,949 on the tiny shape, +7%)."""
     ours, bare = counted_steps()
     for mine, theirs in zip(ours, bare, strict=True):
         assert mine.get("copy", 0) == 1, mine
-        assert mine["reads"] - theirs["reads"] == 2, (mine, theirs)
+        assert mine["reads"] - theirs["reads"] == 1, (mine, theirs)
         assert mine["ops"] <= 1.10 * theirs["ops"], (mine, theirs)
 
 
-@pytest.mark.xfail(strict=True, reason="the finiteness check still reads the device before optimizer.step(): "
-                                       "2 reads per step, not 1 (it could ride on the next window's gather)")
 def test_loop_reads_the_device_once_per_step_outside_logging_steps():
     """The budget a GPU run needs: at most one host read per optimizer step beyond the bare loop's."""
     ours, bare = counted_steps()

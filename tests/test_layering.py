@@ -72,11 +72,13 @@ ALLOWED: dict[str, set[str]] = {
     "launch": {"config", "inputs", "rendezvous", "schema", "topology", "validation"},
     # paths, output_dir, GPU-only kernels, trackers: checked before any process group
     "inputs": {"schema", "validation"},
+    "autobatch": {"census", "plan", "schema", "validation"},  # train.micro_batch_size=auto: the plan at start-up
     "collective": set(),  # on_every_rank, main_process_first, shared_run_id
     "startup": {"checks", "compat", "data.token_table", "data.tokenize", "launch", "names", "parts", "precision",
                 "schedule", "schema"},  # the start-up lines
     # scale/parts/: each part of a run builds itself (launch, data, model, loaders, ...)
-    "parts": {"assets", "attention", "best", "checkpoint", "collective", "cpu_bf16", "data.cache", "data.collate",
+    "parts": {"assets", "attention", "autobatch", "best", "checkpoint", "collective", "cpu_bf16", "data.cache",
+              "data.collate",
               "data.mixing", "data.order", "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize",
               "evaluate", "export", "flops", "launch", "metrics", "modeling", "moe", "objectives", "precision",
               "samples", "schedule", "schema", "state", "tracking", "ulysses", "validation"},
@@ -120,10 +122,12 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("data: cache", {"data.token_table", "data.cache"}),
     ("data: collation and order", {"data.collate", "data.order", "data.sequence"}),
     ("data: the package's face", {"data"}),
-    ("the loop side", {"inputs", "collective", "metrics", "precision", "tracking", "launch", "ulysses", "checks",
+    ("the memory plan (scale-plan; the start-up plans train.micro_batch_size=auto)", {"plan"}),
+    ("the loop side", {"autobatch",
+                       "inputs", "collective", "metrics", "precision", "tracking", "launch", "ulysses", "checks",
                        "checkpoint", "best", "evaluate", "samples", "export", "generate", "parts", "startup", "windows",
                        "job", "train"}),
-    ("entry points", {"cli", "env", "plan", "prepare", "report", "lmeval"}),
+    ("entry points", {"cli", "env", "prepare", "report", "lmeval"}),
 ]
 # Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and
 # `--accelerate-config` import neither torch nor accelerate (scale/cli.py's module comment), and start_fast imports

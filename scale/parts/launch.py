@@ -17,6 +17,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from scale.attention import check_attention, check_sequence_parallel_config
+from scale.autobatch import device_memory_gib, resolve_auto_micro_batch, under_used_line
 from scale.checkpoint import adapt_to_checkpoint, check_resume, pick_resume, register_hooks, saved_precision
 from scale.launch import ModePlan, build_accelerator, plan_for_mode
 from scale.precision import PrecisionChoice, resolve_mixed_precision
@@ -59,7 +60,9 @@ def build_launch(cfg: Config) -> Launch:
     """The accelerator, the mode plan and the resume, in the order every rank must run them. Collective.
 
     ``train.mixed_precision=auto`` is resolved in place, once for every rank (rank 0 decides, a resume keeps its
-    checkpoint's): ``config.yaml``, the checkpoints and the Accelerator get the choice. A resume on another number
+    checkpoint's): ``config.yaml``, the checkpoints and the Accelerator get the choice. ``train.micro_batch_size=auto``
+    is resolved in place before anything reads the batch (:func:`scale.autobatch.resolve_auto_micro_batch`), and a GPU
+    run whose plan uses under a quarter of the device is told so; one start-up line each. A resume on another number
     of processes keeps the checkpoint's global batch: the accumulation is set before the accelerator (and a
     DeepSpeed config) reads it; ``WORLD_SIZE`` is the launcher's (1 without one).
 
@@ -70,13 +73,18 @@ def build_launch(cfg: Config) -> Launch:
     check_sequence_parallel_config(cfg.model, cfg.train.sequence_parallel_size)  # before the Accelerator
     out = Path(cfg.output_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    regrouped = adapt_to_checkpoint(cfg, cfg.train.data_parallel_size(int(os.environ.get("WORLD_SIZE", "1"))))
+    data_parallel = cfg.train.data_parallel_size(int(os.environ.get("WORLD_SIZE", "1")))
+    memory = device_memory_gib(device)  # None on a CPU
+    auto = resolve_auto_micro_batch(cfg, data_parallel, memory)  # before the accelerator reads the batch
+    regrouped = adapt_to_checkpoint(cfg, data_parallel)
     decided: list[Any] = []
     acc = build_accelerator(cfg, settle=lambda: decided.append(
         resolve_mixed_precision(cfg, device, saved=saved_precision(cfg.train.resume_from, out))))  # collective
     plan = plan_for_mode(cfg, acc)
-    if regrouped and acc.is_main_process:
-        logger.info(regrouped)
+    if acc.is_main_process:
+        for line in (auto.line() if auto else under_used_line(cfg, memory), regrouped):
+            if line:
+                logger.info(line)
     resume = pick_resume(acc, cfg)  # collective: latest/auto -> the newest checkpoint that verifies
     saved = check_resume(acc, cfg, plan, resume, regrouped=regrouped is not None)  # collective; before writing
     set_seed(cfg.train.seed)
