@@ -48,6 +48,9 @@ class ModelConfig:
     attn_implementation: str | None = _f(None, "Attention kernel passed to transformers: sdpa | eager | "
                                                "flash_attention_2 | flex_attention; null: transformers' default "
                                                "(sdpa). Padding-free batches use the varlen path of flash/flex.")
+    kernels: str | None = _f(None, "Kernels patched into the model: null: transformers' own; liger: Liger-Kernel's "
+                                   "RMSNorm, SwiGLU and RoPE (CUDA only, pip install liger-kernel; Llama, Mistral, "
+                                   "Qwen2/3, Gemma 1/2, Phi-3 and a few more families, scale.kernels.LIGER_APPLY).")
     use_reentrant: bool = _f(False, "Re-entrant checkpointing (breaks DDP+LoRA, peft#313); False is the default.")
     trust_remote_code: bool = _f(False, "Allow model code from the checkpoint directory to run.")
     adapter: str | None = _f(None, "Start the LoRA adapter from a saved peft adapter directory (an SFT run's "
