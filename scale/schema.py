@@ -39,6 +39,11 @@ class ModelConfig:
     bnb_4bit_compute_dtype: str = _f("float32", "Dtype the 4-bit GEMMs compute in: float32 | bfloat16 | float16 | "
                                                 "auto (bfloat16 when train.mixed_precision resolves to bf16, else "
                                                 "float32).")
+    qlora_residual_dtype: str = _f("float32", "QLoRA: float32: peft's prepare_model_for_kbit_training casts the "
+                                              "unquantized weights (embeddings, norms, head) to float32, so the "
+                                              "residual stream is float32; compute: they stay in model.dtype "
+                                              "(bfloat16: the residual stream in the compute dtype, as TRL's "
+                                              "SFTTrainer leaves them; differences: docs/benchmarks.md).")
     bnb_4bit_quant_storage: str = _f("uint8", "Storage dtype of packed 4-bit weights (uint8; a float dtype "
                                               "for ZeRO-3/FSDP sharding).")
     gradient_checkpointing: bool | str = _f(True, "Recompute activations in backward (-memory, -speed): true (every "

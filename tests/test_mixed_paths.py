@@ -127,3 +127,49 @@ def test_device_paths_cast_less_and_keep_the_gradients_within_bf16_round_off(qua
     again = step(model, ids, autocast=True)
     if device == "cpu":  # CUDA's atomics-based kernels may sum in another order from run to run
         assert all(torch.equal(again[n], old[n]) for n in old)
+
+
+# Two more bf16 roundings per layer with the residual stream in bf16: the two residual adds, forward and backward.
+RESIDUAL_REL = rel_bound(ROUNDINGS + 2 * 2 * 2, EPS_BF16 / 2)
+""":data:`GRAD_REL` with the 8 residual-add roundings of a bf16 residual stream (2 layers): ``C u sqrt(46)`` = 0.106."""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qlora_residual_in_the_compute_dtype_tracks_fp32_as_the_fp32_upcast_does(device):
+    """``model.qlora_residual_dtype: compute`` leaves the embeddings, norms and head of a bf16-loaded 4-bit model in
+    bf16 (no float32 base weight), so the residual stream stays bf16; the loss and the LoRA gradients of a
+    bf16-autocast step (with the run's mixed paths) stay within :data:`RESIDUAL_REL` of the float32 model's, as
+    those of the float32 upcast (``float32``, peft's ``prepare_model_for_kbit_training``) do."""
+    pytest.importorskip("bitsandbytes")
+    from scale.checks import dtype_census
+
+    def build(residual: str) -> torch.nn.Module:
+        cfg = ModelConfig(name_or_path="tiny-llama", quantize_4bit=True, gradient_checkpointing=False,
+                          dtype="bfloat16", bnb_4bit_compute_dtype="bfloat16", qlora_residual_dtype=residual)
+        model = modeling.build_model(cfg, LoraConfig(r=4, alpha=8.0, dropout=0.0), vocab_size=V, seed=0,
+                                     device_map={"": 0} if device == "cuda" else None)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        mixed_paths.use_mixed_paths(model, mixed_paths.paths_for(device))
+        return model
+
+    def loss_and_grads(model, autocast=True):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=3).logits
+        loss = logits.float().pow(2).mean()
+        loss.backward()
+        return loss.item(), {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+    ids = torch.randint(3, V, (4, 24), generator=torch.Generator().manual_seed(7)).to(device)
+    upcast, compute = build("float32"), build("compute")
+    assert "float32/frozen" in dtype_census(upcast) and "float32/frozen" not in dtype_census(compute)
+    assert dtype_census(compute)["bfloat16/frozen"] == dtype_census(upcast)["float32/frozen"]
+    ref_loss, ref = loss_and_grads(fp32_twin(upcast, device), autocast=False)
+    for model in (upcast, compute):
+        loss, grads = loss_and_grads(model)
+        assert abs(loss - ref_loss) <= RESIDUAL_REL * abs(ref_loss), (loss, ref_loss)
+        assert rel(grads, ref) <= RESIDUAL_REL, (rel(grads, ref), RESIDUAL_REL)
