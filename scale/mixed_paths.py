@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-
 ATTENTION_FP32_BELOW = 256
 """Key length (tokens) below which :func:`mixed_sdpa` computes attention in float32 on CPU although autocast asks
 for bf16/fp16. torch's CPU flash-attention kernel runs its bf16 backward as 4 small ``cpublas::gemm`` calls per
@@ -113,9 +112,9 @@ def _adapter_input_hook(_module: torch.nn.Module, args: tuple[Any, ...]) -> tupl
 
 
 def cast_adapter_inputs_once(model: torch.nn.Module, on: bool = True) -> int:
-    """Under autocast (any device), cast each LoRA layer's float32 input to the autocast dtype once, at the layer's entry, so that
-    the base layer and the adapter read the same copy (and layers reading the same input, q/k/v, share it); return
-    how many layers it touched.
+    """Under autocast (any device), cast each LoRA layer's float32 input to the autocast dtype once, at the layer's
+    entry, so that the base layer and the adapter read the same copy (and layers reading the same input, q/k/v, share
+    it); return how many layers it touched.
 
     Without it, a LoRA layer on a bitsandbytes 4-bit base casts its input twice (``Linear4bit`` to its compute
     dtype, autocast again for ``lora_A``) and casts the base's output back to float32; peft skips its own input cast

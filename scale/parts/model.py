@@ -1,6 +1,6 @@
 """The model part: the base model with LoRA, loaded on the ranks in the order the launch mode needs, checked against
-the packing and sequence-parallel settings, with the mixed-precision paths (fewer casts) where they pay; its matmul shape for the FLOPs
-count. Collective.
+the packing and sequence-parallel settings, with ``model.kernels`` and the mixed-precision paths (fewer casts) where
+they pay; its matmul shape for the FLOPs count. Collective.
 """
 
 from __future__ import annotations
