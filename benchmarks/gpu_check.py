@@ -263,12 +263,22 @@ def count_step_ops(h: Harness, job: Job) -> dict[str, int]:
     return {"_to_copy": c.ops["_to_copy"], "ops": sum(c.ops.values())}
 
 
+def liger_globals() -> dict:
+    """The ``transformers.models.llama.modeling_llama`` names Liger's ``apply_liger_kernel_to_llama`` replaces for
+    the whole process (RoPE, the RMSNorm and MLP classes), as they are now."""
+    from transformers.models.llama import modeling_llama
+
+    return {n: getattr(modeling_llama, n) for n in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")}
+
+
 def run_casts(dry: bool) -> tuple[str, dict]:
     """LoRA and QLoRA with the mixed-precision paths off, on, and on with Liger's kernels: casts and aten ops of one
     micro-batch's forward and backward, tokens/s and the last loss of a short ``scale.train.fit`` run each. A
     ``model.kernels: liger`` row that cannot run here (CPU, no liger-kernel) shows the one-line refusal a run gets.
     The section fails (exit 1) when the paths do not cut the casts of either job."""
     import gc
+
+    from transformers.models.llama import modeling_llama
 
     from scale.inputs import check_kernels
     from scale.validation import ConfigError
@@ -294,11 +304,14 @@ def run_casts(dry: bool) -> tuple[str, dict]:
                     rows.append(f"| {jname} | {vname} | refused: {e} | | | |")
                     continue
             reset_accelerate()
+            patched = liger_globals()  # Liger rebinds these module-wide: the next rows must run transformers' own
             h = Harness(job, device=device)
             try:
                 ops = count_step_ops(h, job)
                 res = h.run()
             finally:
+                for name, value in patched.items():
+                    setattr(modeling_llama, name, value)
                 h.close()
                 del h
                 gc.collect()
