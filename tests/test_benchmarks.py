@@ -221,8 +221,8 @@ def test_gpu_check_dry_run_report(tmp_path):
     report = out.read_text()
     assert report.startswith("# scale GPU check\n") and "failed sections: none" in report
     if not torch.cuda.is_available():
-        # every gpu test (tests/test_gpu.py 4, mixed paths 2, kernels 2) skipped, none failed; the CPU tests deselected
-        assert re.search(r"\n    8 skipped, \d+ deselected in ", report), report[:1500]
+        # every gpu test (tests/test_gpu.py 4, mixed paths 3, kernels 2) skipped, none failed; the CPU tests deselected
+        assert re.search(r"\n    9 skipped, \d+ deselected in ", report), report[:1500]
     bare = float(report.split("max relative difference harness vs bare over all runs: ")[1].split()[0])
     assert bare < 1e-5                                            # as test_bare_loop_and_harness_agree
     loss_rows = re.findall(r"\| loss, step (\d) \| ([\d.]+) \| ([\d.]+) \| ([\d.e+-]+) \| ([\d.e+-]+) \| True \|",

@@ -173,3 +173,25 @@ def test_qlora_residual_in_the_compute_dtype_tracks_fp32_as_the_fp32_upcast_does
         loss, grads = loss_and_grads(model)
         assert abs(loss - ref_loss) <= RESIDUAL_REL * abs(ref_loss), (loss, ref_loss)
         assert rel(grads, ref) <= RESIDUAL_REL, (rel(grads, ref), RESIDUAL_REL)
+
+
+def test_the_planner_counts_the_unquantized_weights_in_the_residual_dtype():
+    """scale-plan's census: a bf16-loaded 4-bit model's unquantized weights are float32 under the float32 upcast,
+    bf16 under ``compute`` (the same tensors), the 4-bit and LoRA ones unchanged."""
+    from scale import census
+    from scale.config import load_config
+
+    counts = {}
+    for residual in ("float32", "compute"):
+        cfg = load_config(None, ["model.name_or_path=tiny-llama", "model.tokenizer=smollm2-135m",
+                                 "model.quantize_4bit=true", "model.dtype=bfloat16",
+                                 f"model.qlora_residual_dtype={residual}"])
+        params = census.census(cfg, census.build_meta_model(cfg, census.load_model_config(cfg.model)))
+        counts[residual] = collections.Counter()
+        for p in params:
+            kind = "4bit" if p.quantized else "lora" if p.trainable else str(p.dtype)
+            counts[residual][kind] += torch.Size(p.shape).numel()
+    up, compute = counts["float32"], counts["compute"]
+    assert up["4bit"] == compute["4bit"] > 0 and up["lora"] == compute["lora"] > 0
+    assert up["torch.float32"] == compute["torch.bfloat16"] > 0
+    assert up["torch.bfloat16"] == 0 and compute["torch.float32"] == 0
