@@ -195,3 +195,34 @@ def test_the_planner_counts_the_unquantized_weights_in_the_residual_dtype():
     assert up["4bit"] == compute["4bit"] > 0 and up["lora"] == compute["lora"] > 0
     assert up["torch.float32"] == compute["torch.bfloat16"] > 0
     assert up["torch.bfloat16"] == 0 and compute["torch.float32"] == 0
+
+
+def test_the_tiny_qlora_job_trains_with_its_residual_stream_in_bf16(tmp_path, caplog):
+    """``scale.train.run`` on the tiny job, QLoRA loaded in bf16 under bf16 autocast, with each residual dtype: the
+    start-up line names the frozen unquantized weights' dtype (bf16 under ``compute``: no float32 base weight), the
+    first logged loss (before any update) agrees within :data:`RESIDUAL_REL`, and the loss falls in both."""
+    pytest.importorskip("bitsandbytes")
+    import logging
+
+    from benchmarks.common import reset_accelerate
+    from scale.metrics import read_jsonl
+    from scale.train import run
+    from tests.conftest import tiny_cfg
+
+    losses, lines = {}, {}
+    for residual in ("float32", "compute"):
+        reset_accelerate()
+        caplog.clear()
+        out = tmp_path / residual
+        with caplog.at_level(logging.INFO):
+            run(tiny_cfg(out, "model.quantize_4bit=true", "model.dtype=bfloat16",
+                         "model.bnb_4bit_compute_dtype=bfloat16", "train.mixed_precision=bf16",
+                         f"model.qlora_residual_dtype={residual}", "train.max_steps=8", "train.log_every=1",
+                         "train.eval_every=0"))
+        lines[residual] = next(r.getMessage() for r in caplog.records if "parameter dtypes" in r.getMessage())
+        losses[residual] = [r["train/loss"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r]
+    assert "'float32/frozen'" in lines["float32"] and "'bfloat16/frozen'" not in lines["float32"], lines
+    assert "'bfloat16/frozen'" in lines["compute"] and "'float32/frozen'" not in lines["compute"], lines
+    a, b = losses["float32"], losses["compute"]
+    assert abs(a[0] - b[0]) <= RESIDUAL_REL * abs(a[0]), (a, b)
+    assert a[-1] < a[0] and b[-1] < b[0], (a, b)
