@@ -1,4 +1,4 @@
-"""The CPU mixed-precision paths (``scale.cpu_bf16.CPU_MIXED_PATHS``), each measured alone: time and exactness.
+"""The CPU mixed-precision paths (``scale.mixed_paths.MIXED_PATHS``), each measured alone: time and exactness.
 
     python benchmarks/bf16_paths.py                       # the default job's model and rows, 8 rounds
     python benchmarks/bf16_paths.py --rounds 12 --micro 2
@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from benchmarks.common import machine_line
-    from scale.cpu_bf16 import CPU_MIXED_PATHS, use_cpu_mixed_paths
+    from scale.mixed_paths import MIXED_PATHS as CPU_MIXED_PATHS
+    from scale.mixed_paths import use_mixed_paths as use_cpu_mixed_paths
 
     cfg, tok, ref_model = build("float32", a.seed)
     batches, spec = micro_batches(cfg, tok, a.micro)

@@ -188,11 +188,14 @@ class Job:
     mega_batch_steps: int = 16
     rows: int | None = None        # rows in the data set; None: exactly `steps` global batches (one epoch)
     optimizer: str = "adamw"       # "sgd": plain SGD (no momentum), whose updates two devices' runs compare linearly
+    mixed_paths: bool = True       # under bf16: scale.mixed_paths' paths of the device, as scale-train takes them
+    kernels: str | None = None     # model.kernels ("liger": Liger-Kernel's RMSNorm/SwiGLU/RoPE, CUDA only)
 
     def model_cfg(self) -> ModelConfig:
         compute = "bfloat16" if self.mixed_precision == "bf16" else "float32"
         return ModelConfig(name_or_path="benchmark", dtype=self.dtype, quantize_4bit=self.quantize_4bit,
-                           bnb_4bit_compute_dtype=compute, gradient_checkpointing=self.checkpointing)
+                           bnb_4bit_compute_dtype=compute, gradient_checkpointing=self.checkpointing,
+                           kernels=self.kernels)
 
     def lora_cfg(self) -> LoraConfig:
         return LoraConfig(r=self.lora_r, alpha=2.0 * self.lora_r, dropout=0.0, target_modules="all-linear")
@@ -310,10 +313,14 @@ class Harness:
         self.device = device or self.acc.device
         self.model = model if model is not None else build_lora_model(job.shape, self.cfg.model, self.cfg.lora,
                                                                       job.seed, self.device, job.seq)
-        if model is None and torch.device(self.device).type == "cpu" and self.cfg.train.mixed_precision == "bf16":
-            from scale.cpu_bf16 import use_cpu_mixed_paths
+        if model is None and self.cfg.model.kernels is not None:
+            from scale.kernels import apply_kernels
 
-            use_cpu_mixed_paths(self.model)  # as scale.job.setup does for a CPU bf16 run
+            apply_kernels(self.model, self.cfg.model.kernels)  # as scale.parts.model does
+        if model is None and job.mixed_paths and self.cfg.train.mixed_precision == "bf16":
+            from scale.mixed_paths import paths_for, use_mixed_paths
+
+            use_mixed_paths(self.model, paths_for(torch.device(self.device).type))  # as scale.parts.model does
         self.spec = LossSpec.from_config(self.cfg)
         # the synthetic rows are classification rows whose two labels are one token each: what evaluation ranks
         self.task = get("classification")

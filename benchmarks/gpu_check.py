@@ -7,7 +7,7 @@
 Sections (each timed; a section that raises, or whose check fails (a GPU test, the parity bounds), is reported and
 the command exits 1 at the end, so one broken section never loses the others' figures):
 
-1. ``pytest -m gpu`` (tests/test_gpu.py): the pass/skip/fail counts and pytest's summary line.
+1. ``pytest -m gpu`` (:data:`GPU_TEST_FILES`): the pass/skip/fail counts and pytest's summary line.
 2. ``bench``: benchmarks/gpu.py, LoRA and QLoRA tokens/s, MFU against a bf16 GEMM timed on this device
    (``--measure-peak``), peak ``max_memory_allocated`` against ``scale-plan``'s prediction (SmolLM2-135M and
    Llama-3.2-1B shapes, 8 x 1024 full rows).
@@ -19,6 +19,9 @@ the command exits 1 at the end, so one broken section never loses the others' fi
 5. ``auto``: the default job (configs/train/default.yaml: QLoRA on the embedded SmolLM2-135M and review snippets,
    no download) at its own micro-batch and at the largest one ``scale.plan.largest_micro_batch`` fits into
    ``--memory-fraction`` of the device, tokens/s of each (``train/tokens_per_s``, the last logged interval).
+6. ``casts``: LoRA and QLoRA (1B shape, 8 x 1024) with the mixed-precision paths (``scale.mixed_paths``) off and on,
+   and on with ``model.kernels: liger``: dtype casts (aten ``_to_copy``) and aten ops of one micro-batch's forward
+   and backward, tokens/s through ``scale.train.fit``, the last loss (:func:`run_casts`).
 
 ``--dry-run`` runs every section on the CPU at tiny shapes (the device side of ``parity`` is then the CPU on one
 thread, against all threads: the same maths, summed in other orders where a kernel splits by thread), and
@@ -51,12 +54,16 @@ if __package__ in (None, ""):  # `python benchmarks/gpu_check.py`: make `benchma
 from benchmarks.common import SHAPES, Harness, Job, build_lora_model, machine_line, reset_accelerate
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("pytest", "bench", "bare", "parity", "auto")
+SECTIONS = ("pytest", "bench", "bare", "parity", "auto", "casts")
+
+
+GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_mixed_paths.py", "tests/test_kernels.py")
+"""The files whose ``gpu``-marked tests section 1 runs."""
 
 
 def run_pytest(dry: bool) -> tuple[str, dict]:
     """``pytest -m gpu`` in a subprocess; returns the report text and ``{passed, skipped, failed, errors}``."""
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *GPU_TEST_FILES]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
     summary = next((line for line in reversed(done.stdout.splitlines()) if " in " in line and "=" not in line[:1]),
                    done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "(no output)")
@@ -228,6 +235,100 @@ def run_auto(dry: bool, memory_gib: float | None, fraction: float) -> tuple[str,
         "best": best, "tokens_per_s": figures, "speedup": speedup, "plan_total_gib": rank.total / 2**30}
 
 
+CAST_VARIANTS = {"paths off": dict(mixed_paths=False), "paths on": dict(mixed_paths=True),
+                 "paths on + liger": dict(mixed_paths=True, kernels="liger")}
+"""The rows of :func:`run_casts` per job: ``benchmarks.common.Job`` fields."""
+
+
+def count_step_ops(h: Harness, job: Job) -> dict[str, int]:
+    """aten ops of one micro-batch's forward and backward through ``h``'s prepared model under its autocast (the
+    first training batch, loss ``mean(tail logits ** 2)``): ``{'_to_copy': dtype casts, 'ops': all ops}``. A warm-up
+    pass first, so that lazy initialisations are not counted."""
+    from tests.test_mixed_paths import CastCount
+
+    batch = next(iter(h.train_dl))
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+
+    def fwd_bwd() -> None:
+        with h.acc.autocast():
+            logits = h.model(input_ids=ids, attention_mask=mask, logits_to_keep=job.threshold).logits
+        logits.float().pow(2).mean().backward()
+        h.model.zero_grad(set_to_none=True)
+
+    fwd_bwd()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    with CastCount() as c:
+        fwd_bwd()
+    return {"_to_copy": c.ops["_to_copy"], "ops": sum(c.ops.values())}
+
+
+def liger_globals() -> dict:
+    """The ``transformers.models.llama.modeling_llama`` names Liger's ``apply_liger_kernel_to_llama`` replaces for
+    the whole process (RoPE, the RMSNorm and MLP classes), as they are now."""
+    from transformers.models.llama import modeling_llama
+
+    return {n: getattr(modeling_llama, n) for n in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")}
+
+
+def run_casts(dry: bool) -> tuple[str, dict]:
+    """LoRA and QLoRA with the mixed-precision paths off, on, and on with Liger's kernels: casts and aten ops of one
+    micro-batch's forward and backward, tokens/s and the last loss of a short ``scale.train.fit`` run each. A
+    ``model.kernels: liger`` row that cannot run here (CPU, no liger-kernel) shows the one-line refusal a run gets.
+    The section fails (exit 1) when the paths do not cut the casts of either job."""
+    import gc
+
+    from transformers.models.llama import modeling_llama
+
+    from scale.inputs import check_kernels
+    from scale.validation import ConfigError
+
+    device = "cpu" if dry else "cuda"
+    common = (dict(shape="tiny", seq=32, micro_batch_size=2, gradient_accumulation_steps=1, steps=3, warmup=1,
+                   min_len=32) if dry else
+              dict(shape="llama-1b", seq=1024, micro_batch_size=8, gradient_accumulation_steps=1, steps=6, warmup=2,
+                   min_len=1024))
+    jobs = {"LoRA bf16": dict(dtype="bfloat16"), "QLoRA nf4/bf16": dict(dtype="bfloat16", quantize_4bit=True)}
+    rows = ["| job | variant | casts (`_to_copy`) per micro-batch fwd+bwd | aten ops | tokens/s | last loss |",
+            "|---|---|---|---|---|---|"]
+    figures: dict[str, dict[str, dict]] = {}
+    for jname, extra in jobs.items():
+        figures[jname] = {}
+        for vname, variant in CAST_VARIANTS.items():
+            job = Job(**common, **extra, **variant, mixed_precision="bf16", log_every=common["steps"])
+            if job.kernels is not None:
+                try:
+                    with tempfile.TemporaryDirectory() as tmp:
+                        check_kernels(job.config(tmp))
+                except ConfigError as e:
+                    rows.append(f"| {jname} | {vname} | refused: {e} | | | |")
+                    continue
+            reset_accelerate()
+            patched = liger_globals()  # Liger rebinds these module-wide: the next rows must run transformers' own
+            h = Harness(job, device=device)
+            try:
+                ops = count_step_ops(h, job)
+                res = h.run()
+            finally:
+                for name, value in patched.items():
+                    setattr(modeling_llama, name, value)
+                h.close()
+                del h
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            figures[jname][vname] = {**ops, "tokens_per_s": res.tokens_per_s, "loss": res.losses[-1]}
+            rows.append(f"| {jname} | {vname} | {ops['_to_copy']} | {ops['ops']} | {res.tokens_per_s:,.0f} | "
+                        f"{res.losses[-1]:.4f} |")
+    ok = all(f["paths on"]["_to_copy"] < f["paths off"]["_to_copy"] for f in figures.values())
+    head = (f"{Job(**common).describe().split(', LoRA')[0]}, micro-batch {common['micro_batch_size']} x "
+            f"T={common['seq']}, {common['steps']} steps ({common['warmup']} warm-up not timed), one run per row, "
+            f"through scale.train.fit; paths: scale.mixed_paths.paths_for('{device}'); liger: model.kernels=liger "
+            f"(RMSNorm, SwiGLU, RoPE)")
+    return f"{head}\n\n" + "\n".join(rows) + f"\n\nthe paths cut the casts of every job: **{ok}**", {
+        "ok": ok, "figures": figures}
+
+
 def largest_plan_total(cfg, b: int, memory_gib: float) -> float:
     from dataclasses import replace
 
@@ -273,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "parity": ("4. fp32 on the device against the CPU", lambda: parity(device)),
         "auto": ("5. The default job at the largest micro-batch that fits",
                  lambda: run_auto(a.dry_run, memory, a.memory_fraction)),
+        "casts": ("6. Fewer casts (scale.mixed_paths) and Liger kernels, on and off", lambda: run_casts(a.dry_run)),
     }
     parts, failed, t_all = [header(a.dry_run)], [], time.perf_counter()
     out = Path(a.out)

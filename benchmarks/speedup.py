@@ -96,9 +96,9 @@ def worker(name: str, steps: int, out: str, profile: int) -> dict:
     cfg = load_config(DEFAULT, job_overrides(name, steps + (1 if profile else 0), out))
     job = setup(cfg)
     if name == "auto-without-paths":
-        from scale.cpu_bf16 import use_cpu_mixed_paths
+        from scale.mixed_paths import use_mixed_paths
 
-        use_cpu_mixed_paths(job.model, on=False)
+        use_mixed_paths(job.model, on=False)
     # Evaluation is not timed; one batch keeps the run short (the step-0 and final evaluations still run).
     ev = sorted(job.eval_dl.dataset, key=lambda e: -len(e.input_ids))[: cfg.train.micro_batch_size]
     job.eval_dl = job.acc.prepare(DataLoader(ev, batch_size=len(ev), collate_fn=Collator(

@@ -190,7 +190,8 @@ def census(cfg: Config, model: torch.nn.Module) -> list[ParamInfo]:
     """Every distinct parameter of the meta-built model (tied weights once), with its training dtype.
 
     With ``model.quantize_4bit`` the weights of the linear layers transformers quantizes are marked
-    ``quantized``; the other fp16/bf16 parameters become fp32, as ``prepare_model_for_kbit_training`` does, except
+    ``quantized``; the other fp16/bf16 parameters become fp32, as ``prepare_model_for_kbit_training`` does (unless
+    ``model.qlora_residual_dtype: compute`` keeps them in ``model.dtype``), except
     the fused expert weights of a mixture-of-experts model, which bitsandbytes does not quantize and the harness
     keeps in ``model.dtype`` (:func:`scale.moe.restore_expert_dtype`).
     """
@@ -209,7 +210,8 @@ def census(cfg: Config, model: torch.nn.Module) -> list[ParamInfo]:
         q = id(p) in quantized
         dtype = p.dtype
         expert = name.removeprefix("base_model.model.").replace(".base_layer", "") in experts
-        if cfg.model.quantize_4bit and not q and not expert and dtype in (torch.float16, torch.bfloat16):
+        if (cfg.model.quantize_4bit and cfg.model.qlora_residual_dtype == "float32" and not q and not expert
+                and dtype in (torch.float16, torch.bfloat16)):
             dtype = torch.float32
         out.append(ParamInfo(name, tuple(p.shape), dtype, p.requires_grad, q))
     return out

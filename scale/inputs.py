@@ -26,8 +26,8 @@ def check_inputs(cfg: Config) -> None:
     group, file or model exists. Every rank runs it and reaches the same verdict (shared storage).
 
     Raises:
-        ConfigError: ``train.mixed_precision=fp16`` without a GPU; ``loss.fused=liger`` without a GPU or
-            liger-kernel; ``output_dir`` is a file or not writable;
+        ConfigError: ``train.mixed_precision=fp16`` without a GPU; ``loss.fused=liger`` or ``model.kernels=liger``
+            without a GPU or liger-kernel; ``output_dir`` is a file or not writable;
             ``model.name_or_path``/``model.tokenizer``/``train.deepspeed_config`` name a path that does not exist;
             an unknown tracker or one whose package is missing.
     """
@@ -43,6 +43,7 @@ def check_inputs(cfg: Config) -> None:
         except ImportError as e:
             raise ConfigError(f"loss.fused=liger needs liger-kernel ({e}): pip install liger-kernel, or set "
                               f"loss.fused=null") from None
+    check_kernels(cfg)
     check_output_dir(cfg.output_dir)
     check_model_paths(cfg)
     ds = cfg.train.deepspeed_config
@@ -61,6 +62,25 @@ def check_inputs(cfg: Config) -> None:
         if name not in available:
             raise ConfigError(f"log.trackers: {name!r} needs its package: pip install "
                               f"{_TRACKER_PACKAGES.get(name, name)}, or drop it from log.trackers")
+
+
+def check_kernels(cfg: Config) -> None:
+    """``model.kernels: liger`` needs a CUDA GPU and liger-kernel (its kernels are Triton only); the model family is
+    checked once the model is built (:func:`scale.kernels.apply_kernels`).
+
+    Raises:
+        ConfigError: ``model.kernels=liger`` without a CUDA GPU or without liger-kernel.
+    """
+    if cfg.model.kernels != "liger":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError("model.kernels=liger needs a CUDA GPU (Liger-Kernel's Triton kernels); on CPU set "
+                          "model.kernels=null (transformers' own RMSNorm, SwiGLU and RoPE)")
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"model.kernels=liger needs liger-kernel ({e}): pip install liger-kernel, or set "
+                          f"model.kernels=null") from None
 
 
 def check_model_paths(cfg: Config) -> None:

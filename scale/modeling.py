@@ -251,7 +251,9 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
 
     layout = moe.moe_layout(model)  # None for a dense model
     loaded = {n: p.dtype for n, p in model.named_parameters()} if layout is not None else {}
-    if model_cfg.quantize_4bit:
+    if model_cfg.quantize_4bit and model_cfg.qlora_residual_dtype == "compute":
+        freeze_in_load_dtype(model)
+    elif model_cfg.quantize_4bit:
         # Casts norms to fp32 and freezes the base. Checkpointing is enabled below, once, our way.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         if layout is not None:
@@ -279,6 +281,23 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, peft_cfg)
+
+
+def freeze_in_load_dtype(model: torch.nn.Module) -> None:
+    """Freeze every base weight and leave the unquantized ones (embeddings, norms, head) in the dtype they were
+    loaded in: ``model.qlora_residual_dtype: compute``, in place of peft's ``prepare_model_for_kbit_training``.
+
+    peft casts every bf16/fp16 weight that is not 4-bit to float32 (QLoRA, Dettmers et al. 2023,
+    arXiv:2305.14314, keeps the norms in float32); the float32 embeddings then keep the residual stream, and every
+    residual add and norm around the 4-bit GEMMs, in float32 under bf16 autocast, with a cast at each layer's input
+    and output. Left in bf16 (what TRL's ``SFTTrainer`` does with a 4-bit model: it does not call
+    ``prepare_model_for_kbit_training``), the stream is bf16 as in a bf16 LoRA run; the norms still compute in
+    float32 inside (``LlamaRMSNorm`` upcasts its input). Loss and gradient differences against the float32 upcast
+    and against a float32 model: docs/benchmarks.md and tests/test_mixed_paths.py. Checkpointing's input-gradient
+    hook is added by :func:`scale.compat.enable_checkpointing`, as for the float32 path.
+    """
+    for p in model.parameters():
+        p.requires_grad = False
 
 
 def checkpointing_kwargs(cfg: ModelConfig) -> dict[str, Any]:

@@ -480,7 +480,10 @@ def _core_assumptions(cfg: Config, gpus: int, nodes: int, rows: str) -> list[str
         f"gradient accumulation ({t.gradient_accumulation_steps}) adds nothing: one micro-batch is alive at a time"),
         f"weights {m.dtype}" + (f", 4-bit {m.bnb_4bit_quant_type} (double quant {m.bnb_4bit_use_double_quant}, "
                                 f"storage {m.bnb_4bit_quant_storage}, compute {m.bnb_4bit_compute_dtype}), the other "
-                                f"weights fp32 (prepare_model_for_kbit_training)" if m.quantize_4bit else "")
+                                + ("weights fp32 (prepare_model_for_kbit_training)"
+                                   if m.qlora_residual_dtype == "float32"
+                                   else f"weights {m.dtype} (model.qlora_residual_dtype=compute)")
+                                if m.quantize_4bit else "")
         + f"; LoRA r={cfg.lora.r} on {cfg.lora.target_modules} in fp32 (peft); optimizer {cfg.optim.name}"
         + f"; mixed precision {t.mixed_precision}",
         (f"framework overhead = {OVERHEAD_FIXED_BYTES / GIB:.0f} GiB per process (CUDA context, cuBLAS/NCCL "

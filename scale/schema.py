@@ -39,6 +39,11 @@ class ModelConfig:
     bnb_4bit_compute_dtype: str = _f("float32", "Dtype the 4-bit GEMMs compute in: float32 | bfloat16 | float16 | "
                                                 "auto (bfloat16 when train.mixed_precision resolves to bf16, else "
                                                 "float32).")
+    qlora_residual_dtype: str = _f("float32", "QLoRA: float32: peft's prepare_model_for_kbit_training casts the "
+                                              "unquantized weights (embeddings, norms, head) to float32, so the "
+                                              "residual stream is float32; compute: they stay in model.dtype "
+                                              "(bfloat16: the residual stream in the compute dtype, as TRL's "
+                                              "SFTTrainer leaves them; differences: docs/benchmarks.md).")
     bnb_4bit_quant_storage: str = _f("uint8", "Storage dtype of packed 4-bit weights (uint8; a float dtype "
                                               "for ZeRO-3/FSDP sharding).")
     gradient_checkpointing: bool | str = _f(True, "Recompute activations in backward (-memory, -speed): true (every "
@@ -48,6 +53,9 @@ class ModelConfig:
     attn_implementation: str | None = _f(None, "Attention kernel passed to transformers: sdpa | eager | "
                                                "flash_attention_2 | flex_attention; null: transformers' default "
                                                "(sdpa). Padding-free batches use the varlen path of flash/flex.")
+    kernels: str | None = _f(None, "Kernels patched into the model: null: transformers' own; liger: Liger-Kernel's "
+                                   "RMSNorm, SwiGLU and RoPE (CUDA only, pip install liger-kernel; Llama, Mistral, "
+                                   "Qwen2/3, Gemma 1/2, Phi-3 and a few more families, scale.kernels.LIGER_APPLY).")
     use_reentrant: bool = _f(False, "Re-entrant checkpointing (breaks DDP+LoRA, peft#313); False is the default.")
     trust_remote_code: bool = _f(False, "Allow model code from the checkpoint directory to run.")
     adapter: str | None = _f(None, "Start the LoRA adapter from a saved peft adapter directory (an SFT run's "

@@ -89,8 +89,8 @@ def packing_text(rows: int, bins: list[list[int]], lengths: np.ndarray, max_leng
 
 def mode_plan_lines(notes: list[str], dtypes: dict[str, int], cpu_paths: list[str]) -> list[str]:
     """The start-up lines of the mode plan (:attr:`scale.launch.ModePlan.notes`), the parameters' dtypes
-    (:func:`scale.checks.dtype_census`) and the CPU bf16 paths in use, each within :data:`LINE_WIDTH`."""
-    tail = [f"parameter dtypes: {dtypes}"] + ([f"CPU bf16 paths: {', '.join(cpu_paths)}"] if cpu_paths else [])
+    (:func:`scale.checks.dtype_census`) and the mixed-precision paths in use, each within :data:`LINE_WIDTH`."""
+    tail = [f"parameter dtypes: {dtypes}"] + ([f"bf16 paths: {', '.join(cpu_paths)}"] if cpu_paths else [])
     return lines_within("mode plan: ", notes or ["defaults"]) + lines_within("", tail)
 
 

@@ -32,6 +32,8 @@ _CHOICES = {
     "data.truncation": ("keep_end", "drop"),
     "model.gradient_checkpointing": (True, False, "every_n", "offload"),
     "model.attn_implementation": (None, "sdpa", "eager", "flash_attention_2", "flex_attention"),
+    "model.kernels": (None, "liger"),
+    "model.qlora_residual_dtype": ("float32", "compute"),
     "loss.objective": ("sft", "dpo", "simpo", "orpo"),  # what scale.objectives.build_objective builds
     "loss.dpo_loss": ("sigmoid", "ipo", "hinge"),
     "loss.reference": ("adapter", "precomputed"),

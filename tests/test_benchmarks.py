@@ -205,9 +205,11 @@ def test_speedup_throughput_and_profile_categories():
 def test_gpu_check_dry_run_report(tmp_path):
     """``benchmarks/gpu_check.py --dry-run`` (what CI runs of ``make gpu-check``): one Markdown report whose sections
     hold real values: the GPU tests' counts, the harness against the bare loop with the same losses, the fp32
-    parity of one thread against all (each loss and adapter within its float32 bound), and the largest micro-batch
-    the plan fits, equal to ``scale.plan.largest_micro_batch``'s, trained at both sizes. The ``bench`` section is
-    benchmarks/gpu.py's dry run, asserted by test_gpu_script_dry_run_and_no_cuda_message; skipped here for time."""
+    parity of one thread against all (each loss and adapter within its float32 bound), the largest micro-batch
+    the plan fits, equal to ``scale.plan.largest_micro_batch``'s, trained at both sizes, and the casts of LoRA and
+    QLoRA with the mixed-precision paths off and on (fewer with them, the Liger rows refused on CPU). The ``bench``
+    section is benchmarks/gpu.py's dry run, asserted by test_gpu_script_dry_run_and_no_cuda_message; skipped here
+    for time."""
     import re
 
     from benchmarks import gpu_check
@@ -219,7 +221,8 @@ def test_gpu_check_dry_run_report(tmp_path):
     report = out.read_text()
     assert report.startswith("# scale GPU check\n") and "failed sections: none" in report
     if not torch.cuda.is_available():
-        assert "\n    4 skipped in " in report                    # every test in tests/test_gpu.py, none failed
+        # every gpu test (tests/test_gpu.py 4, mixed paths 3, kernels 2) skipped, none failed; the CPU tests deselected
+        assert re.search(r"\n    9 skipped, \d+ deselected in ", report), report[:1500]
     bare = float(report.split("max relative difference harness vs bare over all runs: ")[1].split()[0])
     assert bare < 1e-5                                            # as test_bare_loop_and_harness_agree
     loss_rows = re.findall(r"\| loss, step (\d) \| ([\d.]+) \| ([\d.]+) \| ([\d.e+-]+) \| ([\d.e+-]+) \| True \|",
@@ -235,3 +238,11 @@ def test_gpu_check_dry_run_report(tmp_path):
     assert best == largest_micro_batch(load_config(ROOT / "configs/train/tiny_cpu.yaml", common), 1.2, 0.9)[0] > 8
     rates = re.findall(r"\n\| (\d+) \| ([\d,]+) \| ([\d.]+) \| n/a \| ([\d.]+) \|", report)
     assert [int(r[0]) for r in rates] == [8, best] and all(float(r[1].replace(",", "")) > 0 for r in rates)
+    casts = {(job, variant): (int(c), int(ops), float(loss)) for job, variant, c, ops, loss in re.findall(
+        r"\n\| (LoRA bf16|QLoRA nf4/bf16) \| (paths off|paths on) \| (\d+) \| (\d+) \| [\d,]+ \| ([\d.]+) \|", report)}
+    for job in ("LoRA bf16", "QLoRA nf4/bf16"):
+        off, on = casts[(job, "paths off")], casts[(job, "paths on")]
+        assert on[0] <= off[0] - 14 and on[1] < off[1], (job, off, on)  # >= one cast fewer per LoRA layer (2 x 7)
+        assert 9 < on[2] < 12 and 9 < off[2] < 12                         # ln(49152) = 10.8 at random init
+        if not torch.cuda.is_available():
+            assert f"| {job} | paths on + liger | refused: model.kernels=liger needs a CUDA GPU" in report

@@ -164,7 +164,7 @@ def test_mode_plan_lines_stay_within_a_log_line():
                             {"float32/frozen": 28346688, "uint8/frozen": 53084160, "float32/trainable": 4884480}, paths)
     assert lines == ["mode plan: 4-bit base on cpu, storage uint8",
                      "parameter dtypes: {'float32/frozen': 28346688, 'uint8/frozen': 53084160, 'float32/trainable': "
-                     "4884480}; CPU bf16 paths: " + ", ".join(paths)]
+                     "4884480}; bf16 paths: " + ", ".join(paths)]
     prefix = "2026-12-02 14:00:58,690 WARNING scale.startup: [RANK 0] "  # the longest level name
     many = sp + [f"WARNING: train.sequence_parallel_size=2 does not divide the 3 processes of a node: some rows' ranks "
                  f"sit on two nodes and every attention call crosses the network", "4-bit base on cpu, storage uint8"]

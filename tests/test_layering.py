@@ -41,7 +41,9 @@ ALLOWED: dict[str, set[str]] = {
     "objectives": {"chunked", "loss", "schema", "validation"},  # one file per objective; loss.objective picks one
     "modeling": {"assets", "compat", "moe", "schema", "validation"},
     "moe": {"compat", "flops", "validation"},  # mixture-of-experts models: LoRA targets, expert load, active counts
-    "cpu_bf16": set(),  # the CPU mixed-precision paths (bf16 autocast where it pays)
+    "cpu_bf16": {"mixed_paths"},  # old name of mixed_paths
+    "mixed_paths": set(),  # mixed-precision paths with fewer casts (bf16 autocast where it pays)
+    "kernels": {"validation"},  # model.kernels: Liger-Kernel's RMSNorm/SwiGLU/RoPE patches, by model family
     "attention": {"schema", "validation"},  # which attention a run may use: the kernel, packing, sequence parallelism
     # scale-plan's counts: meta/fake tensors, no process group
     "census": {"chunked", "config", "loss", "modeling", "moe", "objectives", "schema"},  # objectives: the pairs' loss
@@ -77,11 +79,10 @@ ALLOWED: dict[str, set[str]] = {
     "startup": {"checks", "compat", "data.token_table", "data.tokenize", "launch", "names", "parts", "precision",
                 "schedule", "schema"},  # the start-up lines
     # scale/parts/: each part of a run builds itself (launch, data, model, loaders, ...)
-    "parts": {"assets", "attention", "autobatch", "best", "checkpoint", "collective", "cpu_bf16", "data.cache",
-              "data.collate",
+    "parts": {"assets", "attention", "autobatch", "best", "checkpoint", "collective", "data.cache", "data.collate",
               "data.mixing", "data.order", "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize",
-              "evaluate", "export", "flops", "launch", "metrics", "modeling", "moe", "objectives", "precision",
-              "samples", "schedule", "schema", "state", "tracking", "ulysses", "validation"},
+              "evaluate", "export", "flops", "kernels", "launch", "metrics", "mixed_paths", "modeling", "moe",
+              "objectives", "precision", "samples", "schedule", "schema", "state", "tracking", "ulysses", "validation"},
     "windows": {"loss", "objectives", "signals", "state"},  # accumulation windows: one all-gather per optimizer step
     "ulysses": {"data.sequence"},  # the sequence-parallel attention, loaders and eval forward (DeepSpeed Ulysses)
     "metrics": {"fileio", "flops", "schema"},
@@ -111,8 +112,8 @@ DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpo
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"compat", "fileio", "flops", "logs", "signals", "state", "rendezvous", "validation", "schema",
                      "names", "config", "config_help", "assets", "schedule", "topology"}),
-    ("model and loss (plain tensors)", {"loss", "chunked", "objectives", "moe", "modeling", "cpu_bf16", "attention",
-                                        "census", "layouts"}),
+    ("model and loss (plain tensors)", {"loss", "chunked", "objectives", "moe", "modeling", "cpu_bf16", "mixed_paths",
+                                        "kernels", "attention", "census", "layouts"}),
     ("data: reading files", {"data.read"}),
     ("data: sources", {"data.sources"}),
     ("data: tasks, one module per format", {"data.tasks"}),

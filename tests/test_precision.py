@@ -1,4 +1,4 @@
-"""bf16 on CPU: each mixed-precision path (scale.cpu_bf16.CPU_MIXED_PATHS) against the bf16 maths it replaces and
+"""bf16 on CPU: each mixed-precision path (scale.mixed_paths.MIXED_PATHS) against the bf16 maths it replaces and
 the fp32 maths it approximates; ``train.mixed_precision: auto`` decided once (rank 0's choice on every rank) and
 kept by a resume."""
 
@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from scale import cpu_bf16, modeling
+from scale import mixed_paths as cpu_bf16
+from scale import modeling
 from scale.schema import LoraConfig, ModelConfig
 from scale.validation import ConfigError
 from tests.conftest import tiny_cfg
@@ -72,7 +73,7 @@ def test_head_cast_cache_is_bit_identical_and_follows_the_weight():
     model = _model()
     ids = _ids()
     ref_logits, ref = _grads(model, ids)
-    assert cpu_bf16.use_cpu_mixed_paths(model, ["head_cast_cached"]) == ["head_cast_cached"]
+    assert cpu_bf16.use_mixed_paths(model, ["head_cast_cached"]) == ["head_cast_cached"]
     head = model.get_base_model().get_output_embeddings()
     logits, got = _grads(model, ids)
     first = head._scale_cast[1]
@@ -84,7 +85,7 @@ def test_head_cast_cache_is_bit_identical_and_follows_the_weight():
         head.weight.mul_(2.0)  # a changed weight (its version moves) is cast again
     logits2, _ = _grads(model, ids)
     assert head._scale_cast[1] is not first and torch.equal(head._scale_cast[1], head.weight.detach().to(BF16))
-    assert cpu_bf16.use_cpu_mixed_paths(model, ["head_cast_cached"], on=False) == ["head_cast_cached"]
+    assert cpu_bf16.use_mixed_paths(model, ["head_cast_cached"], on=False) == ["head_cast_cached"]
     assert "forward" not in vars(head) and not hasattr(head, "_scale_cast")
     assert torch.equal(_grads(model, ids)[0], logits2)
 
@@ -183,7 +184,7 @@ def test_all_paths_track_fp32_as_the_bf16_path_does():
     q = _model()
     _, fp32 = _grads(_fp32_twin(q), ids, autocast=False)
     _, before = _grads(q, ids)
-    assert sorted(cpu_bf16.use_cpu_mixed_paths(q)) == sorted(cpu_bf16.CPU_MIXED_PATHS)
+    assert sorted(cpu_bf16.use_mixed_paths(q)) == sorted(cpu_bf16.MIXED_PATHS)
     _, after = _grads(q, ids)
     assert _rel(after, fp32) < 2 * _rel(before, fp32) < 4e-2
 

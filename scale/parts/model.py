@@ -1,6 +1,6 @@
 """The model part: the base model with LoRA, loaded on the ranks in the order the launch mode needs, checked against
-the packing and sequence-parallel settings, with the CPU bf16 paths where they pay; its matmul shape for the FLOPs
-count. Collective.
+the packing and sequence-parallel settings, with ``model.kernels`` and the mixed-precision paths (fewer casts) where
+they pay; its matmul shape for the FLOPs count. Collective.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from accelerate.logging import get_logger
 
 from scale.attention import check_packing, check_sequence_parallel
 from scale.collective import main_process_first, on_every_rank
-from scale.cpu_bf16 import CPU_MIXED_PATHS, use_cpu_mixed_paths
+from scale.kernels import apply_kernels
 from scale.launch import ModePlan
+from scale.mixed_paths import paths_for, use_mixed_paths
 from scale.modeling import build_model
 from scale.moe import model_shape
 from scale.parts.data import on_this_machine
@@ -25,15 +26,18 @@ logger = get_logger(__name__)
 
 
 def build_run_model(launch: Launch, cfg: Config, vocab_size: int) -> tuple[torch.nn.Module, list[str]]:
-    """The model on every rank, and the CPU bf16 paths switched on for it (their names). Collective.
+    """The model on every rank, and the mixed-precision paths switched on for it (their names). Collective.
 
     Under ZeRO-3 every rank loads at once (:func:`build_model_on_every_rank`); a model on this machine is loaded by
-    every rank at once, a hub id on the main process first. Under bf16 autocast on CPU the attention, casts and the
-    4-bit backward take the paths where they are fastest (:mod:`scale.cpu_bf16`); under sequence parallelism the
-    attention stays the one Ulysses wraps (its name is what :mod:`scale.ulysses` registers).
+    every rank at once, a hub id on the main process first. Under bf16 autocast the casts and the 4-bit
+    dequantization take the paths with fewer casts on any device, and on the CPU the attention of short rows runs in
+    float32 (:mod:`scale.mixed_paths`, :func:`~scale.mixed_paths.paths_for`); under sequence parallelism the
+    attention stays the one Ulysses wraps (its name is what :mod:`scale.ulysses` registers). ``model.kernels``
+    patches its kernels in first (:mod:`scale.kernels`).
 
     Raises:
-        ConfigError: the model does not fit ``data.padding_free``/``data.packing`` or the sequence-parallel size.
+        ConfigError: the model does not fit ``data.padding_free``/``data.packing`` or the sequence-parallel size;
+            ``model.kernels`` has no kernels for its family.
     """
     acc, plan, sp = launch.acc, launch.plan, cfg.train.sequence_parallel_size
 
@@ -48,10 +52,14 @@ def build_run_model(launch: Launch, cfg: Config, vocab_size: int) -> tuple[torch
         model = (on_every_rank if on_this_machine(cfg.model.name_or_path) else main_process_first)(
             acc, prepare_model)  # collective
     check_sequence_parallel(model, cfg.model, sp, cfg.data.packing or cfg.data.padding_free, cfg.data.max_length)
-    paths = [n for n in CPU_MIXED_PATHS if not (launch.sequence is not None and n == "attention_fp32_short")]
-    cpu_paths = (use_cpu_mixed_paths(model, paths) if launch.device.type == "cpu"
-                 and cfg.train.mixed_precision == "bf16" and not plan.partitioned else [])
-    return model, cpu_paths
+    kernels = apply_kernels(model, cfg.model.kernels)
+    if kernels:
+        logger.info("model.kernels=%s: %s", cfg.model.kernels, ", ".join(kernels), main_process_only=True)
+    paths = [n for n in paths_for(launch.device.type)
+             if not (launch.sequence is not None and n == "attention_fp32_short")]
+    switched = (use_mixed_paths(model, paths) if cfg.train.mixed_precision == "bf16" and not plan.partitioned
+                 else [])
+    return model, switched
 
 
 def build_model_on_every_rank(acc: Accelerator, cfg: Config, plan: ModePlan, vocab_size: int) -> torch.nn.Module:
