@@ -84,7 +84,8 @@ def packing_text(rows: int, bins: list[list[int]], lengths: np.ndarray, max_leng
     tokens."""
     k = max(len(bins), 1)
     full = float(np.sum(lengths)) / (k * max_length)
-    cap = f"data.max_length={max_length}" if unit == "rows" else f"2 x data.max_length={max_length}"
+    cap = f"data.max_length={max_length}" if unit == "rows" else \
+        f"2 x data.max_length={max_length // 2} = {max_length}"
     return (f"packing: {rows} train {unit} into {len(bins)} bins of up to {cap} tokens "
             f"({rows / k:.2f} {unit}/bin, {full:.0%} full); an epoch is ceil({len(bins)} bins / global_batch_size "
             f"{global_batch_size}) = {steps_for_epochs(len(bins), global_batch_size, 1)} optimizer step(s)")

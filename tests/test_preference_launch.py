@@ -62,6 +62,20 @@ def test_preference_mode_equals_one_process(tmp_path, objective, mode):
         assert len(x) == 6 and max(abs(p - q) / max(1.0, abs(p)) for p, q in zip(x, y)) < 1e-5, key
 
 
+@pytest.mark.launch
+def test_packed_pairs_under_ddp_equal_one_process(tmp_path):
+    """data.packing under DDP: each rank gets whole bins of whole pairs (micro-batch 2 bins x GA 2 x 2 ranks = 8 bins
+    per step, as 2 bins x GA 4 on one device), so no pair spans two ranks or two windows and the step divides by
+    the same pairs: one device's losses, gradient norms and weights within 1e-5 (fp32, as the parity tables)."""
+    table = modes()
+    job = [*PAIRS, "data.packing=true"]
+    one = run_in_process([*job, *table["single 1x(2,4)"][1]], tmp_path / "one")
+    two = run_mode(table["ddp 2x(2,2)"][0], [*job, *table["ddp 2x(2,2)"][1]], tmp_path / "two")
+    assert one["steps"] == two["steps"] and len(one["steps"]) == 6
+    assert rel_dev(one["loss"], two["loss"]) < 1e-5 and rel_dev(one["grad_norm"], two["grad_norm"]) < 1e-5
+    assert weight_dev(one["weights"], two["weights"]) < 1e-5
+
+
 def test_dpo_resume_mid_epoch_is_bit_exact(tmp_path):
     """A DPO run resumed from its step-4 checkpoint (one window into the second epoch: 20 pairs at 8 per step)
     trains the same pairs in the same order as the uninterrupted run: losses and weights identical."""
@@ -90,15 +104,18 @@ def test_packed_pairs_train_as_padded(tmp_path, caplog):
     row) trains the padded run's steps. Each step is a whole epoch in both runs (padded: 2 pairs x GA 10 = the 20
     pairs; packed: 1 bin x GA 20, more than the bins there are: every bin once), so both train the same pairs in
     every step and normalise by the same 20 pairs; fp32, the same per-pair terms over other attention layouts
-    (~1e-6 relative on losses of ~0.7), within 1e-5 on every loss, gradient norm and the weights."""
+    (~1e-6 relative on losses of ~0.7), within 1e-5 on every loss, gradient norm and the weights. The packed run
+    also takes its references from the pass before training (loss.reference=precomputed, set on the pairs under
+    the bins), which differ from the in-step ones by fp32 round-off only (as
+    test_precomputed_reference_trains_as_the_in_step_one measures)."""
     job = [*PAIRS, "train.micro_batch_size=2", "train.gradient_accumulation_steps=10"]
     a = run_in_process(job, tmp_path / "a")
     with caplog.at_level(logging.INFO):
         b = run_in_process([*PAIRS, "data.packing=true", "train.micro_batch_size=1",
-                            "train.gradient_accumulation_steps=20"], tmp_path / "b")
+                            "train.gradient_accumulation_steps=20", "loss.reference=precomputed"], tmp_path / "b")
     line = next(m for m in caplog.messages if m.startswith("packing: "))
     bins = int(line.split(" into ")[1].split()[0])
-    assert line.startswith("packing: 20 train pairs into ") and "2 x data.max_length=128 tokens" in line
+    assert line.startswith("packing: 20 train pairs into ") and "bins of up to 2 x data.max_length=64 = 128 tokens" in line
     assert bins < 20  # bins hold several pairs
     assert a["steps"] == b["steps"] == [1, 2, 3, 4, 5, 6]
     assert rel_dev(a["loss"], b["loss"]) < 1e-5 and rel_dev(a["grad_norm"], b["grad_norm"]) < 1e-5
