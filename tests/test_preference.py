@@ -368,6 +368,25 @@ def test_packed_pairs_equal_padded(tokenizer, pair_examples, name):
     assert a.item() > 0 and max(g.abs().max() for g in ga) > 0
 
 
+def test_precomputed_references_reach_packed_bins(tokenizer, pair_examples):
+    """loss.reference=precomputed with data.packing: the reference logps set on the split's pairs
+    (scale.parts.preference.pairs_of_loader finds them under the bins) travel with each pair into the packed
+    micro-batch, in its row order (2p chosen, 2p + 1 rejected of the pair in pair_row[p])."""
+    from scale.data.collate import PaddingFreeCollator
+    from scale.data.order import PackedRows
+    from scale.data.tasks.preference import PackedPairCollator
+    from scale.parts.preference import pairs_of_loader
+
+    pairs = PairedExamples(pair_examples)
+    packed = PackedRows(pairs, [[2, 0], [3], [1]])
+    assert pairs_of_loader(packed) is pairs
+    pairs_of_loader(packed).ref_logps = -torch.arange(len(pair_examples), dtype=torch.float64)  # example k: -k
+    batch = PackedPairCollator(PaddingFreeCollator())([packed[0], packed[2]])
+    rows = batch["pair_row"].tolist()
+    assert rows == [pairs[p][0].row for p in (2, 0, 1)]
+    assert batch["ref_logps"].tolist() == [-float(2 * p + s) for p in (2, 0, 1) for s in (0, 1)]
+
+
 def test_side_logps_equal_a_full_logits_reference(tokenizer, pair_examples):
     """Our tail logps (only the tail's logits asked for) equal TRL's way: full logits, log-softmax, the completion
     tokens summed (float64 model; the same log-softmax values, summed in the same order: <= 16 eps64 x |sum|)."""
