@@ -189,8 +189,9 @@ def test_rotation_spares_checkpoints_of_later_steps(tmp_path):
 # ---- another number of processes, in this process ----
 
 @pytest.mark.parametrize("extra", [[], ["optim.name=sgd", "optim.lr=0.5"],
-                                   ["data.packing=true", "data.max_train_examples=30"], PAIRS],
-                         ids=["adamw", "sgd", "packing", "dpo"])
+                                   ["data.packing=true", "data.max_train_examples=30"], PAIRS,
+                                   [*PAIRS, "data.packing=true", "data.max_train_examples=40"]],
+                         ids=["adamw", "sgd", "packing", "dpo", "dpo-packing"])
 def test_a_checkpoint_of_two_processes_resumes_on_one(reference, tmp_path, caplog, extra):
     """The step-4 checkpoint, rewritten as a DDP run on 2 processes would write it (micro-batch 2 x GA 2 x 2 ranks),
     resumed by the same config on one process: the accumulation becomes 4, the portable state is read, the RNG is
@@ -198,7 +199,7 @@ def test_a_checkpoint_of_two_processes_resumes_on_one(reference, tmp_path, caplo
     per-tensor state: only its learning rate is carried. With data.packing the loader deals in bins: 8 bins per
     step, the checkpoint 2 windows into the second epoch. DPO (24 preference pairs, 8 per step, the in-step
     reference): the loader deals in pairs, so the resumed rank skips the pairs already trained and trains the rest
-    once each: the same losses and adapter bit for bit."""
+    once each: the same losses and adapter bit for bit; packed (40 pairs in ~20 bins of whole pairs), in bins."""
     if extra:
         reference = tmp_path / "ref"
         run(tiny_cfg(reference, *JOB, "train.gradient_accumulation_steps=4", *extra))
