@@ -12,6 +12,7 @@ import torch
 
 from tests.launching import PAIRS, modes, rel_dev, run_in_process, run_mode, weight_dev
 
+
 def _train_metric(out, key):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r[key] for r in rows if key in r]

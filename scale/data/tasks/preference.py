@@ -340,4 +340,3 @@ def pair_capacity(max_length: int) -> int:
     whole (each of its sides is at most ``data.max_length`` tokens) and no pair is ever cut or refused by
     packing."""
     return 2 * max_length
-
