@@ -19,9 +19,10 @@ share every row (ZeRO-1/2/3), or 4 processes form 2 data-parallel groups of 2 (Z
 exact 0 in every micro-batch. The ``moe`` job trains a tiny Qwen3-MoE (8 experts, top-2; LoRA on every expert)
 whose routers never send a token to 4 of the experts (``tests.launching.save_tiny_moe_directory``); its rows are the
 modes that load a directory (not the ``from a directory`` row, which loads the tiny Llama, nor the Ulysses rows);
-it runs when ``--jobs`` names it. The ``dpo`` and ``simpo`` jobs train preference pairs (configs/data/tiny_pairs.jsonl,
-20 pairs: windows of 8, 8 and 4 pairs; DPO with its in-step reference, the adapter disabled, and SimPO without one;
-``loss.beta=0.5``): every row but the Ulysses ones, which pairs refuse; they run when ``--jobs`` names them.
+it runs when ``--jobs`` names it. The ``dpo``, ``simpo`` and ``orpo`` jobs train preference pairs
+(configs/data/tiny_pairs.jsonl, 20 pairs: windows of 8, 8 and 4 pairs; DPO with its in-step reference, the adapter
+disabled, SimPO and ORPO without one; ``loss.beta=0.5``): every row but the Ulysses ones, which pairs refuse; they
+run when ``--jobs`` names them.
 
 ``--modes`` takes items separated by commas outside parentheses (names hold commas inside them, as ``4x(2,2)``): an
 item equal to a mode name selects that row only, any other item the rows whose names contain it (``ulysses``);
@@ -47,10 +48,10 @@ from tests.launching import (CHATS, COMPLETIONS, LATE_TAILS, PAIRS, ROOT, modes,
                              run_mode, save_tiny_directory, save_tiny_moe_directory, weight_dev)
 
 JOBS = {"reviews": [], "completions": COMPLETIONS, "chats": CHATS, "late_tails": LATE_TAILS, "moe": [],
-        "dpo": PAIRS, "simpo": [*PAIRS, "loss.objective=simpo"]}
-OPT_IN = ("moe", "dpo", "simpo")  # run when --jobs names them
+        "dpo": PAIRS, "simpo": [*PAIRS, "loss.objective=simpo"], "orpo": [*PAIRS, "loss.objective=orpo"]}
+OPT_IN = ("moe", "dpo", "simpo", "orpo")  # run when --jobs names them
 # rows a job cannot run as the others do (see the module docstring)
-SKIP = {"moe": ("from a directory", "ulysses"), "dpo": ("ulysses",), "simpo": ("ulysses",)}
+SKIP = {"moe": ("from a directory", "ulysses"), "dpo": ("ulysses",), "simpo": ("ulysses",), "orpo": ("ulysses",)}
 
 
 def _flag(cmd: list[str], name: str) -> str | None:
