@@ -1,7 +1,8 @@
 """Preference pairs and the DPO family: the ``preference`` format (TRL's explicit- and implicit-prompt conventions,
 text and messages, its errors), each objective against the formula computed by hand in float64, the reference
 without a second copy (adapter disabled, a starting adapter frozen) against separately built models, precomputed
-references against in-step ones, padding-free pairs against padded ones, and one TRL ``DPOTrainer`` run step by step.
+references against in-step ones, padding-free and packed pairs against padded ones, and one TRL ``DPOTrainer`` run step
+by step.
 """
 
 from __future__ import annotations
