@@ -19,7 +19,10 @@ share every row (ZeRO-1/2/3), or 4 processes form 2 data-parallel groups of 2 (Z
 exact 0 in every micro-batch. The ``moe`` job trains a tiny Qwen3-MoE (8 experts, top-2; LoRA on every expert)
 whose routers never send a token to 4 of the experts (``tests.launching.save_tiny_moe_directory``); its rows are the
 modes that load a directory (not the ``from a directory`` row, which loads the tiny Llama, nor the Ulysses rows);
-it runs when ``--jobs`` names it.
+it runs when ``--jobs`` names it. The ``dpo``, ``simpo`` and ``orpo`` jobs train preference pairs
+(configs/data/tiny_pairs.jsonl, 20 pairs: windows of 8, 8 and 4 pairs; DPO with its in-step reference, the adapter
+disabled, SimPO and ORPO without one; ``loss.beta=0.5``): every row but the Ulysses ones, which pairs refuse; they
+run when ``--jobs`` names them.
 
 ``--modes`` takes items separated by commas outside parentheses (names hold commas inside them, as ``4x(2,2)``): an
 item equal to a mode name selects that row only, any other item the rows whose names contain it (``ulysses``);
@@ -41,11 +44,14 @@ import yaml
 if __package__ in (None, ""):  # `python benchmarks/parity.py`: make `tests.launching` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.launching import (CHATS, COMPLETIONS, LATE_TAILS, ROOT, modes, rel_dev, run_mode,  # noqa: E402
-                             save_tiny_directory, save_tiny_moe_directory, weight_dev)
+from tests.launching import (CHATS, COMPLETIONS, LATE_TAILS, PAIRS, ROOT, modes, rel_dev,  # noqa: E402
+                             run_mode, save_tiny_directory, save_tiny_moe_directory, weight_dev)
 
-JOBS = {"reviews": [], "completions": COMPLETIONS, "chats": CHATS, "late_tails": LATE_TAILS, "moe": []}
-SKIP = {"moe": ("from a directory", "ulysses")}  # rows a job cannot run as the others do (see the module docstring)
+JOBS = {"reviews": [], "completions": COMPLETIONS, "chats": CHATS, "late_tails": LATE_TAILS, "moe": [],
+        "dpo": PAIRS, "simpo": [*PAIRS, "loss.objective=simpo"], "orpo": [*PAIRS, "loss.objective=orpo"]}
+OPT_IN = ("moe", "dpo", "simpo", "orpo")  # run when --jobs names them
+# rows a job cannot run as the others do (see the module docstring)
+SKIP = {"moe": ("from a directory", "ulysses"), "dpo": ("ulysses",), "simpo": ("ulysses",), "orpo": ("ulysses",)}
 
 
 def _flag(cmd: list[str], name: str) -> str | None:
@@ -121,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="", help="comma-separated mode names (whole names, commas inside "
                         "parentheses kept: 'ulysses sp2 zero2 4x(2,2) dp2') or parts of names ('ulysses'); "
                         "default: all")
-    parser.add_argument("--jobs", default=",".join(j for j in JOBS if j != "moe"),
-                        help=f"comma-separated subset of {list(JOBS)} (default: all but moe)")
+    parser.add_argument("--jobs", default=",".join(j for j in JOBS if j not in OPT_IN),
+                        help=f"comma-separated subset of {list(JOBS)} (default: all but {', '.join(OPT_IN)})")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override for every mode, e.g. --set data.group_by_length=true")
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(lines[-1] + "\n")
             sys.stdout.flush()
         report += [*lines, "", f"{job}: steps {ref['steps']}, losses {[round(x, 6) for x in ref['loss']]}", ""]
-    sys.stdout.write("\n" + "\n".join(report) + "\n(windows of 8, 8, 4 examples per epoch)\n")
+    sys.stdout.write("\n" + "\n".join(report) + "\n(windows of 8, 8, 4 examples, or pairs, per epoch)\n")
     skipped = [name for name, why in problems.items() if why]
     if skipped:
         sys.stdout.write(f"skipped on this machine ({len(skipped)}): {'; '.join(skipped)}\n")

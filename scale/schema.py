@@ -175,7 +175,8 @@ class DataConfig:
     packing: bool = _f(False, "Pack train rows, best-fit-decreasing, into bins of at most `max_length` tokens (no row "
                               "is split); a micro-batch is `train.micro_batch_size` bins in one padding-free row "
                               "(each example keeps its own positions, attention and tail). Exact against padded "
-                              "batches; refused on model families whose layers leak across examples.")
+                              "batches; refused on model families whose layers leak across examples. Preference "
+                              "pairs pack whole, both sides in one bin of 2 x `max_length` tokens.")
     # sources, the eval source and the token cache (docs/data.md)
     eval_path: str | None = _f(None, "Eval rows from this source (any kind `path` accepts) instead of carving "
                                      "`eval_size` rows out of `path`; all its rows are evaluated.")

@@ -77,13 +77,17 @@ def step_text(lengths: np.ndarray, tails: np.ndarray, global_batch_size: int,
 
 
 def packing_text(rows: int, bins: list[list[int]], lengths: np.ndarray, max_length: int,
-                 global_batch_size: int) -> str:
+                 global_batch_size: int, unit: str = "rows") -> str:
     """The start-up line of ``data.packing``: how many bins the train rows went into, how full they are, and the
-    optimizer steps of an epoch (``ceil(bins / global_batch_size)``, :func:`scale.schedule.steps_for_epochs`)."""
+    optimizer steps of an epoch (``ceil(bins / global_batch_size)``, :func:`scale.schedule.steps_for_epochs`).
+    Preference pairs (``unit="pairs"``, ``rows`` pairs) pack into bins of ``max_length`` = 2 x ``data.max_length``
+    tokens."""
     k = max(len(bins), 1)
     full = float(np.sum(lengths)) / (k * max_length)
-    return (f"packing: {rows} train rows into {len(bins)} bins of up to data.max_length={max_length} tokens "
-            f"({rows / k:.2f} rows/bin, {full:.0%} full); an epoch is ceil({len(bins)} bins / global_batch_size "
+    cap = f"data.max_length={max_length}" if unit == "rows" else \
+        f"2 x data.max_length={max_length // 2} = {max_length}"
+    return (f"packing: {rows} train {unit} into {len(bins)} bins of up to {cap} tokens "
+            f"({rows / k:.2f} {unit}/bin, {full:.0%} full); an epoch is ceil({len(bins)} bins / global_batch_size "
             f"{global_batch_size}) = {steps_for_epochs(len(bins), global_batch_size, 1)} optimizer step(s)")
 
 
@@ -131,10 +135,12 @@ def report_start(launch: Launch, cfg: Config, data: Data, loaders: Loaders, mode
                 "gradient_accumulation_steps=%d x %d data-parallel ranks) max_steps=%d", plan.mode,
                 acc.num_processes, shared, G, cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps,
                 plan.data_parallel_size, max_steps)
+    sides = max(len(splits.task.sides), 1)  # preference: a loader item is a pair, 2 rows
     if bins is not None:
-        logger.info(packing_text(len(splits.train), bins, lengths, cfg.data.max_length, G))
+        logger.info(packing_text(len(splits.train) // sides, bins, lengths, cfg.data.max_length * sides, G,
+                                 "pairs" if sides > 1 else "rows"))
     logger.info("per step: %s; rows: train=%d eval=%d format=%s; parameters: trainable=%d total=%d (%.3f%%)",
-                step_text(lengths, column(splits.train, "tail_len"), G * max(len(splits.task.sides), 1), bins),
+                step_text(lengths, column(splits.train, "tail_len"), G * (sides if bins is None else 1), bins),
                 splits.stats["data/train_rows"], splits.stats["data/eval_rows"], splits.format, trainable, total,
                 100 * trainable / total)
     log_data_stats(splits.stats, cfg.data)

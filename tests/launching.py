@@ -37,6 +37,11 @@ CHATS = [f"data.path={ROOT / 'configs' / 'data' / 'tiny_chats.jsonl'}", "data.ma
 # the second rank's shard and the first rank's loss is an exact 0 in every micro-batch: a wrong gradient scale
 # across the sequence-parallel ranks, or an evaluation that attends within one shard, shows at once.
 LATE_TAILS = ["data.max_length=16"]
+# Preference pairs (configs/data/tiny_pairs.jsonl: tiny_completions.jsonl's rows as pairs, chosen the row's completion,
+# rejected the next row's other completion): 20 pairs at global batch 8 make windows of 8, 8 and 4 pairs per epoch;
+# tails of 2 to 12 tokens, so the two sides of a pair differ in length. DPO; a SimPO job adds loss.objective=simpo.
+PAIRS = [f"data.path={ROOT / 'configs' / 'data' / 'tiny_pairs.jsonl'}", "loss.objective=dpo", "loss.beta=0.5",
+         "eval.generate_samples=0"]
 
 
 def free_port() -> int:

@@ -1,7 +1,8 @@
 """Preference pairs and the DPO family: the ``preference`` format (TRL's explicit- and implicit-prompt conventions,
 text and messages, its errors), each objective against the formula computed by hand in float64, the reference
 without a second copy (adapter disabled, a starting adapter frozen) against separately built models, precomputed
-references against in-step ones, padding-free pairs against padded ones, and one TRL ``DPOTrainer`` run step by step.
+references against in-step ones, padding-free and packed pairs against padded ones, and one TRL ``DPOTrainer`` run step
+by step.
 """
 
 from __future__ import annotations
@@ -327,6 +328,79 @@ def test_padding_free_pairs_equal_padded(tokenizer, pair_examples, name):
     b = objective.loss_step(policy, free, objective.weights(free))
     assert abs(a.item() - b.item()) <= 1e-9
     assert a.item() > 0
+
+
+@pytest.mark.parametrize("name", ["dpo", "simpo"])
+def test_packed_pairs_equal_padded(tokenizer, pair_examples, name):
+    """data.packing for pairs: whole pairs packed best-fit-decreasing into bins of 2 x data.max_length tokens
+    (every pair fits; no pair cut), a micro-batch of bins one padding-free row whose sides keep their own segments.
+    The packed micro-batches together give the padded batch's loss and gradients (float64 tiny model).
+
+    Bound: each side's logp is a sum of its tail tokens' log-softmaxes, all <= 0, so ``sum_t |term_t| = |logp|``; the
+    two layouts compute it within ``r |logp|``, ``r = fp32_paths_rel(V, H, eps64)`` (tests/bounds.py: 2 x (4 eps
+    sqrt(V) + 4 eps H), the vocabulary's log-sum-exp and the hidden-width dot products). |dloss/dlogp| <= beta for
+    DPO's sigmoid and SimPO (beta / |y|, |y| >= 1), so the loss is within ``beta r sum|logp|`` over the policy's and
+    (DPO) the reference's sides, and each gradient tensor within ``beta r sum_s max|d logp_s / d theta|``."""
+    from scale.data.collate import PaddingFreeCollator
+    from scale.data.order import PackedRows, pack_bfd
+    from scale.data.tasks.preference import PackedPairCollator, pair_capacity
+    from tests.bounds import fp32_paths_rel
+
+    beta = 0.5
+    policy = _model(tokenizer, adapter_seed=8)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    pairs = PairedExamples(pair_examples)
+    sizes = [len(c.input_ids) + len(r.input_ids) for c, r in pairs]
+    small = sorted(sizes)
+    capacity = pair_capacity(max((small[0] + small[1] + 1) // 2, (small[-1] + 1) // 2))  # the 2 shortest share a bin
+    bins = pack_bfd(sizes, capacity)
+    assert 1 < len(bins) < len(pairs) and sorted(p for b in bins for p in b) == list(range(len(pairs)))
+    packed = PackedRows(pairs, bins)
+    collate = PackedPairCollator(PaddingFreeCollator())
+    objective = PreferenceObjective(name, beta=beta)
+
+    padded = PairCollator(Collator(tokenizer.pad_token_id))(list(pairs))
+    a = objective.loss_step(policy, padded, objective.weights(padded))
+    ga = torch.autograd.grad(a, params)
+    b, gb, rows = 0.0, [torch.zeros_like(p) for p in params], []
+    for mb in ([packed[0], packed[1]], [packed[k] for k in range(2, len(packed))]):  # two micro-batches of bins
+        batch = collate(mb)
+        assert batch["input_ids"].shape[0] == 1 and batch["seq_lens"].numel() == 2 * batch["pair_row"].numel()
+        assert batch["row"][0::2].tolist() == batch["row"][1::2].tolist() == batch["pair_row"].tolist()
+        rows += batch["pair_row"].tolist()
+        loss = objective.loss_step(policy, batch, objective.weights(batch))
+        b = b + loss
+        gb = [x + y for x, y in zip(gb, torch.autograd.grad(loss, params))]
+    assert sorted(rows) == sorted(padded["pair_row"].tolist())  # each pair once
+
+    r = fp32_paths_rel(len(tokenizer), policy.config.hidden_size, EPS64)
+    logps, _ = tail_logps(policy, padded)
+    sides = logps.abs().sum() + (reference_forward(policy, padded).abs().sum() if name == "dpo" else 0)
+    assert abs(a.item() - b.item()) <= beta * r * sides.item(), (a.item(), b.item())
+    side_grads = [torch.autograd.grad(logps[s], params, retain_graph=True) for s in range(logps.numel())]
+    for k, (x, y) in enumerate(zip(ga, gb)):
+        bound = beta * r * sum(g[k].abs().max() for g in side_grads)
+        assert (x - y).abs().max() <= bound, (k, (x - y).abs().max().item(), bound.item())
+    assert a.item() > 0 and max(g.abs().max() for g in ga) > 0
+
+
+def test_precomputed_references_reach_packed_bins(tokenizer, pair_examples):
+    """loss.reference=precomputed with data.packing: the reference logps set on the split's pairs
+    (scale.parts.preference.pairs_of_loader finds them under the bins) travel with each pair into the packed
+    micro-batch, in its row order (2p chosen, 2p + 1 rejected of the pair in pair_row[p])."""
+    from scale.data.collate import PaddingFreeCollator
+    from scale.data.order import PackedRows
+    from scale.data.tasks.preference import PackedPairCollator
+    from scale.parts.preference import pairs_of_loader
+
+    pairs = PairedExamples(pair_examples)
+    packed = PackedRows(pairs, [[2, 0], [3], [1]])
+    assert pairs_of_loader(packed) is pairs
+    pairs_of_loader(packed).ref_logps = -torch.arange(len(pair_examples), dtype=torch.float64)  # example k: -k
+    batch = PackedPairCollator(PaddingFreeCollator())([packed[0], packed[2]])
+    rows = batch["pair_row"].tolist()
+    assert rows == [pairs[p][0].row for p in (2, 0, 1)]
+    assert batch["ref_logps"].tolist() == [-float(2 * p + s) for p in (2, 0, 1) for s in (0, 1)]
 
 
 def test_side_logps_equal_a_full_logits_reference(tokenizer, pair_examples):

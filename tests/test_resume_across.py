@@ -26,6 +26,7 @@ from scale.state import resume_accumulation
 from scale.train import run
 from scale.validation import ConfigError
 from tests.conftest import log_file_lines, tiny_cfg
+from tests.launching import PAIRS
 
 # 24 rows, G = 8: 3 optimizer steps per epoch; the step-4 checkpoint is 1 window into the second epoch
 JOB = ["data.max_train_examples=24", "train.micro_batch_size=2", "train.max_steps=8", "train.save_every=4",
@@ -188,13 +189,17 @@ def test_rotation_spares_checkpoints_of_later_steps(tmp_path):
 # ---- another number of processes, in this process ----
 
 @pytest.mark.parametrize("extra", [[], ["optim.name=sgd", "optim.lr=0.5"],
-                                   ["data.packing=true", "data.max_train_examples=30"]], ids=["adamw", "sgd", "packing"])
+                                   ["data.packing=true", "data.max_train_examples=30"], PAIRS,
+                                   [*PAIRS, "data.packing=true", "data.max_train_examples=40"]],
+                         ids=["adamw", "sgd", "packing", "dpo", "dpo-packing"])
 def test_a_checkpoint_of_two_processes_resumes_on_one(reference, tmp_path, caplog, extra):
     """The step-4 checkpoint, rewritten as a DDP run on 2 processes would write it (micro-batch 2 x GA 2 x 2 ranks),
     resumed by the same config on one process: the accumulation becomes 4, the portable state is read, the RNG is
     re-derived (said in the log), and steps 5-8 equal the uninterrupted run's (no dropout: bit for bit). SGD has no
     per-tensor state: only its learning rate is carried. With data.packing the loader deals in bins: 8 bins per
-    step, the checkpoint 2 windows into the second epoch."""
+    step, the checkpoint 2 windows into the second epoch. DPO (24 preference pairs, 8 per step, the in-step
+    reference): the loader deals in pairs, so the resumed rank skips the pairs already trained and trains the rest
+    once each: the same losses and adapter bit for bit; packed (40 pairs in ~20 bins of whole pairs), in bins."""
     if extra:
         reference = tmp_path / "ref"
         run(tiny_cfg(reference, *JOB, "train.gradient_accumulation_steps=4", *extra))
@@ -269,6 +274,27 @@ def test_ddp_on_two_processes_resumes_on_one(tmp_path):
     saved = _across("ddp 2x(2,2)", "in-process", ADAMW, tmp_path)
     assert (saved["mode"], saved["world_size"], saved["config"]["train"]["gradient_accumulation_steps"]) == (
         "single", 1, 4)
+
+
+@pytest.mark.launch
+def test_dpo_on_two_processes_resumes_on_one(tmp_path):
+    """A DPO run (20 pairs of configs/data/tiny_pairs.jsonl, 8 per step: windows of 8, 8, 4 pairs per epoch) saved
+    by DDP on 2 processes at step 4 (one window into the second epoch) resumes on one process: every later step
+    trains the pairs the uninterrupted run trains, each once: its loss and its mean chosen/rejected logps (sums over
+    distinct pairs of ~-50 nats: a pair missed or seen twice moves them by a pair's logp over 8) within 1e-5 of the
+    uninterrupted run, and the adapter too."""
+    from tests.launching import read_run
+
+    saved = _across("ddp 2x(2,2)", "in-process", [*ADAMW, *PAIRS], tmp_path)
+    assert (saved["mode"], saved["world_size"], saved["config"]["train"]["gradient_accumulation_steps"]) == (
+        "single", 1, 4)
+    assert read_run(tmp_path / "ref")["steps"] == list(range(1, 9))
+    rows = {name: [r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "train/logps/chosen" in r]
+            for name in ("ref", "res")}
+    assert [r["step"] for r in rows["res"]] == [5, 6, 7, 8]
+    for key in ("train/logps/chosen", "train/logps/rejected", "train/rewards/margins"):
+        want, got = [r[key] for r in rows["ref"][4:]], [r[key] for r in rows["res"]]
+        assert max(abs(x - y) / max(1.0, abs(x)) for x, y in zip(want, got)) <= TOL, (key, want, got)
 
 
 @pytest.mark.launch

@@ -16,9 +16,10 @@ from scale.data.collate import Collator, PackedCollator, PaddingFreeCollator
 from scale.data.order import LengthGroupedSampler, PackedRows, pack_bfd
 from scale.data.read import DataError
 from scale.data.sequence import ShardCollator
-from scale.data.tasks.preference import PairCollator, PairedExamples
+from scale.data.tasks.preference import PackedPairCollator, PairCollator, PairedExamples, pair_capacity
 from scale.data.token_table import Reordered, column, longest_first
 from scale.data.tokenize import Splits
+from scale.objectives.preference import OBJECTIVES
 from scale.parts.launch import Launch
 from scale.schedule import steps_for_epochs
 from scale.schema import Config
@@ -79,8 +80,13 @@ def warn_larger_than_split(launch: Launch, cfg: Config, loaders: Loaders) -> Non
 
 
 def unit_text(cfg: Config) -> str:
-    """What the train loader deals in, for messages: rows, or with ``data.packing`` bins of rows."""
-    return f"bins of up to data.max_length={cfg.data.max_length} tokens" if cfg.data.packing else "rows"
+    """What the train loader deals in, for messages: rows (preference pairs under a preference
+    ``loss.objective``), or with ``data.packing`` bins of them."""
+    pairs = cfg.loss.objective in OBJECTIVES  # scale.parts.preference.check_objective: pairs <=> these objectives
+    if not cfg.data.packing:
+        return "pairs" if pairs else "rows"
+    return (f"bins of up to 2 x data.max_length={cfg.data.max_length} = {2 * cfg.data.max_length} tokens" if pairs else
+            f"bins of up to data.max_length={cfg.data.max_length} tokens")
 
 
 def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_size: int = 1,
@@ -101,15 +107,15 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_s
     train_collate = PaddingFreeCollator() if cfg.data.padding_free else collate
     t = cfg.train
     train, lengths = splits.train, column(splits.train, "length").tolist()  # per-row columns: no token read
-    if cfg.data.packing:  # the loader deals in bins of rows (scale.data.order.pack_bfd)
+    pairs = bool(splits.task.sides)  # preference: a pair is one item, its sides adjacent rows of a micro-batch
+    if pairs:  # with data.packing, bins of whole pairs
+        train, lengths, train_collate = paired(cfg, splits.train, sequence, train_collate)
+    elif cfg.data.packing:  # the loader deals in bins of rows (scale.data.order.pack_bfd)
         train = PackedRows(splits.train, pack_bfd(lengths, cfg.data.max_length))
         lengths, train_collate = train.lengths(lengths), PackedCollator()
-    if sequence is not None:
+    if sequence is not None and not pairs:
         train_collate = ShardCollator(sequence.rank, sequence.size, pad_token_id,
                                       one_row=cfg.data.packing or cfg.data.padding_free)
-    pairs = bool(splits.task.sides)  # preference: a pair is one item, its sides adjacent rows of a micro-batch
-    if pairs:
-        train, lengths, train_collate = paired(cfg, splits.train, sequence, train_collate)
     if cfg.data.group_by_length:
         sampler = LengthGroupedSampler(lengths, t.global_batch_size(data_parallel_size), cfg.data.mega_batch_steps,
                                        t.seed)
@@ -127,18 +133,31 @@ def make_loaders(cfg: Config, splits: Splits, pad_token_id: int, data_parallel_s
     return train_dl, eval_dl
 
 
-def paired(cfg: Config, train: Any, sequence: Any, collate: Any) -> tuple[PairedExamples, list[int], PairCollator]:
+def paired(cfg: Config, train: Any, sequence: Any, collate: Any) -> tuple[Any, list[int], PairCollator]:
     """A preference split as the loader's items: its pairs (:class:`PairedExamples`), each pair's longer side's
-    length (what length grouping sorts by) and the collator that lays a micro-batch of pairs out as rows.
+    length (what length grouping sorts by) and the collator that lays a micro-batch of pairs out as rows. With
+    ``data.packing`` the items are bins of whole pairs (:func:`pack_bfd` on both sides' tokens, bins of
+    :func:`scale.data.tasks.preference.pair_capacity` = 2 x ``data.max_length`` tokens), the lengths the bins'
+    tokens, and a micro-batch is one padding-free row (:class:`PackedPairCollator`).
 
     Raises:
-        ConfigError: ``data.packing`` or sequence parallelism (not built for pairs yet).
+        ConfigError: sequence parallelism (not built for pairs yet).
     """
-    if cfg.data.packing or sequence is not None:
-        raise ConfigError("loss.objective/data.format=preference trains pairs, which data.packing and "
-                          "train.sequence_parallel_size > 1 do not handle yet; use data.padding_free=true (no padding) "
-                          "or padded batches")
-    return PairedExamples(train), pair_lengths(train).tolist(), PairCollator(collate)
+    if sequence is not None:
+        raise ConfigError("loss.objective/data.format=preference trains pairs, which train.sequence_parallel_size > 1 "
+                          "does not handle yet; set train.sequence_parallel_size=1")
+    pairs = PairedExamples(train)
+    if cfg.data.packing:
+        sizes = pair_sizes(train)
+        packed = PackedRows(pairs, pack_bfd(sizes.tolist(), pair_capacity(cfg.data.max_length)))
+        return packed, packed.lengths(sizes), PackedPairCollator(PaddingFreeCollator())
+    return pairs, pair_lengths(train).tolist(), PairCollator(collate)
+
+
+def pair_sizes(examples: Any) -> np.ndarray:
+    """``[pairs]`` tokens of each pair, both sides together (what a bin of packed pairs holds; no token read)."""
+    lengths = column(examples, "length")
+    return lengths[0::2] + lengths[1::2]
 
 
 def pair_lengths(examples: Any) -> np.ndarray:

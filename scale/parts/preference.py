@@ -15,6 +15,7 @@ from accelerate.logging import get_logger
 from torch.utils.data import DataLoader
 
 from scale.data.collate import Collator
+from scale.data.order import PackedRows
 from scale.data.tasks.preference import PairCollator, PairedExamples
 from scale.data.token_table import Reordered
 from scale.data.tokenize import Splits
@@ -75,5 +76,14 @@ def precompute_references(acc: Accelerator, cfg: Config, model: torch.nn.Module,
             logger.info("reference pass: %d train and %d eval pairs (loss.reference=precomputed) -> %s",
                         len(refs["train"]) // 2, len(refs["eval"]) // 2, path, main_process_only=True)
     for dl, name in zip(loaders, ("train", "eval")):
-        pairs = dl.dataset.base if isinstance(dl.dataset, Reordered) else dl.dataset  # the eval split's order is a view
-        pairs.ref_logps = stored[name]
+        pairs_of_loader(dl.dataset).ref_logps = stored[name]
+
+
+def pairs_of_loader(dataset: Any) -> PairedExamples:
+    """The :class:`PairedExamples` under a pair loader's dataset: itself, the split an evaluation order
+    (:class:`Reordered`) views, or the pairs that ``data.packing``'s bins (:class:`PackedRows`) hold."""
+    if isinstance(dataset, Reordered):
+        return dataset.base
+    if isinstance(dataset, PackedRows):
+        return dataset.rows
+    return dataset

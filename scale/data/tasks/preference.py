@@ -316,3 +316,27 @@ class PairCollator:
                 raise ValueError("some pairs of the micro-batch carry reference log-probabilities and some do not")
             batch["ref_logps"] = torch.cat(refs).to(torch.float64)
         return batch
+
+
+class PackedPairCollator(PairCollator):
+    """Collate a micro-batch of *bins* of pairs (``data.packing``: :class:`scale.data.order.PackedRows` over
+    :class:`PairedExamples`, bins of :func:`pair_capacity` tokens): the bins' pairs, in order, collated by
+    :class:`PairCollator` around a padding-free collator (:class:`scale.data.collate.PaddingFreeCollator`), so the
+    micro-batch is one packed row ``[1, L]`` whose examples are the sides of its pairs, chosen then rejected,
+    each with its own segment (``seq_lens``) and restarting ``position_ids``: each side's tail log-probability is
+    summed over its own segment. A bin never splits a pair, so a pair never spans two ranks or two accumulation
+    windows.
+
+    Args:
+        inner: the padding-free collator of examples.
+    """
+
+    def __call__(self, bins: list[list[Pair]]) -> dict[str, Tensor]:  # type: ignore[override]
+        return super().__call__([pair for b in bins for pair in b])
+
+
+def pair_capacity(max_length: int) -> int:
+    """Tokens per bin when pairs are packed (``data.packing``): ``2 x data.max_length``, so that every pair fits
+    whole (each of its sides is at most ``data.max_length`` tokens) and no pair is ever cut or refused by
+    packing."""
+    return 2 * max_length
