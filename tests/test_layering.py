@@ -41,7 +41,6 @@ ALLOWED: dict[str, set[str]] = {
     "objectives": {"chunked", "loss", "schema", "validation"},  # one file per objective; loss.objective picks one
     "modeling": {"assets", "compat", "moe", "schema", "validation"},
     "moe": {"compat", "flops", "validation"},  # mixture-of-experts models: LoRA targets, expert load, active counts
-    "cpu_bf16": {"mixed_paths"},  # old name of mixed_paths
     "mixed_paths": set(),  # mixed-precision paths with fewer casts (bf16 autocast where it pays)
     "kernels": {"validation"},  # model.kernels: Liger-Kernel's RMSNorm/SwiGLU/RoPE patches, by model family
     "attention": {"schema", "validation"},  # which attention a run may use: the kernel, packing, sequence parallelism
@@ -112,7 +111,7 @@ DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpo
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"compat", "fileio", "flops", "logs", "signals", "state", "rendezvous", "validation", "schema",
                      "names", "config", "config_help", "assets", "schedule", "topology"}),
-    ("model and loss (plain tensors)", {"loss", "chunked", "objectives", "moe", "modeling", "cpu_bf16", "mixed_paths",
+    ("model and loss (plain tensors)", {"loss", "chunked", "objectives", "moe", "modeling", "mixed_paths",
                                         "kernels", "attention", "census", "layouts"}),
     ("data: reading files", {"data.read"}),
     ("data: sources", {"data.sources"}),

@@ -95,9 +95,6 @@ def rel(a: dict, b: dict) -> float:
 def test_cuda_takes_every_path_but_the_cpu_attention():
     assert mixed_paths.paths_for("cpu") == tuple(mixed_paths.MIXED_PATHS)
     assert set(mixed_paths.paths_for("cuda")) == set(mixed_paths.MIXED_PATHS) - {"attention_fp32_short"}
-    from scale import cpu_bf16  # the old module name still imports
-
-    assert cpu_bf16.use_cpu_mixed_paths is mixed_paths.use_mixed_paths
 
 
 @pytest.mark.parametrize("device", DEVICES)

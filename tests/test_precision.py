@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from scale import mixed_paths as cpu_bf16
+from scale import mixed_paths
 from scale import modeling
 from scale.schema import LoraConfig, ModelConfig
 from scale.validation import ConfigError
@@ -73,7 +73,7 @@ def test_head_cast_cache_is_bit_identical_and_follows_the_weight():
     model = _model()
     ids = _ids()
     ref_logits, ref = _grads(model, ids)
-    assert cpu_bf16.use_mixed_paths(model, ["head_cast_cached"]) == ["head_cast_cached"]
+    assert mixed_paths.use_mixed_paths(model, ["head_cast_cached"]) == ["head_cast_cached"]
     head = model.get_base_model().get_output_embeddings()
     logits, got = _grads(model, ids)
     first = head._scale_cast[1]
@@ -85,7 +85,7 @@ def test_head_cast_cache_is_bit_identical_and_follows_the_weight():
         head.weight.mul_(2.0)  # a changed weight (its version moves) is cast again
     logits2, _ = _grads(model, ids)
     assert head._scale_cast[1] is not first and torch.equal(head._scale_cast[1], head.weight.detach().to(BF16))
-    assert cpu_bf16.use_mixed_paths(model, ["head_cast_cached"], on=False) == ["head_cast_cached"]
+    assert mixed_paths.use_mixed_paths(model, ["head_cast_cached"], on=False) == ["head_cast_cached"]
     assert "forward" not in vars(head) and not hasattr(head, "_scale_cast")
     assert torch.equal(_grads(model, ids)[0], logits2)
 
@@ -94,12 +94,12 @@ def test_dequantize_to_compute_dtype_gives_bit_identical_gradients():
     model = _model()
     ids = _ids()
     _, ref = _grads(model, ids)
-    assert cpu_bf16.dequantize_in_compute_dtype(model) == 14  # 2 layers x 7 linear
+    assert mixed_paths.dequantize_in_compute_dtype(model) == 14  # 2 layers x 7 linear
     states = [m.weight.quant_state for m in model.modules() if hasattr(getattr(m, "weight", None), "quant_state")]
     assert {s.dtype for s in states} == {BF16}
     _, got = _grads(model, ids)
     assert all(torch.equal(got[n], ref[n]) for n in ref)
-    assert cpu_bf16.dequantize_in_compute_dtype(model, on=False) == 14
+    assert mixed_paths.dequantize_in_compute_dtype(model, on=False) == 14
     assert {s.dtype for s in states} == {torch.float32}  # the load dtype back
 
 
@@ -108,15 +108,15 @@ def test_mixed_sdpa_is_fp32_attention_below_the_threshold_and_sdpa_above():
 
     layer = _model(quantize=False).get_base_model().model.layers[0].self_attn
     g = torch.Generator().manual_seed(0)
-    for T in (24, cpu_bf16.ATTENTION_FP32_BELOW):
+    for T in (24, mixed_paths.ATTENTION_FP32_BELOW):
         q, k, v = (torch.randn(2, 4, T, 16, generator=g) for _ in range(3))
         mask = torch.ones(2, 1, T, T, dtype=torch.bool).tril()
         with torch.autocast("cpu", dtype=BF16):
-            got, _ = cpu_bf16.mixed_sdpa(layer, q, k, v, mask)
+            got, _ = mixed_paths.mixed_sdpa(layer, q, k, v, mask)
             half, _ = sdpa_attention_forward(layer, q, k, v, mask)
         full, _ = sdpa_attention_forward(layer, q, k, v, mask)  # float32, no autocast
         assert got.dtype == half.dtype == BF16
-        if T < cpu_bf16.ATTENTION_FP32_BELOW:
+        if T < mixed_paths.ATTENTION_FP32_BELOW:
             assert torch.equal(got, full.to(BF16))  # fp32 attention, rounded once at the end
             assert (got.float() - full).abs().max() <= (half.float() - full).abs().max()
         else:
@@ -127,15 +127,15 @@ def test_mixed_sdpa_switch_is_not_saved(tmp_path):
     model = _model(quantize=False)
     base = model.get_base_model()
     assert base.config._attn_implementation == "sdpa"
-    assert cpu_bf16.use_mixed_sdpa(model) and base.config._attn_implementation == cpu_bf16.MIXED_SDPA
-    assert not cpu_bf16.use_mixed_sdpa(model)  # already on
+    assert mixed_paths.use_mixed_sdpa(model) and base.config._attn_implementation == mixed_paths.MIXED_SDPA
+    assert not mixed_paths.use_mixed_sdpa(model)  # already on
     ids = _ids()
     with torch.autocast("cpu", dtype=BF16):
         out = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
     assert torch.isfinite(out).all()
     base.config.save_pretrained(tmp_path)
-    assert cpu_bf16.MIXED_SDPA not in (tmp_path / "config.json").read_text()
-    assert cpu_bf16.use_mixed_sdpa(model, on=False) and base.config._attn_implementation == "sdpa"
+    assert mixed_paths.MIXED_SDPA not in (tmp_path / "config.json").read_text()
+    assert mixed_paths.use_mixed_sdpa(model, on=False) and base.config._attn_implementation == "sdpa"
 
 
 def test_adapter_inputs_cast_once_stays_within_bf16_round_off_of_fp32():
@@ -148,13 +148,13 @@ def test_adapter_inputs_cast_once_stays_within_bf16_round_off_of_fp32():
     seen = []
     hook = q.get_base_model().model.layers[0].self_attn.q_proj.register_forward_hook(
         lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
-    assert cpu_bf16.cast_adapter_inputs_once(q) == 14
+    assert mixed_paths.cast_adapter_inputs_once(q) == 14
     _, after = _grads(q, ids)
     hook.remove()
     assert seen == [(BF16, BF16)]
     base_diff, diff = _rel(before, fp32), _rel(after, fp32)
     assert 0 < base_diff < 2e-2 and diff < 2 * base_diff, (base_diff, diff)
-    assert cpu_bf16.cast_adapter_inputs_once(q, on=False) == 14
+    assert mixed_paths.cast_adapter_inputs_once(q, on=False) == 14
     _, again = _grads(q, ids)
     assert all(torch.equal(again[n], before[n]) for n in before)  # off is the old path, bit for bit
 
@@ -164,7 +164,7 @@ def test_adapter_sum_in_addmm_stays_within_bf16_round_off_and_falls_back_to_peft
     q = _model()
     _, fp32 = _grads(_fp32_twin(q), ids, autocast=False)
     logits_before, before = _grads(q, ids)
-    assert cpu_bf16.fuse_adapter_sum(q) == 14
+    assert mixed_paths.fuse_adapter_sum(q) == 14
     logits, after = _grads(q, ids)
     assert logits.shape == logits_before.shape
     assert _rel(after, fp32) < 2 * _rel(before, fp32) < 4e-2
@@ -174,7 +174,7 @@ def test_adapter_sum_in_addmm_stays_within_bf16_round_off_and_falls_back_to_peft
         assert torch.equal(layer(x), type(layer).forward(layer, x))
         with q.disable_adapter():  # adapters off: the base layer alone
             assert torch.equal(layer(x), layer.base_layer(x))
-    assert cpu_bf16.fuse_adapter_sum(q, on=False) == 14 and "forward" not in vars(layer)
+    assert mixed_paths.fuse_adapter_sum(q, on=False) == 14 and "forward" not in vars(layer)
     _, again = _grads(q, ids)
     assert all(torch.equal(again[n], before[n]) for n in before)
 
@@ -184,7 +184,7 @@ def test_all_paths_track_fp32_as_the_bf16_path_does():
     q = _model()
     _, fp32 = _grads(_fp32_twin(q), ids, autocast=False)
     _, before = _grads(q, ids)
-    assert sorted(cpu_bf16.use_mixed_paths(q)) == sorted(cpu_bf16.MIXED_PATHS)
+    assert sorted(mixed_paths.use_mixed_paths(q)) == sorted(mixed_paths.MIXED_PATHS)
     _, after = _grads(q, ids)
     assert _rel(after, fp32) < 2 * _rel(before, fp32) < 4e-2
 
