@@ -42,6 +42,7 @@ ALLOWED: dict[str, set[str]] = {
     "modeling": {"assets", "compat", "moe", "schema", "validation"},
     "moe": {"compat", "flops", "validation"},  # mixture-of-experts models: LoRA targets, expert load, active counts
     "cpu_bf16": set(),  # the CPU mixed-precision paths (bf16 autocast where it pays)
+    "varlen": {"cpu_bf16", "loss"},  # packed rows' attention one example at a time where no varlen kernel runs
     "attention": {"schema", "validation"},  # which attention a run may use: the kernel, packing, sequence parallelism
     # scale-plan's counts: meta/fake tensors, no process group
     "census": {"chunked", "config", "loss", "modeling", "moe", "schema"},
@@ -79,7 +80,7 @@ ALLOWED: dict[str, set[str]] = {
     "parts": {"assets", "attention", "best", "checkpoint", "collective", "cpu_bf16", "data.cache", "data.collate",
               "data.mixing", "data.order", "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize",
               "evaluate", "export", "flops", "launch", "metrics", "modeling", "moe", "objectives", "precision",
-              "samples", "schedule", "schema", "state", "tracking", "ulysses", "validation"},
+              "samples", "schedule", "schema", "state", "tracking", "ulysses", "validation", "varlen"},
     "windows": {"loss", "objectives", "signals", "state"},  # accumulation windows: one all-gather per optimizer step
     "ulysses": {"data.sequence"},  # the sequence-parallel attention, loaders and eval forward (DeepSpeed Ulysses)
     "metrics": {"fileio", "flops", "schema"},
@@ -110,7 +111,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"compat", "fileio", "flops", "logs", "signals", "state", "rendezvous", "validation", "schema",
                      "names", "config", "config_help", "assets", "schedule", "topology"}),
     ("model and loss (plain tensors)", {"loss", "chunked", "objectives", "moe", "modeling", "cpu_bf16", "attention",
-                                        "census", "layouts"}),
+                                        "census", "layouts", "varlen"}),
     ("data: reading files", {"data.read"}),
     ("data: sources", {"data.sources"}),
     ("data: tasks, one module per format", {"data.tasks"}),
