@@ -130,3 +130,23 @@ def test_tiny_model_trains_packed_rows_as_padded_with_per_example_attention(toke
     worst = max(float((grads[0][n] - grads[1][n]).abs().max() / grads[0][n].abs().max()) for n in grads[0])
     assert worst <= rel, (worst, rel)
     assert use_segment_attention(model, on=False) and model.config._attn_implementation == "sdpa"
+
+
+def test_padding_free_benchmark_counts_real_tokens_over_the_timed_steps():
+    """benchmarks/padding_free.py's figures: real tokens (tokens/s x the step's seconds) over the seconds and CPU
+    seconds of the steps after the first, and the padding of the positions computed (tokens / (1 - pad))."""
+    from benchmarks.padding_free import figures, longtail_rows
+
+    rows = [{"train/tokens_per_s": 100.0, "train/data_s": 0.5, "train/compute_s": 1.5, "train/pad_fraction": 0.5,
+             "train/loss": 2.0},                                                         # step 1: 200 tokens, not timed
+            {"train/tokens_per_s": 300.0, "train/data_s": 0.0, "train/compute_s": 1.0, "train/pad_fraction": 0.25,
+             "train/loss": 1.5},                                                         # 300 tokens of 400 positions
+            {"train/tokens_per_s": 50.0, "train/data_s": 1.0, "train/compute_s": 1.0, "train/pad_fraction": 0.5,
+             "train/loss": 1.0}]                                                         # 100 tokens of 200 positions
+    got = figures({"rows": rows, "stamps": [10.0, 10.5, 12.5]})                          # CPU: 0.5 s and 2 s
+    assert got["tps"] == 400 / 3 and got["tpc"] == 400 / 2.5 and got["pad"] == 1 - 400 / 600
+    assert got["first_s"] == 2.0 and got["losses"] == [2.0, 1.5, 1.0]
+    rows = longtail_rows(400)
+    words = sorted(len(r["prompt"].split()) - 2 for r in rows)                           # "Review:" and "Verdict:"
+    assert rows == longtail_rows(400) and words[0] >= 6 and words[-1] <= 900
+    assert 25 <= words[200] <= 45 and words[-1] > 10 * words[200]                          # median ~33, a long tail
