@@ -48,7 +48,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "train" / "tiny_cpu.yaml"
 CONTESTANTS = ("padded", "free (mask)", "free")
 COMMON = ["train.log_every=1", "train.eval_every=0", "optim.name=sgd", "optim.lr=0.5", "train.save_adapter=false",
-          "train.overwrite_output_dir=true", "train.save_every=0", "train.save_every_minutes=null", "data.eval_size=8", "data.cache=false"]
+          "train.overwrite_output_dir=true", "train.save_every=0", "train.save_every_minutes=null", "data.eval_size=8",
+          "data.cache=false"]
 
 
 def longtail_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
@@ -169,7 +170,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("|---|---|---|---|---|---|---|")
     for r in table:
         print(f"| {r['job']} | {r['pad']:.1%} | {r['padded']:,.0f} | {r['free (mask)']:,.0f} | {r['free']:,.0f} | "
-              f"{r['free x']:.2f}x; {r['free x cpu']:.2f}x | {r['free (mask) x']:.2f}x; {r['free (mask) x cpu']:.2f}x |")
+              f"{r['free x']:.2f}x; {r['free x cpu']:.2f}x | "
+              f"{r['free (mask) x']:.2f}x; {r['free (mask) x cpu']:.2f}x |")
     return table
 
 

@@ -98,8 +98,8 @@ def test_tiny_model_trains_packed_rows_as_padded_with_per_example_attention(toke
     from scale.objectives.tail import LossSpec
     from scale.schema import LoraConfig, ModelConfig
 
-    model = build_model(ModelConfig(name_or_path="tiny-llama", gradient_checkpointing=True), LoraConfig(r=4, dropout=0.0),
-                        len(tokenizer), seed=0)
+    model = build_model(ModelConfig(name_or_path="tiny-llama", gradient_checkpointing=True),
+                        LoraConfig(r=4, dropout=0.0), len(tokenizer), seed=0)
     for p in model.parameters():  # LoRA B starts at zero: give it values so every gradient path is exercised
         if p.requires_grad:
             p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
