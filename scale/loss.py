@@ -28,6 +28,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+PACKED_SEQ_LENS = "packed_seq_lens"
+"""Model keyword argument: the lengths of the examples of a packed row (a tuple of ints), passed by
+:func:`forward_tail_packed` when the model attends with :mod:`scale.varlen`'s per-example attention."""
+SEGMENTS_SUFFIX = "_segments"
+"""Suffix of the attention implementations :mod:`scale.varlen` registers (``sdpa_segments``...)."""
+
 SHARD_KEY = "shard_index"
 """A batch holding this key is one rank's shard of sequence-parallel rows (:func:`scale.data.sequence.shard_rows`)."""
 
@@ -381,8 +387,22 @@ def forward_tail_packed(model: torch.nn.Module, batch: dict[str, Tensor]) -> tup
     pos = ends[:, None] - torch.arange(N - 1, -1, -1, device=ends.device)[None, :]  # [B, N] tail positions
     pos = torch.maximum(pos, (ends - tail_lengths(tails) + 1)[:, None])              # not before the row's tail
     out = model(input_ids=input_ids, position_ids=batch["position_ids"], logits_to_keep=(pos - 1).reshape(-1),
-                use_cache=False)
+                use_cache=False, **packed_kwargs(model, seq_lens))
     return out.logits.reshape(B, N, -1), input_ids[0, pos]
+
+
+def packed_kwargs(model: torch.nn.Module, seq_lens: Tensor) -> dict[str, tuple[int, ...]]:
+    """The keyword arguments a packed row's forward passes: ``{PACKED_SEQ_LENS: (l_1, ..., l_B)}`` when the model
+    attends with :mod:`scale.varlen`'s per-example attention (its ``_attn_implementation`` ends in
+    :data:`SEGMENTS_SUFFIX`), else none. Reads ``seq_lens [B]`` on the host: that attention runs on CPU only."""
+    m = model
+    while hasattr(m, "module") and not hasattr(m, "get_base_model"):
+        m = m.module  # DDP / DeepSpeed wrappers
+    m = m.get_base_model() if hasattr(m, "get_base_model") else m
+    name = getattr(getattr(m, "config", None), "_attn_implementation", None)
+    if not (isinstance(name, str) and name.endswith(SEGMENTS_SUFFIX)):
+        return {}
+    return {PACKED_SEQ_LENS: tuple(int(n) for n in seq_lens.tolist())}
 
 
 def forward_tail_shard(model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:

@@ -43,6 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     "moe": {"compat", "flops", "validation"},  # mixture-of-experts models: LoRA targets, expert load, active counts
     "mixed_paths": set(),  # mixed-precision paths with fewer casts (bf16 autocast where it pays)
     "kernels": {"validation"},  # model.kernels: Liger-Kernel's RMSNorm/SwiGLU/RoPE patches, by model family
+    "varlen": {"loss", "mixed_paths"},  # packed rows' attention one example at a time where no varlen kernel runs
     "attention": {"schema", "validation"},  # which attention a run may use: the kernel, packing, sequence parallelism
     # scale-plan's counts: meta/fake tensors, no process group
     "census": {"chunked", "config", "loss", "modeling", "moe", "objectives", "schema"},  # objectives: the pairs' loss
@@ -81,7 +82,8 @@ ALLOWED: dict[str, set[str]] = {
     "parts": {"assets", "attention", "autobatch", "best", "checkpoint", "collective", "data.cache", "data.collate",
               "data.mixing", "data.order", "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize",
               "evaluate", "export", "flops", "kernels", "launch", "metrics", "mixed_paths", "modeling", "moe",
-              "objectives", "precision", "samples", "schedule", "schema", "state", "tracking", "ulysses", "validation"},
+              "objectives", "precision", "samples", "schedule", "schema", "state", "tracking", "ulysses", "validation",
+              "varlen"},
     "windows": {"loss", "objectives", "signals", "state"},  # accumulation windows: one all-gather per optimizer step
     "ulysses": {"data.sequence"},  # the sequence-parallel attention, loaders and eval forward (DeepSpeed Ulysses)
     "metrics": {"fileio", "flops", "schema"},
@@ -112,7 +114,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"compat", "fileio", "flops", "logs", "signals", "state", "rendezvous", "validation", "schema",
                      "names", "config", "config_help", "assets", "schedule", "topology"}),
     ("model and loss (plain tensors)", {"loss", "chunked", "objectives", "moe", "modeling", "mixed_paths",
-                                        "kernels", "attention", "census", "layouts"}),
+                                        "kernels", "attention", "census", "layouts", "varlen"}),
     ("data: reading files", {"data.read"}),
     ("data: sources", {"data.sources"}),
     ("data: tasks, one module per format", {"data.tasks"}),

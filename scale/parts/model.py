@@ -21,6 +21,7 @@ from scale.moe import model_shape
 from scale.parts.data import on_this_machine
 from scale.parts.launch import Launch
 from scale.schema import Config
+from scale.varlen import use_segment_attention
 
 logger = get_logger(__name__)
 
@@ -58,7 +59,9 @@ def build_run_model(launch: Launch, cfg: Config, vocab_size: int) -> tuple[torch
     paths = [n for n in paths_for(launch.device.type)
              if not (launch.sequence is not None and n == "attention_fp32_short")]
     switched = (use_mixed_paths(model, paths) if cfg.train.mixed_precision == "bf16" and not plan.partitioned
-                 else [])
+                else [])
+    if launch.device.type == "cpu" and (cfg.data.padding_free or cfg.data.packing) and launch.sequence is None:
+        use_segment_attention(model)  # packed rows: one causal sdpa call per example instead of an [L, L] mask
     return model, switched
 
 
