@@ -137,10 +137,13 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     hf_config = load_model_config(cfg.model, model_config)
     counts: dict[str, int] = {}
     tail, tail_note = data_tail(cfg, counts)
-    if cfg.data.packing:  # bins of data.max_length tokens, any of which may be trained
+    if cfg.data.packing:  # bins of data.max_length tokens (pairs: 2 x), any of which may be trained
+        bins = (f"{cfg.train.micro_batch_size} bins of pairs x 2 x {cfg.data.max_length} tokens (planned as "
+                f"{2 * cfg.train.micro_batch_size} rows x {cfg.data.max_length})" if is_preference(cfg) else
+                f"{cfg.train.micro_batch_size} bins x {cfg.data.max_length} tokens")
         tail, tail_note = cfg.data.max_length, (
-            f"tail: data.packing: each micro-batch is one padding-free row of {cfg.train.micro_batch_size} bins x "
-            f"{cfg.data.max_length} tokens (bins assumed full) with a block-diagonal attention mask over the whole "
+            f"tail: data.packing: each micro-batch is one padding-free row of {bins} "
+            f"(bins assumed full) with a block-diagonal attention mask over the whole "
             f"row; the LM head and loss are planned for every position trained (N = data.max_length per bin, the "
             f"worst case; the data's longest trained span is {tail})")
     user_cfg, cfg = cfg, with_tail(cfg, tail)  # the counts below see the data's tail as loss.threshold

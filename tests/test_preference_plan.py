@@ -205,3 +205,17 @@ def test_a_starting_adapter_adds_its_frozen_copy_and_its_forward(pairs_path):
     assert pre.parameters == plain.parameters  # precomputed: no reference adapter is kept
     extra = start.preference["reference_flops_per_pair"] - plain.preference["reference_flops_per_pair"]
     assert extra == pytest.approx(2 * T * 2 * plain.trainable_parameters, rel=1e-12)
+
+
+def test_packed_pairs_are_planned_as_bins_of_twice_the_rows(pairs_path):
+    """``data.packing`` with pairs: ``P`` bins of up to ``2 x data.max_length`` tokens hold the tokens of ``2P``
+    rows of ``data.max_length``: the decoder's activations equal the packed SFT plan of ``2P`` bins, and the note
+    says what a bin is."""
+    sft = P.make_plan(config(pairs_path, "loss.objective=sft", "data.packing=true",
+                             f"train.micro_batch_size={2 * PAIRS}"), 1)
+    dpo = P.make_plan(config(pairs_path, "loss.objective=dpo", "loss.reference=precomputed", "data.packing=true"), 1)
+    assert dpo.micro_batch_size == 2 * PAIRS
+    assert {k: dpo.activations[k] for k in ("checkpointing_off", "checkpointing_on")} == \
+           {k: sft.activations[k] for k in ("checkpointing_off", "checkpointing_on")}
+    T = config(pairs_path).data.max_length
+    assert f"{PAIRS} bins of pairs x 2 x {T} tokens (planned as {2 * PAIRS} rows x {T})" in dpo.assumptions[0]
