@@ -170,8 +170,9 @@ class DataConfig:
     mega_batch_steps: int = _f(16, "With `group_by_length`: global batches (optimizer steps) whose rows are sorted "
                                    "by length together; larger: less padding.")
     padding_free: bool = _f(False, "Pack each train micro-batch into one row with position ids restarting per "
-                                   "example (no padding, no attention across examples; transformers' packed-"
-                                   "sequence masks). Exact against padded batches; evaluation stays padded.")
+                                   "example (no padding, no attention across examples: transformers' packed-"
+                                   "sequence masks; on CPU one attention call per example). Exact against padded "
+                                   "batches; evaluation stays padded.")
     packing: bool = _f(False, "Pack train rows, best-fit-decreasing, into bins of at most `max_length` tokens (no row "
                               "is split); a micro-batch is `train.micro_batch_size` bins in one padding-free row "
                               "(each example keeps its own positions, attention and tail). Exact against padded "
