@@ -142,7 +142,7 @@ def planned_bytes(cfg: Config, micro_batch_size: int, memory_gib: float) -> int:
         PlanError: the model cannot be planned.
     """
     return make_plan(replace(cfg, train=replace(cfg.train, micro_batch_size=micro_batch_size)), 1,
-                     memory_gib).ranks[0].total
+                     memory_gib, single_only=True).ranks[0].total
 
 
 def under_used_line(cfg: Config, memory_gib: float | None) -> str | None:

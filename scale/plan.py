@@ -112,11 +112,14 @@ class Plan:
 
 
 def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1, model_config: str | None = None,
-              root: Path | None = None, padded: bool = True) -> Plan:
+              root: Path | None = None, padded: bool = True, single_only: bool = False) -> Plan:
     """Predict every launch mode's bytes per rank for ``cfg`` on ``gpus`` devices over ``nodes`` nodes.
 
     ``padded=False`` counts activations for rows that all fill ``data.max_length`` (no attention mask), see
     :func:`count_activations`; the harness pads each batch to its longest row, so True is the usual case.
+    ``single_only=True`` plans the single-device mode alone (``ranks`` holds it only, no advice): the same
+    :class:`Rank` as the full plan's first, at half the fake forwards (DeepSpeed's all-cast regime is not counted);
+    what :func:`largest_micro_batch` probes with.
 
     Raises:
         PlanError: impossible counts (``gpus < 1``, ``nodes < 1``, ``gpus`` not divisible by ``nodes``,
@@ -158,16 +161,18 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     packed = cfg.data.packing
     acts_by_gc = {gc: {False: count_activations(cfg, mdl, params, padded=padded, packed=packed)}
                   for gc, mdl in models.items()}
+    regimes = (False,) if single_only else (False, True)
     for gc, mdl in models.items():  # the DeepSpeed regime: every floating parameter cast
-        acts_by_gc[gc][True] = (count_activations(cfg, mdl, params, cast, padded=padded, packed=packed) if cast
-                                else acts_by_gc[gc][False])
-    for regime in (False, True):
+        if not single_only:
+            acts_by_gc[gc][True] = (count_activations(cfg, mdl, params, cast, padded=padded, packed=packed) if cast
+                                    else acts_by_gc[gc][False])
+    for regime in regimes:
         acts_by_gc[True][regime].recompute = acts_by_gc[False][regime].per_layer
     acts = {regime: checkpoint_variant(acts_by_gc[True][regime], acts_by_gc[False][regime], cfg.model)
-            for regime in (False, True)} if gc_setting in ("every_n", "offload") else acts_by_gc[on]
+            for regime in regimes} if gc_setting in ("every_n", "offload") else acts_by_gc[on]
     preference = plan_pairs(user_cfg, cfg, models[on], params, acts, cast, counts) if is_preference(cfg) else {}
-    order, acts_sp = modes_in_order(cfg), None
-    if cfg.train.sequence_parallel_size > 1:  # one rank's shard of every row (scale.ulysses), DeepSpeed's regime
+    order, acts_sp = (("single",) if single_only else modes_in_order(cfg)), None
+    if cfg.train.sequence_parallel_size > 1 and not single_only:  # one rank's shard of every row (scale.ulysses), DeepSpeed's regime
         sp = cfg.train.sequence_parallel_size
         sp_by_gc = {gc: count_activations(cfg, mdl, params, cast, sp=sp) for gc, mdl in models.items()}
         sp_by_gc[True].recompute = sp_by_gc[False].per_layer
@@ -183,7 +188,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
             for r in ranks}
     candidates = ("single",) if gpus == 1 else order[1:]
     recommended = next((mode for mode in candidates if fits[mode]), None)
-    advice = "" if recommended is not None else none_fits_advice(
+    advice = "" if recommended is not None or single_only else none_fits_advice(
         user_cfg, cfg.model.bnb_4bit_compute_dtype, ranks,
         lambda c: make_plan(c, gpus, gpu_mem_gib, nodes, model_config, root, padded))
     a_off, a_on = acts_by_gc[False][False], acts_by_gc[True][False]
@@ -235,7 +240,7 @@ def largest_micro_batch(cfg: Config, gpu_mem_gib: float, fraction: float = 1 - H
     def total(b: int) -> Rank:
         if b not in plans:
             plans[b] = make_plan(replace(cfg, train=replace(cfg.train, micro_batch_size=b)), 1, gpu_mem_gib,
-                                 model_config=model_config).ranks[0]
+                                 model_config=model_config, single_only=True).ranks[0]
         return plans[b]
 
     def fits(b: int) -> bool:

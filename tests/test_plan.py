@@ -545,6 +545,17 @@ def test_bad_model_config_is_one_line_and_exit_2(content, message, tmp_path, cap
     assert capsys.readouterr().err == f"scale-plan: error: PlanError: model config {str(path)!r} {message}\n"
 
 
+@pytest.mark.parametrize("overrides", [[], ["train.mixed_precision=bf16", "model.gradient_checkpointing=every_n"],
+                                       ["model.quantize_4bit=true", "train.mixed_precision=bf16", "model.bnb_4bit_compute_dtype=bfloat16"]],
+                         ids=["fp32", "bf16-every-n", "qlora"])
+def test_single_only_plan_is_the_full_plans_single_row(overrides):
+    """The probe ``largest_micro_batch`` runs (``single_only``) gives the very Rank the full plan's single row has."""
+    cfg, _hf, _ = planned(["data.max_length=64", *overrides])
+    full, probe = P.make_plan(cfg, 1, 80.0), P.make_plan(cfg, 1, 80.0, single_only=True)
+    assert [r.mode for r in probe.ranks] == ["single"] and full.ranks[0].mode == "single"
+    assert probe.ranks[0] == full.ranks[0]
+
+
 def test_largest_micro_batch_is_the_last_that_fits():
     """The micro-batch ``largest_micro_batch`` returns fits the memory fraction by the plan's own total and one more
     row does not; a device smaller than one row's plan gets 0."""
