@@ -204,6 +204,18 @@ def flops_per_token(config: Any, seq_len: int, *, lora_params: int | None = None
     return 4 * matmul_params + 6 * max(lora_params - shape.inactive_lora, 0) + attention
 
 
+def reference_flops_per_token(config: Any, seq_len: int, logits_fraction: float, adapter_params: int = 0
+                              ) -> float:
+    """Forward FLOPs per position of the DPO reference (no backward): ``2 (N + f N_head) + 4 L T d_attn``, a third of
+    :func:`flops_per_token`'s full fine-tuning count (Kaplan et al. 2020, table 1: forward ``2N +
+    2 n_layer n_ctx d_attn``, attention counted over all ``T`` keys as there), plus ``2 x adapter_params`` when the
+    reference is a frozen starting adapter (``model.adapter``) rather than the base with its adapter disabled.
+    ``config``: a :class:`ModelShape` or a Llama-style model config, as :func:`flops_per_token` takes."""
+    shape = config if isinstance(config, ModelShape) else shape_from_config(config)
+    return (2 * (shape.layers + logits_fraction * shape.head) + 4 * shape.num_layers * seq_len * shape.attention_width
+            + 2 * adapter_params)
+
+
 def mfu(positions_per_s: float, flops_per_position: float, peak: float) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s over ``peak`` (a fraction, not a percentage)."""
     return positions_per_s * flops_per_position / peak

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from scale.fileio import write_text_atomic
-from scale.flops import flops_per_token
+from scale.flops import flops_per_token, reference_flops_per_token
 
 if TYPE_CHECKING:  # types only: scale.report imports read_jsonl without accelerate
     from accelerate import Accelerator
@@ -274,13 +274,19 @@ def model_flops(cfg: Config, model_config: Any, trainable: int) -> Callable[...,
         trainable: trainable (LoRA) parameter count.
 
     Returns:
-        ``flops_fn`` (:mod:`scale.flops`: LoRA count, only the tail's logits, padding positions counted).
+        ``flops_fn`` (:mod:`scale.flops`: LoRA count, only the tail's logits, padding positions counted; with DPO's
+        in-step reference (``loss.reference: adapter``) its forward too, :func:`scale.flops.reference_flops_per_token`).
     """
+    in_step_reference = cfg.loss.objective == "dpo" and cfg.loss.reference == "adapter"
+
     def flops_fn(rows: int, seq_len: int, kept: int | None = None) -> float:
         if kept is None:  # loss.threshold: all keeps every position
             kept = seq_len if cfg.loss.threshold == "all" else cfg.loss.threshold
-        per_position = flops_per_token(model_config, seq_len, lora_params=trainable,
-                                       logits_fraction=min(1.0, kept / seq_len))
+        fraction = min(1.0, kept / seq_len)
+        per_position = flops_per_token(model_config, seq_len, lora_params=trainable, logits_fraction=fraction)
+        if in_step_reference:  # DPO's reference forward runs in the same step over the same rows
+            per_position += reference_flops_per_token(model_config, seq_len, fraction,
+                                                      trainable if cfg.model.adapter else 0)
         return rows * seq_len * per_position
 
     return flops_fn

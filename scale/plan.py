@@ -62,7 +62,7 @@ from scale.census import (GIB, Activations, PlanError, build_meta_model, census,
 from scale.config import load_config
 from scale.config_help import help_text
 from scale.data.tokenize import build_splits
-from scale.flops import ModelShape, flops_per_token, model_shape
+from scale.flops import ModelShape, flops_per_token, model_shape, reference_flops_per_token
 from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, SP_MODES, Rank, predict_mode
 from scale.logs import ignore_known_warnings
 from scale.modeling import load_tokenizer
@@ -360,16 +360,6 @@ def pair_rows(cfg: Config) -> Config:
                    loss=replace(cfg.loss, chunk_size=0))
 
 
-def reference_flops_per_token(shape: ModelShape, seq_len: int, logits_fraction: float, adapter_params: int = 0
-                              ) -> float:
-    """Forward FLOPs per position of the DPO reference (no backward): ``2 (N + f N_head) + 4 L T d_attn``, a third of
-    :func:`scale.flops.flops_per_token`'s full fine-tuning count (Kaplan et al. 2020, table 1: forward ``2N +
-    2 n_layer n_ctx d_attn``, attention counted over all ``T`` keys as there), plus ``2 x adapter_params`` when the
-    reference is a frozen starting adapter (``model.adapter``) rather than the base with its adapter disabled."""
-    return (2 * (shape.layers + logits_fraction * shape.head) + 4 * shape.num_layers * seq_len * shape.attention_width
-            + 2 * adapter_params)
-
-
 def plan_pairs(user_cfg: Config, cfg: Config, model: torch.nn.Module, params: list[Any],
                acts: dict[bool, Activations], cast: torch.dtype | None, counts: dict[str, int]) -> dict[str, Any]:
     """What a preference job adds to the plan, and the in-step reference's bytes set on ``acts`` (``reference``).
@@ -387,7 +377,7 @@ def plan_pairs(user_cfg: Config, cfg: Config, model: torch.nn.Module, params: li
       ``reference`` (:func:`scale.objectives.preference.add_reference_adapter`), is appended to ``params`` as frozen
       parameters of the LoRA matrices' shapes and dtypes, so every launch mode holds (or shards) it as weights.
     - **FLOPs per pair**: the policy's training FLOPs of both sides (``2 T`` positions x
-      :func:`scale.flops.flops_per_token`) and the reference's forward (:func:`reference_flops_per_token`) in the
+      :func:`scale.flops.flops_per_token`) and the reference's forward (:func:`scale.flops.reference_flops_per_token`) in the
       step or once in the pre-pass.
 
     Args:

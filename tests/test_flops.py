@@ -62,3 +62,22 @@ def test_peak_flops_table_and_names():
     assert peak_flops("NVIDIA A10") == 125e12 and peak_flops("NVIDIA L4") == 121e12
     assert peak_flops("NVIDIA L40S") is None and peak_flops("NVIDIA H100 NVL") is None and peak_flops("cpu") is None
     assert mfu(1000.0, 1e9, 1e13) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("objective,reference,adapter", [("sft", "adapter", None), ("dpo", "adapter", None),
+                                                        ("dpo", "adapter", "runs/sft/adapter"),
+                                                        ("dpo", "precomputed", None), ("simpo", "adapter", None)])
+def test_train_mfu_counts_the_in_step_dpo_reference_forward(objective, reference, adapter):
+    """``train/mfu``'s FLOPs (:func:`scale.metrics.model_flops`) of 2 rows x T = 32, tail 8: the LoRA step
+    ``4 (N + f N_head) + 6 N_lora + 12 L T d``, plus the reference's forward ``2 (N + f N_head) + 4 L T d`` (+ ``2
+    N_lora`` from a starting adapter) when DPO runs it in the step; none for precomputed references or SimPO."""
+    from scale.config import load_config
+    from scale.metrics import model_flops
+
+    cfg = load_config(None, [f"loss.objective={objective}", f"loss.reference={reference}"]
+                      + ([f"model.adapter={adapter}"] if adapter else []))
+    f = 8 / 32
+    step = 4 * (N_LAYERS + f * N_HEAD) + 6 * N_LORA + ATTN
+    forward = 2 * (N_LAYERS + f * N_HEAD) + ATTN // 3 + (2 * N_LORA if adapter else 0)
+    want = 2 * 32 * (step + (forward if objective == "dpo" and reference == "adapter" else 0))
+    assert model_flops(cfg, TINY, N_LORA)(2, 32, 8) == pytest.approx(want, rel=1e-12)
