@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from scale.census import GIB, PlanError
-from scale.plan import largest_micro_batch, make_plan
+from scale.plan import auto_micro_batch, make_plan
 from scale.schema import Config
 from scale.validation import ConfigError
 
@@ -112,24 +112,18 @@ def resolve_auto_micro_batch(cfg: Config, data_parallel_size: int, memory_gib: f
         raise ConfigError("train.micro_batch_size=auto plans against a GPU's memory and this run has no GPU: set a "
                           "number (train.micro_batch_size=8 is the CPU default)")
     G = t.auto_global_batch_size
-    if G is not None and G % data_parallel_size:
-        raise ConfigError(f"train.auto_global_batch_size={G} is not divisible by the {data_parallel_size} "
-                          f"data-parallel ranks: use a multiple of {data_parallel_size}")
-    per_rank = G // data_parallel_size if G is not None else MAX_ROWS
-    plain = replace(cfg, train=replace(t, auto_global_batch_size=None))  # a number with it set is refused
     try:
-        b, rank = largest_micro_batch(plain, memory_gib, t.auto_memory_fraction, upper=per_rank)
+        b, ga, rank = auto_micro_batch(cfg, data_parallel_size, memory_gib, upper=MAX_ROWS)
     except PlanError as e:
+        if G is not None and G % data_parallel_size:
+            raise ConfigError(str(e)) from None
         raise ConfigError(f"train.micro_batch_size=auto: the memory plan failed ({e}); set a number") from None
     if b == 0 or rank is None:
         raise ConfigError(f"train.micro_batch_size=auto: not even one row of data.max_length={cfg.data.max_length} "
                           f"fits {t.auto_memory_fraction:g} of {memory_gib:.1f} GiB: lower data.max_length, set "
                           f"model.gradient_checkpointing=true or raise train.auto_memory_fraction")
     planned = rank.total
-    if G is not None:
-        fit, b = b, max(d for d in range(1, b + 1) if per_rank % d == 0)
-        planned = planned if b == fit else planned_bytes(plain, b, memory_gib)
-        t.gradient_accumulation_steps = per_rank // b
+    t.gradient_accumulation_steps = ga
     t.micro_batch_size, t.auto_global_batch_size = b, None  # resolved: config.yaml holds the numbers
     return AutoBatch(b, t.gradient_accumulation_steps, data_parallel_size, planned / GIB, memory_gib,
                      t.auto_memory_fraction, G is not None)

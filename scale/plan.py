@@ -258,6 +258,37 @@ def largest_micro_batch(cfg: Config, gpu_mem_gib: float, fraction: float = 1 - H
     return _bisect(lo, hi, fits, total)
 
 
+def auto_micro_batch(cfg: Config, data_parallel_size: int, gpu_mem_gib: float, model_config: str | None = None,
+                     upper: int = 4096) -> tuple[int, int, Rank | None]:
+    """``train.micro_batch_size: auto`` as the run resolves it: the largest micro-batch whose single-device plan fits
+    ``train.auto_memory_fraction`` of ``gpu_mem_gib`` (:func:`largest_micro_batch`, at most ``upper``); with
+    ``train.auto_global_batch_size`` ``G``, the largest that also divides ``G / data_parallel_size``, and the
+    accumulation that makes up the rest. Shared by ``scale-train`` (:mod:`scale.autobatch`) and ``scale-plan``.
+
+    Returns:
+        ``(micro_batch_size, gradient_accumulation_steps, its single-device Rank)``; ``(0, steps as set, None)`` when
+        not even one row fits.
+
+    Raises:
+        PlanError: ``G`` not divisible by ``data_parallel_size``; as :func:`make_plan`.
+    """
+    t = cfg.train
+    G = t.auto_global_batch_size
+    if G is not None and G % data_parallel_size:
+        raise PlanError(f"train.auto_global_batch_size={G} is not divisible by the {data_parallel_size} "
+                        f"data-parallel ranks: use a multiple of {data_parallel_size}")
+    per_rank = G // data_parallel_size if G is not None else upper
+    plain = replace(cfg, train=replace(t, auto_global_batch_size=None))  # a number with it set is refused
+    b, rank = largest_micro_batch(plain, gpu_mem_gib, t.auto_memory_fraction, model_config, upper=min(per_rank, upper))
+    if b == 0 or rank is None or G is None:
+        return b, t.gradient_accumulation_steps, rank
+    fit, b = b, max(d for d in range(1, b + 1) if per_rank % d == 0)
+    if b != fit:
+        rank = make_plan(replace(plain, train=replace(plain.train, micro_batch_size=b)), 1, gpu_mem_gib,
+                         model_config=model_config, single_only=True).ranks[0]
+    return b, per_rank // b, rank
+
+
 def _bisect(lo: int, hi: int, fits: Any, total: Any) -> tuple[int, Rank]:
     """The largest size in ``[lo, hi)`` that fits, given that ``lo`` fits and ``hi`` does not."""
     while hi - lo > 1:
@@ -654,14 +685,19 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cfg = load_config(args.config, args.overrides)
         if cfg.train.micro_batch_size == "auto":
-            b, _ = largest_micro_batch(cfg, args.gpu_mem, cfg.train.auto_memory_fraction, args.model_config)
+            dp = cfg.train.data_parallel_size(args.gpus)
+            b, ga, _ = auto_micro_batch(cfg, dp, args.gpu_mem, args.model_config)
             if b == 0:
                 raise PlanError(f"train.micro_batch_size=auto: not even one row fits {cfg.train.auto_memory_fraction:g}"
                                 f" of {args.gpu_mem:g} GiB")
-            cfg.train.micro_batch_size = b
+            kept = cfg.train.auto_global_batch_size
+            cfg = replace(cfg, train=replace(cfg.train, micro_batch_size=b, gradient_accumulation_steps=ga,
+                                             auto_global_batch_size=None))
             note = "\n".join(filter(None, [note, (
                 f"train.micro_batch_size=auto: {b}, the largest whose single-GPU plan fits train.auto_memory_fraction "
-                f"{cfg.train.auto_memory_fraction:g} of --gpu-mem {args.gpu_mem:g} GiB")]))
+                f"{cfg.train.auto_memory_fraction:g} of --gpu-mem {args.gpu_mem:g} GiB"
+                + (f" and divides train.auto_global_batch_size {kept} / {dp} data-parallel ranks; "
+                   f"gradient_accumulation_steps {ga}" if kept is not None else ""))]))
         plan = make_plan(cfg, args.gpus, args.gpu_mem, args.nodes, args.model_config, padded=not args.full_rows)
         plan.resume = note
     except (ConfigError, PlanError, FileNotFoundError) as e:

@@ -151,3 +151,24 @@ def test_scale_plan_resolves_auto_against_gpu_mem(capsys):
     assert out.startswith(f"train.micro_batch_size=auto: {b}, the largest whose single-GPU plan fits "
                           f"train.auto_memory_fraction 0.75 of --gpu-mem 2 GiB\n")
     assert f"micro-batch {b} x " in out
+
+
+def test_scale_plan_keeps_the_auto_global_batch(capsys):
+    """With ``train.auto_global_batch_size`` G on 2 GPUs: the largest fitting micro-batch that divides G / 2, and
+    the accumulation that makes up G, as scale-train resolves it."""
+    from scale.config import load_config
+    from scale.plan import largest_micro_batch, main
+
+    G = 24
+    assert main(["--config", str(TINY_YAML), "--gpus", "2", "--gpu-mem", "2", "train.micro_batch_size=auto",
+                 f"train.auto_global_batch_size={G}"]) == 0
+    out = capsys.readouterr().out
+    fit = largest_micro_batch(load_config(TINY_YAML, ["train.micro_batch_size=auto"]), 2.0, 0.75, upper=G // 2)[0]
+    b = max(d for d in range(1, fit + 1) if (G // 2) % d == 0)
+    assert out.startswith(f"train.micro_batch_size=auto: {b}, the largest whose single-GPU plan fits "
+                          f"train.auto_memory_fraction 0.75 of --gpu-mem 2 GiB and divides "
+                          f"train.auto_global_batch_size {G} / 2 data-parallel ranks; gradient_accumulation_steps "
+                          f"{G // 2 // b}\n")
+    assert main(["--config", str(TINY_YAML), "--gpus", "2", "--gpu-mem", "2", "train.micro_batch_size=auto",
+                 "train.auto_global_batch_size=25"]) == 2
+    assert "train.auto_global_batch_size=25 is not divisible by the 2 data-parallel ranks" in capsys.readouterr().err
