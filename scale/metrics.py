@@ -70,9 +70,11 @@ class StepMeter:
         self.sp = sequence_parallel_size
         self.flops_fn = flops_fn
         self.peak_flops = peak_flops
-        # FLOPs of one row of n tokens, n = 0..max_seq_len, for padding-free micro-batches.
+        # Padding-free micro-batches: FLOPs of one row of n tokens without the LM head, n = 0..max_seq_len, plus the
+        # LM head's FLOPs per position it computes (flops_fn is affine in the head's positions).
         self.row_flops = None if flops_fn is None or max_seq_len < 1 else torch.tensor(
-            [0.0] + [flops_fn(1, n) for n in range(1, max_seq_len + 1)], dtype=torch.float64, device=device)
+            [0.0] + [flops_fn(1, n, 0) for n in range(1, max_seq_len + 1)], dtype=torch.float64, device=device)
+        self.head_flops = 0.0 if flops_fn is None else flops_fn(1, 1, 1) - flops_fn(1, 1, 0)
         self.sums = torch.zeros(len(self.KEYS), dtype=torch.float64, device=device)
         self.grad_norm = torch.zeros((), device=device)
         self.t0 = time.perf_counter()
@@ -100,8 +102,11 @@ class StepMeter:
         elif "seq_lens" in batch:  # padding-free: B rows packed into [1, L]; every position is a real token
             n_rows, positions = batch["seq_lens"].shape[0], batch["input_ids"].shape[1]
             tokens = batch["seq_lens"].sum().double()
-            # Per-row FLOPs from a table (no host sync): attention grows with each row's own length.
-            flops = self.row_flops[batch["seq_lens"]].sum() if self.row_flops is not None else tokens * 0
+            # Per-row FLOPs from a table (no host sync): attention grows with each row's own length; the LM head
+            # computes each row's tail_mask width (the batch's longest tail) of positions, as in a padded batch.
+            kept = batch["tail_mask"].shape[1] if "tail_mask" in batch else (threshold or 0)
+            flops = (self.row_flops[batch["seq_lens"]].sum() + n_rows * kept * self.head_flops
+                     if self.row_flops is not None else tokens * 0)
         else:
             n_rows, seq_len = batch["input_ids"].shape
             positions, tokens = n_rows * seq_len, batch["attention_mask"].sum().double()

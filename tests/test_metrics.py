@@ -40,6 +40,30 @@ def test_flush_reports_ratios_of_sums_mfu_and_time_split():
     assert "train/loss_scale" not in out                          # no fp16 scaler
 
 
+def test_padding_free_flops_equal_the_padded_batch_of_the_same_rows():
+    """``train/mfu``'s FLOPs of a padding-free micro-batch (rows packed into ``[1, L]``, ``seq_lens``) equal those of
+    the padded batch of the same rows when no row is padded: per row ``T`` positions of the body and ``N`` (the
+    ``tail_mask`` width) of the LM head, not ``loss.threshold``."""
+    from types import SimpleNamespace
+
+    from scale.config import load_config
+    from scale.metrics import model_flops
+
+    shape = SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=1000)
+    flops_fn = model_flops(load_config(None, ["loss.threshold=2"]), shape, 100)
+    B, T, N = 3, 12, 7
+    tail = torch.ones(B, N, dtype=torch.long)
+    padded, packed = StepMeter(torch.device("cpu"), flops_fn, max_seq_len=T), StepMeter(torch.device("cpu"), flops_fn,
+                                                                                          max_seq_len=T)
+    padded.add_micro(torch.tensor(1.0), torch.tensor(1.0), {**_batch(B, T, T), "tail_mask": tail})
+    packed.add_micro(torch.tensor(1.0), torch.tensor(1.0), {"input_ids": torch.zeros(1, B * T, dtype=torch.long),
+                                                           "seq_lens": torch.full((B,), T), "tail_mask": tail})
+    flops = StepMeter.KEYS.index("flops")
+    assert packed.sums[flops].item() == pytest.approx(padded.sums[flops].item(), rel=1e-12)
+    assert padded.sums[flops].item() == pytest.approx(flops_fn(B, T, N), rel=1e-12) != flops_fn(B, T, 2)
+
+
 def test_paused_time_is_not_training_time():
     acc = Accelerator(cpu=True)
     meter = StepMeter(acc.device)
