@@ -46,6 +46,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 from accelerate.utils import gather_object
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from scale.checkpoint import unwrap
 from scale.signals import EvalInterrupted
@@ -170,17 +171,21 @@ def generate_samples(acc: Accelerator, model: torch.nn.Module, gen: Generation,
     was_training = net.training
     net.eval()
     records = []
+    def check() -> None:
+        flag = torch.tensor(float(stop is not None and stop()), device=acc.device)
+        if world > 1:
+            flag = acc.reduce(flag, reduction="sum")  # collective: one number per sample, every rank
+        if float(flag) > 0:  # host sync (generation only)
+            raise EvalInterrupted("a stop was requested during generation")
+
     try:
         for k in range(rounds):
-            flag = torch.tensor(float(stop is not None and stop()), device=acc.device)
-            if world > 1:
-                flag = acc.reduce(flag, reduction="sum")  # collective: one number per sample, every rank
-            if float(flag) > 0:  # host sync (generation only)
-                raise EvalInterrupted("a stop was requested during generation")
+            check()
             if k >= len(mine):
                 continue
             i = mine[k]
-            records.append(_complete(acc, net, gen, i))
+            records.append(_complete(acc, net, gen, i, stop))
+        check()  # a stop during the last sample cut it short: not a record
     finally:
         if was_training:
             net.train()
@@ -198,7 +203,20 @@ def generate_samples(acc: Accelerator, model: torch.nn.Module, gen: Generation,
     return records
 
 
-def _complete(acc: Accelerator, net: torch.nn.Module, gen: Generation, i: int) -> dict[str, Any]:
+class _StopRequested(StoppingCriteria):
+    """Ends a generation between two tokens once ``stop()`` is true on this rank (a signal during evaluation), so a
+    long sample does not hold a checkpoint back; :func:`generate_samples` then raises on every rank. Under ZeRO-3
+    (``synced_gpus``) a rank that stopped keeps taking part in the others' forwards until they stop too."""
+
+    def __init__(self, stop: Callable[[], bool]) -> None:
+        self.stop = stop
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), bool(self.stop()), dtype=torch.bool, device=input_ids.device)
+
+
+def _complete(acc: Accelerator, net: torch.nn.Module, gen: Generation, i: int,
+              stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     s = gen.samples[i]
     ids = torch.tensor([s.prompt_ids], dtype=torch.long, device=acc.device)
     budget = min(max(len(s.reference_ids), len(s.rejected_ids or ())), gen.max_new_tokens)
@@ -206,7 +224,8 @@ def _complete(acc: Accelerator, net: torch.nn.Module, gen: Generation, i: int) -
         out = net.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=budget,
                            min_new_tokens=0, do_sample=False, num_beams=1, eos_token_id=gen.stops,
                            pad_token_id=gen.tokenizer.pad_token_id, use_cache=True,
-                           synced_gpus=gen.partitioned and acc.num_processes > 1)
+                           synced_gpus=gen.partitioned and acc.num_processes > 1,
+                           stopping_criteria=StoppingCriteriaList([_StopRequested(stop)]) if stop else None)
     new = out[0, ids.shape[1]:].tolist()  # host sync (generation only)
     completion = gen.tokenizer.decode(new, skip_special_tokens=True).strip()
     prompt, reference = gen.decoded(i)

@@ -79,16 +79,32 @@ def test_generated_label_accuracy():
 def test_stop_request_ends_generation_between_samples(model, tokenizer, tmp_path):
     asked = []
 
-    def stop():  # true from the second check on: the first sample is generated, the second is not
+    def stop():  # true from the second check on
         asked.append(1)
         return len(asked) > 1
 
     prompts = [tokenizer("one two")["input_ids"]] * 3
-    gen = _gen(tokenizer, [Sample(i, p, [1, 2, 3]) for i, p in enumerate(prompts)], [tokenizer.eos_token_id],
+    gen = _gen(tokenizer, [Sample(i, p, [1]) for i, p in enumerate(prompts)], [tokenizer.eos_token_id], tmp_path)
+    with pytest.raises(EvalInterrupted):
+        generate_samples(Accelerator(cpu=True), model, gen, stop)
+    assert len(asked) == 3  # before sample 0, after its one token (a budget of 1), before sample 1: no sample 1
+
+
+def test_stop_request_ends_a_long_generation_between_tokens(model, tokenizer, tmp_path):
+    """A signal while a sample is generated ends it at the next token (a sample can take minutes on a CPU), and
+    the cut sample is not a record: every rank raises."""
+    asked = []
+
+    def stop():  # the check before sample 0, after its first token: false; after its second token: true
+        asked.append(1)
+        return len(asked) > 2
+
+    prompt = tokenizer("one two")["input_ids"]
+    gen = _gen(tokenizer, [Sample(i, prompt, list(range(5, 45))) for i in range(2)], [tokenizer.eos_token_id],
                tmp_path)
     with pytest.raises(EvalInterrupted):
         generate_samples(Accelerator(cpu=True), model, gen, stop)
-    assert len(asked) == 2
+    assert len(asked) == 4  # before sample 0, after its tokens 1 and 2 (a budget of 40), and before sample 1
 
 
 def test_samples_file_kept_to_the_checkpoint_on_resume(tmp_path):
