@@ -148,6 +148,10 @@ def test_a_trl_sft_config_of_12_fields_translates_with_the_table():
             cfg.optim.max_grad_norm, cfg.train.seed, cfg.train.log_every) == \
         ("runs/x", 1e-4, 4, 2, 0.1, "linear", 256, True, 0.01, 0.5, 7, 5)
     assert differences_from_trl(cfg, warmup_steps(cfg.optim, 100))[0].startswith("lr 0.0001: 10 warmup steps")
+    tail = "a row trains only its tail"  # SFT only: TRL's DPOTrainer trains each side's completion too
+    assert any(d.startswith(tail) for d in differences_from_trl(cfg, 0))
+    dpo = load_config(TINY_YAML, ["loss.objective=dpo"])
+    assert not any(d.startswith(tail) for d in differences_from_trl(dpo, 0))
 
 
 def test_suggestions_stay_quiet_when_nothing_is_close():
