@@ -14,6 +14,7 @@ import argparse
 import json
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -204,7 +205,7 @@ def plot(runs: dict[str, Rows], out: Path, run_dirs: dict[str, Path] | None = No
         FigureCanvasAgg(fig)
         for ax, panel in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
             draw_panel(ax, panel, runs, run_dirs or {})
-        fig.suptitle(title)
+        fig.suptitle(textwrap.fill(title, 90))  # a long title wraps instead of running off the figure
         fig.savefig(out / filename)
         written.append(out / filename)
     return written
@@ -223,7 +224,9 @@ def draw_panel(ax: Any, panel: Panel, runs: dict[str, Rows], run_dirs: dict[str,
                 continue
             top = max(top, *values)
             evaluated = key.startswith("eval/")
-            marker = "o" if evaluated else ("." if len(steps) <= 50 else None)
+            # Held-out keys sharing a panel (chosen, rejected) tell themselves apart by their marker.
+            nth_eval = sum(k.startswith("eval/") for k, _ in panel.keys[:j])
+            marker = ("o", "s", "^", "v")[nth_eval % 4] if evaluated else ("." if len(steps) <= 50 else None)
             # An evaluation is a measurement at its step, not a curve: points, no line joining them.
             style = "none" if evaluated else ("-", "--", ":")[j % 3]
             line = (schedule_line(run_dir, max(int(r["step"]) for r in rows))

@@ -178,6 +178,8 @@ def test_report_of_a_dpo_run_draws_what_it_logged(dpo_run, tmp_path):
             drawn = {line.get_label(): list(zip(line.get_xdata(), line.get_ydata())) for line in ax.lines}
             want = {f"run {label}": logged[key] for key, label in panel.keys}
             assert drawn == want, (filename, panel.ylabel)
+            markers = [line.get_marker() for line in ax.lines if line.get_label().startswith("run eval")]
+            assert len(set(markers)) == len(markers)  # held-out chosen and rejected: told apart by their marker
             evals = [len(logged[key]) for key, _ in panel.keys if key.startswith("eval/")]
             assert evals and all(n == 3 for n in evals)  # steps 0, 2 and 4
             assert all(len(logged[key]) == 4 for key, _ in panel.keys if key.startswith("train/"))  # log_every 1
