@@ -62,7 +62,7 @@ from scale.census import (GIB, Activations, PlanError, build_meta_model, census,
 from scale.config import load_config
 from scale.config_help import help_text
 from scale.data.tokenize import build_splits
-from scale.flops import ModelShape, flops_per_token, model_shape, reference_flops_per_token
+from scale.flops import flops_per_token, model_shape, reference_flops_per_token
 from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, SP_MODES, Rank, predict_mode
 from scale.logs import ignore_known_warnings
 from scale.modeling import load_tokenizer
@@ -172,7 +172,8 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
             for regime in regimes} if gc_setting in ("every_n", "offload") else acts_by_gc[on]
     preference = plan_pairs(user_cfg, cfg, models[on], params, acts, cast, counts) if is_preference(cfg) else {}
     order, acts_sp = (("single",) if single_only else modes_in_order(cfg)), None
-    if cfg.train.sequence_parallel_size > 1 and not single_only:  # one rank's shard of every row (scale.ulysses), DeepSpeed's regime
+    # One rank's shard of every row (scale.ulysses), DeepSpeed's regime.
+    if cfg.train.sequence_parallel_size > 1 and not single_only:
         sp = cfg.train.sequence_parallel_size
         sp_by_gc = {gc: count_activations(cfg, mdl, params, cast, sp=sp) for gc, mdl in models.items()}
         sp_by_gc[True].recompute = sp_by_gc[False].per_layer
@@ -408,7 +409,8 @@ def plan_pairs(user_cfg: Config, cfg: Config, model: torch.nn.Module, params: li
       ``reference`` (:func:`scale.objectives.preference.add_reference_adapter`), is appended to ``params`` as frozen
       parameters of the LoRA matrices' shapes and dtypes, so every launch mode holds (or shards) it as weights.
     - **FLOPs per pair**: the policy's training FLOPs of both sides (``2 T`` positions x
-      :func:`scale.flops.flops_per_token`) and the reference's forward (:func:`scale.flops.reference_flops_per_token`) in the
+      :func:`scale.flops.flops_per_token`) and the reference's forward
+      (:func:`scale.flops.reference_flops_per_token`) in the
       step or once in the pre-pass.
 
     Args:

@@ -546,7 +546,8 @@ def test_bad_model_config_is_one_line_and_exit_2(content, message, tmp_path, cap
 
 
 @pytest.mark.parametrize("overrides", [[], ["train.mixed_precision=bf16", "model.gradient_checkpointing=every_n"],
-                                       ["model.quantize_4bit=true", "train.mixed_precision=bf16", "model.bnb_4bit_compute_dtype=bfloat16"]],
+                                       ["model.quantize_4bit=true", "train.mixed_precision=bf16",
+                                        "model.bnb_4bit_compute_dtype=bfloat16"]],
                          ids=["fp32", "bf16-every-n", "qlora"])
 def test_single_only_plan_is_the_full_plans_single_row(overrides):
     """The probe ``largest_micro_batch`` runs (``single_only``) gives the very Rank the full plan's single row has."""
