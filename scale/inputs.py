@@ -5,6 +5,7 @@ Each refusal is one :class:`~scale.validation.ConfigError` line naming the key.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import tempfile
@@ -35,15 +36,10 @@ def check_inputs(cfg: Config) -> None:
         raise ConfigError("train.mixed_precision=fp16 needs a CUDA GPU: on CPU it would silently run in fp32 while "
                           "config.yaml says fp16; use train.mixed_precision=bf16 or no")
     if cfg.loss.fused == "liger":
-        if not torch.cuda.is_available():
-            raise ConfigError("loss.fused=liger needs a CUDA GPU (Liger-Kernel's Triton kernels); on CPU set "
-                              "loss.fused=null (scale.chunked's loss, exact on any device)")
-        try:
-            import liger_kernel.transformers.functional  # noqa: F401
-        except ImportError as e:
-            raise ConfigError(f"loss.fused=liger needs liger-kernel ({e}): pip install liger-kernel, or set "
-                              f"loss.fused=null") from None
-    check_kernels(cfg)
+        check_liger("loss.fused", "liger_kernel.transformers.functional",
+                    "scale.chunked's loss, exact on any device")
+    if cfg.model.kernels == "liger":  # the model family is checked once the model is built (scale.kernels)
+        check_liger("model.kernels", "liger_kernel.transformers", "transformers' own RMSNorm, SwiGLU and RoPE")
     check_output_dir(cfg.output_dir)
     check_model_paths(cfg)
     ds = cfg.train.deepspeed_config
@@ -64,23 +60,25 @@ def check_inputs(cfg: Config) -> None:
                               f"{_TRACKER_PACKAGES.get(name, name)}, or drop it from log.trackers")
 
 
-def check_kernels(cfg: Config) -> None:
-    """``model.kernels: liger`` needs a CUDA GPU and liger-kernel (its kernels are Triton only); the model family is
-    checked once the model is built (:func:`scale.kernels.apply_kernels`).
+def check_liger(key: str, module: str, instead: str) -> None:
+    """``<key>=liger`` needs a CUDA GPU and liger-kernel (its kernels are Triton only).
+
+    Args:
+        key: the config key set to ``liger`` (``loss.fused``, ``model.kernels``).
+        module: the liger-kernel module the key uses.
+        instead: what ``<key>=null`` runs, for the message.
 
     Raises:
-        ConfigError: ``model.kernels=liger`` without a CUDA GPU or without liger-kernel.
+        ConfigError: no CUDA GPU, or ``module`` does not import.
     """
-    if cfg.model.kernels != "liger":
-        return
     if not torch.cuda.is_available():
-        raise ConfigError("model.kernels=liger needs a CUDA GPU (Liger-Kernel's Triton kernels); on CPU set "
-                          "model.kernels=null (transformers' own RMSNorm, SwiGLU and RoPE)")
+        raise ConfigError(f"{key}=liger needs a CUDA GPU (Liger-Kernel's Triton kernels); on CPU set {key}=null "
+                          f"({instead})")
     try:
-        import liger_kernel.transformers  # noqa: F401
+        importlib.import_module(module)
     except ImportError as e:
-        raise ConfigError(f"model.kernels=liger needs liger-kernel ({e}): pip install liger-kernel, or set "
-                          f"model.kernels=null") from None
+        raise ConfigError(f"{key}=liger needs liger-kernel ({e}): pip install liger-kernel, or set "
+                          f"{key}=null") from None
 
 
 def check_model_paths(cfg: Config) -> None:

@@ -72,7 +72,7 @@ def apply_kernels(model: torch.nn.Module, kernels: str | None) -> list[str]:
 
     Raises:
         ConfigError: the family has no Liger kernels (:func:`liger_apply_name`).
-        ImportError: liger-kernel is not installed (``scale.inputs.check_kernels`` refuses that earlier).
+        ImportError: liger-kernel is not installed (``scale.inputs.check_liger`` refuses that earlier).
     """
     if kernels is None:
         return []
