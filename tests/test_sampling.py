@@ -135,24 +135,34 @@ def test_grouped_resume_mid_epoch_is_bit_exact(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_padding_free_matches_padded_loss_and_gradients(tokenizer):
-    """One packed row with restarting position ids = the padded batch: same tail loss and LoRA gradients."""
-    from scale.schema import LoraConfig, ModelConfig
+PACKED_LENS = (9, 4, 15, 6)  # rows of padding_free_case, with tails of 2, 1, 5 and 3 tokens
+
+
+def padding_free_case(tokenizer, checkpointing: bool, type_of=lambda i: i % 2):
+    """The tiny LoRA model (every LoRA weight non-zero) and four rows of :data:`PACKED_LENS` tokens as a padded and
+    as a padding-free batch: ``(model, padded, packed)``. ``type_of(i)``: row ``i``'s type indicator."""
     from scale.data import Collator, Example
     from scale.data.collate import PaddingFreeCollator
-    from scale.loss import forward_tail
     from scale.modeling import build_model
+    from scale.schema import LoraConfig, ModelConfig
 
-    model = build_model(ModelConfig(name_or_path="tiny-llama", gradient_checkpointing=False),
+    model = build_model(ModelConfig(name_or_path="tiny-llama", gradient_checkpointing=checkpointing),
                         LoraConfig(r=4, dropout=0.0), len(tokenizer), seed=0)
     for p in model.parameters():  # LoRA B starts at zero: give it values so every gradient path is exercised
         if p.requires_grad:
             p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
     g = torch.Generator().manual_seed(3)
-    # Tails of 2, 1, 5 and 3 tokens: each row's own tail inside the packed row, right-aligned in tail_mask.
-    examples = [Example(torch.randint(3, 300, (n,), generator=g).tolist(), tail_len=t, type_indicator=i % 2,
-                        target_token=7, row=i) for i, (n, t) in enumerate([(9, 2), (4, 1), (15, 5), (6, 3)])]
-    padded, packed = Collator(tokenizer.pad_token_id, "left")(examples), PaddingFreeCollator()(examples)
+    # Each row's own tail inside the packed row, right-aligned in tail_mask.
+    examples = [Example(torch.randint(3, 300, (n,), generator=g).tolist(), tail_len=t, type_indicator=type_of(i),
+                        target_token=7, row=i) for i, (n, t) in enumerate(zip(PACKED_LENS, (2, 1, 5, 3)))]
+    return model, Collator(tokenizer.pad_token_id, "left")(examples), PaddingFreeCollator()(examples)
+
+
+def test_padding_free_matches_padded_loss_and_gradients(tokenizer):
+    """One packed row with restarting position ids = the padded batch: same tail loss and LoRA gradients."""
+    from scale.loss import forward_tail
+
+    model, padded, packed = padding_free_case(tokenizer, checkpointing=False)
     assert packed["input_ids"].shape == (1, 34) and packed["seq_lens"].tolist() == [9, 4, 15, 6]
     assert packed["position_ids"][0, 9:13].tolist() == [0, 1, 2, 3]
     assert torch.equal(packed["tail_mask"], padded["tail_mask"]) and packed["tail_mask"].sum(1).tolist() == [2, 1, 5, 3]

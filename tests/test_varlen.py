@@ -91,23 +91,12 @@ def test_tiny_model_trains_packed_rows_as_padded_with_per_example_attention(toke
     sdpa."""
     import transformers.integrations.sdpa_attention as sdpa_module
 
-    from scale.data import Collator, Example
-    from scale.data.collate import PaddingFreeCollator
     from scale.loss import forward_tail
-    from scale.modeling import build_model
     from scale.objectives.tail import LossSpec
-    from scale.schema import LoraConfig, ModelConfig
+    from tests.test_sampling import PACKED_LENS as lens
+    from tests.test_sampling import padding_free_case
 
-    model = build_model(ModelConfig(name_or_path="tiny-llama", gradient_checkpointing=True),
-                        LoraConfig(r=4, dropout=0.0), len(tokenizer), seed=0)
-    for p in model.parameters():  # LoRA B starts at zero: give it values so every gradient path is exercised
-        if p.requires_grad:
-            p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
-    g = torch.Generator().manual_seed(3)
-    lens = (9, 4, 15, 6)
-    examples = [Example(torch.randint(3, 300, (n,), generator=g).tolist(), tail_len=t, type_indicator=0,
-                        target_token=7, row=i) for i, (n, t) in enumerate(zip(lens, (2, 1, 5, 3)))]
-    padded, packed = Collator(tokenizer.pad_token_id, "left")(examples), PaddingFreeCollator()(examples)
+    model, padded, packed = padding_free_case(tokenizer, checkpointing=True, type_of=lambda i: 0)
     spec = LossSpec(padding_side="left", type_weights=None, criterion=None)
     assert use_segment_attention(model) and model.config._attn_implementation == "sdpa_segments"
     calls, sdpa = [], sdpa_module.sdpa_attention_forward
