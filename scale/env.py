@@ -106,8 +106,8 @@ def report() -> str:
 
 
 def main() -> None:
-    """Print :func:`report` (the ``scale-env`` console script)."""
-    print(report())
+    """Write :func:`report` to stdout (the ``scale-env`` console script), as ``scale-plan`` writes its plan."""
+    sys.stdout.write(report() + "\n")
 
 
 if __name__ == "__main__":
