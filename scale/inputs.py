@@ -38,8 +38,7 @@ def check_inputs(cfg: Config) -> None:
     if cfg.loss.fused == "liger":
         check_liger("loss.fused", "liger_kernel.transformers.functional",
                     "scale.chunked's loss, exact on any device")
-    if cfg.model.kernels == "liger":  # the model family is checked once the model is built (scale.kernels)
-        check_liger("model.kernels", "liger_kernel.transformers", "transformers' own RMSNorm, SwiGLU and RoPE")
+    check_kernels(cfg)
     check_output_dir(cfg.output_dir)
     check_model_paths(cfg)
     ds = cfg.train.deepspeed_config
@@ -58,6 +57,17 @@ def check_inputs(cfg: Config) -> None:
         if name not in available:
             raise ConfigError(f"log.trackers: {name!r} needs its package: pip install "
                               f"{_TRACKER_PACKAGES.get(name, name)}, or drop it from log.trackers")
+
+
+def check_kernels(cfg: Config) -> None:
+    """``model.kernels: liger`` needs a CUDA GPU and liger-kernel; the model family is checked once the model is built
+    (:func:`scale.kernels.apply_kernels`).
+
+    Raises:
+        ConfigError: ``model.kernels=liger`` without a CUDA GPU or without liger-kernel.
+    """
+    if cfg.model.kernels == "liger":
+        check_liger("model.kernels", "liger_kernel.transformers", "transformers' own RMSNorm, SwiGLU and RoPE")
 
 
 def check_liger(key: str, module: str, instead: str) -> None:
