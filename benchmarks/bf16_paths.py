@@ -89,7 +89,6 @@ def step(model, batches, spec, autocast: bool) -> tuple[float, dict]:
 
 
 def rel_diff(grads: dict, ref: dict) -> float:
-    import torch
 
     num = sum(float((grads[n] - ref[n]).pow(2).sum()) for n in ref)
     den = sum(float(ref[n].pow(2).sum()) for n in ref)
