@@ -166,7 +166,13 @@ def validate(cfg: Any) -> None:
             raise ConfigError(f"{key}={get_key(cfg, key)} {rule}")
     if cfg.train.mixed_precision in ("bf16", "fp16") and cfg.model.quantize_4bit and \
             cfg.model.bnb_4bit_compute_dtype == "float32":
-        raise ConfigError("train.mixed_precision needs model.bnb_4bit_compute_dtype to match (bfloat16/float16)")
+        want = "bfloat16" if cfg.train.mixed_precision == "bf16" else "float16"
+        raise ConfigError(f"train.mixed_precision={cfg.train.mixed_precision} needs model.bnb_4bit_compute_dtype to "
+                          f"match: it is float32; set model.bnb_4bit_compute_dtype={want} (or auto)")
+    if cfg.model.qlora_residual_dtype == "compute" and not cfg.model.quantize_4bit:
+        raise ConfigError("model.qlora_residual_dtype=compute applies to QLoRA only (model.quantize_4bit=true): "
+                          f"without it the norms and embeddings stay in model.dtype={cfg.model.dtype} already; drop "
+                          "the key or set model.quantize_4bit=true")
 
 
 def _validate_datasets(d: Any) -> None:  # a DataConfig

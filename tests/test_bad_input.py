@@ -303,6 +303,12 @@ def _refused(tmp_path, exc_type, *overrides):
     (["lora.dropout=1"], "lora.dropout=1.0 must lie in [0, 1)"),
     (["train.save_every_minutes=0"], "train.save_every_minutes=0.0 must be > 0, or null for no time interval"),
     (["train.mixed_precision=false"], "train.mixed_precision=False has the wrong type: expected str"),
+    (["model.quantize_4bit=true", "train.mixed_precision=bf16", "model.bnb_4bit_compute_dtype=float32"],
+     "train.mixed_precision=bf16 needs model.bnb_4bit_compute_dtype to match: it is float32; set "
+     "model.bnb_4bit_compute_dtype=bfloat16 (or auto)"),
+    (["model.qlora_residual_dtype=compute"],
+     "model.qlora_residual_dtype=compute applies to QLoRA only (model.quantize_4bit=true): without it the norms and "
+     "embeddings stay in model.dtype=float32 already; drop the key or set model.quantize_4bit=true"),
 ])
 def test_config_errors_of_issue_11(overrides, message):
     assert _message(ConfigError, load_config, TINY_YAML, overrides) == message
