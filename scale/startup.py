@@ -105,17 +105,17 @@ def launch_comment(plan: ModePlan, processes: int, global_batch_size: int) -> st
             f"(micro_batch_size x gradient_accumulation_steps x data_parallel_size)")
 
 
-def log_data_stats(stats: dict[str, int], data_cfg: Any = None) -> None:
+def log_data_stats(stats: dict[str, int], data_cfg: Any = None, unit: str = "rows") -> None:
     """One line with the data counts (:func:`scale.data.stats_line`); a warning for each kind of thing the chat
-    template or truncation removed (:func:`scale.data.removed_lines`), and when eval rows are exact copies of
-    training rows."""
+    template or truncation removed (:func:`scale.data.removed_lines`), and when eval rows (``unit="pairs"``:
+    preference pairs) are exact copies of training ones."""
     logger.info("data: %s", stats_line(stats))
     for line in removed_lines(stats, data_cfg) if data_cfg is not None else []:
         logger.warning("data: %s", line)
     if stats.get("data/eval_rows_in_train"):
-        logger.warning("%d of %d eval rows are exact copies of training rows: eval figures are not fully held "
+        logger.warning("%d of %d eval %s are exact copies of training %s: eval figures are not fully held "
                        "out. Set data.deduplicate=true to drop duplicates before the split.",
-                       stats["data/eval_rows_in_train"], stats["data/eval_rows"])
+                       stats["data/eval_rows_in_train"], stats["data/eval_rows"], unit, unit)
 
 
 def report_start(launch: Launch, cfg: Config, data: Data, loaders: Loaders, model: torch.nn.Module,
@@ -136,15 +136,20 @@ def report_start(launch: Launch, cfg: Config, data: Data, loaders: Loaders, mode
                 acc.num_processes, shared, G, cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps,
                 plan.data_parallel_size, max_steps)
     sides = max(len(splits.task.sides), 1)  # preference: a loader item is a pair, 2 rows
+    unit = "pairs" if sides > 1 else "rows"
     if bins is not None:
-        logger.info(packing_text(len(splits.train) // sides, bins, lengths, cfg.data.max_length * sides, G,
-                                 "pairs" if sides > 1 else "rows"))
-    logger.info("per step: %s; rows: train=%d eval=%d format=%s; parameters: trainable=%d total=%d (%.3f%%)",
+        logger.info(packing_text(len(splits.train) // sides, bins, lengths, cfg.data.max_length * sides, G, unit))
+    logger.info("per step: %s; %s: train=%d eval=%d format=%s; parameters: trainable=%d total=%d (%.3f%%)",
                 step_text(lengths, column(splits.train, "tail_len"), G * (sides if bins is None else 1), bins),
-                splits.stats["data/train_rows"], splits.stats["data/eval_rows"], splits.format, trainable, total,
-                100 * trainable / total)
-    log_data_stats(splits.stats, cfg.data)
-    logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(data.tokenizer, splits.train[0]))
+                unit, splits.stats["data/train_rows"], splits.stats["data/eval_rows"], splits.format, trainable,
+                total, 100 * trainable / total)
+    log_data_stats(splits.stats, cfg.data, unit)
+    if sides > 1:  # a pair's sides are consecutive examples, named by the task
+        shown = "\n".join(f"({name})\n{show_example(data.tokenizer, e)}"
+                          for name, e in zip(splits.task.sides, splits.train[:sides]))
+        logger.info("a train pair as trained (%s):\n%s", show_legend(), shown)
+    else:
+        logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(data.tokenizer, splits.train[0]))
     for difference in differences_from_trl(cfg, min(warmup_steps(cfg.optim, max_steps), max_steps - 1)):
         logger.info("unlike TRL: %s", difference)
     for line in mode_plan_lines(plan.notes, dtype_census(model), cpu_paths):

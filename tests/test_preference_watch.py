@@ -7,6 +7,7 @@ pair's policy and reference logps and rewards) and ``scale.report``'s reward, ac
 - A tiny DPO run (in process): ``samples.jsonl`` at every evaluation (step 0, ``train.eval_every``, the end) with the
   data file's texts, and its ``metrics.jsonl`` drawn by ``scale.report``: each plotted line holds exactly the values
   the run logged, and the summary's reward columns are its first and last evaluations.
+- A preference run's start-up lines count pairs and show one whole pair, chosen then rejected.
 """
 
 from __future__ import annotations
@@ -218,3 +219,28 @@ def test_pair_samples_equal_one_process(tmp_path, mode):
                 assert abs(x - y) <= 1e-5 * max(1.0, abs(x)), (who, side, x, y)
         for k in ("chosen", "rejected", "margin"):
             assert abs(a["rewards"][k] - b["rewards"][k]) <= 1e-5 * max(1.0, abs(a["rewards"][k]))
+
+
+def test_dpo_start_up_lines_count_pairs_and_show_both_sides(tmp_path, caplog):
+    """A preference run's start-up and evaluation lines count pairs (the data's unit), not the 2 rows each becomes,
+    and the example shown is one whole pair: the chosen side, then the rejected side of the same prompt."""
+    import logging
+    import re
+
+    from scale.train import run
+
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
+    with caplog.at_level(logging.INFO):
+        run(tiny_cfg(tmp_path / "run", f"data.path={tmp_path / 'pairs.jsonl'}", "data.format=preference",
+                     "loss.objective=dpo", "data.eval_size=8", "train.max_steps=1", "train.micro_batch_size=4",
+                     "train.gradient_accumulation_steps=1", "log.peak_flops=false", "eval.generate_samples=0"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("; pairs: train=32 eval=8 format=preference;" in m for m in messages)
+    assert sum("evaluating 8 held-out pairs" in m for m in messages) == 2  # step 0 and the end
+    shown = next(m for m in messages if "a train pair as trained" in m)
+    sides = re.findall(r"\((chosen|rejected)\)\n(.*?)\[\[(.*?)\]\]", shown, flags=re.S)
+    assert [s[0] for s in sides] == ["chosen", "rejected"]
+    (_, prompt_c, tail_c), (_, prompt_r, tail_r) = sides
+    assert prompt_c == prompt_r
+    row = next(r for r in ROWS if r["prompt"] in prompt_c)
+    assert tail_c.startswith(row["chosen"]) and tail_r.startswith(row["rejected"])
