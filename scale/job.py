@@ -85,12 +85,12 @@ def setup(cfg: Config) -> Job:
     launch = build_launch(cfg)  # collective: accelerator, mode plan, precision; the resume picked and checked
     acc = launch.acc
     data = build_data(launch, cfg)  # collective: the tokenizer and the token cache's splits
+    check_objective(cfg, data.splits)  # a cache hit's splits: loss.objective against their format
     model, cpu_paths = build_run_model(launch, cfg, len(data.tokenizer))  # collective
     experts = build_experts(cfg, model, acc.device)  # a mixture of experts: its hooks, before anything is written
     loaders = build_loaders(launch, cfg, data.splits, data.tokenizer.pad_token_id)
     check_type_weights(cfg, data.splits)
     base = build_objective(cfg)  # loss.objective
-    check_objective(cfg, data.splits, base)
     keep_reference(cfg, model, base)  # model.adapter under DPO: its frozen copy is the reference
     objective = with_router_aux(base, experts.aux if experts else None)  # + the routers' load-balancing loss
     samples = pick_eval_samples(cfg, data.splits, objective)  # checks train.keep_best before step 1

@@ -189,6 +189,12 @@ def test_waiting_ranks_poll_the_build_record_and_share_the_builders_error(tmp_pa
         load_splits(bad, tokenizer, bad.data.path, "run-b")
     with pytest.raises(DataError, match=r"row 1 \(line 2\) of .*label 'meh' is not in data.labels"):
         wait_for_splits(bad, tokenizer, bad.data.path, "run-b", poll_s=0.05)
+    # a config the data contradicts (loss.objective=dpo on classification rows): the same ConfigError on every rank
+    dpo = tiny_cfg(tmp_path / "out", "loss.objective=dpo", f"data.cache_dir={tmp_path / 'cache-dpo'}")
+    with pytest.raises(ConfigError, match="^loss.objective=dpo with data.format=classification: a preference "):
+        load_splits(dpo, tokenizer, dpo.data.path, "run-d")
+    with pytest.raises(ConfigError, match="^loss.objective=dpo with data.format=classification: a preference "):
+        wait_for_splits(dpo, tokenizer, dpo.data.path, "run-d", poll_s=0.05)
     # another launch's failure marker is not this launch's: its ranks keep waiting for their own builder
     with pytest.raises(TimeoutError):
         wait_for_splits(bad, tokenizer, bad.data.path, "run-c", poll_s=0.05, give_up_s=0.5)

@@ -54,9 +54,10 @@ ALLOWED: dict[str, set[str]] = {
     "data.tasks": {"config", "data.read", "data.sources", "loss", "schema"},  # one module per format: rows -> tokens
     "data.split": {"data.read", "schema"},                     # one source's train/eval rows
     "data.mixing": {"assets", "data.read", "data.sources", "data.split", "data.tasks", "schema", "validation"},
-    "data.tokenize": {"data.mixing", "data.read", "data.split", "data.tasks", "schema"},  # rows -> Splits
+    "data.tokenize": {"data.mixing", "data.read", "data.split", "data.tasks", "schema", "validation"},  # -> Splits
     "data.token_table": {"data.tasks"},                        # the cache's memory-mapped splits
-    "data.cache": {"data.mixing", "data.read", "data.tasks", "data.token_table", "data.tokenize", "fileio"},
+    "data.cache": {"data.mixing", "data.read", "data.tasks", "data.token_table", "data.tokenize", "fileio",
+                   "validation"},
     "data.collate": {"data.tasks"},                            # padded, padding-free and packed batches
     "data.order": set(),                                       # length-grouped sampling, packing into bins
     "data.sequence": {"data.collate"},                         # sequence-parallel rows: each rank's shard (issue 29)

@@ -149,6 +149,46 @@ def test_show_rows_shows_both_sides(tmp_path, capsys):
     assert heads[0].split(" (")[0] == heads[1].split(" (")[0]
 
 
+@pytest.mark.parametrize("objective, pairs, message", [
+    ("dpo", False, "loss.objective=dpo with data.format=classification: a preference objective needs pairs "
+                   "(data.format=preference: prompt/chosen/rejected)"),
+    ("sft", True, "loss.objective=sft with data.format=preference: preference pairs train under loss.objective=dpo, "
+                  "simpo or orpo"),
+])
+def test_objective_that_does_not_fit_the_format_is_refused_before_tokenizing(tmp_path, monkeypatch, objective, pairs,
+                                                                               message):
+    """A run whose ``loss.objective`` does not train its data's format stops in one line as soon as the format is
+    known: no row is tokenized and no token cache entry is written (on a large file the build takes minutes). A
+    later start whose splits come from an existing cache entry is refused by the same check, before the model."""
+    from scale.data import tokenize
+    from scale.train import run
+    from scale.validation import ConfigError
+    from tests.conftest import TINY_DATA, tiny_cfg
+
+    data = _write(tmp_path / "p.jsonl", TEXT_PAIRS * 3) if pairs else TINY_DATA
+    cache = tmp_path / "cache"
+    calls = []
+    real = tokenize._tokenize
+    monkeypatch.setattr(tokenize, "_tokenize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = tiny_cfg(tmp_path / "out", f"data.path={data}", f"loss.objective={objective}", f"data.cache_dir={cache}",
+                   "data.eval_size=2", "data.deduplicate=false", "train.max_steps=1")
+    with pytest.raises(ConfigError) as e:
+        run(cfg)
+    assert str(e.value) == message
+    assert calls == [] and not [f for f in cache.rglob("*") if f.is_dir() or f.suffix == ".arrow"]
+    # a cache entry written under the objective that fits, then a start with the other one: refused the same way
+    other = "dpo" if pairs else "sft"
+    run(tiny_cfg(tmp_path / "fits", f"data.path={data}", f"loss.objective={other}", f"data.cache_dir={cache}",
+                 "data.eval_size=2", "data.deduplicate=false", "train.max_steps=1", "train.eval_every=0",
+                 "eval.generate_samples=0", "log.peak_flops=false"))
+    entries = sorted(f for f in cache.iterdir() if f.is_dir())
+    assert len(entries) == 1
+    monkeypatch.setattr(tokenize, "build_splits", None)  # a hit builds nothing
+    with pytest.raises(ConfigError) as e:
+        run(cfg)
+    assert str(e.value) == message and sorted(f for f in cache.iterdir() if f.is_dir()) == entries
+
+
 def test_pair_collator_keeps_sides_adjacent(tmp_path, tokenizer):
     ex = _pairs(tmp_path, tokenizer, TEXT_PAIRS)
     pairs = PairedExamples(ex)

@@ -56,6 +56,7 @@ from scale.data.tasks.chat_template import chat_template_path
 from scale.data.token_table import LISTS, SCALARS, TokenTable
 from scale.data.tokenize import Splits, _tokenize, build_splits, fingerprint_bytes, with_task
 from scale.fileio import sha256_file, temp_dir_for, write_text_atomic
+from scale.validation import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +259,7 @@ def _build(final: Path, cfg: Any, tokenizer: Any, path: str, key: str, inputs: d
 
     try:
         splits = build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed, tokenize=tokenize,
-                              fingerprint_of=lambda train, held: digest.hexdigest())
+                              fingerprint_of=lambda train, held: digest.hexdigest(), check_objective=True)
         # The format and what its task found, and every Splits field but the examples, so a hit reads the token
         # fingerprint (rows_sha256 of the resume check) and the template hash from here, without reading a token.
         kept = [f.name for f in dataclasses.fields(Splits) if f.name not in ("train", "eval")]
@@ -346,10 +347,10 @@ def load_splits(cfg: Any, tokenizer: Any, path: str, run_id: str | None = None) 
             is then written to ``<entry>.failed`` with it, so that they raise it too instead of waiting.
 
     Raises:
-        DataError: see :func:`scale.data.tokenize.build_splits`; nothing is left in the cache then.
+        DataError, ConfigError: see :func:`scale.data.tokenize.build_splits`; nothing is left in the cache then.
     """
     if not cfg.data.cache:
-        return build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed)
+        return build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed, check_objective=True)
     key, inputs = fingerprint(cfg, tokenizer, path)
     final = default_cache_dir(cfg) / key[:32]
     try:
@@ -388,11 +389,11 @@ def wait_for_splits(cfg: Any, tokenizer: Any, path: str, run_id: str, poll_s: fl
     raise TimeoutError after that many seconds (``None``, the job's: never; a dead builder ends the launch).
 
     Raises:
-        DataError: the builder's error (``<entry>.failed`` with this ``run_id``), with its message; another type
-            of error as a RuntimeError naming it.
+        DataError, ConfigError: the builder's error (``<entry>.failed`` with this ``run_id``), with its message;
+            another type of error as a RuntimeError naming it.
     """
     if not cfg.data.cache:
-        return build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed)
+        return build_splits(cfg.data, cfg.loss, tokenizer, path, cfg.train.seed, check_objective=True)
     key, _ = fingerprint(cfg, tokenizer, path)
     final = default_cache_dir(cfg) / key[:32]
     start, last, polls = time.monotonic(), None, 0
@@ -407,8 +408,8 @@ def wait_for_splits(cfg: Any, tokenizer: Any, path: str, run_id: str, poll_s: fl
                     return open_entry(final, cfg, tokenizer)
         failed = _failure(final, run_id)
         if failed is not None:
-            if failed["type"] == "DataError":
-                raise DataError(failed["message"])
+            if failed["type"] in ("DataError", "ConfigError"):  # bad data, or a config the data contradicts
+                raise (DataError if failed["type"] == "DataError" else ConfigError)(failed["message"])
             raise RuntimeError(f"building the data cache failed on the node's main process: {failed['type']}: "
                                f"{failed['message']}")
         now = time.monotonic()

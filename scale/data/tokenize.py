@@ -29,6 +29,7 @@ from scale.data.read import DataError, with_line
 from scale.data.split import count_copies
 from scale.data.tasks.base import BY_TRUNCATION, Builder, Example, Rows, Task
 from scale.schema import DataConfig, LossConfig
+from scale.validation import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +146,27 @@ def fingerprint_bytes(e: Example) -> bytes:
     return repr((e.input_ids, e.tail_len, e.trained)).encode()
 
 
+def check_objective_fits(objective: str, task: Task) -> None:
+    """A preference objective (``loss.objective`` dpo, simpo or orpo: any but ``sft``) trains preference pairs, and
+    pairs train only under one. Checked as soon as the format is known (before tokenizing), and again on the
+    splits a run gets from the token cache.
+
+    Args:
+        objective: ``loss.objective``.
+        task: the format that evaluates the data (``Splits.task``; a pair format has two ``sides``).
+
+    Raises:
+        ConfigError: the objective and the data format do not go together.
+    """
+    pairs = bool(task.sides)
+    if (objective != "sft") != pairs:
+        raise ConfigError(f"loss.objective={objective} with data.format={task.name}: "
+                          + ("preference pairs train under loss.objective=dpo, simpo or orpo" if pairs else
+                             "a preference objective needs pairs (data.format=preference: prompt/chosen/rejected)"))
+
+
 def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, path: str, seed: int,
-                 tokenize: Any = None, fingerprint_of: Any = None) -> Splits:
+                 tokenize: Any = None, fingerprint_of: Any = None, check_objective: bool = False) -> Splits:
     """Read, split (or mix) and tokenize: the whole data pipeline up to the DataLoader.
 
     Args:
@@ -155,11 +175,17 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
             ``builder.dropped``); default in memory. :mod:`scale.data.cache` writes the token cache with it.
         fingerprint_of: ``fingerprint_of(train, eval) -> str``, :func:`token_fingerprint` of both splits in order
             (default: computed here; the cache's workers hash their chunks as they tokenize).
+        check_objective: refuse a ``loss.objective`` the format does not train (:func:`check_objective_fits`) as soon
+            as the format is known, before any row is tokenized (a run's token cache); off for what only reads the
+            data (``scale-plan``, ``--show-rows``).
 
     Raises:
         DataError: see :func:`scale.data.mixing.read_rows` and the format's :meth:`Task.encode`.
+        ConfigError: with ``check_objective``, ``loss.objective`` does not fit the data's format.
     """
     mix = read_rows(data_cfg, path, seed)
+    if check_objective:
+        check_objective_fits(loss_cfg.objective, mix.evaluating)
     task = mix.task
     if not task.uses_threshold and (loss_cfg.threshold, loss_cfg.target_position) != (2, -2):
         logger.warning("loss.threshold=%s and loss.target_position=%d apply to the text format only; the %s format "
