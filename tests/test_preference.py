@@ -13,12 +13,20 @@ import math
 import pytest
 import torch
 
-from scale.schema import DataConfig, LoraConfig, LossConfig, ModelConfig
 from scale.data import Collator, DataError, PaddingFreeCollator, load_rows, tokenize_rows
 from scale.data.tasks.preference import PairCollator, PairedExamples
 from scale.modeling import add_lora, load_adapter, load_base
-from scale.objectives.preference import (PreferenceObjective, add_reference_adapter, dpo_loss, orpo_loss,
-                                         reference_forward, reference_logps, simpo_loss, tail_logps)
+from scale.objectives.preference import (
+    PreferenceObjective,
+    add_reference_adapter,
+    dpo_loss,
+    orpo_loss,
+    reference_forward,
+    reference_logps,
+    simpo_loss,
+    tail_logps,
+)
+from scale.schema import DataConfig, LoraConfig, LossConfig, ModelConfig
 from tests.conftest import ROOT
 
 CHATML = ROOT / "configs" / "chat" / "chatml.jinja"
@@ -150,10 +158,10 @@ def test_show_rows_shows_both_sides(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("objective, pairs, message", [
-    ("dpo", False, "loss.objective=dpo with data.format=classification: a preference objective needs pairs "
-                   "(data.format=preference: prompt/chosen/rejected)"),
-    ("sft", True, "loss.objective=sft with data.format=preference: preference pairs train under loss.objective=dpo, "
-                  "simpo or orpo"),
+    ("dpo", False, ("loss.objective=dpo with data.format=classification: a preference objective needs pairs "
+                    "(data.format=preference: prompt/chosen/rejected)")),
+    ("sft", True, ("loss.objective=sft with data.format=preference: preference pairs train under "
+                   "loss.objective=dpo, simpo or orpo")),
 ])
 def test_objective_that_does_not_fit_the_format_is_refused_before_tokenizing(tmp_path, monkeypatch, objective, pairs,
                                                                                message):
