@@ -126,8 +126,9 @@ def profile_steps(job, steps: int) -> dict[str, float]:
     """Run one warm-up step, then ``steps`` steps under the profiler; return milliseconds per step by category."""
     from torch.profiler import ProfilerActivity, profile
 
+    from scale.commit import StepCommit
     from scale.metrics import StepMeter
-    from scale.train import StepCommit, epoch_loader, train_window
+    from scale.train import epoch_loader, train_window
     from scale.windows import windows
 
     job.model.train()

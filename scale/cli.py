@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         return EXIT_BAD_INPUT
     if own_process:
         start_fast(cfg)  # first: the imports below run with the collector paused
-    from scale.train import NonFiniteError, run  # deferred: after start_fast
+    from scale.commit import NonFiniteError  # deferred: after start_fast
+    from scale.train import run  # deferred: after start_fast
 
     bad_input = bad_input_errors()
     preemption = Preemption()

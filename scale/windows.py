@@ -69,7 +69,7 @@ class Vote(NamedTuple):
 
 
 class HeldStep(Protocol):
-    """The previous window's optimizer step, computed but not applied (:class:`scale.train.StepCommit`): its
+    """The previous window's optimizer step, computed but not applied (:class:`scale.commit.StepCommit`): its
     non-finite flag travels in the next vote, whose gathered table then decides it without a host read of its own."""
 
     def flag(self) -> torch.Tensor | None:
@@ -94,7 +94,7 @@ def windows(acc: Accelerator, dl: DataLoader, ga: int, objective: Objective,
     window, the stop or the epoch's end is yielded), and is the loop's one host sync per optimizer step.
 
     Raises:
-        NonFiniteError: from ``held.apply`` (:class:`scale.train.StepCommit`), under ``train.on_nonfinite=error``.
+        NonFiniteError: from ``held.apply`` (:class:`scale.commit.StepCommit`), under ``train.on_nonfinite=error``.
         ValueError: a micro-batch on some rank holds a row with a gap in its mask or fewer than its tail + 1
             tokens (:func:`scale.loss.check_rows`).
     """

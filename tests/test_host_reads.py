@@ -54,7 +54,7 @@ def test_loop_host_reads_and_ops_against_a_bare_loop():
     """Both loops read what the model and AdamW read (transformers' mask checks, AdamW's step counters); the harness
     adds one device-to-host copy per step, the window vote's gather (``.cpu()`` of the ``[world, 6]`` table; every
     later read of it is on the host), which also carries the previous step's non-finite flag (the step is held until
-    then: scale.train.StepCommit), and no scalar read. Its aten ops per step are within 10% of the bare loop's
+    then: scale.commit.StepCommit), and no scalar read. Its aten ops per step are within 10% of the bare loop's
     (measured: 2,083 vs 1,949 on the tiny shape, +7%)."""
     ours, bare = counted_steps()
     for mine, theirs in zip(ours, bare, strict=True):

@@ -97,9 +97,11 @@ ALLOWED: dict[str, set[str]] = {
     "samples": {"checkpoint", "signals", "tracking"},  # generation at each evaluation (issue 20)
     "job": {"checkpoint", "config", "data.tasks", "launch", "metrics", "modeling", "objectives", "parts", "precision",
             "samples", "schema", "startup", "state", "ulysses"},
-    "train": {"best", "checkpoint", "checks", "evaluate", "export", "job", "metrics", "samples", "schema", "signals",
-              "state", "tracking", "ulysses", "windows"},
-    "cli": {"assets", "checkpoint", "config", "config_help", "data.mixing", "data.read", "data.tokenize", "inputs",
+    "commit": {"job", "metrics", "windows"},  # when a trained window's optimizer step is applied (StepCommit)
+    "train": {"best", "checkpoint", "checks", "commit", "evaluate", "export", "job", "metrics", "samples", "schema",
+              "signals", "state", "tracking", "ulysses", "windows"},
+    "cli": {"assets", "checkpoint", "commit", "config", "config_help", "data.mixing", "data.read", "data.tokenize",
+            "inputs",
             "launch", "logs", "modeling", "schema", "signals", "topology", "train", "validation"},
     "report": {"config", "config_help", "metrics", "schedule", "validation"},
     "prepare": {"assets", "config", "config_help", "data.cache", "data.read", "data.token_table", "logs", "modeling",
@@ -107,7 +109,7 @@ ALLOWED: dict[str, set[str]] = {
     "env": {"compat"},  # scale-env: versions, devices, CPU flags and launcher variables for a bug report
 }
 DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpoint", "evaluate", "job", "train", "cli",
-               "samples", "precision", "ulysses", "collective", "startup", "parts", "windows", "inputs"}
+               "samples", "precision", "ulysses", "collective", "startup", "parts", "windows", "inputs", "commit"}
 
 # Bottom first. A room imports rooms of its own layer or below; an import into a higher layer runs upward. The data
 # stages are one layer each, in the order rows flow: files, sources, formats, split, mixing, tokens, cache, batches.
@@ -129,13 +131,13 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the loop side", {"autobatch",
                        "inputs", "collective", "metrics", "precision", "tracking", "launch", "ulysses", "checks",
                        "checkpoint", "best", "evaluate", "samples", "export", "generate", "parts", "startup", "windows",
-                       "job", "train"}),
+                       "job", "commit", "train"}),
     ("entry points", {"cli", "env", "prepare", "report", "lmeval"}),
 ]
 # Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and
 # `--accelerate-config` import neither torch nor accelerate (scale/cli.py's module comment), and start_fast imports
 # the loop with the garbage collector paused. Nothing else may import inside a function.
-DEFERRED = {("cli", "checkpoint"), ("cli", "data.mixing"), ("cli", "data.read"), ("cli", "data.tokenize"),
+DEFERRED = {("cli", "checkpoint"), ("cli", "commit"), ("cli", "data.mixing"), ("cli", "data.read"), ("cli", "data.tokenize"),
             ("cli", "inputs"), ("cli", "launch"), ("cli", "modeling"), ("cli", "train")}
 
 
@@ -267,7 +269,7 @@ def test_no_scale_import_inside_a_function_but_the_deferred():
 
 
 def test_loop_has_no_print_empty_cache_or_len_batch():
-    for name in ("train", "windows", "evaluate", "loss", "metrics"):
+    for name in ("train", "commit", "windows", "evaluate", "loss", "metrics"):
         src = (ROOT / "scale" / f"{name}.py").read_text(encoding="utf-8")
         for banned in ("print(", "empty_cache(", "len(batch)", ".item()"):
             assert banned not in src, (name, banned)
