@@ -444,7 +444,7 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
     head_module = model.get_base_model().get_output_embeddings()
     V = head_module.weight.shape[0] if head_module is not None else 0
     chunk = (chunked.resolve_chunk_size(cfg.loss.chunk_size, B * N, V)
-             if head_module is not None and cfg.loss.objective == "sft" else 0)  # preference losses run unchunked
+             if head_module is not None and not cfg.loss.trains_pairs() else 0)  # preference losses: unchunked
     phase = {"now": "embed"}
     per_phase: dict[str, int] = {}
     hooks = [m.register_forward_pre_hook(lambda mod, args, i=i: phase.__setitem__("now", f"layer{i}"))
@@ -502,7 +502,7 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
                     with mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda *a, **k: None):
                         tail = model(input_ids=ids, logits_to_keep=keep, use_cache=False).logits
                     targets = ids[:, T - N:]
-                if cfg.loss.objective != "sft":  # preference pairs: each row's summed tail logps (unchunked)
+                if cfg.loss.trains_pairs():  # preference pairs: each row's summed tail logps (unchunked)
                     side_logps(tail, targets, torch.ones(targets.shape))[0].sum()
                 elif chunk and (packed or padded or sp > 1):  # tail holds hidden states: the head runs chunk by chunk
                     chunked.chunked_tail_loss(model, tail, targets, torch.ones(targets.shape), chunk,

@@ -36,7 +36,7 @@ from scale.parts.loaders import build_loaders, warn_larger_than_split
 from scale.parts.log import build_generation, build_log, pick_eval_samples
 from scale.parts.model import build_run_model, flops_shape
 from scale.parts.optimizer import make_optimizer
-from scale.parts.preference import check_objective, keep_reference, precompute_references
+from scale.parts.preference import keep_reference, precompute_references
 from scale.parts.resume import resume_or_start
 from scale.precision import resolve_peak_flops
 from scale.samples import Generation
@@ -85,7 +85,6 @@ def setup(cfg: Config) -> Job:
     launch = build_launch(cfg)  # collective: accelerator, mode plan, precision; the resume picked and checked
     acc = launch.acc
     data = build_data(launch, cfg)  # collective: the tokenizer and the token cache's splits
-    check_objective(cfg, data.splits)  # a cache hit's splits: loss.objective against their format
     model, cpu_paths = build_run_model(launch, cfg, len(data.tokenizer))  # collective
     experts = build_experts(cfg, model, acc.device)  # a mixture of experts: its hooks, before anything is written
     loaders = build_loaders(launch, cfg, data.splits, data.tokenizer.pad_token_id)

@@ -229,7 +229,7 @@ def differences_from_trl(cfg: Config, warmup: int) -> list[str]:
                f"end (TRL: max_length=1024, truncation keeps the start)")
     every = f", every {t.eval_every} steps" if t.eval_every else ""
     out.append(f"evaluation at step 0{every} and at the end (TRL: none unless eval_strategy is set; train.eval_every)")
-    if cfg.loss.objective == "sft":  # a pair trains its sides' completions, as TRL's DPOTrainer does
+    if not cfg.loss.trains_pairs():  # a pair trains its sides' completions, as TRL's DPOTrainer does
         out.append("a row trains only its tail, the tokens between [[ and ]] in the row shown above (TRL: every token "
                    "of a text or chat row unless assistant_only_loss=true; a prompt-completion row's completion)")
     if t.save_total_limit is not None:

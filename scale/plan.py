@@ -142,7 +142,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     tail, tail_note = data_tail(cfg, counts)
     if cfg.data.packing:  # bins of data.max_length tokens (pairs: 2 x), any of which may be trained
         bins = (f"{cfg.train.micro_batch_size} bins of pairs x 2 x {cfg.data.max_length} tokens (planned as "
-                f"{2 * cfg.train.micro_batch_size} rows x {cfg.data.max_length})" if is_preference(cfg) else
+                f"{2 * cfg.train.micro_batch_size} rows x {cfg.data.max_length})" if cfg.loss.trains_pairs() else
                 f"{cfg.train.micro_batch_size} bins x {cfg.data.max_length} tokens")
         tail, tail_note = cfg.data.max_length, (
             f"tail: data.packing: each micro-batch is one padding-free row of {bins} "
@@ -150,7 +150,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
             f"row; the LM head and loss are planned for every position trained (N = data.max_length per bin, the "
             f"worst case; the data's longest trained span is {tail})")
     user_cfg, cfg = cfg, with_tail(cfg, tail)  # the counts below see the data's tail as loss.threshold
-    if is_preference(cfg):  # P pairs are 2P rows: everything below counts rows
+    if cfg.loss.trains_pairs():  # P pairs are 2P rows: everything below counts rows
         cfg = pair_rows(cfg)
     gc_setting, on = cfg.model.gradient_checkpointing, bool(cfg.model.gradient_checkpointing)
     models = {on: build_meta_model(cfg, hf_config, checkpointing=on)}
@@ -170,7 +170,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         acts_by_gc[True][regime].recompute = acts_by_gc[False][regime].per_layer
     acts = {regime: checkpoint_variant(acts_by_gc[True][regime], acts_by_gc[False][regime], cfg.model)
             for regime in regimes} if gc_setting in ("every_n", "offload") else acts_by_gc[on]
-    preference = plan_pairs(user_cfg, cfg, models[on], params, acts, cast, counts) if is_preference(cfg) else {}
+    preference = plan_pairs(user_cfg, cfg, models[on], params, acts, cast, counts) if cfg.loss.trains_pairs() else {}
     order, acts_sp = (("single",) if single_only else modes_in_order(cfg)), None
     # One rank's shard of every row (scale.ulysses), DeepSpeed's regime.
     if cfg.train.sequence_parallel_size > 1 and not single_only:
@@ -376,11 +376,6 @@ def with_tail(cfg: Config, tail: int) -> Config:
     return replace(cfg, loss=replace(cfg.loss, threshold=max(tail, -cfg.loss.target_position)),
                    train=replace(cfg.train, mixed_precision=precision),
                    model=replace(cfg.model, bnb_4bit_compute_dtype=compute))
-
-
-def is_preference(cfg: Config) -> bool:
-    """Whether ``cfg`` trains preference pairs (``loss.objective``: dpo | simpo | orpo)."""
-    return cfg.loss.objective != "sft"
 
 
 def pair_rows(cfg: Config) -> Config:

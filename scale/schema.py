@@ -240,6 +240,12 @@ class LossConfig:
                                              "loss; null: the model config's router_aux_loss_coef when the router "
                                              "trains, else 0.")
 
+    def trains_pairs(self) -> bool:
+        """Whether ``objective`` trains preference pairs (dpo, simpo, orpo: any objective but ``sft``), the data unit
+        of ``data.format: preference``. The one place the two are tied: the data check
+        (:func:`scale.data.tokenize.check_objective_fits`), the loaders, the planner and the start-up lines ask it."""
+        return self.objective != "sft"
+
 
 @dataclass
 class OptimConfig:

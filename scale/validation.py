@@ -256,7 +256,7 @@ def _validate_length(t: Any) -> None:  # a TrainConfig
 def _validate_preference(cfg: Any) -> None:
     """The preference objectives' numbers, and their data format."""
     loss = cfg.loss
-    if loss.objective == "sft":
+    if not loss.trains_pairs():
         return
     if not loss.beta > 0:
         raise ConfigError(f"loss.beta={loss.beta} must be > 0 (DPO's usual 0.1; SimPO's 2 to 2.5)")

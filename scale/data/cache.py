@@ -408,8 +408,9 @@ def wait_for_splits(cfg: Any, tokenizer: Any, path: str, run_id: str, poll_s: fl
                     return open_entry(final, cfg, tokenizer)
         failed = _failure(final, run_id)
         if failed is not None:
-            if failed["type"] in ("DataError", "ConfigError"):  # bad data, or a config the data contradicts
-                raise (DataError if failed["type"] == "DataError" else ConfigError)(failed["message"])
+            raised = {"DataError": DataError, "ConfigError": ConfigError}.get(failed["type"])  # bad data or config
+            if raised is not None:
+                raise raised(failed["message"])
             raise RuntimeError(f"building the data cache failed on the node's main process: {failed['type']}: "
                                f"{failed['message']}")
         now = time.monotonic()

@@ -146,21 +146,21 @@ def fingerprint_bytes(e: Example) -> bytes:
     return repr((e.input_ids, e.tail_len, e.trained)).encode()
 
 
-def check_objective_fits(objective: str, task: Task) -> None:
-    """A preference objective (``loss.objective`` dpo, simpo or orpo: any but ``sft``) trains preference pairs, and
-    pairs train only under one. Checked as soon as the format is known (before tokenizing), and again on the
-    splits a run gets from the token cache.
+def check_objective_fits(loss_cfg: LossConfig, task: Task) -> None:
+    """A preference objective (:meth:`scale.schema.LossConfig.trains_pairs`) trains preference pairs, and pairs train
+    only under one. Checked as soon as the format is known (before tokenizing), and again on the splits a run gets
+    from the token cache (:func:`scale.parts.data.build_data`).
 
     Args:
-        objective: ``loss.objective``.
+        loss_cfg: the loss section (``loss.objective``).
         task: the format that evaluates the data (``Splits.task``; a pair format has two ``sides``).
 
     Raises:
         ConfigError: the objective and the data format do not go together.
     """
     pairs = bool(task.sides)
-    if (objective != "sft") != pairs:
-        raise ConfigError(f"loss.objective={objective} with data.format={task.name}: "
+    if loss_cfg.trains_pairs() != pairs:
+        raise ConfigError(f"loss.objective={loss_cfg.objective} with data.format={task.name}: "
                           + ("preference pairs train under loss.objective=dpo, simpo or orpo" if pairs else
                              "a preference objective needs pairs (data.format=preference: prompt/chosen/rejected)"))
 
@@ -185,7 +185,7 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
     """
     mix = read_rows(data_cfg, path, seed)
     if check_objective:
-        check_objective_fits(loss_cfg.objective, mix.evaluating)
+        check_objective_fits(loss_cfg, mix.evaluating)
     task = mix.task
     if not task.uses_threshold and (loss_cfg.threshold, loss_cfg.target_position) != (2, -2):
         logger.warning("loss.threshold=%s and loss.target_position=%d apply to the text format only; the %s format "

@@ -18,7 +18,7 @@ from scale.data.cache import load_splits, wait_for_splits
 from scale.data.mixing import sources as mixture_sources
 from scale.data.read import DataError
 from scale.data.token_table import column
-from scale.data.tokenize import Splits
+from scale.data.tokenize import Splits, check_objective_fits
 from scale.modeling import TINY, load_tokenizer, tokenizer_source
 from scale.parts.launch import Launch
 from scale.schema import Config
@@ -45,10 +45,12 @@ def build_data(launch: Launch, cfg: Config) -> Data:
 
     One process prepares the cached assets, the others then read them; an error there stops every rank. The token
     cache: the node's main process finds or builds it (``build_splits`` inside) while the other ranks poll its
-    build record: no collective is open during a build of any length. Then the ranks agree.
+    build record: no collective is open during a build of any length. Then the ranks agree. ``loss.objective`` is
+    checked against the splits' format (:func:`scale.data.tokenize.check_objective_fits`): a build checks it before
+    tokenizing, a cache hit here.
 
     Raises:
-        DataError, ConfigError: bad data or config, on every rank.
+        DataError, ConfigError: bad data or config (an objective the format does not train), on every rank.
     """
     acc = launch.acc
     tokenizer_here = on_this_machine(tokenizer_source(cfg.model))
@@ -72,6 +74,7 @@ def build_data(launch: Launch, cfg: Config) -> Data:
         tokenizer = on_every_rank(acc, lambda: load_tokenizer(cfg.model))  # collective
     splits = on_every_rank(acc, lambda: load_splits(cfg, tokenizer, data_path, run_id) if acc.is_local_main_process
                            else wait_for_splits(cfg, tokenizer, data_path, run_id))  # collective, after the build
+    check_objective_fits(cfg.loss, splits.task)  # a cache hit's splits were not checked as they were built
     return Data(tokenizer, data_path, splits)
 
 

@@ -19,7 +19,6 @@ from scale.data.sequence import ShardCollator
 from scale.data.tasks.preference import PackedPairCollator, PairCollator, PairedExamples, pair_capacity
 from scale.data.token_table import Reordered, column, longest_first
 from scale.data.tokenize import Splits
-from scale.objectives.preference import OBJECTIVES
 from scale.parts.launch import Launch
 from scale.schedule import steps_for_epochs
 from scale.schema import Config
@@ -82,7 +81,7 @@ def warn_larger_than_split(launch: Launch, cfg: Config, loaders: Loaders) -> Non
 def unit_text(cfg: Config) -> str:
     """What the train loader deals in, for messages: rows (preference pairs under a preference
     ``loss.objective``), or with ``data.packing`` bins of them."""
-    pairs = cfg.loss.objective in OBJECTIVES  # scale.parts.preference.check_objective: pairs <=> these objectives
+    pairs = cfg.loss.trains_pairs()
     if not cfg.data.packing:
         return "pairs" if pairs else "rows"
     return (f"bins of up to 2 x data.max_length={cfg.data.max_length} = {2 * cfg.data.max_length} tokens" if pairs else

@@ -18,22 +18,11 @@ from scale.data.collate import Collator
 from scale.data.order import PackedRows
 from scale.data.tasks.preference import PairCollator, PairedExamples
 from scale.data.token_table import Reordered
-from scale.data.tokenize import Splits, check_objective_fits
+from scale.data.tokenize import Splits
 from scale.objectives.preference import PreferenceObjective, add_reference_adapter, reference_logps
 from scale.schema import Config
 
 logger = get_logger(__name__)
-
-
-def check_objective(cfg: Config, splits: Splits) -> None:
-    """A preference objective trains preference pairs, and preference pairs train only under one
-    (:func:`scale.data.tokenize.check_objective_fits`, run again here: splits read from the token cache were not
-    built in this process).
-
-    Raises:
-        ConfigError: the objective and the data format do not go together.
-    """
-    check_objective_fits(cfg.loss.objective, splits.task)
 
 
 def keep_reference(cfg: Config, model: torch.nn.Module, objective: Any) -> None:
