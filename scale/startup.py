@@ -135,8 +135,7 @@ def report_start(launch: Launch, cfg: Config, data: Data, loaders: Loaders, mode
                 "gradient_accumulation_steps=%d x %d data-parallel ranks) max_steps=%d", plan.mode,
                 acc.num_processes, shared, G, cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps,
                 plan.data_parallel_size, max_steps)
-    sides = max(len(splits.task.sides), 1)  # preference: a loader item is a pair, 2 rows
-    unit = "pairs" if sides > 1 else "rows"
+    sides, unit = max(len(splits.task.sides), 1), splits.task.unit  # preference: a loader item is a pair, 2 rows
     if bins is not None:
         logger.info(packing_text(len(splits.train) // sides, bins, lengths, cfg.data.max_length * sides, G, unit))
     logger.info("per step: %s; %s: train=%d eval=%d format=%s; parameters: trainable=%d total=%d (%.3f%%)",

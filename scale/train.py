@@ -281,7 +281,7 @@ def evaluate_and_log(job: Job, preemption: Preemption | None = None) -> dict[str
     started = time.perf_counter()
     if job.acc.is_main_process:  # a line before it starts: the first evaluation of a real run takes minutes
         generating = f" + {len(job.gen.samples)} generated answers" if job.gen is not None and job.gen.samples else ""
-        unit = "pairs" if job.task is not None and len(job.task.sides) > 1 else "rows"
+        unit = job.task.unit if job.task is not None else "rows"
         logger.info("eval step %d: evaluating %s held-out %s%s", job.state.step,
                     len(getattr(job.eval_dl, "dataset", ())), unit, generating)
     metrics = evaluate(job.acc, job.model, job.eval_dl, job.objective, stop=stop, task=job.task,

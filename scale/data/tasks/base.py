@@ -167,6 +167,11 @@ class Task:
     #: the examples each row becomes, in order, when a row is several (a preference pair: chosen, rejected)
     sides: ClassVar[tuple[str, ...]] = ()
 
+    @property
+    def unit(self) -> str:
+        """What a row of this format is called in log lines: ``pairs`` for a format of :attr:`sides`, else ``rows``."""
+        return "pairs" if self.sides else "rows"
+
     def __init__(self) -> None:
         self.found: dict[str, Any] = {}  # what the rows showed (:meth:`info`), for evaluation and the split's fields
 
