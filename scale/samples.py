@@ -157,7 +157,8 @@ def generate_samples(acc: Accelerator, model: torch.nn.Module, gen: Generation,
         stop: checked before every sample on every rank; when it is true on any rank, every rank raises.
 
     Returns:
-        One record per sample: ``row, prompt, reference, completion, exact`` (+ ``label`` for classification).
+        One record per sample: ``row, prompt, reference, completion, exact`` (+ ``label`` for classification); a
+        preference pair's: ``row, prompt, completion, chosen, rejected, exact`` + its scores (:attr:`Generation.score`).
 
     Raises:
         EvalInterrupted: ``stop()`` became true on some rank (the ranks agree through a one-number all-reduce
@@ -186,20 +187,15 @@ def generate_samples(acc: Accelerator, model: torch.nn.Module, gen: Generation,
             i = mine[k]
             records.append(_complete(acc, net, gen, i, stop))
         check()  # a stop during the last sample cut it short: not a record
-    finally:
-        if was_training:
-            net.train()
-    if world > 1 and not gen.partitioned:
-        records = sorted(gather_object(records), key=lambda r: r["sample"])  # collective: every rank gets all
-    if gen.score is not None:  # every rank scores every pair in lock-step (ZeRO-3/FSDP forwards are collective)
-        net.eval()
-        try:
+        if world > 1 and not gen.partitioned:
+            records = sorted(gather_object(records), key=lambda r: r["sample"])  # collective: every rank gets all
+        if gen.score is not None:  # every rank scores every pair in lock-step (ZeRO-3/FSDP forwards are collective)
             for r in records:
                 with acc.autocast():
                     r.update(gen.score(net, gen.samples[r["sample"]].pair))
-        finally:
-            if was_training:
-                net.train()
+    finally:
+        if was_training:
+            net.train()
     return records
 
 
