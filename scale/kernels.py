@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from scale.validation import ConfigError
+from scale.wrapped import base_model
 
 LIGER_APPLY = {
     "llama": "apply_liger_kernel_to_llama",
@@ -38,13 +39,6 @@ LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "geglu": True,
                  "cross_entropy": False, "fused_linear_cross_entropy": False}
 """The keyword arguments the apply functions get, each passed where the function takes it (Gemma's MLP is a GeGLU,
 ``geglu``; the others' ``swiglu``): the norm, MLP and rotary kernels, no loss patch."""
-
-
-def base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a peft / DDP / DeepSpeed wrapper (the one Liger patches)."""
-    while hasattr(model, "module") and not hasattr(model, "get_base_model"):
-        model = model.module
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def liger_apply_name(model: torch.nn.Module) -> str:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from scale.wrapped import base_model
 
 PACKED_SEQ_LENS = "packed_seq_lens"
 """Model keyword argument: the lengths of the examples of a packed row (a tuple of ints), passed by
@@ -395,11 +396,7 @@ def packed_kwargs(model: torch.nn.Module, seq_lens: Tensor) -> dict[str, tuple[i
     """The keyword arguments a packed row's forward passes: ``{PACKED_SEQ_LENS: (l_1, ..., l_B)}`` when the model
     attends with :mod:`scale.varlen`'s per-example attention (its ``_attn_implementation`` ends in
     :data:`SEGMENTS_SUFFIX`), else none. Reads ``seq_lens [B]`` on the host: that attention runs on CPU only."""
-    m = model
-    while hasattr(m, "module") and not hasattr(m, "get_base_model"):
-        m = m.module  # DDP / DeepSpeed wrappers
-    m = m.get_base_model() if hasattr(m, "get_base_model") else m
-    name = getattr(getattr(m, "config", None), "_attn_implementation", None)
+    name = getattr(getattr(base_model(model), "config", None), "_attn_implementation", None)
     if not (isinstance(name, str) and name.endswith(SEGMENTS_SUFFIX)):
         return {}
     return {PACKED_SEQ_LENS: tuple(int(n) for n in seq_lens.tolist())}

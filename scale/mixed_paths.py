@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from scale.wrapped import base_model
+
 ATTENTION_FP32_BELOW = 256
 """Key length (tokens) below which :func:`mixed_sdpa` computes attention in float32 on CPU although autocast asks
 for bf16/fp16. torch's CPU flash-attention kernel runs its bf16 backward as 4 small ``cpublas::gemm`` calls per
@@ -76,18 +78,12 @@ def use_mixed_sdpa(model: torch.nn.Module, on: bool = True) -> bool:
 
     AttentionInterface.register(MIXED_SDPA, mixed_sdpa)
     AttentionMaskInterface.register(MIXED_SDPA, sdpa_mask)
-    config = _base(model).config
+    config = base_model(model).config
     now, want = ("sdpa", MIXED_SDPA) if on else (MIXED_SDPA, "sdpa")
     if getattr(config, "_attn_implementation", None) != now:
         return False
     config._attn_implementation = want
     return True
-
-
-def _base(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and not hasattr(model, "get_base_model"):
-        model = model.module  # DDP / DeepSpeed wrappers
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 # The last cast made by _adapter_input_hook: (input, its version, grad mode, cast). q/k/v (and gate/up) read the same
@@ -213,7 +209,8 @@ def cache_head_cast(model: torch.nn.Module, on: bool = True) -> bool:
     """
     import types
 
-    head = _base(model).get_output_embeddings() if hasattr(_base(model), "get_output_embeddings") else None
+    base = base_model(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or head.weight.requires_grad:
         return False
     installed = "forward" in vars(head)

@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from scale.mixed_paths import mixed_sdpa
 from scale.loss import PACKED_SEQ_LENS, SEGMENTS_SUFFIX
+from scale.mixed_paths import mixed_sdpa
+from scale.wrapped import base_model
 
 SEGMENT_INNER = ("sdpa", "sdpa_cpu_mixed")
 """Attention implementations :func:`use_segment_attention` wraps: transformers' sdpa and the CPU bf16 path's
@@ -112,7 +113,7 @@ def use_segment_attention(model: torch.nn.Module, on: bool = True) -> bool:
     for name, inner in zip(SEGMENT_INNER, (sdpa, mixed_sdpa)):
         AttentionInterface.register(name + SEGMENTS_SUFFIX, segment_attention(inner))
         AttentionMaskInterface.register(name + SEGMENTS_SUFFIX, sdpa_mask)
-    config = _base(model).config
+    config = base_model(model).config
     now = getattr(config, "_attn_implementation", None)
     if on and now in SEGMENT_INNER:
         config._attn_implementation = now + SEGMENTS_SUFFIX
@@ -121,9 +122,3 @@ def use_segment_attention(model: torch.nn.Module, on: bool = True) -> bool:
         config._attn_implementation = now[: -len(SEGMENTS_SUFFIX)]
         return True
     return False
-
-
-def _base(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module") and not hasattr(model, "get_base_model"):
-        model = model.module  # DDP / DeepSpeed wrappers
-    return model.get_base_model() if hasattr(model, "get_base_model") else model

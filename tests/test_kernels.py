@@ -8,6 +8,7 @@ import torch
 
 from scale import kernels
 from scale.validation import ConfigError
+from scale.wrapped import base_model
 from tests.bounds import EPS32, fp32_paths_rel
 from tests.conftest import tiny_cfg
 
@@ -34,7 +35,7 @@ def test_each_family_maps_to_its_liger_apply_function(family):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     wrapped = get_peft_model(model, LoraConfig(r=2, target_modules="all-linear"))
-    assert kernels.base_model(wrapped) is model
+    assert base_model(wrapped) is model
     assert kernels.liger_apply_name(wrapped) == kernels.LIGER_APPLY[family] == f"apply_liger_kernel_to_{family}"
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN

@@ -36,14 +36,16 @@ ALLOWED: dict[str, set[str]] = {
     "topology": {"validation"},  # processes per machine: one per visible GPU (torch only where a GPU driver is)
     "assets": {"fileio"},
     "schedule": {"schema"},
-    "loss": set(),
+    "wrapped": set(),  # the transformers model under DDP/DeepSpeed/peft wrappers (attribute walking only)
+    "loss": {"wrapped"},
     "chunked": {"loss"},  # the chunked tail loss: fp32 logits of one chunk of the tail at a time
     "objectives": {"chunked", "loss", "schema", "validation"},  # one file per objective; loss.objective picks one
     "modeling": {"assets", "compat", "moe", "schema", "validation"},
     "moe": {"compat", "flops", "validation"},  # mixture-of-experts models: LoRA targets, expert load, active counts
-    "mixed_paths": set(),  # mixed-precision paths with fewer casts (bf16 autocast where it pays)
-    "kernels": {"validation"},  # model.kernels: Liger-Kernel's RMSNorm/SwiGLU/RoPE patches, by model family
-    "varlen": {"loss", "mixed_paths"},  # packed rows' attention one example at a time where no varlen kernel runs
+    "mixed_paths": {"wrapped"},  # mixed-precision paths with fewer casts (bf16 autocast where it pays)
+    "kernels": {"validation", "wrapped"},  # model.kernels: Liger-Kernel's RMSNorm/SwiGLU/RoPE patches, by model family
+    # packed rows' attention one example at a time where no varlen kernel runs
+    "varlen": {"loss", "mixed_paths", "wrapped"},
     "attention": {"schema", "validation"},  # which attention a run may use: the kernel, packing, sequence parallelism
     # scale-plan's counts: meta/fake tensors, no process group
     "census": {"chunked", "config", "loss", "modeling", "moe", "objectives", "schema"},  # objectives: the pairs' loss
@@ -115,6 +117,7 @@ DISTRIBUTED = {"launch", "rendezvous", "metrics", "tracking", "checks", "checkpo
 # stages are one layer each, in the order rows flow: files, sources, formats, split, mixing, tokens, cache, batches.
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"compat", "fileio", "flops", "logs", "signals", "state", "rendezvous", "validation", "schema",
+                     "wrapped",
                      "names", "config", "config_help", "assets", "schedule", "topology"}),
     ("model and loss (plain tensors)", {"loss", "chunked", "objectives", "moe", "modeling", "mixed_paths",
                                         "kernels", "attention", "census", "layouts", "varlen"}),
