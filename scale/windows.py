@@ -57,8 +57,9 @@ class Window:
 
 
 class Vote(NamedTuple):
-    """One rank's entry of the all-gather of :func:`windows`, float64 scalars on its device (after the gather each
-    field is ``[world]``, one per rank)."""
+    """One rank's entry of the all-gather of :func:`windows`, float64 scalars on its device. The gathered
+    ``[world, 6]`` table is copied to the host once and read as Python numbers: each field's largest entry over the
+    ranks, and the sum of ``weight_sum``."""
 
     micro_batches: torch.Tensor  # real micro-batches this rank holds for the window
     stop: torch.Tensor  # 1: a pre-emption signal arrived on this rank
@@ -110,11 +111,14 @@ def windows(acc: Accelerator, dl: DataLoader, ga: int, objective: Objective,
                     save_due=zero + (timer is not None and timer.due),
                     bad_rows=torch.stack([batch_bad_rows(b).sum() for b in batches]).sum().double() if micro else zero,
                     nonfinite=zero if flag is None else flag)
-        votes = Vote(*acc.gather(torch.stack(mine)[None]).cpu().T)  # collective + host sync, once per window
+        table = acc.gather(torch.stack(mine)[None]).cpu()  # [world, 6]: collective + host sync, once per window
+        # Python numbers by two .tolist() of the host copy: no further read (none per field by int() or bool())
+        top = Vote(*table.amax(0).tolist())  # each field's largest entry over the ranks
+        den = table[:, Vote._fields.index("weight_sum")].sum().tolist()  # summed over the ranks, in float64
         if held is not None:
-            held.apply(bool(votes.nonfinite.max()))  # the previous window's optimizer step, before anything else
-        n_max, stop, den = int(votes.micro_batches.max()), bool(votes.stop.max()), float(votes.weight_sum.sum())
-        if votes.bad_rows.any():
+            held.apply(top.nonfinite > 0)  # the previous window's optimizer step, before anything else
+        n_max, stop = int(top.micro_batches), top.stop > 0
+        if top.bad_rows > 0:
             bad = next((b for b in batches if batch_bad_rows(b).any()), None)
             raise ValueError(describe_batch_row(bad) if bad
                              else "a micro-batch on another rank holds a row the tail loss cannot score (its "
@@ -127,4 +131,4 @@ def windows(acc: Accelerator, dl: DataLoader, ga: int, objective: Objective,
         if last is None:
             raise RuntimeError("a rank got no batch in an epoch: lower train.micro_batch_size or num_processes")
         stand_ins = [MicroBatch(last, torch.zeros_like(objective.weights(last)), real=False)] * (n_max - len(micro))
-        yield Window(micro + stand_ins, den=den, save_due=bool(votes.save_due.max()))
+        yield Window(micro + stand_ins, den=den, save_due=top.save_due > 0)

@@ -15,6 +15,11 @@ as on a GPU. Reads counted:
 A CPU-only tensor a library keeps on the host on a GPU too (AdamW's ``step`` counters) is counted on the CPU as a
 device value; compare a loop against a reference loop that shares those (benchmarks/bare_loop.py) and budget the
 difference.
+
+Beside those, ``scalars`` counts every ``_local_scalar_dense``, of a host copy too: what ``torch.profiler`` lists as
+``aten::_local_scalar_dense``, the count an independent check of a GPU run starts from. :func:`marginal` turns two
+runs of different lengths into reads per optimizer step, so that nothing done once (start-up, the last step's
+logging, the final evaluation) is counted as a step's.
 """
 
 from __future__ import annotations
@@ -33,8 +38,8 @@ READS = ("_local_scalar_dense", "nonzero", "equal", "is_nonzero")
 
 class HostReads(TorchDispatchMode):
     """Counts host reads of device values and aten ops, one ``Counter`` per optimizer step (a new one starts after
-    each ``Optimizer.step``): ``steps[i]['reads']``, ``steps[i]['ops']``, and per kind (``'_local_scalar_dense'``,
-    ``'nonzero'``, ``'copy'``, ...)."""
+    each ``Optimizer.step``): ``steps[i]['reads']``, ``steps[i]['ops']``, per kind (``'_local_scalar_dense'``,
+    ``'nonzero'``, ``'copy'``, ...), and ``steps[i]['scalars']``: every ``_local_scalar_dense``, host copy or not."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -60,6 +65,8 @@ class HostReads(TorchDispatchMode):
         host = bool(tensors) and all(self.is_host(t) for t in tensors)
         name = func.overloadpacket.__name__
         self.steps[-1]["ops"] += 1
+        if name == "_local_scalar_dense":
+            self.steps[-1]["scalars"] += 1
         if name in READS and not host:
             self.read(name)
         out = func(*args, **(kwargs or {}))
@@ -68,6 +75,13 @@ class HostReads(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     self.mark_host(t)
         return out
+
+    def through(self, step: int) -> collections.Counter:
+        """Every count from the start of :meth:`counting` through optimizer step ``step`` (1-based), that step's
+        ``Optimizer.step`` included: what a loop did after its last step is left out."""
+        if not 1 <= step < len(self.steps):
+            raise ValueError(f"step {step} not counted: {len(self.steps) - 1} optimizer steps ran")
+        return sum(self.steps[:step], collections.Counter())
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[HostReads]:
@@ -97,3 +111,18 @@ class HostReads(TorchDispatchMode):
         finally:
             hook.remove()
             torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.numpy = cpu, tolist, numpy
+
+
+def marginal(short: HostReads, long: HostReads) -> dict[str, float]:
+    """Counts per optimizer step of a loop, from a run of ``n`` steps (``short``) and a longer run of ``m`` steps of the
+    same loop (``long``): ``(long through m - short through n) / (m - n)`` per key, so that start-up and whatever the
+    last step does once (a log step, a flush) cancel out and cannot hide a per-step read.
+
+    Raises:
+        ValueError: ``long`` ran no more optimizer steps than ``short``.
+    """
+    n, m = len(short.steps) - 1, len(long.steps) - 1
+    if m <= n:
+        raise ValueError(f"the long run must run more optimizer steps than the short one: {m} vs {n}")
+    a, b = short.through(n), long.through(m)
+    return {k: (b[k] - a[k]) / (m - n) for k in sorted(a.keys() | b.keys())}
