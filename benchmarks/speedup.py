@@ -134,7 +134,8 @@ def profile_steps(job, steps: int) -> dict[str, float]:
     job.model.train()
     meter = StepMeter(job.acc.device)
     commit = StepCommit(job, meter)  # each step applied at once (flush), as fit does at a log step
-    it = iter(windows(job.acc, epoch_loader(job), job.cfg.train.gradient_accumulation_steps, job.objective))
+    batches, last = epoch_loader(job)
+    it = iter(windows(job.acc, batches, job.cfg.train.gradient_accumulation_steps, job.objective, last=last))
     train_window(job, next(it), meter, commit)
     commit.flush()
     batches = [next(it) for _ in range(steps)]

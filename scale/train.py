@@ -22,13 +22,13 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from torch.utils.data import DataLoader
 
 from scale.best import observe, out_of_patience, write_best
 from scale.checkpoint import ADAPTER_FILE, rng_states, save_adapter, save_checkpoint, set_rng_states
@@ -44,7 +44,7 @@ from scale.signals import EvalInterrupted, Preempted, Preemption
 from scale.state import STATE_FILE, SaveTimer
 from scale.tracking import finish_trackers, log_model
 from scale.ulysses import sharded
-from scale.windows import Window, windows
+from scale.windows import Window, skip_trained, windows
 
 logger = get_logger(__name__)
 
@@ -56,7 +56,8 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     ``train.keep_best``; stop early after ``train.early_stopping_patience`` evaluations without one.
 
     A resumed ``state`` continues mid-epoch: each rank skips the ``windows_in_epoch * GA`` micro-batches
-    of its shard it already trained on, so the sample order equals an uninterrupted run's.
+    of its shard it already trained on (keeping the last as its stand-in for a window its shard has no batch for),
+    so the sample order and the stand-ins equal an uninterrupted run's.
 
     Returns:
         The final evaluation metrics.
@@ -80,8 +81,9 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     job.model.train()
     while state.step < job.max_steps and state.reason != "early_stopped":  # an early-stopped run resumes stopped
         ready = time.perf_counter()
-        for window in windows(acc, epoch_loader(job), t.gradient_accumulation_steps, job.objective, preemption,
-                              timer, commit):
+        batches, last = epoch_loader(job)
+        for window in windows(acc, batches, t.gradient_accumulation_steps, job.objective, preemption, timer, commit,
+                              last):
             # host time waiting for batches (and the gather), not the previous step's optimizer step it applied
             meter.data_s += time.perf_counter() - ready - commit.take_spent()
             if window.stop:
@@ -248,15 +250,12 @@ def sync_on_last_micro_batch(acc: Accelerator, n_micro: int) -> None:
     acc.step = acc.gradient_accumulation_steps - n_micro
 
 
-def epoch_loader(job: Job) -> DataLoader:
-    """The train loader for ``state.epoch``; mid-epoch after a resume, without the micro-batches already trained."""
-    job.train_dl.set_epoch(job.state.epoch)
-    if not job.state.windows_in_epoch:
-        return job.train_dl
-    ga = job.cfg.train.gradient_accumulation_steps
-    dl = job.acc.skip_first_batches(job.train_dl, job.state.windows_in_epoch * ga)
-    dl.set_epoch(job.state.epoch)  # the copy must be told the epoch too (accelerate#2016)
-    return dl
+def epoch_loader(job: Job) -> tuple[Iterable[dict[str, torch.Tensor]], dict[str, torch.Tensor] | None]:
+    """This rank's train micro-batches of ``state.epoch`` and the one trained before them (:func:`windows`'
+    ``last``): mid-epoch after a resume, without the ``windows_in_epoch * GA`` already trained, the last of which
+    is a rank's stand-in if its shard holds no batch for the next window (:func:`scale.windows.skip_trained`)."""
+    trained = job.state.windows_in_epoch * job.cfg.train.gradient_accumulation_steps
+    return skip_trained(job.acc, job.train_dl, job.state.epoch, trained)
 
 
 def full_norm(grad_norm: Any) -> Any:

@@ -1,13 +1,14 @@
 """Accumulation windows: the micro-batches of one optimizer step, the same number on every rank, with the window's
 loss denominator, agreed on by one small all-gather per window (:func:`windows`) that also carries the stop flag,
 the checkpoint timer, the rows the tail loss cannot score and the previous window's non-finite flag (the loop's
-held optimizer step, :class:`HeldStep`).
+held optimizer step, :class:`HeldStep`). A resumed epoch starts after the micro-batches already trained
+(:func:`skip_trained`), with the last of them kept as a stand-in, so its windows are an uninterrupted run's.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -80,13 +81,36 @@ class HeldStep(Protocol):
         """Apply the held step (``nonfinite`` on no rank) or drop it (on some rank); a no-op when none is held."""
 
 
-def windows(acc: Accelerator, dl: DataLoader, ga: int, objective: Objective,
+def skip_trained(acc: Accelerator, dl: DataLoader, epoch: int,
+                 trained: int) -> tuple[Iterable[dict[str, torch.Tensor]], dict[str, torch.Tensor] | None]:
+    """This rank's micro-batches of epoch ``epoch`` after its first ``trained`` (a resumed run's, already trained),
+    and the last of those: ``(batches, last)`` for :func:`windows`.
+
+    ``last`` is the batch an uninterrupted run repeats as a stand-in when this rank's shard holds no batch for the
+    next window (the last partial window of an epoch, on a rank whose shard is one micro-batch shorter: accelerate
+    deals whole micro-batches round-robin, so shards differ by at most one). Skipping all ``trained`` micro-batches
+    would lose it, and that rank would have nothing to run beside the others' forward/backward. ``None`` when
+    ``trained`` is 0 or this rank's shard holds fewer (the epoch is then over on every rank). The skip itself is
+    accelerate's ``skip_first_batches`` (indices only; ``last`` is the one skipped batch collated).
+    """
+    dl.set_epoch(epoch)
+    if not trained:
+        return dl, None
+    rest = acc.skip_first_batches(dl, trained - 1)
+    rest.set_epoch(epoch)  # the copy must be told the epoch too (accelerate#2016)
+    batches = iter(rest)
+    return batches, next(batches, None)
+
+
+def windows(acc: Accelerator, dl: Iterable[dict[str, torch.Tensor]], ga: int, objective: Objective,
             preemption: Preemption | None = None, timer: SaveTimer | None = None,
-            held: HeldStep | None = None) -> Iterator[Window]:
+            held: HeldStep | None = None, last: dict[str, torch.Tensor] | None = None) -> Iterator[Window]:
     """Yield accumulation windows of at most ``ga`` micro-batches, the same length on every rank.
 
     With ``even_batches=False`` a rank can run out of batches before the others at the end of an epoch; it
-    then repeats its last batch as a stand-in (``real=False``). The epoch ends when no rank has a batch left.
+    then repeats its last batch as a stand-in (``real=False``): the last of its batches in this window, else of the
+    previous one, else ``last`` (the batch trained just before ``dl``'s first: a resumed epoch's, from
+    :func:`skip_trained`). The epoch ends when no rank has a batch left.
 
     Collective: one tiny all-gather per window (a :class:`Vote` of every rank), which also carries the stop flag
     (pre-emption costs no extra collective), the loss denominator, the checkpoint timer (ranks agree on a time-based
@@ -98,8 +122,9 @@ def windows(acc: Accelerator, dl: DataLoader, ga: int, objective: Objective,
         NonFiniteError: from ``held.apply`` (:class:`scale.commit.StepCommit`), under ``train.on_nonfinite=error``.
         ValueError: a micro-batch on some rank holds a row with a gap in its mask or fewer than its tail + 1
             tokens (:func:`scale.loss.check_rows`).
+        RuntimeError: a rank has no batch to repeat for a window the others train (its shard is empty).
     """
-    it, last = iter(dl), None
+    it = iter(dl)
     while True:
         batches = list(itertools.islice(it, ga))
         last = batches[-1] if batches else last

@@ -123,6 +123,32 @@ def test_sigterm_checkpoints_and_resume_matches(reference, tmp_path):
 
 
 @pytest.mark.launch
+def test_resume_before_a_window_one_rank_has_no_batch_for_is_bit_exact(tmp_path):
+    """13 items at global batch 4 (2 processes x micro-batch 1 x GA 2): each epoch's last window holds one
+    micro-batch, on rank 0; rank 1 repeats its previous batch as a zero-weight stand-in. Resumed from the step-3
+    checkpoint, right before that window, on rows and pairs, under DDP and ZeRO-3, all in one launch
+    (tests/resume_launch.py): the losses, gradient norms and adapter are the uninterrupted run's, bit for bit. (Rank
+    1 raised "a rank got no batch in an epoch": the resumed loader had skipped the batch it repeats.)"""
+    from tests.launching import free_port, read_run
+    from tests.resume_launch import CASES
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port()),
+           "-m", "tests.resume_launch", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**ENV, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, [line for line in proc.stdout.splitlines() if "Error" in line][-5:] or proc.stdout[-3000:]
+    for name in CASES:
+        case = tmp_path / name.replace(" ", "_")
+        saved = json.loads((case / "ref" / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
+        assert (saved["epoch"], saved["windows_in_epoch"], saved["mode"]) == (0, 3, name.split()[1])
+        ref, got = read_run(case / "ref"), read_run(case / "resumed")
+        assert ref["steps"] == [1, 2, 3, 4, 5, 6] and got["steps"] == [4, 5, 6], name
+        assert got["loss"] == ref["loss"][3:] and got["grad_norm"] == ref["grad_norm"][3:], name  # identical
+        assert _bit_equal(ref["weights"], got["weights"]), name
+
+
+@pytest.mark.launch
 def test_sigterm_exit_code_without_launcher(tmp_path):
     """`scale-train` run directly (one process, as under srun): SIGTERM -> checkpoint, exit code 75."""
     out = tmp_path / "direct"

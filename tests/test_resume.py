@@ -235,3 +235,147 @@ def test_portable_state_alone_resumes_bit_exact(reference, tmp_path, monkeypatch
     ref_losses, got_losses = _losses(reference), _losses(tmp_path / "out")
     assert sorted(got_losses) == list(range(K + 1, 2 * K + 1))
     assert all(got_losses[s] == ref_losses[s] for s in got_losses)
+
+
+class World:
+    """``size`` data-parallel ranks as threads of this process, each running the real :func:`scale.windows.windows`:
+    ``acc.gather`` joins every rank's vote in rank order, as the all-gather of a process group does, and
+    ``acc.skip_first_batches`` is accelerate's."""
+
+    def __init__(self, size: int) -> None:
+        import threading
+
+        self.size, self.slots = size, [None] * size
+        self.barrier = threading.Barrier(size, timeout=60)
+
+    def acc(self, rank: int):
+        from types import SimpleNamespace
+
+        from accelerate.data_loader import skip_first_batches
+
+        return SimpleNamespace(device=torch.device("cpu"), skip_first_batches=skip_first_batches,
+                               gather=lambda t: self.gather(rank, t))
+
+    def gather(self, rank: int, t: torch.Tensor) -> torch.Tensor:
+        self.slots[rank] = t
+        self.barrier.wait()
+        out = torch.cat(self.slots)
+        self.barrier.wait()  # every rank has read the slots before any writes the next vote
+        return out
+
+    def run(self, fn) -> list:
+        """``[fn(rank) for every rank]``, the ranks running together; a rank's error is raised (the others' waits
+        are broken, as a crashed process breaks the group's collectives)."""
+        import threading
+
+        results, errors = [None] * self.size, [None] * self.size
+
+        def work(rank):
+            try:
+                results[rank] = fn(rank)
+            except BaseException as e:  # noqa: BLE001 (re-raised below)
+                errors[rank] = e
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
+        if first is not None or any(errors):
+            raise first or next(e for e in errors if e is not None)
+        return results
+
+
+def _epoch_windows(world: World, loaders: list, ga: int, objective, trained_windows: int) -> list:
+    """Every rank's windows of epoch 1 after ``trained_windows`` windows were trained (0: the whole epoch), as the
+    loop takes them (:func:`scale.train.epoch_loader`'s :func:`scale.windows.skip_trained`, then ``windows``): per
+    window ``(den, [(input_ids, weights, real) per micro-batch])``."""
+    from scale.windows import skip_trained, windows
+
+    def rank_windows(rank):
+        acc = world.acc(rank)
+        batches, last = skip_trained(acc, loaders[rank], 1, trained_windows * ga)
+        return [(w.den, [(mb.batch["input_ids"].tolist(), mb.weights.tolist(), mb.real) for mb in w.micro])
+                for w in windows(acc, batches, ga, objective, last=last)]
+
+    return world.run(rank_windows)
+
+
+def _sharded(make_loader, world: int) -> list:
+    """The loader ``make_loader()`` builds as each of ``world`` ranks gets it from ``Accelerator.prepare``
+    (scale.launch's settings). One loader per rank, as each process builds its own: the ranks' threads must not
+    share a sampler's generator."""
+    from accelerate.data_loader import prepare_data_loader
+
+    return [prepare_data_loader(make_loader(), num_processes=world, process_index=r, even_batches=False,
+                                put_on_device=False, use_seedable_sampler=True) for r in range(world)]
+
+
+def _assert_resumes_as_uninterrupted(world: World, loaders: list, ga: int, objective) -> tuple[int, int]:
+    """Resumed after every window of an epoch, each rank's windows (micro-batches, stand-ins, weights, denominators)
+    are the uninterrupted epoch's from there. Returns the uninterrupted epoch's ``(stand-ins, windows of a rank
+    holding stand-ins only)``, over all ranks."""
+    whole = _epoch_windows(world, loaders, ga, objective, 0)
+    for k in range(1, len(whole[0]) + 1):
+        resumed = _epoch_windows(world, loaders, ga, objective, k)
+        assert resumed == [w[k:] for w in whole], k
+    reals = [[real for *_, real in micro] for w in whole for _, micro in w]
+    return sum(r.count(False) for r in reals), sum(not any(r) for r in reals)
+
+
+@pytest.mark.parametrize("pairs", [False, True], ids=["rows", "pairs"])
+@pytest.mark.parametrize("last_window", [0, 1, 2, 3])
+def test_resume_after_any_window_gives_each_rank_the_uninterrupted_windows(tmp_path, tokenizer, pairs, last_window):
+    """2 ranks x micro-batch 1 x GA 2 on the tiny job's real loaders (rows, or preference pairs): 12 + ``last_window``
+    items make an epoch whose last window holds ``last_window`` micro-batches (0: none, every window full). With 1,
+    rank 1's shard holds nothing for it and the uninterrupted run repeats rank 1's previous batch: a resume right
+    before that window must still have it (it raised "a rank got no batch in an epoch")."""
+    from accelerate import Accelerator
+
+    from scale.data import build_splits
+    from scale.objectives import build_objective
+    from scale.parts.loaders import make_loaders
+    from tests.launching import PAIRS
+
+    Accelerator(cpu=True)  # accelerate's sharding reads its state
+    cfg = tiny_cfg(tmp_path, *(PAIRS if pairs else []), f"data.max_train_examples={12 + last_window}",
+                   "train.micro_batch_size=1", "train.gradient_accumulation_steps=2", "data.eval_size=8",
+                   f"data.cache_dir={tmp_path / 'cache'}")
+    splits = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed)
+    loaders = _sharded(lambda: make_loaders(cfg, splits, tokenizer.pad_token_id, 2)[0], 2)
+    assert len(loaders[0].dataset) == 12 + last_window
+    # rank 1's shard is one short with 1 or 3: one stand-in, its previous batch (1) or its own in the window (3)
+    assert _assert_resumes_as_uninterrupted(World(2), loaders, 2, build_objective(cfg)) == {
+        0: (0, 0), 1: (1, 1), 2: (0, 0), 3: (1, 0)}[last_window]
+
+
+def _numbered_rows(n: int) -> list:
+    from scale.data import Example
+
+    return [Example([3 + i, 4 + i, 5 + i, 6 + i], 2, 0, 6 + i, 0, row=i) for i in range(n)]
+
+
+@pytest.mark.parametrize("world, ga", [(2, 1), (2, 3), (3, 2), (4, 1)])
+@pytest.mark.parametrize("micro_batch_size", [1, 2])
+def test_resume_after_any_window_for_every_size_of_the_last_window(world, ga, micro_batch_size):
+    """Every size of an epoch's last window (every remainder of the rows over the global batch, a short last
+    micro-batch included), on 2 to 4 ranks, resumed after each window: each rank's windows equal the uninterrupted
+    epoch's."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from scale.data import Collator
+    from scale.objectives.tail import LossSpec
+
+    Accelerator(cpu=True)
+    G = world * ga * micro_batch_size
+    spec = LossSpec(padding_side="left", type_weights=None, criterion=None)
+    emptied = 0  # windows where a rank holds stand-ins only
+    for n in range(G + 1, 2 * G + 1):  # every size of the second window, the last one full
+        loaders = _sharded(lambda n=n: DataLoader(_numbered_rows(n), batch_size=micro_batch_size, shuffle=True,
+                                                  collate_fn=Collator(0, "left"),
+                                                  generator=torch.Generator().manual_seed(0)), world)
+        emptied += _assert_resumes_as_uninterrupted(World(world), loaders, ga, spec)[1]
+    assert emptied > 0
