@@ -344,7 +344,7 @@ def show_rows(cfg: Any, n: int) -> None:
             raise e from None
         problem = e
     sys.stdout.write(f"format={splits.format}; {show_legend()}\ndata: {stats_line(splits.stats)}\n")
-    for line in removed_lines(splits.stats, cfg.data):
+    for line in removed_lines(splits.stats, cfg.data, splits.task.unit):
         sys.stdout.write(f"data: {line}\n")
     sides = splits.task.sides  # a preference pair is two examples: both are shown, named
     for k, e in enumerate(splits.train[:n * max(len(sides), 1)]):

@@ -110,7 +110,7 @@ def log_data_stats(stats: dict[str, int], data_cfg: Any = None, unit: str = "row
     template or truncation removed (:func:`scale.data.removed_lines`), and when eval rows (``unit="pairs"``:
     preference pairs) are exact copies of training ones."""
     logger.info("data: %s", stats_line(stats))
-    for line in removed_lines(stats, data_cfg) if data_cfg is not None else []:
+    for line in removed_lines(stats, data_cfg, unit) if data_cfg is not None else []:
         logger.warning("data: %s", line)
     if stats.get("data/eval_rows_in_train"):
         logger.warning("%d of %d eval %s are exact copies of training %s: eval figures are not fully held "

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from scale.data import Collator, DataError, PaddingFreeCollator, load_rows, tokenize_rows
+from scale.data import Collator, DataError, PaddingFreeCollator, load_rows, removed_lines, tokenize_rows
 from scale.data.tasks.preference import PairCollator, PairedExamples
 from scale.modeling import add_lora, load_adapter, load_base
 from scale.objectives.preference import (
@@ -141,6 +141,67 @@ def test_long_pairs_share_their_cut_prompt_and_are_counted(tmp_path, tokenizer):
     assert task.encode(row, b, LossConfig()) is None and b.dropped == [7]
     b = Builder(tokenizer, DataConfig(max_length=24, truncation="drop"))
     assert task.encode({**row, "rejected": " No."}, b, LossConfig()) is None and b.dropped == [7]
+
+
+LONG_USER = "Tell me everything: " + " ".join(f"w{k}" for k in range(40))
+TOOL = {"type": "function", "function": {"name": "clock", "description": "time", "parameters": {}}}
+CHAT_SHAPES = {  # conversational pairs whose rejected side is the longer: explicit / implicit prompt, history, tools
+    "explicit": ({"prompt": [SYSTEM, _user(LONG_USER)]}, "chatml"),
+    "implicit": ({}, "chatml"),
+    "history": ({"prompt": [SYSTEM, _user("Hi there, " + LONG_USER), _bot("Hello, how can I help?"),
+                            _user("Say yes or no.")]}, "chatml"),
+    "tools": ({"prompt": [_user(LONG_USER)], "tools": [TOOL]}, "chatml_tools"),
+}
+
+
+def _chat_pair(shape):
+    extra, template = CHAT_SHAPES[shape]
+    chosen, rejected = [_bot("Yes.")], [_bot("No, " + " ".join(["never"] * 12) + ".")]
+    if shape == "implicit":  # no prompt column: the common first messages are the prompt
+        return {"chosen": [SYSTEM, _user(LONG_USER)] + chosen, "rejected": [SYSTEM, _user(LONG_USER)] + rejected}, \
+            template
+    return {**extra, "chosen": chosen, "rejected": rejected}, template
+
+
+@pytest.mark.parametrize("shape", list(CHAT_SHAPES))
+def test_long_chat_pairs_share_their_cut_prompt(tmp_path, tokenizer, shape):
+    """A conversational pair over data.max_length keeps one prompt on both sides, whatever its shape (explicit or
+    implicit prompt, earlier exchanges, tools): the cut that lets the longer side fit, applied to both (the longer
+    side is encoded exactly as a chat of its own would be), so chosen and rejected are scored after the same prompt
+    tokens; counted once (rows_truncated, and what went)."""
+    from scale.data.tasks.base import Builder
+    from scale.data.tasks.messages import Messages
+
+    row, template = _chat_pair(shape)
+    whole = _pairs(tmp_path, tokenizer, [row], chat_template=template, max_length=1024)
+    lengths = [len(e.input_ids) for e in whole]
+    assert lengths[0] < lengths[1]
+    limit = lengths[0]  # the chosen side fits whole, the rejected side does not: both must lose the same prompt
+    rows = load_rows(DataConfig(chat_template=template, max_length=limit), _write(tmp_path / "p.jsonl", [row]))
+    task, cfg = rows.task, DataConfig(chat_template=template, max_length=limit)
+    task.prepare(tokenizer, cfg, LossConfig())
+    b = Builder(tokenizer, cfg)
+    chosen, rejected = task.encode(rows[0], b, LossConfig())
+    prompt = chosen.input_ids[:-chosen.tail_len]
+    assert prompt == rejected.input_ids[:-rejected.tail_len]
+    assert chosen.input_ids[-chosen.tail_len:] == whole[0].input_ids[-whole[0].tail_len:]
+    assert rejected.input_ids[-rejected.tail_len:] == whole[1].input_ids[-whole[1].tail_len:]
+    assert len(rejected.input_ids) <= limit and len(prompt) < len(whole[0].input_ids) - whole[0].tail_len
+    # the longer side is cut as the chat of its own messages is cut
+    chat = Messages()
+    chat.prepare(tokenizer, cfg, LossConfig())
+    alone = chat.encode({"row": 0, "messages": rows[0]["prompt"] + rows[0]["rejected"],
+                         "completion_from": len(rows[0]["prompt"]), **({"tools": [TOOL]} if shape == "tools" else {})},
+                        Builder(tokenizer, cfg), LossConfig())
+    assert alone.input_ids == rejected.input_ids and alone.tail_len == rejected.tail_len
+    cut_text = {"explicit": 1, "implicit": 1, "history": 0, "tools": 1}[shape]  # history: its first exchange goes
+    assert {k: v for k, v in b.notes.items() if v} == {"rows_truncated": 1,
+                                                       **({"user_text_cut": 1} if cut_text else {})}
+    stats = {f"data/train_{k}": v for k, v in b.notes.items()}
+    assert removed_lines(stats, cfg, "pairs") == [
+        f"data.max_length={limit} cut the start of 1 train and 0 eval pairs (data.truncation=keep_end, the same prompt "
+        f"cut on both sides of a pair)" + (", removing 1 user text start(s)" if cut_text else "") + "; a larger "
+        "data.max_length keeps them, data.truncation=drop drops such pairs"]
 
 
 def test_show_rows_shows_both_sides(tmp_path, capsys):

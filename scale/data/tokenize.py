@@ -279,9 +279,10 @@ def stats_line(stats: dict[str, int]) -> str:
     return " ".join(main + rest) + (f"; trained tokens per row: {', '.join(per_row)}" if per_row else "")
 
 
-def removed_lines(stats: dict[str, int], data_cfg: DataConfig) -> list[str]:
+def removed_lines(stats: dict[str, int], data_cfg: DataConfig, unit: str = "rows") -> list[str]:
     """One line for each kind of thing the chat template or ``data.truncation`` removed from the rows (counted per
-    split in ``stats``), naming the option that keeps it; ``[]`` when nothing was removed."""
+    split in ``stats``), naming the option that keeps it; ``[]`` when nothing was removed. ``unit``: what a row is
+    (``pairs`` for preference pairs, each counted once: both sides keep one prompt)."""
     out = []
     cut, dropped = _per_split(stats, "rows_truncated"), stats.get("data/dropped_long_rows", 0)
     if sum(cut):
@@ -290,11 +291,12 @@ def removed_lines(stats: dict[str, int], data_cfg: DataConfig) -> list[str]:
                                                       ("system_cut", "system turn(s)"),
                                                       ("user_text_cut", "user text start(s)"))
                 if sum(n := _per_split(stats, key))]
-        out.append(f"data.max_length={data_cfg.max_length} cut the start of {cut[0]} train and {cut[1]} eval rows "
-                   f"(data.truncation=keep_end)" + (f", removing {', '.join(lost)}" if lost else "") +
-                   "; a larger data.max_length keeps them, data.truncation=drop drops such rows")
+        shared = ", the same prompt cut on both sides of a pair" if unit == "pairs" else ""
+        out.append(f"data.max_length={data_cfg.max_length} cut the start of {cut[0]} train and {cut[1]} eval {unit} "
+                   f"(data.truncation=keep_end{shared})" + (f", removing {', '.join(lost)}" if lost else "") +
+                   f"; a larger data.max_length keeps them, data.truncation=drop drops such {unit}")
     if dropped:
-        out.append(f"dropped {dropped} rows over data.max_length={data_cfg.max_length} (data.truncation="
+        out.append(f"dropped {dropped} {unit} over data.max_length={data_cfg.max_length} (data.truncation="
                    f"{data_cfg.truncation}, data.drop_long_completions={str(data_cfg.drop_long_completions).lower()})"
                    f"; a larger data.max_length keeps them")
     if sum(n := _per_split(stats, "history_reasoning_dropped")):

@@ -67,13 +67,14 @@ COUNTS = ("turns_cut", "tool_calls_cut", "system_cut", "user_text_cut", "empty_t
           "history_reasoning_dropped", "reasoning_not_rendered", "system_not_rendered")
 
 
-def _cuts(messages: list[dict[str, Any]]) -> list[list[int]]:
+def _cuts(messages: list[dict[str, Any]], shared: int | None = None) -> list[list[int]]:
     """The conversations ``data.truncation: keep_end`` tries, least cut first, as indices into ``messages``: the
-    whole, then without its oldest exchanges (each cut starts at a user turn; a system turn kept), then the
-    shortest without its system turn. Every one ends with the last (trained) assistant turn."""
+    whole, then without its oldest exchanges (each cut starts at a user turn before message ``shared``, default
+    the last message; a system turn kept), then the shortest without its system turn. Every one ends with the
+    last (trained) assistant turn."""
     n = len(messages)
     system = [0] if messages[0]["role"] == "system" else []
-    starts = [j for j in range(len(system) + 1, n - 1) if messages[j]["role"] == "user"]
+    starts = [j for j in range(len(system) + 1, n - 1 if shared is None else shared) if messages[j]["role"] == "user"]
     out = [list(range(n))] + [system + list(range(j, n)) for j in starts]
     return out + [out[-1][1:]] if system else out
 
@@ -252,50 +253,81 @@ class Messages(CompletionTask):
             ends.append(len(full) - first_difference(full[::-1], alt[::-1]))
         return min(starts), max(ends)
 
-    def _shorten(self, row: dict[str, Any], messages: list[dict[str, Any]], first: int, train_on: str,
-                 b: Builder) -> tuple[list[list[int]], dict[str, int]] | None:
-        """The conversation with the start of its first user turn's text cut to fit ``data.max_length`` (the
-        turn's markers and everything else kept), or ``None`` when that cannot make it fit."""
-        u = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
-        if u is None or not messages[u]["content"]:
+    def _shorten(self, row: dict[str, Any], sides: list[list[dict[str, Any]]], first: int, train_on: str,
+                 b: Builder) -> tuple[list[list[list[int]]], list[dict[str, int]]] | None:
+        """The conversations ``sides`` (one, or the sides of a pair: a shared start, then each its own answer)
+        with the start of their first user turn's text cut, by the same number of tokens in each, so that the
+        longest fits ``data.max_length`` (the turn's markers and everything else kept); ``None`` when that cannot
+        make it fit. Returns each side's pieces and counts."""
+        got = []
+        for messages in sides:
+            u = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
+            if u is None or not messages[u]["content"]:
+                return None
+            notes: dict[str, int] = {}
+            full, bounds, add_eos, protect = self._render(row, messages, first, train_on, b, notes)
+            a, z = self._text_of(b.tokenizer, row, messages, u, full)
+            if not 0 < a < z <= bounds[1]:  # the text lies inside the prompt, after its first token
+                return None
+            got.append((self._pieces(full, [0, a, z] + bounds[1:], add_eos, protect, b), notes))
+        excess = max(sum(map(len, pieces)) for pieces, _ in got) - b.cfg.max_length
+        if any(excess >= len(pieces[1]) for pieces, _ in got):
             return None
-        notes: dict[str, int] = {}
-        full, bounds, add_eos, protect = self._render(row, messages, first, train_on, b, notes)
-        a, z = self._text_of(b.tokenizer, row, messages, u, full)
-        if not 0 < a < z <= bounds[1]:  # the text lies inside the prompt, after its first token
-            return None
-        pieces = self._pieces(full, [0, a, z] + bounds[1:], add_eos, protect, b)
-        excess = sum(map(len, pieces)) - b.cfg.max_length
-        if excess >= len(pieces[1]):
-            return None
-        notes["user_text_cut"] = 1
-        return [pieces[0] + pieces[1][excess:] + pieces[2], *pieces[3:]], notes
+        return ([[pieces[0] + pieces[1][excess:] + pieces[2], *pieces[3:]] for pieces, _ in got],
+                [{**notes, "user_text_cut": 1} for _, notes in got])
 
     def _encode(self, row: dict[str, Any], messages: list[dict[str, Any]], first: int, train_on: str,
                 b: Builder) -> Example | None:
         """One row's tokens; a conversation over ``data.max_length`` cut at message boundaries (then the start of
         its last user turn's text; ``data.truncation``, see the module docstring) or dropped."""
+        got = self.encode_sides(row, [messages], first, train_on, b, len(messages) - 1)
+        return None if got is None else got[0]
+
+    def encode_sides(self, row: dict[str, Any], sides: list[list[dict[str, Any]]], first: int, train_on: str,
+                     b: Builder, shared: int, names: tuple[str, ...] = ()) -> list[Example] | None:
+        """Conversations that share their first ``shared`` messages, cut as one (``data.truncation``, module
+        docstring): a chat alone (``shared``: all but its last message), or the sides of a preference pair (their
+        common prompt, then each side's answer): every side loses the same oldest exchanges and the same number
+        of tokens of its first user text, the least that lets the *longest* side fit, so the sides keep one prompt
+        (the tokens before the trained tail) and are counted once (``rows_truncated`` and what went: the largest
+        of the sides' counts). Dropped (``None``, once) when any side would be.
+
+        Args:
+            sides: each conversation's messages, the first ``shared`` equal.
+            first: only messages from this index on are trained.
+            names: each side's name for messages (``chosen``, ``rejected``); ``()`` for a chat alone.
+
+        Raises:
+            DataError: the sides do not fit even cut to their last exchange and its user text (names the row and
+                the longest side), their shared prompt renders as different tokens, or nothing precedes the tail.
+        """
         i, limit = row.get("row", -1), b.cfg.max_length
-        trained = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k >= first]
+        trained = [[k for k, m in enumerate(side) if m["role"] == "assistant" and k >= first] for side in sides]
         if train_on == "last_assistant":
-            trained = trained[-1:]
-        options = _cuts(messages)
-        system = messages[0]["role"] == "system"
+            trained = [t[-1:] for t in trained]
+        # The cuts, as indices kept of each side: the same removed start for every side (cut starts lie in the
+        # shared messages, so every side's list of cuts is as long and its c-th cut removes the same messages).
+        options = [_cuts(side, shared) for side in sides]
+        system = sides[0][0]["role"] == "system"
 
-        rendered: dict[int, int] = {}  # tokens of each cut tried whole (0: the whole conversation)
+        rendered: dict[int, int] = {}  # tokens of the longest side of each cut tried whole (0: uncut)
+        tails: list[int] = []  # each side's trained tail uncut (tokens), for the error line
 
-        def attempt(c: int, shorten: bool = False) -> tuple[list[list[int]], dict[str, int]] | None:
-            conv, at = [messages[k] for k in options[c]], sum(k < first for k in options[c])
+        def attempt(c: int, shorten: bool = False) -> tuple[list[list[list[int]]], list[dict[str, int]]] | None:
+            convs = [[side[k] for k in opts[c]] for side, opts in zip(sides, options)]
+            at = sum(k < first for k in options[0][c])
             if shorten:
-                return self._shorten(row, conv, at, train_on, b)
-            notes: dict[str, int] = {}
-            pieces = self._pieces(*self._render(row, conv, at, train_on, b, notes), b)
-            rendered[c] = sum(map(len, pieces))
+                return self._shorten(row, convs, at, train_on, b)
+            notes = [{} for _ in convs]
+            pieces = [self._pieces(*self._render(row, conv, at, train_on, b, n), b) for conv, n in zip(convs, notes)]
+            rendered[c] = max(sum(map(len, p)) for p in pieces)
+            if c == 0:
+                tails.extend(sum(map(len, p[1:])) for p in pieces)
             return (pieces, notes) if rendered[c] <= limit else None
 
         got, chosen = attempt(0), 0
         if got is None and b.cfg.truncation == "keep_end":
-            with_system = len(options) - 1 if system else len(options)
+            with_system = len(options[0]) - 1 if system else len(options[0])
             lo, hi = 1, with_system - 1  # the longest that fits without its oldest exchanges, system kept
             while lo <= hi:
                 mid = (lo + hi) // 2
@@ -305,7 +337,7 @@ class Messages(CompletionTask):
                 else:
                     got, chosen, hi = found, mid, mid - 1
             # Then the last exchange with its user text cut; the system turn goes last.
-            last = len(options) - 1
+            last = len(options[0]) - 1
             tries = [(with_system - 1, True)] + ([(last, False), (last, True)] if system else [])
             for c, shorten in tries if got is None else []:
                 got, chosen = attempt(c, shorten), c
@@ -315,26 +347,45 @@ class Messages(CompletionTask):
             if b.cfg.truncation == "drop" or b.cfg.drop_long_completions:
                 b.drop(i, rendered[0], BY_TRUNCATION if b.cfg.truncation == "drop" else BY_LONG_COMPLETIONS)
                 return None
+            if names:
+                s = max(range(len(sides)), key=lambda j: tails[j])
+                raise DataError(f"row {i}: the {names[s]} answer is {tails[s]} tokens (through its end-of-turn "
+                                f"marker), and the pair does not fit in data.max_length={limit} tokens even with "
+                                f"its shared prompt cut to its last exchange and the start of that exchange's user "
+                                f"text (data.truncation=keep_end never cuts inside a turn's markers). Raise "
+                                f"data.max_length, or set data.drop_long_completions=true to drop such pairs "
+                                f"(counted in the log).")
             raise DataError(f"row {i}: the conversation does not fit in data.max_length={limit} tokens even cut to "
                             f"its last exchange with the start of its user turn's text cut (data.truncation=keep_end "
                             f"never cuts inside a turn's markers). Raise data.max_length, or set "
                             f"data.drop_long_completions=true to drop such rows (counted in the log).")
         pieces, notes = got
-        for key, n in notes.items():
-            b.count(key, n)
-        if chosen or notes.get("user_text_cut"):
-            gone = sorted(set(range(len(messages))) - set(options[chosen]))
+        for key in {k for n in notes for k in n}:
+            b.count(key, max(n.get(key, 0) for n in notes))
+        if chosen or any(n.get("user_text_cut") for n in notes):
             b.count("rows_truncated")
-            b.count("turns_cut", sum(k in trained for k in gone))
-            b.count("tool_calls_cut", sum(len(messages[k].get("tool_calls") or []) for k in gone))
-            b.count("system_cut", sum(messages[k]["role"] == "system" for k in gone))
-        if not pieces[0]:
+            # what went, the largest count of the sides (a pair's cuts lie in its shared prompt: the same)
+            gone = [sorted(set(range(len(side))) - set(opts[chosen])) for side, opts in zip(sides, options)]
+            b.count("turns_cut", max(sum(k in t for k in g) for t, g in zip(trained, gone)))
+            b.count("tool_calls_cut", max(sum(len(side[k].get("tool_calls") or []) for k in g)
+                                          for side, g in zip(sides, gone)))
+            b.count("system_cut", max(sum(side[k]["role"] == "system" for k in g) for side, g in zip(sides, gone)))
+        if not pieces[0][0]:
             raise DataError(f"row {i}: nothing precedes the tail, so its first token has no prediction; "
                             f"give the row a prompt")
-        tail = [t for p in pieces[1:] for t in p]
-        flags = [int(j % 2 == 1) for j, p in enumerate(pieces) for _ in p][len(pieces[0]):]
-        return Example(pieces[0] + tail, len(tail), int(row.get("type", 0)), 0, -1, i,
-                       None if all(flags) else flags)
+        if any(p[0] != pieces[0][0] for p in pieces[1:]):
+            n = first_difference(pieces[0][0], pieces[1][0])  # type: ignore[arg-type]
+            raise DataError(f"row {i}: {self.template_name} renders the shared prompt differently before the "
+                            f"{names[0]} and the {names[1]} answer (from token {n} on), so the two sides would be "
+                            f"scored on different prompts; use a template whose rendering of the messages before "
+                            f"the answer does not depend on the answer (data.chat_template)")
+        out = []
+        for p in pieces:
+            tail = [t for q in p[1:] for t in q]
+            flags = [int(j % 2 == 1) for j, q in enumerate(p) for _ in q][len(p[0]):]
+            out.append(Example(p[0] + tail, len(tail), int(row.get("type", 0)), 0, -1, i,
+                               None if all(flags) else flags))
+        return out
 
     @staticmethod
     def _encode_span(tok: Any, full: str, a: int, z: int, protect: list[tuple[int, int]]) -> list[int]:

@@ -20,12 +20,14 @@ stage keeps them together: :class:`PairedExamples` shows a split as pairs (what 
 accumulation windows count), :class:`PairCollator` lays each micro-batch's pairs out as rows ``2p`` (chosen) and
 ``2p + 1`` (rejected), so a pair is never split across ranks or accumulation windows.
 
-**Length** (``data.max_length``, ``data.truncation``): a text pair keeps the prompt's last tokens that let the
-*longer* side fit (both sides keep the same prompt); ``drop`` drops a pair whose longer side is over the limit; a
-completion that cannot fit with one prompt token is an error naming the row, or dropped with
-``data.drop_long_completions``. A conversational side is cut as a chat is (its oldest exchanges first); a pair
-either side of which would be dropped is dropped whole. A dropped pair counts once in ``data/dropped_long_rows``,
-a pair whose prompt was cut once in ``data/<split>_rows_truncated``.
+**Length** (``data.max_length``, ``data.truncation``): both sides of a pair keep one prompt, the one that lets the
+*longer* side fit: a text pair the prompt's last tokens; a conversational pair is cut as one chat
+(:meth:`scale.data.tasks.messages.Messages.encode_sides`: both sides lose the same oldest exchanges of the shared
+prompt, then the same start of its user text, the longer side exactly as a chat of its own would be cut). ``drop``
+drops a pair whose longer side is over the limit; an answer that cannot fit with its prompt cut is an error naming
+the row and the side, or dropped with ``data.drop_long_completions``; a pair either side of which would be dropped
+is dropped whole. A dropped pair counts once in ``data/dropped_long_rows``, a pair whose prompt was cut once in
+``data/<split>_rows_truncated`` (and what it lost: the larger of its sides' counts).
 
 Bad input stops with one line naming the row: a missing or empty side, chosen identical to rejected, sides of
 different kinds (text and messages), conversations whose prompts differ (after the common prefix a side does not
@@ -217,25 +219,11 @@ class Preference(Task):
         return [Example(kept + tail, len(tail), t, 0, -1, i) for tail in tails]
 
     def _encode_chat(self, row: dict[str, Any], b: Builder) -> list[Example] | None:
-        chat, i = self._chat(), row.get("row", -1)
-        dropped, notes = len(b.dropped), dict(b.notes)
-        got, counts = [], []
-        for s in SIDES:
-            before = dict(b.notes)
-            got.append(chat._encode(self._as_chat(row, s), row["prompt"] + row[s], len(row["prompt"]),
-                                    "all_assistant", b))
-            counts.append({k: b.notes.get(k, 0) - before.get(k, 0) for k in b.notes})
-        # A pair counts once: the larger of its sides' counts, and one dropped row.
-        b.notes = notes
-        for k in {k for c in counts for k in c}:
-            if max(c.get(k, 0) for c in counts):
-                b.count(k, max(c.get(k, 0) for c in counts))
-        infos = b.drop_info[dropped:]
-        del b.dropped[dropped:], b.drop_info[dropped:]
-        if any(e is None for e in got):
-            b.drop(i, *max(infos))  # once per pair: the longer side's length and the setting that dropped it
-            return None
-        return got
+        """A conversational pair: both sides cut as one (:meth:`scale.data.tasks.messages.Messages.encode_sides`):
+        the cut of their shared prompt that lets the longer side fit, so both keep the same prompt tokens."""
+        prompt = row["prompt"]
+        return self._chat().encode_sides(self._as_chat(row, "chosen"), [prompt + row[s] for s in SIDES], len(prompt),
+                                         "all_assistant", b, len(prompt), SIDES)
 
     def info(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         return {"pairs": True}
