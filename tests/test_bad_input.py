@@ -799,7 +799,7 @@ def _hi(answer="Hello."):
       "'content': text}}, got {{'role': 'bot', 'content': 'Yo'}}")),
     ([{"prompt": "Q", "completion": " A"}] * 40 + [{"prompt": "Q", "completion": " one two three four five six"}],
      ["data.max_length=6", "data.eval_size=4"],
-     ("row 40 (line 41): the trained tail is 7 tokens; with 1 token(s) before it the row needs 8 > data.max_length=6. "
+     ("row 40 (line 41) of {path}: the trained tail is 7 tokens; with 1 token(s) before it the row needs 8 > data.max_length=6. "
       "Raise data.max_length, or set data.drop_long_completions=true to drop such rows (counted in the log).")),
     ([{"messages": _hi()}] * 40, ["data.chat_template=/nonexistent/chat.jinja"],
      "data.chat_template='/nonexistent/chat.jinja' is not a file; point it at a Jinja chat-template file, or name a "

@@ -141,8 +141,8 @@ def test_tool_calls_and_tools_reach_the_template(tmp_path, tokenizer, caplog):
     # The same rows on plain ChatML (no tool calls, no tools): refused, naming the shipped tool-aware template;
     # on chatml_tools a key it does not render (a tool turn's name: linking metadata) is an INFO line, once.
     path = _write(tmp_path / "r.jsonl", [{k: v for k, v in r.items() if k != "row"} for r in rows])
-    with pytest.raises(DataError, match=r"^row \d+ \(line \d+\): data.chat_template=.*chatml.jinja does not render tool calls "
-                                        r"\(message 1 has tool_calls\).*set data.chat_template=chatml_tools"):
+    with pytest.raises(DataError, match=r"^row \d+ \(line \d+\) of .*r.jsonl: data.chat_template=.*chatml.jinja does not "
+                                        r"render tool calls \(message 1 has tool_calls\).*set data.chat_template=chatml_tools"):
         build_splits(DataConfig(chat_template=str(CHATML), max_length=256, eval_size=8), LossConfig(), tokenizer,
                      path, seed=0)
     with caplog.at_level("INFO"):
@@ -213,8 +213,9 @@ def test_a_template_that_raises_is_one_line_naming_the_row(tmp_path, capsys):
         pytest.skip("../shared/cases is absent")
     code, err = _cli(tmp_path, capsys, f"data.path={case / 'system_row.jsonl'}", "data.format=messages",
                      f"data.chat_template={case / 'gemma.jinja'}", "data.eval_size=8")
-    assert code == 2 and err == ("row 7 (line 8): the chat template refuses this conversation (TemplateError: System role not "
-                                 "supported); fix the row or data.chat_template")
+    assert code == 2 and err == (f"row 7 (line 8) of {case / 'system_row.jsonl'}: the chat template refuses this "
+                                 f"conversation (TemplateError: System role not supported); fix the row or "
+                                 f"data.chat_template")
 
 
 def test_generation_prompt_must_start_the_rendered_turn(tmp_path, capsys):

@@ -135,8 +135,12 @@ def test_long_pairs_share_their_cut_prompt_and_are_counted(tmp_path, tokenizer):
     assert len(rejected.input_ids) == 24 and b.notes["rows_truncated"] == 1
     assert chosen.input_ids[:-chosen.tail_len] == rejected.input_ids[:-rejected.tail_len]
     row["rejected"] = " " + " ".join(["no"] * 30)
-    with pytest.raises(DataError, match=r"^row 7: the trained tail is \d+ tokens"):
+    n = len(_enc(tokenizer, row["rejected"])) + 1
+    with pytest.raises(DataError) as e:
         task.encode(row, b, LossConfig())
+    assert str(e.value) == (f"row 7: the rejected answer (its completion + EOS) is {n} tokens; with 1 token(s) before "
+                            f"it the pair needs {n + 1} > data.max_length=24. Raise data.max_length, or set "
+                            f"data.drop_long_completions=true to drop such pairs (counted in the log).")
     b = Builder(tokenizer, DataConfig(max_length=24, drop_long_completions=True))
     assert task.encode(row, b, LossConfig()) is None and b.dropped == [7]
     b = Builder(tokenizer, DataConfig(max_length=24, truncation="drop"))
@@ -572,3 +576,60 @@ def test_equals_trl_dpo_trainer_step_by_step(tmp_path, tokenizer, pair_examples)
         for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                     "logps/chosen", "logps/rejected"):
             assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (step, key, got[key], want[key])
+
+
+# ------------------------------------------------------------------------------------------ error lines
+
+
+def _distinct_pairs(n):
+    return [{"prompt": f"Q: question {k}?", "chosen": f" Answer {k}.", "rejected": f" Wrong {k}."} for k in range(n)]
+
+
+def test_pair_errors_name_the_file_the_line_the_side_and_the_fix(tmp_path, tokenizer):
+    """The one-line errors of a pair file name the file, the row and its line, the side and the fix: an answer that
+    cannot fit (text and conversational pairs, and in a mixture the file of the source it is in), and a first row
+    without a rejected side (the file's columns are every row's, so the row check names the row)."""
+    from scale.data import build_splits
+    from tests.conftest import tiny_cfg
+
+    long = " " + " ".join(["no"] * 30)
+    rows = _distinct_pairs(12)
+    rows[3]["rejected"] = long
+    path = _write(tmp_path / "p.jsonl", rows)
+    n = len(_enc(tokenizer, long)) + 1
+    fix = "Raise data.max_length, or set data.drop_long_completions=true to drop such pairs (counted in the log)."
+    text_line = (f"the rejected answer (its completion + EOS) is {n} tokens; with 1 token(s) before it the pair needs "
+                 f"{n + 1} > data.max_length=24. {fix}")
+    with pytest.raises(DataError) as e:
+        build_splits(DataConfig(max_length=24, eval_size=2), LossConfig(objective="dpo"), tokenizer, path, 0)
+    assert str(e.value) == f"row 3 (line 4) of {path}: {text_line}"
+
+    # a mixture: the row is named in the file of its own source
+    other = _write(tmp_path / "q.jsonl", _distinct_pairs(12)[6:] + _distinct_pairs(20)[12:])
+    cfg = tiny_cfg(tmp_path / "out", f"data.datasets=[{{path: {other}}}, {{path: {path}}}]", "data.max_length=24",
+                   "data.eval_size=2", "loss.objective=dpo", "data.format=preference")
+    with pytest.raises(DataError) as e:
+        build_splits(cfg.data, cfg.loss, tokenizer, "", 0)
+    assert str(e.value) == f"row 3 (line 4) of {path}: {text_line}"
+
+    answer = "No, " + " ".join(["never"] * 40) + "."
+    chats = [{"prompt": [_user(f"Hi {k}")], "chosen": [_bot("Yes.")], "rejected": [_bot("No.")]} for k in range(12)]
+    chats[5]["rejected"] = [_bot(answer)]
+    path = _write(tmp_path / "c.jsonl", chats)
+    tail = len(_enc(tokenizer, answer + "<|im_end|>"))
+    with pytest.raises(DataError) as e:
+        build_splits(DataConfig(max_length=24, eval_size=2, chat_template=str(CHATML)), LossConfig(objective="dpo"),
+                     tokenizer, path, 0)
+    assert str(e.value) == (f"row 5 (line 6) of {path}: the rejected answer is {tail} tokens (through its end-of-turn "
+                            f"marker), and the pair does not fit in data.max_length=24 tokens even with its shared "
+                            f"prompt cut to its last exchange and the start of that exchange's user text "
+                            f"(data.truncation=keep_end never cuts inside a turn's markers). {fix}")
+
+    rows = _distinct_pairs(13)
+    del rows[0]["rejected"]
+    path = _write(tmp_path / "r.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        load_rows(DataConfig(), path)
+    assert str(e.value) == (f"row 0 (line 1) of {path}: the rejected side ('rejected') is missing or empty; every "
+                            f"preference pair needs a chosen and a rejected answer: add the rejected answer to the "
+                            f"row, or remove the row")

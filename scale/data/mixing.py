@@ -35,12 +35,12 @@ import itertools
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
 from scale.assets import DATASETS, resolve_data
-from scale.data.read import DataError
+from scale.data.read import DataError, with_place
 from scale.data.sources import eval_source_of, read_source, source_digest, source_kind
 from scale.data.split import cleaned, split_source
 from scale.data.tasks import MIXABLE, load_rows
@@ -218,8 +218,10 @@ class Mixture:
     ``train.seed``), ``eval``, every row read (``rows``, for the format's figures), the task that encodes them
     (``task``: the source's, or a :class:`MixedTask`), the task that evaluates them (``evaluating``), duplicates
     removed and, for a mixture, the per-source counts (``data/<name>/rows``, ``/train_rows``, ``/eval_rows``) and
-    the sources' names; ``lines``: the rows as read, whose ``.lines`` say where a row number is in its file
-    (:func:`scale.data.read.with_line`), or ``None`` where row numbers name rows of several files."""
+    the sources' names; ``origins``: where a row comes from, ``{key: (source, rows as read)}`` (the rows'
+    ``.lines`` say where a row number is in its file, :func:`scale.data.read.with_line`), keyed by the row's
+    ``source`` in a mixture (``-1``: ``data.eval_path``), else by split (``train``, ``eval``, and ``check``, the
+    checks over both, when both come from one source): :meth:`locate`."""
 
     train: list[dict[str, Any]]
     eval: list[dict[str, Any]]
@@ -229,7 +231,13 @@ class Mixture:
     removed: int
     stats: dict[str, int]
     names: list[str]
-    lines: Any = None
+    origins: dict[Any, tuple[str, Any]] = field(default_factory=dict)
+
+    def locate(self, message: str, split: str, source: int | None = None) -> str:
+        """``message`` about a row of ``split`` (of mixture source ``source``) with the row's place: its line and
+        its file after the first ``row N`` (:func:`scale.data.read.with_place`)."""
+        path, rows = self.origins.get(split if source is None else source, (None, None))
+        return with_place(message, rows, path)
 
 
 def read_rows(data_cfg: DataConfig, path: str, seed: int) -> Mixture:
@@ -254,7 +262,8 @@ def read_rows(data_cfg: DataConfig, path: str, seed: int) -> Mixture:
     part = split_source(data_cfg, rows, seed, data_cfg.eval_size, held)
     train = part.train if data_cfg.max_train_examples is None else part.train[: data_cfg.max_train_examples]
     return Mixture(train, part.eval, part.rows, rows.task, rows.task, part.removed, {}, [],
-                   rows if eval_source is None else None)  # eval_path rows: numbers of another file
+                   {"train": (path, rows), "eval": (path, rows) if held is None else (eval_source[1], held),
+                    **({"check": (path, rows)} if held is None else {})})
 
 
 def _tagged(rows: Rows, index: int) -> Rows:
@@ -277,9 +286,10 @@ def read_mixture(data_cfg: DataConfig, seed: int) -> Mixture:
     removed = 0
     found: dict[int, Task] = {}
     everything, trains, evals, stats = [], [], [], {}
+    origins: dict[Any, tuple[str, Any]] = {}
     for s, share in zip(srcs, eval_shares):
         rows = _tagged(load_rows(s.cfg, s.path), s.index)
-        found[s.index] = rows.task
+        found[s.index], origins[s.index] = rows.task, (s.path, rows)
         stats[f"data/{s.name}/rows"] = len(rows)
         held = None
         if data_cfg.eval_path is not None:
@@ -301,7 +311,7 @@ def read_mixture(data_cfg: DataConfig, seed: int) -> Mixture:
     if data_cfg.eval_path is not None:
         eval_cfg, eval_path = eval_source_of(data_cfg, srcs[0].path)
         loaded = _tagged(load_rows(eval_cfg, eval_path), -1)
-        found[-1] = loaded.task
+        found[-1], origins[-1] = loaded.task, (eval_path, loaded)
         if _evaluated({loaded.task.name, fmt}) != fmt:
             raise DataError(f"the eval rows of {eval_path} are {loaded.task.name} rows, the mixture's {fmt} rows; "
                             f"give data.eval_path the columns of the sources (or set data.format)")
@@ -311,7 +321,8 @@ def read_mixture(data_cfg: DataConfig, seed: int) -> Mixture:
         stats[f"data/{s.name}/train_rows"] = k
         stats[f"data/{s.name}/eval_rows"] = len(held)
     task = MixedTask(found, fmt)
-    return Mixture(train_rows, eval_rows, everything, task, task.evaluating, removed, stats, [s.name for s in srcs])
+    return Mixture(train_rows, eval_rows, everything, task, task.evaluating, removed, stats, [s.name for s in srcs],
+                   origins)
 
 
 def dropped_per_source(notes: dict[str, int], names: list[str]) -> dict[str, int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import os
 import re
@@ -64,8 +65,19 @@ def with_line(message: str, rows: Any) -> str:
     return message if where is None else f"{message[:m.end()]} ({where}){message[m.end():]}"
 
 
+def with_place(message: str, rows: Any, path: str | None) -> str:
+    """``message`` with the place of the row it names first: its line (:func:`with_line`) and, unless the message
+    names a file there already, ``of <path>``: ``row 3: ...`` -> ``row 3 (line 4) of data.jsonl: ...``. Unchanged
+    when it names no row; without ``path`` only the line is added."""
+    message = with_line(message, rows)
+    m = re.search(r"\brow \d+\b( \([^)]*\))?", message)
+    if m is None or path is None or message[m.end():].startswith(" of "):
+        return message
+    return f"{message[:m.end()]} of {path}{message[m.end():]}"
+
+
 def read_table(cfg: DataConfig, path: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """Read a .jsonl/.json/.csv/.tsv file into rows (dicts) and its column names.
+    """Read a .jsonl/.json/.csv/.tsv file into rows (dicts) and its column names (:func:`columns_of`).
 
     Raises:
         DataError: missing, empty or non-UTF-8 file, unknown extension, a line that is not JSON, a row that
@@ -96,8 +108,13 @@ def read_table(cfg: DataConfig, path: str) -> tuple[list[dict[str, Any]], list[s
         rows = _read_json(text, path)
     if not rows:
         raise DataError(f"data.path={path!r} has no rows")
-    columns = list(dict.fromkeys(k for row in rows[:1] for k in row))
-    return rows, columns
+    return rows, columns_of(rows)
+
+
+def columns_of(rows: list[dict[str, Any]]) -> list[str]:
+    """Every column any row has, in the order they first appear: a JSON row may lack a key others have (the format
+    is then decided from all of them, and the row check names the row that lacks one)."""
+    return list(dict.fromkeys(itertools.chain.from_iterable(rows)))
 
 
 def _read_json(text: str, path: str) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from scale.assets import resolve_data
-from scale.data.read import DataError, FileRows, read_table
+from scale.data.read import DataError, FileRows, columns_of, read_table
 from scale.fileio import sha256_file
 
 TABLE_EXTENSIONS = (".csv", ".json", ".jsonl", ".tsv")   # scale.data.read's strict readers
@@ -85,7 +85,7 @@ def read_source(cfg: Any, path: str) -> tuple[list[dict[str, Any]], list[str]]:
         path: file, directory, glob or hub id.
 
     Returns:
-        ``(rows, columns)``: rows as dicts in source order, the columns of the first row.
+        ``(rows, columns)``: rows as dicts in source order, every column a row has (:func:`columns_of`).
 
     Raises:
         DataError: a missing source, an unreadable file, a split that does not exist, or an unreachable hub
@@ -122,7 +122,7 @@ def read_source(cfg: Any, path: str) -> tuple[list[dict[str, Any]], list[str]]:
                         f"org/name (a relative path is read from the current directory, {os.getcwd()})")
     if not rows:
         raise DataError(f"data.path={path!r} has no rows")
-    return rows, list(rows[0])
+    return rows, columns_of(rows) if isinstance(rows, FileRows) else list(rows[0])  # a table's rows share columns
 
 
 def _rows(ds: Any) -> list[dict[str, Any]]:

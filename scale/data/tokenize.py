@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scale.data.mixing import dropped_per_source, read_rows
-from scale.data.read import DataError, with_line
+from scale.data.read import DataError
 from scale.data.split import count_copies
 from scale.data.tasks.base import BY_TRUNCATION, Builder, Example, Rows, Task
 from scale.schema import DataConfig, LossConfig
@@ -55,7 +55,11 @@ def _tokenize(rows: list[dict[str, Any]], task: Any, b: Builder, loss_cfg: LossC
     counts their trained tokens."""
     out: list[Example] = []
     for r in rows:
-        e = task.encode(r, b, loss_cfg)
+        try:
+            e = task.encode(r, b, loss_cfg)
+        except DataError as err:  # which source of a mixture the row named in the message is from (None: one)
+            err.source = r.get("source")  # type: ignore[attr-defined]  # pickled with the error (a worker's)
+            raise
         out.extend(e if isinstance(e, list) else [] if e is None else [e])
     b.count("trained_tokens", sum(sum(e.trained) if e.trained is not None else e.tail_len for e in out))
     return out
@@ -195,13 +199,16 @@ def build_splits(data_cfg: DataConfig, loss_cfg: LossConfig, tokenizer: Any, pat
     task.prepare(tokenizer, data_cfg, loss_cfg)
     builder = Builder(tokenizer, data_cfg)
     tokenize = tokenize or (lambda name, part, t, b: _tokenize(part, t, b, loss_cfg))  # the token cache's seam
+    split = "check"  # the checks see every row: a row number names a row of the one source, if there is one
     try:
         task.check(tokenizer, mix.train + mix.eval)
-        train = tokenize("train", mix.train, task, builder)
+        split = "train"
+        train = tokenize(split, mix.train, task, builder)
         train_notes, train_drops = dict(builder.notes), len(builder.drop_info)
-        held = tokenize("eval", mix.eval, task, builder)
-    except DataError as e:  # name the line an editor shows the row on
-        raise DataError(with_line(str(e), mix.lines)) from None
+        split = "eval"
+        held = tokenize(split, mix.eval, task, builder)
+    except DataError as e:  # name the file and the line an editor shows the row on
+        raise DataError(mix.locate(str(e), split, getattr(e, "source", None))) from None
     if not train:
         raise DataError(emptied_split("train", builder.drop_info[:train_drops], data_cfg))
     if not held:

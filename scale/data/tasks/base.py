@@ -127,9 +127,18 @@ class Builder:
         self.count("rows_truncated")
         return False
 
-    def assemble(self, prefix: list[int], prompt: list[int], tail: list[int], i: int) -> list[int] | None:
+    def assemble(self, prefix: list[int], prompt: list[int], tail: list[int], i: int, what: str = "the trained tail",
+                 unit: str = "row") -> list[int] | None:
         """``prefix + prompt + tail``, losing prompt tokens after ``prefix`` to fit ``data.max_length``
-        (``data.truncation=keep_end``), or ``None`` for a row over it that is dropped (``drop``)."""
+        (``data.truncation=keep_end``), or ``None`` for a row over it that is dropped (``drop``).
+
+        Args:
+            what, unit: the tail and the row in words, for the error (``the rejected answer``, ``pair``).
+
+        Raises:
+            DataError: nothing precedes the tail, or the tail cannot fit with one prompt token (names the row,
+                the tail and both fixes).
+        """
         room, n = self.cfg.max_length - len(prefix) - len(tail), len(prefix) + len(prompt) + len(tail)
         # data.truncation=drop drops every row over the limit, also one whose tail alone could not fit
         if prompt and (room >= 1 or self.cfg.truncation == "drop") and self.too_long(i, n):
@@ -141,10 +150,10 @@ class Builder:
             if self.cfg.drop_long_completions:
                 self.drop(i, n, BY_LONG_COMPLETIONS)
                 return None
-            raise DataError(f"row {i}: the trained tail is {len(tail)} tokens; with {len(prefix) + 1} token(s) "
-                            f"before it the row needs {len(prefix) + len(tail) + 1} > data.max_length="
-                            f"{self.cfg.max_length}. Raise data.max_length, or set data.drop_long_completions=true "
-                            f"to drop such rows (counted in the log).")
+            raise DataError(f"row {i}: {what} is {len(tail)} tokens; with {len(prefix) + 1} token(s) before it the "
+                            f"{unit} needs {len(prefix) + len(tail) + 1} > data.max_length={self.cfg.max_length}. "
+                            f"Raise data.max_length, or set data.drop_long_completions=true to drop such {unit}s "
+                            f"(counted in the log).")
         return prefix + prompt[-room:] + tail
 
 

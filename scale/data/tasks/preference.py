@@ -117,7 +117,8 @@ class Preference(Task):
         for s, value in sides.items():
             if _empty(value):
                 raise DataError(f"{where}: the {s} side ({getattr(cfg, f'{s}_column')!r}) is missing or empty; every "
-                                f"preference pair needs a chosen and a rejected answer")
+                                f"preference pair needs a chosen and a rejected answer: add the {s} answer to the "
+                                f"row, or remove the row")
         chosen, rejected = sides["chosen"], sides["rejected"]
         if isinstance(chosen, list) != isinstance(rejected, list) or not isinstance(chosen, (str, list)) or \
                 not isinstance(rejected, (str, list)):
@@ -209,9 +210,10 @@ class Preference(Task):
         i = row.get("row", -1)
         tails = [b.with_eos(encode(b.tokenizer, row[s])) for s in SIDES]
         prefix, prompt = b.front(encode(b.tokenizer, row["prompt"]))
-        longest = max(tails, key=len)
+        side = max(range(len(SIDES)), key=lambda s: len(tails[s]))
+        longest = tails[side]
         # The longer side decides how much prompt both keep: one shared prompt, and the pair counts once.
-        ids = b.assemble(prefix, prompt, longest, i)
+        ids = b.assemble(prefix, prompt, longest, i, f"the {SIDES[side]} answer (its completion + EOS)", "pair")
         if ids is None:
             return None
         kept = ids[:len(ids) - len(longest)]
