@@ -1,6 +1,6 @@
-"""Keys by other names: TRL's ``SFTConfig`` and transformers' ``TrainingArguments`` (plus peft's ``LoraConfig`` and
-``BitsAndBytesConfig``) next to the scale key that does the same, the closest keys to a mistyped one, and the
-defaults of a run that differ from TRL's.
+"""Keys by other names: TRL's ``SFTConfig`` and transformers' ``TrainingArguments`` (plus peft's ``LoraConfig``,
+``BitsAndBytesConfig`` and the preference trainers' ``disable_dropout``) next to the scale key that does the same, the
+closest keys to a mistyped one, and the defaults of a run that differ from TRL's.
 
     suggest("optim.learning_rate")   # "learning_rate is TRL/transformers' name; here it is optim.lr (...)"
     suggest("train.max_stpes")       # "did you mean train.max_steps?"
@@ -115,6 +115,9 @@ TRL_NAMES: tuple[OtherName, ...] = (
     OtherName("torch_compile", "False", (), "not offered (inexact here)"),
     OtherName("use_liger_kernel", "False", ("model.kernels", "loss.fused"),
               "liger in both: norms, SwiGLU, RoPE (model.kernels) and fused cross-entropy (loss.fused)"),
+    OtherName("disable_dropout", "True (DPOConfig, CPOConfig, ORPOConfig; SFTConfig has none)",
+              ("model.disable_dropout",), "null: true under dpo/simpo/orpo, false under sft; also zeroes the float "
+              "rates attention passes to functional dropout (attention_dropout), which TRL's leaves on"),
     OtherName("r", "8 (peft LoraConfig)", ("lora.r",)),
     OtherName("lora_alpha", "8 (peft)", ("lora.alpha",)),
     OtherName("lora_dropout", "0.0 (peft)", ("lora.dropout",)),

@@ -58,6 +58,13 @@ class ModelConfig:
                                    "Qwen2/3, Gemma 1/2, Phi-3 and a few more families, scale.kernels.LIGER_APPLY).")
     use_reentrant: bool = _f(False, "Re-entrant checkpointing (breaks DDP+LoRA, peft#313); False is the default.")
     trust_remote_code: bool = _f(False, "Allow model code from the checkpoint directory to run.")
+    disable_dropout: bool | None = _f(None, "true: every dropout off in training (TRL's disable_dropout): the "
+                                            "model config's probabilities (attention_dropout, GPT-2's resid_pdrop/"
+                                            "attn_pdrop/embd_pdrop...), every nn.Dropout and float rate its layers "
+                                            "pass to functional dropout, and LoRA's (lora.dropout) | false: train "
+                                            "with them | null: true under loss.objective=dpo/simpo/orpo (as TRL's "
+                                            "DPO, CPO and ORPO trainers: a policy and a reference forward under "
+                                            "different masks make the rewards noise), false under sft.")
     adapter: str | None = _f(None, "Start the LoRA adapter from a saved peft adapter directory (an SFT run's "
                                    "<output_dir>/adapter) instead of a fresh one; `lora.*` must match its "
                                    "adapter_config.json. Under loss.objective=dpo its frozen copy is the reference.")
@@ -73,7 +80,8 @@ class LoraConfig:
 
     r: int = _f(16, "LoRA rank (dimensions of the low-rank update).")
     alpha: float = _f(32.0, "LoRA scaling numerator: the update is scaled by alpha / r.")
-    dropout: float = _f(0.05, "Dropout probability on the LoRA input (0 to 1).")
+    dropout: float = _f(0.05, "Dropout probability on the LoRA input (0 to 1); 0 under model.disable_dropout (by "
+                              "default under a preference objective).")
     target_modules: list[str] | str = _f("all-linear", "Modules that get an adapter: 'all-linear' or a list of "
                                                        "module names such as [q_proj, v_proj].")
     train_router: bool = _f(False, "Mixture-of-experts models: give the routers' weights a LoRA pair too; false keeps "
@@ -404,3 +412,9 @@ class Config:
 
     def __post_init__(self) -> None:
         validate(self)  # the rules live in their own room (scale/validation.py)
+
+    def dropout_off(self) -> bool:
+        """``model.disable_dropout`` resolved: its value, or (null) whether ``loss.objective`` trains preference
+        pairs (TRL's ``DPOConfig``, ``CPOConfig`` and ``ORPOConfig`` default ``disable_dropout=True``; its
+        ``SFTConfig`` has no such key and trains with the model's dropout)."""
+        return self.loss.trains_pairs() if self.model.disable_dropout is None else self.model.disable_dropout

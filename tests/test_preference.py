@@ -15,7 +15,7 @@ import torch
 
 from scale.data import Collator, DataError, PaddingFreeCollator, load_rows, removed_lines, tokenize_rows
 from scale.data.tasks.preference import PairCollator, PairedExamples
-from scale.modeling import add_lora, load_adapter, load_base
+from scale.modeling import add_lora, build_model, load_adapter, load_base
 from scale.objectives.preference import (
     PreferenceObjective,
     add_reference_adapter,
@@ -576,6 +576,114 @@ def test_equals_trl_dpo_trainer_step_by_step(tmp_path, tokenizer, pair_examples)
         for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                     "logps/chosen", "logps/rejected"):
             assert abs(got[key] - want[key]) <= 1e-5 * max(1.0, abs(want[key])), (step, key, got[key], want[key])
+
+
+# ------------------------------------------------------------------------------------------ dropout
+
+
+# Base models shipped with dropout in their config: a Llama-like attention_dropout (a float the attention passes to
+# F.scaled_dot_product_attention while training) and GPT-2's resid/embd/attn_pdrop (nn.Dropout modules, 0.1 by
+# default).
+DROPOUT_FAMILIES = {
+    "llama": ("LlamaConfig", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                              "attention_dropout": 0.3}),
+    "gpt2": ("GPT2Config", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256}),
+}
+
+
+@pytest.fixture(scope="module")
+def dropout_models(tmp_path_factory, tokenizer):
+    """family -> directory of a tiny model whose config has dropout (save_pretrained)."""
+    import transformers
+
+    root, out = tmp_path_factory.mktemp("dropout"), {}
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    for name, (config_cls, kwargs) in DROPOUT_FAMILIES.items():
+        torch.manual_seed(0)
+        config = getattr(transformers, config_cls)(vocab_size=len(tokenizer), **ids, **kwargs)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
+        out[name] = root / name
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(DROPOUT_FAMILIES))
+def test_policy_equal_to_its_reference_has_zero_rewards_with_dropout_in_the_config(tmp_path, dropout_models, family,
+                                                                                    caplog):
+    """DPO at step 1 (LoRA B = 0: the policy equals its in-step reference) on a model whose config has dropout, with
+    lora.dropout on too: model.disable_dropout (null: true under dpo) turns every dropout off, so the rewards, margins
+    and accuracies are exactly 0 and the loss is log 2 (one float32 logsigmoid(0): within eps32); the start-up line
+    says what was turned off. (With the policy's and the reference's forwards under different masks, the margins
+    were 0.0086 and the accuracies 0.625.)"""
+    import logging
+
+    from scale.metrics import read_jsonl
+    from scale.train import run
+    from tests.conftest import tiny_cfg
+
+    path = _write(tmp_path / "p.jsonl", [{"prompt": f"Q: question {i} about things?", "chosen": " Yes" + " yes" * i,
+                                          "rejected": " No" + " no" * (i % 3)} for i in range(12)])
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO):
+        run(tiny_cfg(out, f"model.name_or_path={dropout_models[family]}", "model.tokenizer=smollm2-135m",
+                     f"data.path={path}", "loss.objective=dpo", "lora.dropout=0.1", "data.eval_size=4",
+                     "train.micro_batch_size=8", "train.gradient_accumulation_steps=1", "train.max_steps=1",
+                     "train.log_every=1", "train.eval_every=0", "eval.generate_samples=0", "train.save_every=0",
+                     "train.save_every_minutes=null", "log.peak_flops=false"))
+    step = next(r for r in read_jsonl(out / "metrics.jsonl") if r.get("step") == 1 and "train/loss" in r)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert step[f"train/{key}"] == 0.0, key
+    assert abs(step["train/loss"] - math.log(2)) <= 2 * torch.finfo(torch.float32).eps
+    config = {"llama": "attention_dropout=0.3 (2 functional rates in layers)",
+              "gpt2": "attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1, summary_first_dropout=0.1 (7 Dropout modules)"}
+    lora = {"llama": 14, "gpt2": 8}  # all-linear: 7 linear layers per Llama block, c_attn/c_proj/c_fc/c_proj in GPT-2
+    line = (f"dropout off (model.disable_dropout=null: true under loss.objective=dpo, as TRL's disable_dropout): the "
+            f"model's {config[family]}, lora.dropout=0.1 ({lora[family]} adapters) -> 0; the policy and its in-step "
+            f"reference forward are one network")
+    assert [m for m in caplog.messages if "dropout" in m] == [f"[RANK 0] {line}"]
+
+
+def _dropout_model(tokenizer, directory):
+    return build_model(ModelConfig(name_or_path=str(directory), tokenizer="smollm2-135m"), LoraConfig(dropout=0.1),
+                       len(tokenizer), seed=0)
+
+
+def test_sft_keeps_the_models_dropout_and_the_reference_never_draws_masks(tmp_path, tokenizer, dropout_models,
+                                                                          pair_examples):
+    """loss.objective=sft keeps the model's own dropout and lora.dropout (as TRL's SFTTrainer), said in one line;
+    model.disable_dropout=true turns them off under sft too. With model.disable_dropout=false under dpo the policy's
+    forward draws masks, but the in-step reference runs in eval mode: it equals the precomputed pass bit for bit, and
+    the model is back in train mode after it."""
+    from scale.parts.model import set_dropout
+    from tests.conftest import tiny_cfg
+
+    def cfg(*overrides):
+        return tiny_cfg(tmp_path / "out", f"model.name_or_path={dropout_models['llama']}", *overrides)
+
+    model = _dropout_model(tokenizer, dropout_models["llama"])
+    assert set_dropout(cfg(), model) == ("dropout on (model.disable_dropout=null: false under loss.objective=sft): "
+                                         "the model's attention_dropout=0.3 (2 functional rates in layers), "
+                                         "lora.dropout=0.1 (14 adapters) draw masks in training; "
+                                         "model.disable_dropout=true turns them off")
+    attention = [m for m in model.modules() if hasattr(m, "attention_dropout")]
+    assert [m.attention_dropout for m in attention] == [0.3, 0.3]
+    assert model.get_base_model().config.attention_dropout == 0.3
+    line = set_dropout(cfg("loss.objective=dpo", "model.disable_dropout=false", "data.format=preference"), model)
+    assert line.startswith("dropout on (model.disable_dropout=false): the model's attention_dropout=0.3")
+    batch = PairCollator(Collator(tokenizer.pad_token_id))(list(PairedExamples(pair_examples)))
+    torch.manual_seed(0)
+    first, second = tail_logps(model, batch)[0], tail_logps(model, batch)[0]
+    assert not torch.equal(first, second)  # the policy's forward draws masks
+    ref = reference_forward(model, batch)
+    assert model.training and torch.equal(ref, reference_forward(model, batch))
+    assert torch.equal(ref.double(), reference_logps(model, [batch]))
+    assert set_dropout(cfg("model.disable_dropout=true"), model).startswith(
+        "dropout off (model.disable_dropout=true, as TRL's disable_dropout): the model's attention_dropout=0.3 (2 "
+        "functional rates in layers), lora.dropout=0.1 (14 adapters) -> 0")
+    assert [m.attention_dropout for m in attention] == [0.0, 0.0]
+    assert model.get_base_model().config.attention_dropout == 0.0 and model.peft_config["default"].lora_dropout == 0
+    assert torch.equal(tail_logps(model, batch)[0], tail_logps(model, batch)[0])
 
 
 # ------------------------------------------------------------------------------------------ error lines

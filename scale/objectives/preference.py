@@ -30,10 +30,16 @@ ORPO: per token, as TRL logs them). TRL's ``DPOTrainer`` today applies ``label_s
 (the paper's ``L_SFT``, eq. 6), where TRL averages tokens over the micro-batch: equal when the chosen tails have
 one length.
 
-**The reference without a second copy** (DPO): the same model, run under ``torch.no_grad`` in the same step
-(:func:`reference_forward`): with its LoRA adapter disabled (peft's ``disable_adapter()``: the base model), or, when
-the run starts from an adapter (an SFT run's), with that adapter's frozen copy, the peft adapter named
-:data:`REFERENCE_ADAPTER` (:func:`add_reference_adapter`, as TRL's ``DPOTrainer`` keeps its ``ref`` adapter). Or
+**Dropout.** A policy forward that draws dropout masks scores each side with noise, and a reference under other
+masks than the policy's makes a step's rewards noise even where the policy still equals its reference (TRL:
+``disable_dropout``, huggingface/trl#2042). Under these objectives ``model.disable_dropout`` (null) is true: every
+dropout of the model and LoRA's are off (:func:`scale.modeling.disable_dropout`), so policy == reference gives
+rewards of exactly 0. The reference always runs in eval mode (:func:`reference_mode`), without masks.
+
+**The reference without a second copy** (DPO): the same model, run under ``torch.no_grad`` in eval mode in the
+same step (:func:`reference_forward`): with its LoRA adapter disabled (peft's ``disable_adapter()``: the base
+model), or, when the run starts from an adapter (an SFT run's), with that adapter's frozen copy, the peft adapter
+named :data:`REFERENCE_ADAPTER` (:func:`add_reference_adapter`, as TRL's ``DPOTrainer`` keeps its ``ref`` adapter). Or
 precomputed (``loss.reference: precomputed``): one pass before training (:func:`reference_logps`) stores every pair's
 reference logps, and the step runs the policy only (the batch's ``ref_logps``).
 """
@@ -221,7 +227,10 @@ def _peft_model(model: torch.nn.Module) -> Any:
 @contextlib.contextmanager
 def reference_mode(model: torch.nn.Module) -> Iterator[None]:
     """Run ``model`` as the DPO reference inside the block: the frozen :data:`REFERENCE_ADAPTER` when the model has
-    one, else with its adapters disabled (the base model), under ``torch.no_grad``.
+    one, else with its adapters disabled (the base model), under ``torch.no_grad`` and in eval mode: the reference
+    draws no dropout masks whatever ``model.disable_dropout`` says, as the precomputed pass (which runs in eval
+    mode) computes it, so an in-step and a precomputed reference agree. (TRL's ``DPOTrainer`` runs its reference
+    in the policy's mode: with ``disable_dropout=False`` its reference draws masks.) The mode is restored after.
 
     Raises:
         ValueError: ``model`` holds no peft adapter (a full fine-tune needs ``loss.reference: precomputed``).
@@ -230,17 +239,22 @@ def reference_mode(model: torch.nn.Module) -> Iterator[None]:
     if peft_model is None:
         raise ValueError("the in-step DPO reference is the model without its LoRA adapter, and this model has none; "
                          "set loss.reference=precomputed")
-    with torch.no_grad():
-        if REFERENCE_ADAPTER in peft_model.peft_config:
-            previous = peft_model.active_adapter
-            peft_model.set_adapter(REFERENCE_ADAPTER)
-            try:
-                yield
-            finally:
-                peft_model.set_adapter(previous)
-        else:
-            with peft_model.disable_adapter():
-                yield
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            if REFERENCE_ADAPTER in peft_model.peft_config:
+                previous = peft_model.active_adapter
+                peft_model.set_adapter(REFERENCE_ADAPTER)
+                try:
+                    yield
+                finally:
+                    peft_model.set_adapter(previous)
+            else:
+                with peft_model.disable_adapter():
+                    yield
+    finally:
+        model.train(was_training)
 
 
 def add_reference_adapter(model: torch.nn.Module) -> None:

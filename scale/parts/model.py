@@ -16,7 +16,7 @@ from scale.collective import main_process_first, on_every_rank
 from scale.kernels import apply_kernels
 from scale.launch import ModePlan
 from scale.mixed_paths import paths_for, use_mixed_paths
-from scale.modeling import build_model
+from scale.modeling import build_model, disable_dropout, dropout_census
 from scale.moe import model_shape
 from scale.parts.data import on_this_machine
 from scale.parts.launch import Launch
@@ -53,6 +53,9 @@ def build_run_model(launch: Launch, cfg: Config, vocab_size: int) -> tuple[torch
         model = (on_every_rank if on_this_machine(cfg.model.name_or_path) else main_process_first)(
             acc, prepare_model)  # collective
     check_sequence_parallel(model, cfg.model, sp, cfg.data.packing or cfg.data.padding_free, cfg.data.max_length)
+    line = set_dropout(cfg, model)
+    if line:
+        logger.info(line, main_process_only=True)
     kernels = apply_kernels(model, cfg.model.kernels)
     if kernels:
         logger.info("model.kernels=%s: %s", cfg.model.kernels, ", ".join(kernels), main_process_only=True)
@@ -63,6 +66,31 @@ def build_run_model(launch: Launch, cfg: Config, vocab_size: int) -> tuple[torch
     if launch.device.type == "cpu" and (cfg.data.padding_free or cfg.data.packing) and launch.sequence is None:
         use_segment_attention(model)  # packed rows: one causal sdpa call per example instead of an [L, L] mask
     return model, switched
+
+
+def set_dropout(cfg: Config, model: torch.nn.Module) -> str | None:
+    """Apply ``model.disable_dropout`` (:meth:`scale.schema.Config.dropout_off`: null is true under a preference
+    objective, false under sft) to ``model`` in place (:func:`scale.modeling.disable_dropout`), and return the
+    start-up line that says what draws dropout masks in training: always under a preference objective or when
+    dropout is turned off; under sft only when the model itself has dropout (``lora.dropout`` is the run's own key).
+    """
+    off, setting, dpo = cfg.dropout_off(), cfg.model.disable_dropout, cfg.loss.objective == "dpo"
+    how = (f"model.disable_dropout={str(setting).lower()}" if setting is not None else
+           f"model.disable_dropout=null: {str(off).lower()} under loss.objective={cfg.loss.objective}")
+    if off:
+        what = disable_dropout(model).text()
+        return (f"dropout off ({how}, as TRL's disable_dropout): " + (f"{what} -> 0" if what else "none was on")
+                + ("; the policy and its in-step reference forward are one network" if dpo else ""))
+    found = dropout_census(model)
+    what = found.text() or "none"
+    if dpo:
+        return (f"dropout on ({how}): {what}; the policy's forward draws masks, the reference's runs without them "
+                f"(eval mode), so each step's rewards carry the policy's dropout noise")
+    if cfg.loss.trains_pairs():
+        return f"dropout on ({how}): {what}; the policy's log-probabilities, and its rewards, carry dropout noise"
+    if found.model_has:
+        return f"dropout on ({how}): {what} draw masks in training; model.disable_dropout=true turns them off"
+    return None
 
 
 def build_model_on_every_rank(acc: Accelerator, cfg: Config, plan: ModePlan, vocab_size: int) -> torch.nn.Module:
