@@ -60,7 +60,7 @@ def bare_run(job: Job, model: torch.nn.Module, examples: list[Example], device: 
     an epoch's last window may be shorter and is normalised by its own token count, as in the harness.
     ``keep``: ``"tensor"`` passes the kept positions as a tensor (as the harness does), ``"slice"`` as a slice.
     """
-    from scale.schedule import lr_factor
+    from scale.training.schedule import lr_factor
 
     o = job.optim_cfg()
     params = [p for p in model.parameters() if p.requires_grad]

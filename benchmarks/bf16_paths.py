@@ -1,4 +1,4 @@
-"""The CPU mixed-precision paths (``scale.mixed_paths.MIXED_PATHS``), each measured alone: time and exactness.
+"""The CPU mixed-precision paths (``scale.modeling.mixed_paths.MIXED_PATHS``), each measured alone: time and exactness.
 
     python benchmarks/bf16_paths.py                       # the default job's model and rows, 8 rounds
     python benchmarks/bf16_paths.py --rounds 12 --micro 2
@@ -43,8 +43,8 @@ def build(compute: str, seed: int):
     """The default job's model with ``model.bnb_4bit_compute_dtype=compute``, its LoRA B drawn from ``seed``."""
     import torch
 
-    from scale.config import load_config
-    from scale.modeling import build_model, load_tokenizer
+    from scale.config.load import load_config
+    from scale.modeling.build import build_model, load_tokenizer
 
     cfg = load_config(DEFAULT, [f"model.bnb_4bit_compute_dtype={compute}",
                                 "train.mixed_precision=" + ("bf16" if compute == "bfloat16" else "'no'")])
@@ -60,9 +60,9 @@ def build(compute: str, seed: int):
 
 def micro_batches(cfg, tok, n: int, rows: int = 8):
     """``n`` micro-batches of ``rows`` train rows of similar length (as ``data.group_by_length`` makes them)."""
-    from scale.assets import resolve_data
     from scale.data import Collator, build_splits
     from scale.objectives.tail import LossSpec
+    from scale.utils.assets import resolve_data
 
     splits = build_splits(cfg.data, cfg.loss, tok, resolve_data(cfg.data.path), cfg.train.seed)
     train = sorted(splits.train, key=lambda e: len(e.input_ids))
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from benchmarks.common import machine_line
-    from scale.mixed_paths import MIXED_PATHS as CPU_MIXED_PATHS
-    from scale.mixed_paths import use_mixed_paths as use_cpu_mixed_paths
+    from scale.modeling.mixed_paths import MIXED_PATHS as CPU_MIXED_PATHS
+    from scale.modeling.mixed_paths import use_mixed_paths as use_cpu_mixed_paths
 
     cfg, tok, ref_model = build("float32", a.seed)
     batches, spec = micro_batches(cfg, tok, a.micro)

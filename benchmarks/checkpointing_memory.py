@@ -17,8 +17,8 @@ import sys
 import torch
 
 import scale.loss as scale_loss
-from scale.modeling import add_lora
-from scale.schema import LoraConfig, ModelConfig
+from scale.config.schema import LoraConfig, ModelConfig
+from scale.modeling.build import add_lora
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, use_cache=False)

@@ -7,7 +7,7 @@
 Each run is a fresh Python process (``--worker``), so one setting's memory peak cannot leak into the other's;
 runs alternate off, on, off, on, ... ``--repeats`` times. A worker builds the model (a random-weight Llama of
 ``--shape`` from a config, LoRA r=16 on all linear layers, fp32, non-reentrant checkpointing through
-``scale.modeling.add_lora`` exactly as the harness enables it), then trains ``--steps`` optimizer steps on the
+``scale.modeling.build.add_lora`` exactly as the harness enables it), then trains ``--steps`` optimizer steps on the
 same full-length rows (``--batch`` x ``--seq`` tokens, no padding): ``forward_tail`` + ``tail_loss``, backward,
 clipping, AdamW. It reports:
 

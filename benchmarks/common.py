@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from scale.config.schema import Config, LogConfig, LoraConfig, LossConfig, ModelConfig, OptimConfig, TrainConfig
 from scale.data import Collator, Example
-from scale.schema import Config, LogConfig, LoraConfig, LossConfig, ModelConfig, OptimConfig, TrainConfig
 
 # SmolLM2-135M (the real model's shape) and smaller/larger Llama shapes; random weights, built in code.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -54,15 +54,15 @@ def llama_config(shape: str | dict[str, Any], max_len: int = 2048) -> Any:
 
 def build_lora_model(shape: str | dict[str, Any], model_cfg: ModelConfig, lora_cfg: LoraConfig, seed: int = 0,
                      device: str | torch.device = "cpu", max_len: int = 2048) -> torch.nn.Module:
-    """Random-weight Llama of ``shape`` + LoRA, built the way ``scale.modeling.build_model`` builds ``tiny-llama``.
+    """Random-weight Llama of ``shape`` + LoRA, built the way ``scale.modeling.build.build_model`` builds ``tiny-llama``.
 
     ``model_cfg`` supplies dtype, 4-bit quantization and checkpointing; 4-bit weights are quantized at load
-    time by a round trip through a temporary directory (as ``scale.modeling.load_base`` does), onto
+    time by a round trip through a temporary directory (as ``scale.modeling.build.load_base`` does), onto
     ``device``. Same ``seed`` -> same base and LoRA weights.
     """
     from transformers import LlamaForCausalLM
 
-    from scale.modeling import _DTYPES, add_lora, bnb_config, disable_cpu_inference_packing, reload_from_directory
+    from scale.modeling.build import _DTYPES, add_lora, bnb_config, disable_cpu_inference_packing, reload_from_directory
 
     dtype = _DTYPES[model_cfg.dtype]
     with torch.random.fork_rng(devices=[]):
@@ -188,7 +188,7 @@ class Job:
     mega_batch_steps: int = 16
     rows: int | None = None        # rows in the data set; None: exactly `steps` global batches (one epoch)
     optimizer: str = "adamw"       # "sgd": plain SGD (no momentum), whose updates two devices' runs compare linearly
-    mixed_paths: bool = True       # under bf16: scale.mixed_paths' paths of the device, as scale-train takes them
+    mixed_paths: bool = True       # under bf16: scale.modeling.mixed_paths' paths of the device, as scale-train takes them
     kernels: str | None = None     # model.kernels ("liger": Liger-Kernel's RMSNorm/SwiGLU/RoPE, CUDA only)
 
     def model_cfg(self) -> ModelConfig:
@@ -252,7 +252,7 @@ class Job:
 
 
 class MemorySink:
-    """Stands in for ``scale.metrics.JsonlSink``: keeps the rows in memory (same interface, no file)."""
+    """Stands in for ``scale.training.metrics.JsonlSink``: keeps the rows in memory (same interface, no file)."""
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
@@ -299,7 +299,7 @@ class Harness:
         from torch.utils.data import DataLoader
 
         from scale.data.tasks import get
-        from scale.launch import build_accelerator
+        from scale.distributed.launch import build_accelerator
         from scale.objectives.tail import LossSpec
 
         self.job = job
@@ -314,13 +314,13 @@ class Harness:
         self.model = model if model is not None else build_lora_model(job.shape, self.cfg.model, self.cfg.lora,
                                                                       job.seed, self.device, job.seq)
         if model is None and self.cfg.model.kernels is not None:
-            from scale.kernels import apply_kernels
+            from scale.modeling.kernels import apply_kernels
 
-            apply_kernels(self.model, self.cfg.model.kernels)  # as scale.parts.model does
+            apply_kernels(self.model, self.cfg.model.kernels)  # as scale.training.parts.model does
         if model is None and job.mixed_paths and self.cfg.train.mixed_precision == "bf16":
-            from scale.mixed_paths import paths_for, use_mixed_paths
+            from scale.modeling.mixed_paths import paths_for, use_mixed_paths
 
-            use_mixed_paths(self.model, paths_for(torch.device(self.device).type))  # as scale.parts.model does
+            use_mixed_paths(self.model, paths_for(torch.device(self.device).type))  # as scale.training.parts.model does
         self.spec = LossSpec.from_config(self.cfg)
         # the synthetic rows are classification rows whose two labels are one token each: what evaluation ranks
         self.task = get("classification")
@@ -338,12 +338,12 @@ class Harness:
         self.tokens = step_tokens(self.windows)
 
     def run(self) -> RunResult:
-        from scale.state import TrainerState
-        from scale.job import Job
-        from scale.launch import ModePlan
-        from scale.metrics import MetricsLog
-        from scale.schedule import lr_factor
+        from scale.distributed.launch import ModePlan
         from scale.train import fit
+        from scale.training.job import Job
+        from scale.training.metrics import MetricsLog
+        from scale.training.schedule import lr_factor
+        from scale.training.state import TrainerState
 
         o, steps = self.cfg.optim, self.cfg.train.max_steps
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -5,8 +5,8 @@
     python benchmarks/compile.py --set data.packing=true            # any override of the job
 
 Issue 19 asks to measure ``torch.compile`` on the jobs and to offer ``train.compile`` only if it is faster and exact.
-The job's model is built as ``scale.modeling.build_model`` builds it (LoRA on the real SmolLM2-135M), and its first
-``--micro-batches`` train micro-batches come from the job's own loader (``scale.parts.loaders.make_loaders``: the same
+The job's model is built as ``scale.modeling.build.build_model`` builds it (LoRA on the real SmolLM2-135M), and its first
+``--micro-batches`` train micro-batches come from the job's own loader (``scale.training.parts.loaders.make_loaders``: the same
 collator, padding or packing). One forward + backward of the tail loss (``scale.objectives.tail.LossSpec.loss_step``)
 per micro-batch, timed; no optimizer step, so eager and compiled see the same weights and their losses and LoRA
 gradients are compared directly (with ``lora.dropout=0``: the two would draw different dropout masks). The compiled
@@ -34,12 +34,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="passes over the micro-batches (the first compiles)")
     args = parser.parse_args()
 
-    from scale.assets import resolve_data
-    from scale.config import load_config
+    from scale.config.load import load_config
     from scale.data import build_splits
-    from scale.parts.loaders import make_loaders
+    from scale.modeling.build import build_model, load_tokenizer
     from scale.objectives.tail import LossSpec
-    from scale.modeling import build_model, load_tokenizer
+    from scale.training.parts.loaders import make_loaders
+    from scale.utils.assets import resolve_data
 
     # LoRA dropout off: inductor draws its own dropout masks (philox), so eager and compiled would differ by the
     # masks, not by the arithmetic (measured with the SFT job's 0.05: loss 2.9e-3 apart, gradients 2.2x).

@@ -79,7 +79,7 @@ def generate(path: Path, rows: int, seed: int = 0) -> None:
 
 
 def config(data: Path, cache: Path, num_proc: int, extra: list[str] = ()) -> object:
-    from scale.config import load_config
+    from scale.config.load import load_config
 
     return load_config(ROOT / "configs" / "train" / "tiny_cpu.yaml",
                        [f"data.path={data}", f"data.cache_dir={cache}", f"data.num_proc={num_proc}",
@@ -89,9 +89,9 @@ def config(data: Path, cache: Path, num_proc: int, extra: list[str] = ()) -> obj
 
 def today(data: Path) -> dict[str, float]:
     """Worker: today's path (every rank, every start) on ``data``, single process."""
-    from scale.assets import resolve_data
     from scale.data import build_splits
-    from scale.modeling import load_tokenizer
+    from scale.modeling.build import load_tokenizer
+    from scale.utils.assets import resolve_data
 
     cfg = config(data, Path("/nonexistent"), 1, ["data.cache=false"])
     tok = load_tokenizer(cfg.model)
@@ -111,7 +111,7 @@ def prepare(data: Path, cache: Path, num_proc: int) -> dict[str, float]:
 
     from scale.data.cache import load_splits
     from scale.data.token_table import column
-    from scale.modeling import load_tokenizer
+    from scale.modeling.build import load_tokenizer
 
     cfg = config(data, cache, num_proc)
     tok = load_tokenizer(cfg.model)
@@ -133,9 +133,9 @@ def rank_probe(data: Path, cache: Path, num_proc: int) -> None:
 
     from scale.data.cache import load_splits, wait_for_splits
     from scale.data.token_table import column
-    from scale.collective import on_every_rank, shared_run_id
-    from scale.parts.loaders import make_loaders
-    from scale.modeling import load_tokenizer
+    from scale.distributed.collective import on_every_rank, shared_run_id
+    from scale.modeling.build import load_tokenizer
+    from scale.training.parts.loaders import make_loaders
 
     t0 = time.perf_counter()
     torch.set_num_threads(1)
@@ -145,7 +145,7 @@ def rank_probe(data: Path, cache: Path, num_proc: int) -> None:
     before = rss()
     start = time.perf_counter()
     run_id = shared_run_id(acc)
-    # as scale.job.setup: the node's main process finds (or builds) the entry, the other rank polls its build record
+    # as scale.training.job.setup: the node's main process finds (or builds) the entry, the other rank polls its build record
     splits = on_every_rank(acc, lambda: load_splits(cfg, tok, str(data), run_id) if acc.is_local_main_process
                            else wait_for_splits(cfg, tok, str(data), run_id))
     data_s = time.perf_counter() - start

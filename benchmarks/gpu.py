@@ -2,7 +2,7 @@
 
     python benchmarks/gpu.py                      # SmolLM2-135M and ~1B Llama shapes (estimated < 5 min, H200)
     python benchmarks/gpu.py --shapes llama-1b --seq 2048 --batch 4 --checkpointing
-    python benchmarks/gpu.py --peak-tflops 989    # a GPU missing from scale.flops.PEAK_BF16_FLOPS
+    python benchmarks/gpu.py --peak-tflops 989    # a GPU missing from scale.utils.flops.PEAK_BF16_FLOPS
     python benchmarks/gpu.py --measure-peak       # MFU against a bf16 GEMM timed on this GPU, not the datasheet
     python benchmarks/gpu.py --dry-run            # CPU, tiny shape: the same code path, numbers meaningless
 
@@ -20,13 +20,13 @@ Rows are full length (``--batch`` x ``--seq`` tokens, no padding, so tokens = po
 times, each run ``--steps`` optimizer steps of which the first ``--warmup`` are not timed.
 
 - tokens/s: timed tokens over timed seconds (stamps after each ``scheduler.step()``, with a CUDA sync);
-- MFU: ``tokens/s x FLOPs per token / peak`` (``scale.flops.mfu``), FLOPs per token from
-  ``scale.metrics.model_flops`` (``scale.flops.flops_per_token`` with ``lora_params=trainable`` and
+- MFU: ``tokens/s x FLOPs per token / peak`` (``scale.utils.flops.mfu``), FLOPs per token from
+  ``scale.training.metrics.model_flops`` (``scale.utils.flops.flops_per_token`` with ``lora_params=trainable`` and
   ``logits_fraction=threshold/T``): model FLOPs of LoRA training, ``4 (N + f N_head) + 6 N_lora + 12 L T
   d_attn`` per token (PaLM appendix B's ``6N + 12LHQT`` without weight gradients for the frozen base;
-  recomputation from checkpointing not counted); peak = dense bf16 from ``scale.flops.PEAK_BF16_FLOPS`` by device name,
+  recomputation from checkpointing not counted); peak = dense bf16 from ``scale.utils.flops.PEAK_BF16_FLOPS`` by device name,
   ``--peak-tflops``, or a bf16 GEMM timed on the device (``--measure-peak``; the default on CPU and for a GPU
-  missing from the table), resolved by ``scale.precision.resolve_peak_flops`` as ``log.peak_flops`` is in a run:
+  missing from the table), resolved by ``scale.training.precision.resolve_peak_flops`` as ``log.peak_flops`` is in a run:
   the same code that logs ``train/mfu``;
 - peak memory: ``torch.cuda.max_memory_allocated`` during the contestant's first run, minus what was allocated
   before its model was built: its weights, adapters, optimizer state, activations and workspace (GiB);
@@ -55,10 +55,10 @@ if __package__ in (None, ""):  # `python benchmarks/gpu.py`: make `benchmarks.co
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Harness, Job, RunResult, fmt_spread, llama_config, machine_line, reset_accelerate
-from scale.flops import mfu
-from scale.metrics import model_flops
 from scale.plan import make_plan
-from scale.precision import PeakFlops, resolve_peak_flops
+from scale.training.metrics import model_flops
+from scale.training.precision import PeakFlops, resolve_peak_flops
+from scale.utils.flops import mfu
 
 NO_CUDA = ("benchmarks/gpu.py needs a CUDA GPU: torch.cuda.is_available() is False (torch {v}). Run it on a GPU "
            "machine with a CUDA build of torch, or pass --dry-run to exercise the same code path on CPU.")
@@ -92,7 +92,7 @@ def predicted_gib(job: Job, shape: str, seq: int) -> float:
 
 def bench_shape(shape: str, args: argparse.Namespace, acc, device: str) -> dict:
     """Build both contestants of one shape on the shared Accelerator, alternate their runs, return the figures."""
-    from scale.checks import dtype_census
+    from scale.training.checks import dtype_census
 
     cuda = device.startswith("cuda")
     jobs = contestants(shape, args)
@@ -156,7 +156,7 @@ def table(results: dict[str, dict], args: argparse.Namespace, peak: PeakFlops, d
         *rows,
         "",
         "MFU = tokens/s x model FLOPs per token / peak; LoRA FLOPs per token = 4(N + f N_head) + 6 N_lora + "
-        "12 L T d_attn (scale/flops.py; recomputation not counted)",
+        "12 L T d_attn (scale/utils/flops.py; recomputation not counted)",
         *census,
         "",
         "predicted (scale-plan, one device, no overhead) vs torch.cuda.max_memory_allocated, goal within 15%:",
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     else:
         device = "cuda"
-    from scale.launch import build_accelerator
+    from scale.distributed.launch import build_accelerator
 
     t0 = time.perf_counter()
     reset_accelerate()

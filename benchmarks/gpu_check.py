@@ -19,7 +19,7 @@ the command exits 1 at the end, so one broken section never loses the others' fi
 5. ``auto``: the default job (configs/train/default.yaml: QLoRA on the embedded SmolLM2-135M and review snippets,
    no download) at its own micro-batch and at the largest one ``scale.plan.largest_micro_batch`` fits into
    ``--memory-fraction`` of the device, tokens/s of each (``train/tokens_per_s``, the last logged interval).
-6. ``casts``: LoRA and QLoRA (1B shape, 8 x 1024) with the mixed-precision paths (``scale.mixed_paths``) off and on,
+6. ``casts``: LoRA and QLoRA (1B shape, 8 x 1024) with the mixed-precision paths (``scale.modeling.mixed_paths``) off and on,
    and on with ``model.kernels: liger``: dtype casts (aten ``_to_copy``) and aten ops of one micro-batch's forward
    and backward, tokens/s through ``scale.train.fit``, the last loss (:func:`run_casts`).
 
@@ -196,10 +196,10 @@ def parity(device: str) -> tuple[str, dict]:
 
 def run_auto(dry: bool, memory_gib: float | None, fraction: float) -> tuple[str, dict]:
     """The default job at its own micro-batch and at the largest the plan fits into ``fraction`` of the device."""
-    from scale.config import load_config
-    from scale.metrics import read_jsonl
+    from scale.config.load import load_config
     from scale.plan import largest_micro_batch
     from scale.train import run
+    from scale.training.metrics import read_jsonl
 
     yaml = ROOT / "configs" / "train" / ("tiny_cpu.yaml" if dry else "default.yaml")
     steps = 4 if dry else 30
@@ -280,8 +280,8 @@ def run_casts(dry: bool) -> tuple[str, dict]:
 
     from transformers.models.llama import modeling_llama
 
-    from scale.inputs import check_kernels
-    from scale.validation import ConfigError
+    from scale.config.validation import ConfigError
+    from scale.distributed.inputs import check_kernels
 
     device = "cpu" if dry else "cuda"
     common = (dict(shape="tiny", seq=32, micro_batch_size=2, gradient_accumulation_steps=1, steps=3, warmup=1,
@@ -323,7 +323,7 @@ def run_casts(dry: bool) -> tuple[str, dict]:
     ok = all(f["paths on"]["_to_copy"] < f["paths off"]["_to_copy"] for f in figures.values())
     head = (f"{Job(**common).describe().split(', LoRA')[0]}, micro-batch {common['micro_batch_size']} x "
             f"T={common['seq']}, {common['steps']} steps ({common['warmup']} warm-up not timed), one run per row, "
-            f"through scale.train.fit; paths: scale.mixed_paths.paths_for('{device}'); liger: model.kernels=liger "
+            f"through scale.train.fit; paths: scale.modeling.mixed_paths.paths_for('{device}'); liger: model.kernels=liger "
             f"(RMSNorm, SwiGLU, RoPE)")
     return f"{head}\n\n" + "\n".join(rows) + f"\n\nthe paths cut the casts of every job: **{ok}**", {
         "ok": ok, "figures": figures}
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "parity": ("4. fp32 on the device against the CPU", lambda: parity(device)),
         "auto": ("5. The default job at the largest micro-batch that fits",
                  lambda: run_auto(a.dry_run, memory, a.memory_fraction)),
-        "casts": ("6. Fewer casts (scale.mixed_paths) and Liger kernels, on and off", lambda: run_casts(a.dry_run)),
+        "casts": ("6. Fewer casts (scale.modeling.mixed_paths) and Liger kernels, on and off", lambda: run_casts(a.dry_run)),
     }
     parts, failed, t_all = [header(a.dry_run)], [], time.perf_counter()
     out = Path(a.out)

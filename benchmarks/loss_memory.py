@@ -5,7 +5,7 @@
 SmolLM2-135M's LM head (hidden 576, vocab 49,152, fp32, frozen as under LoRA). For each number ``N`` of tail
 positions (one micro-batch of 4 rows of ``N / 4`` trained tokens: an SFT answer is the whole tail) it records the
 peak bytes of live tensors created by the loss, from the hidden states ``[B, N/B, H]`` to their gradient: today's
-``lm_head -> [B, N/B, V] -> scale.loss.tail_loss -> backward`` against ``scale.chunked.chunked_tail_loss``. Bytes
+``lm_head -> [B, N/B, V] -> scale.loss.tail.tail_loss -> backward`` against ``scale.loss.chunked.chunked_tail_loss``. Bytes
 are counted on fake tensors (``FakeTensorMode``: shapes, no memory; the same count as real tensors, checked at the
 smallest ``N``), so ``N = 8192`` (1.5 GiB per fp32 logits tensor) runs on a small machine. The smallest ``N`` also
 runs on real tensors (chunks of 128) to check the two losses and gradients agree.
@@ -24,8 +24,8 @@ import torch
 if __package__ in (None, ""):  # `python benchmarks/loss_memory.py`: make `tests` importable from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scale import chunked  # noqa: E402
-from scale import loss as scale_loss  # noqa: E402
+from scale.loss import chunked  # noqa: E402
+from scale.loss import tail as scale_loss  # noqa: E402
 from tests.live_bytes import LiveBytes  # noqa: E402
 
 H, V, ROWS = 576, 49152, 4

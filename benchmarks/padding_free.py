@@ -2,13 +2,13 @@
 
     python benchmarks/padding_free.py [--jobs chat,longtail,longtail-small] [--repeats 3] [--steps 7] [--threads 1]
 
-Contestants, each the real harness run (``scale.job.setup`` + ``scale.train.fit``, ``train.log_every=1``) on the
+Contestants, each the real harness run (``scale.training.job.setup`` + ``scale.train.fit``, ``train.log_every=1``) on the
 same rows and weights:
 
 - ``padded``: ``data.padding_free=false`` (left-padded ``[B, T]`` micro-batches);
 - ``free (mask)``: ``data.padding_free=true`` with transformers' attention for packed rows, sdpa over the whole
   row with a block-diagonal ``[L, L]`` mask (the per-example attention switched off after set-up);
-- ``free``: ``data.padding_free=true`` as a CPU run has it, attention one example at a time (:mod:`scale.varlen`).
+- ``free``: ``data.padding_free=true`` as a CPU run has it, attention one example at a time (:mod:`scale.modeling.varlen`).
 
 Jobs:
 
@@ -85,10 +85,10 @@ def run_one(job: str, contestant: str, steps: int, tmp: Path) -> dict:
     """Train one contestant of ``job`` in this process; return its logged rows and per-step CPU-time stamps."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from scale.config import load_config
-    from scale.job import setup
+    from scale.config.load import load_config
+    from scale.modeling.varlen import use_segment_attention
     from scale.train import fit
-    from scale.varlen import use_segment_attention
+    from scale.training.job import setup
 
     out = tmp / f"{job}-{contestant.replace(' ', '').replace('(', '-').replace(')', '')}"
     free = "false" if contestant == "padded" else "true"

@@ -28,7 +28,7 @@ run when ``--jobs`` names them.
 item equal to a mode name selects that row only, any other item the rows whose names contain it (``ulysses``);
 an item that selects nothing stops with exit 2. The first row, the reference, always runs. A row this machine
 cannot launch (more processes than its GPUs, or without a GPU than ``max(2, CPU cores)``: the launcher's own
-``scale.launch.check_ranks_per_machine``) is skipped with one line saying why, before it starts; the summary still
+``scale.distributed.launch.check_ranks_per_machine``) is skipped with one line saying why, before it starts; the summary still
 prints.
 """
 
@@ -79,9 +79,9 @@ def local_processes(cmds: list[list[str]]) -> int:
 
 
 def launch_problem(cmds: list[list[str]]) -> str | None:
-    """Why this machine cannot launch the row (the launcher's :func:`scale.launch.check_ranks_per_machine` on
+    """Why this machine cannot launch the row (the launcher's :func:`scale.distributed.launch.check_ranks_per_machine` on
     the row's :func:`local_processes`), or None."""
-    from scale.launch import LaunchError, check_ranks_per_machine
+    from scale.distributed.launch import LaunchError, check_ranks_per_machine
 
     try:
         check_ranks_per_machine({"LOCAL_WORLD_SIZE": str(local_processes(cmds))})

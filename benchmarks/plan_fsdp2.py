@@ -8,7 +8,7 @@ shards are uneven; a tiny QLoRA model with fp32 quant storage; SmolLM2-135M's sh
 and compute, as ``tests/test_zero3_directory.py`` builds it) it runs
 ``tests/plan_census.py`` under ``accelerate launch --config_file tests/cpu_fsdp2.yaml`` (accelerate's own FSDP2
 preparation through the test-only shim ``tests/fsdp_cpu.py``), which counts the storages each rank holds right
-before its second optimizer step, and compares them with :func:`scale.layouts.predict_mode` (``fsdp2``), row by row
+before its second optimizer step, and compares them with :func:`scale.planner.layouts.predict_mode` (``fsdp2``), row by row
 and rank by rank. Exits 1 unless every row is equal to the byte. Not a CI test (4 launches, ~2 minutes).
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python benchmarks/plan_fsdp2.py`: make `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scale import layouts as LY  # noqa: E402
+from scale.planner import layouts as LY  # noqa: E402
 from tests.test_plan import NO_ACTS, SHAPES, STATES, planned, run_census, smollm2_dir  # noqa: E402
 
 

@@ -3,7 +3,7 @@ that trains within a fixed per-rank budget.
 
     python benchmarks/sp_memory.py [--tokens 4096] [--budget-mib 128] [--max-tokens 12288] [--step 1024]
 
-The job is the harness's own (:func:`scale.job.setup` of ``configs/train/tiny_cpu.yaml`` at a wider Llama shape: hidden
+The job is the harness's own (:func:`scale.training.job.setup` of ``configs/train/tiny_cpu.yaml`` at a wider Llama shape: hidden
 256, 4 layers, 4 heads, 2 key/value heads, MLP 768, SmolLM2's 49,152-token vocabulary; LoRA r=8 on every linear layer,
 fp32, gradient checkpointing on): SP=1 is one process, SP=2 is DeepSpeed ZeRO-2 with Ulysses on 2 CPU processes
 (``configs/accelerate/cpu_zero2.yaml``, ``train.sequence_parallel_size=2``). One row of ``T`` tokens whose last 16 are
@@ -51,12 +51,12 @@ def worker(args: argparse.Namespace) -> None:
 
     import torch
 
-    from scale.checkpoint import unwrap
-    from scale.config import load_config
+    from scale.config.load import load_config
     from scale.data import Example
     from scale.data.sequence import shard_rows
-    from scale.job import setup
-    from scale.ulysses import sharded
+    from scale.distributed.ulysses import sharded
+    from scale.training.checkpoint import unwrap
+    from scale.training.job import setup
     from tests.live_bytes import LiveBytes
 
     lengths = [int(x) for x in args.lengths.split(",")]

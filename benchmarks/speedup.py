@@ -22,7 +22,7 @@ double quantization, LoRA r=16 all-linear, micro-batch 8, the review data):
   for short keys, adapter inputs cast once, the LM head's cast kept, the 4-bit backward dequantized to bf16)
   switched off after setup: the bf16 path before them (``--contestants fp32,auto-without-paths,auto``).
 
-Each run is a fresh process (``--worker``) that builds the job with ``scale.job.setup`` and trains it with
+Each run is a fresh process (``--worker``) that builds the job with ``scale.training.job.setup`` and trains it with
 ``scale.train.fit`` for ``--steps`` optimizer steps (``train.log_every=1``; the evaluations at step 0 and at
 the end run on one batch: they are excluded from the rates anyway). Runs alternate (before, after, before,
 ...). Throughput is real (unpadded) tokens over the seconds of the steps after the first ``--warmup``, from
@@ -87,16 +87,16 @@ def worker(name: str, steps: int, out: str, profile: int) -> dict:
     import torch
     from torch.utils.data import DataLoader
 
-    from scale.config import load_config
+    from scale.config.load import load_config
     from scale.data import Collator
-    from scale.job import setup
     from scale.train import fit
+    from scale.training.job import setup
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_config(DEFAULT, job_overrides(name, steps + (1 if profile else 0), out))
     job = setup(cfg)
     if name == "auto-without-paths":
-        from scale.mixed_paths import use_mixed_paths
+        from scale.modeling.mixed_paths import use_mixed_paths
 
         use_mixed_paths(job.model, on=False)
     # Evaluation is not timed; one batch keeps the run short (the step-0 and final evaluations still run).
@@ -126,10 +126,10 @@ def profile_steps(job, steps: int) -> dict[str, float]:
     """Run one warm-up step, then ``steps`` steps under the profiler; return milliseconds per step by category."""
     from torch.profiler import ProfilerActivity, profile
 
-    from scale.commit import StepCommit
-    from scale.metrics import StepMeter
     from scale.train import epoch_loader, train_window
-    from scale.windows import windows
+    from scale.training.commit import StepCommit
+    from scale.training.metrics import StepMeter
+    from scale.training.windows import windows
 
     job.model.train()
     meter = StepMeter(job.acc.device)
@@ -232,11 +232,11 @@ def same_rows(steps: int) -> str:
     """Check that grouped and random orders put the same rows into the first ``steps`` global batches."""
     import torch
 
-    from scale.assets import resolve_data
-    from scale.config import load_config
+    from scale.config.load import load_config
     from scale.data import build_splits
     from scale.data.order import length_grouped_order
-    from scale.modeling import load_tokenizer
+    from scale.modeling.build import load_tokenizer
+    from scale.utils.assets import resolve_data
 
     cfg = load_config(DEFAULT)
     G = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     out = [f"default job (configs/train/default.yaml), {a.steps} optimizer steps per run ({a.warmup} warm-up not "
            f"timed), {a.repeats} repeats alternating {', '.join(names)}",
            *lines, "", same_rows(a.steps),
-           "MFU: model FLOPs (scale/flops.py, as train/mfu counts them) over the best peak the runs measured at "
+           "MFU: model FLOPs (scale/utils/flops.py, as train/mfu counts them) over the best peak the runs measured at "
            f"start-up for their dtype ({', '.join(f'{n} {best[n] / 1e9:.0f} GFLOP/s' for n in names)}); CPU time: "
            f"per CPU-second against that peak / {threads} thread(s)",
            *sorted({line.split('MFU peak: ')[-1] for n in names for line in peaks[n]}), machine_line(),

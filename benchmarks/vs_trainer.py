@@ -129,7 +129,7 @@ def trainer_run(job: Job, examples: list[Example], keep_logits: bool, device: to
     """
     from transformers import Trainer, TrainingArguments
 
-    from scale.schedule import lr_factor
+    from scale.training.schedule import lr_factor
 
     reset_accelerate()
     model = build_lora_model(job.shape, job.model_cfg(), job.lora_cfg(), job.seed, device, job.seq)

@@ -53,7 +53,7 @@ from benchmarks.common import TimedLambdaLR, machine_line, reset_accelerate, tim
 class CountingCollator:
     """Wraps a collator; records the real (non-pad) tokens of every train micro-batch it builds, in order.
 
-    Evaluation batches are collated under ``torch.no_grad()`` (``scale.evaluate.evaluate``) and not counted."""
+    Evaluation batches are collated under ``torch.no_grad()`` (``scale.training.evaluate.evaluate``) and not counted."""
 
     def __init__(self, inner: Any, count: Any) -> None:
         self.inner, self.count, self.tokens = inner, count, []
@@ -69,7 +69,7 @@ PRECISION = {"bf16": "train.mixed_precision=bf16", "fp32": "train.mixed_precisio
 
 
 def sft_config(out: str, packing: bool, max_rows: int | None, precision: str = "fp32") -> Any:
-    from scale.config import load_config
+    from scale.config.load import load_config
 
     overrides = [f"output_dir={out}", f"data.packing={str(packing).lower()}", "train.eval_every=0",
                  "train.save_adapter=false", "train.log_every=1000", "data.cache=false", "train.check_invariants=false",
@@ -81,13 +81,13 @@ def sft_config(out: str, packing: bool, max_rows: int | None, precision: str = "
 
 def run_ours(packing: bool, warmup: int, max_rows: int | None, precision: str = "fp32") -> tuple[float, int, int]:
     """One epoch of the SFT job in ``scale.train.fit``; returns (seconds, real tokens, steps) of the timed span."""
-    import scale.parts.loaders
-    from scale.job import setup
+    import scale.training.parts.loaders
     from scale.train import fit
+    from scale.training.job import setup
 
     reset_accelerate()
     name = "PackedCollator" if packing else "Collator"
-    original = getattr(scale.parts.loaders, name)
+    original = getattr(scale.training.parts.loaders, name)
     count = (lambda b: b["seq_lens"].sum()) if packing else (lambda b: b["attention_mask"].sum())
     counter = CountingCollator(None, count)
 
@@ -95,12 +95,12 @@ def run_ours(packing: bool, warmup: int, max_rows: int | None, precision: str = 
         counter.inner = original(*args)
         return counter
 
-    setattr(scale.parts.loaders, name, counted)
+    setattr(scale.training.parts.loaders, name, counted)
     with tempfile.TemporaryDirectory() as out:
         try:
             job = setup(sft_config(out, packing, max_rows, precision))
         finally:
-            setattr(scale.parts.loaders, name, original)
+            setattr(scale.training.parts.loaders, name, original)
         timed = TimedLambdaLR(job.scheduler.optimizer, job.scheduler.lr_lambdas[0])
         job.scheduler = timed
         fit(job)
@@ -115,9 +115,9 @@ def run_trl(warmup: int, max_rows: int | None, precision: str = "fp32") -> tuple
     from trl import SFTConfig, SFTTrainer
 
     from scale.data import build_splits
-    from scale.assets import resolve_data
-    from scale.parts.optimizer import make_optimizer
-    from scale.modeling import build_model, load_tokenizer
+    from scale.modeling.build import build_model, load_tokenizer
+    from scale.training.parts.optimizer import make_optimizer
+    from scale.utils.assets import resolve_data
 
     reset_accelerate()
     with tempfile.TemporaryDirectory() as out:

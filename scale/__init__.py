@@ -13,6 +13,6 @@ def _started_as_trainer(argv: list[str], orig_argv: list[str]) -> bool:
 
 if _started_as_trainer(_sys.argv, getattr(_sys, "orig_argv", [])):
     # Before torch, transformers and DeepSpeed are imported (seconds): a SIGTERM then exits 75 at once.
-    from scale.signals import exit_on_signal_while_importing
+    from scale.utils.signals import exit_on_signal_while_importing
 
     exit_on_signal_while_importing()

@@ -8,7 +8,7 @@
 (``scale/configs/{train,accelerate}/NAME.yaml``), so both run from any directory.
 
 Exit codes: 0 trained; 2 (:data:`EXIT_BAD_INPUT`) the config, data, launch or checkpoint was rejected before
-training, with one line on stderr naming the fix; 75 (:data:`scale.signals.EXIT_PREEMPTED`) a signal arrived
+training, with one line on stderr naming the fix; 75 (:data:`scale.utils.signals.EXIT_PREEMPTED`) a signal arrived
 and a checkpoint was written; 1 anything else (a non-finite loss, a crash).
 
 Under a launcher the message is reported once, by global rank 0 (every rank runs the same checks; a failure of one
@@ -37,14 +37,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from scale.assets import resolve_data
-from scale.config import configs_dir, load_config, named_config, yaml_load
-from scale.config_help import help_text, keys_help
-from scale.logs import configure_logging
-from scale.schema import Config
-from scale.signals import EXIT_PREEMPTED, Preempted, Preemption
-from scale.topology import processes_for, usable_cores, visible_gpus
-from scale.validation import ConfigError
+from scale.config.help import help_text, keys_help
+from scale.config.load import configs_dir, load_config, named_config, yaml_load
+from scale.config.schema import Config
+from scale.config.validation import ConfigError
+from scale.distributed.topology import processes_for, usable_cores, visible_gpus
+from scale.utils.assets import resolve_data
+from scale.utils.logs import configure_logging
+from scale.utils.signals import EXIT_PREEMPTED, Preempted, Preemption
 
 # torch, transformers and the loop are imported when a job runs (start_fast, main): `scale-train --accelerate-config`
 # and `--help` only start a launcher or print, without the ~4 s of CPU their import costs. The imports of scale
@@ -84,7 +84,7 @@ def _error(e: BaseException, code: int = EXIT_BAD_INPUT, echo: bool = True) -> N
     if not mine:  # under any launcher: the `deepspeed` launcher kills rank 0 too once another rank exits first,
         # before it printed the message (seen once a rank reached a config error in ~0.2 s: scale.cli imports no torch).
         # The launcher stops this rank once rank 0 exits: leave at once with the same code, no second traceback
-        # (the start-up SIGTERM handler of scale.signals would raise Preempted in the middle of this sleep).
+        # (the start-up SIGTERM handler of scale.utils.signals would raise Preempted in the middle of this sleep).
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, lambda *_: os._exit(code))
         time.sleep(1.0)  # let rank 0 exit first with its code: the launcher then stops the others
@@ -133,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def print_help(topic: str) -> int:
-    """``scale-train --help [TOPIC]`` on stdout (:func:`scale.config_help.keys_help`); return the exit code."""
+    """``scale-train --help [TOPIC]`` on stdout (:func:`scale.config.help.keys_help`); return the exit code."""
     try:
         text = keys_help(topic) if topic else build_parser().format_help() + "\n" + keys_help()
     except ConfigError as e:
@@ -145,9 +145,9 @@ def print_help(topic: str) -> int:
 
 def bad_input_errors() -> tuple[type[Exception], ...]:
     """The errors that mean bad input (exit :data:`EXIT_BAD_INPUT`): their message names the fix."""
-    from scale.checkpoint import CheckpointError  # deferred: torch (module comment above)
     from scale.data.read import DataError  # deferred: scale.data imports torch
-    from scale.launch import LaunchError  # deferred: accelerate
+    from scale.distributed.launch import LaunchError  # deferred: accelerate
+    from scale.training.checkpoint import CheckpointError  # deferred: torch (module comment above)
 
     return (ConfigError, DataError, LaunchError, CheckpointError)
 
@@ -155,16 +155,16 @@ def bad_input_errors() -> tuple[type[Exception], ...]:
 def check_names(cfg: Config) -> None:
     """The paths the config names, checked from the names alone before the model libraries are imported (bitsandbytes
     logs a kernel notice at import, which would precede the one-line error): ``model.name_or_path``/``model.tokenizer``
-    (:func:`scale.inputs.check_model_paths`), ``data.path``/``data.eval_path``
+    (:func:`scale.distributed.inputs.check_model_paths`), ``data.path``/``data.eval_path``
     (:func:`scale.data.mixing.check_sources`) and a ``train.resume_from`` directory
-    (:func:`scale.checkpoint.resolve_resume`). The run checks them again where it uses them.
+    (:func:`scale.training.checkpoint.resolve_resume`). The run checks them again where it uses them.
 
     Raises:
         ConfigError, DataError, CheckpointError: a path that does not exist, or is not what the key needs.
     """
-    from scale.checkpoint import resolve_resume  # deferred: torch (module comment above)
     from scale.data.mixing import check_sources  # deferred: scale.data imports torch
-    from scale.inputs import check_model_paths  # deferred: torch
+    from scale.distributed.inputs import check_model_paths  # deferred: torch
+    from scale.training.checkpoint import resolve_resume  # deferred: torch (module comment above)
 
     check_model_paths(cfg)
     check_sources(cfg.data)
@@ -179,8 +179,8 @@ def start_fast(cfg: Config) -> None:
 
     - peft and transformers import bitsandbytes whenever it is installed, and bitsandbytes 0.50 wraps its CPU
       kernels in ``torch.compile`` at import, which imports inductor (~3 s of CPU). A run that quantizes nothing
-      (:func:`scale.modeling.needs_bitsandbytes`) gets ``sys.modules["bitsandbytes"] = None``
-      (:func:`scale.modeling.keep_bitsandbytes_out`): peft and transformers then treat it as not installed.
+      (:func:`scale.modeling.build.needs_bitsandbytes`) gets ``sys.modules["bitsandbytes"] = None``
+      (:func:`scale.modeling.build.keep_bitsandbytes_out`): peft and transformers then treat it as not installed.
     - The imports allocate millions of objects that live as long as the process; the collector would traverse
       them again and again while they load (~1 s), and at every full collection afterwards (``gc.freeze``, as
       https://docs.python.org/3/library/gc.html#gc.freeze suggests for such start-up objects).
@@ -194,7 +194,7 @@ def start_fast(cfg: Config) -> None:
     """
     gc.disable()
     try:
-        from scale.modeling import keep_bitsandbytes_out  # deferred: imported with the collector paused
+        from scale.modeling.build import keep_bitsandbytes_out  # deferred: imported with the collector paused
 
         keep_bitsandbytes_out(cfg.model)
         import accelerate  # noqa: F401
@@ -291,8 +291,8 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
         return EXIT_BAD_INPUT
     if own_process:
         start_fast(cfg)  # first: the imports below run with the collector paused
-    from scale.commit import NonFiniteError  # deferred: after start_fast
     from scale.train import run  # deferred: after start_fast
+    from scale.training.commit import NonFiniteError  # deferred: after start_fast
 
     bad_input = bad_input_errors()
     preemption = Preemption()
@@ -330,7 +330,7 @@ def show_rows(cfg: Any, n: int) -> None:
     from scale.data.read import DataError  # deferred: scale.data imports torch
     from scale.data.tokenize import (build_splits, removed_lines, show_example, show_legend,  # deferred: torch
                                      stats_line)
-    from scale.modeling import load_tokenizer  # deferred: transformers
+    from scale.modeling.build import load_tokenizer  # deferred: transformers
 
     tokenizer = load_tokenizer(cfg.model)
     path = resolve_data(cfg.data.path)
@@ -392,7 +392,7 @@ def launch_with_accelerate(name_or_path: str, job_args: list[str], num_processes
     """Run ``scale-train job_args`` under ``accelerate launch`` with a (shipped or own) accelerate config.
 
     The process count is ``num_processes``, else one per visible GPU for a shipped GPU topology (2 CPU processes
-    without a GPU), else the YAML's (:func:`scale.topology.processes_for`), passed as ``--num_processes``; a count
+    without a GPU), else the YAML's (:func:`scale.distributed.topology.processes_for`), passed as ``--num_processes``; a count
     this machine cannot hold is refused before anything starts. The config's relative ``deepspeed_config_file``
     is read relative to the YAML and passed on as an absolute ``--deepspeed_config_file``, so the launch works from
     any directory. SIGTERM/SIGINT are forwarded to the launcher (which forwards them to the ranks: pre-emption

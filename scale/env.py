@@ -1,7 +1,7 @@
 """``scale-env``: the environment as one Markdown block to paste into a bug report.
 
 As ``accelerate env`` and ``transformers env`` do for theirs: the version of every dependency and whether it lies in
-the range the tests passed on (:data:`scale.compat.TESTED`), Python and the platform, CUDA and the driver, each
+the range the tests passed on (:data:`scale.utils.compat.TESTED`), Python and the platform, CUDA and the driver, each
 GPU's name and memory, the CPU's model and the instruction-set flags the numerics depend on (AVX2, AVX-512,
 AVX512-BF16, AMX, read from ``/proc/cpuinfo``), bf16 support, and the launcher's variables (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``ACCELERATE_*``, ``SLURM_*``, ...). Nothing is written; exit code 0.
@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scale.compat import TESTED, in_tested_range, installed
+from scale.utils.compat import TESTED, in_tested_range, installed
 
 # Optional extras: reported with their version, no tested range of their own (pyproject's extras name the floor).
 OPTIONAL = ("bitsandbytes", "deepspeed", "wandb", "matplotlib", "lm_eval", "trl", "liger-kernel", "flash-attn",

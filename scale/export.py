@@ -28,15 +28,15 @@ from typing import Any
 
 import torch
 
-from scale.config import load_config
-from scale.config_help import help_text
+from scale.config.help import help_text
+from scale.config.load import load_config
+from scale.config.schema import Config
 from scale.data.tasks.chat_spans import render_chat
 from scale.data.tasks.chat_template import chat_template
-from scale.fileio import replace_dir, temp_dir_for
-from scale.logs import configure_logging
-from scale.modeling import keep_bitsandbytes_out, load_base, load_tokenizer
-from scale.moe import explicit_targets
-from scale.schema import Config
+from scale.modeling.build import keep_bitsandbytes_out, load_base, load_tokenizer
+from scale.modeling.moe import explicit_targets
+from scale.utils.fileio import replace_dir, temp_dir_for
+from scale.utils.logs import configure_logging
 
 logger = logging.getLogger("scale.export")  # also under `python -m scale.export`
 
@@ -141,7 +141,7 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
         raise FileNotFoundError(f"{run_dir}/adapter has no adapter_config.json: train with train.save_adapter=true")
     tokenizer, stops, note = serving_tokenizer(cfg, run_dir)
     base = dequantized_base(cfg.model, len(load_tokenizer(cfg.model)), cfg.train.seed)
-    with explicit_targets():  # a mixture-of-experts adapter names its targets in full (scale.moe)
+    with explicit_targets():  # a mixture-of-experts adapter names its targets in full (scale.modeling.moe)
         merged = PeftModel.from_pretrained(base, run_dir / "adapter").merge_and_unload()
     merged.config.use_cache = True
     tmp = temp_dir_for(out)
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     """``python -m scale.export RUN_DIR [--out DIR]``.
 
     ``own_process``: this process exports and nothing else (:func:`cli`), so bitsandbytes stays out unless the
-    run's base is 4-bit (:func:`scale.modeling.keep_bitsandbytes_out`)."""
+    run's base is 4-bit (:func:`scale.modeling.build.keep_bitsandbytes_out`)."""
     parser = argparse.ArgumentParser(prog="scale.export", description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")

@@ -43,14 +43,14 @@ from typing import Any
 
 import torch
 
-from scale.config import load_config
-from scale.config_help import help_text
+from scale.config.help import help_text
+from scale.config.load import load_config
+from scale.config.schema import ModelConfig
 from scale.data.tasks.base import encode, special_affixes
 from scale.export import serving_tokenizer
-from scale.moe import explicit_targets
-from scale.logs import configure_logging
-from scale.modeling import keep_bitsandbytes_out, load_base, load_tokenizer
-from scale.schema import ModelConfig
+from scale.modeling.build import keep_bitsandbytes_out, load_base, load_tokenizer
+from scale.modeling.moe import explicit_targets
+from scale.utils.logs import configure_logging
 
 logger = logging.getLogger("scale.generate")  # also under `python -m scale.generate`
 
@@ -199,7 +199,7 @@ def load_model(path: str | Path) -> torch.nn.Module:
 
     cfg = load_config(run_dir / "config.yaml")
     base = load_base(cfg.model, len(load_tokenizer(cfg.model)), cfg.train.seed)
-    with explicit_targets():  # a mixture-of-experts adapter names its targets in full (scale.moe)
+    with explicit_targets():  # a mixture-of-experts adapter names its targets in full (scale.modeling.moe)
         return PeftModel.from_pretrained(base, run_dir / "adapter").eval()
 
 
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> int:
     [--temperature T] [--top-p P] [--top-k K] [--max-new-tokens N] [--seed S]`` (module docstring).
 
     ``own_process``: this process answers and nothing else (:func:`cli`), so bitsandbytes stays out unless the
-    model needs it (:func:`scale.modeling.keep_bitsandbytes_out`)."""
+    model needs it (:func:`scale.modeling.build.keep_bitsandbytes_out`)."""
     args = _parser().parse_args(argv)
     sampling = Sampling(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed)
     try:

@@ -37,17 +37,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scale.assets import resolve_data
-from scale.config import load_config
-from scale.config_help import help_text
+from scale.config.help import help_text
+from scale.config.load import load_config
 from scale.data import tasks
 from scale.data.cache import load_splits
 from scale.data.read import DataError
 from scale.export import serving_tokenizer
-from scale.fileio import write_text_atomic
-from scale.logs import configure_logging
-from scale.modeling import load_tokenizer
-from scale.samples import pick_samples
+from scale.modeling.build import load_tokenizer
+from scale.training.samples import pick_samples
+from scale.utils.assets import resolve_data
+from scale.utils.fileio import write_text_atomic
+from scale.utils.logs import configure_logging
 
 logger = logging.getLogger(__name__)
 

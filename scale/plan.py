@@ -16,9 +16,9 @@ fits, a data-parallel one when there are several GPUs.
 
 How each number is obtained:
 
-- **Parameters** and **saved activations** are counted by :mod:`scale.census` (meta-device model, fake-tensor
+- **Parameters** and **saved activations** are counted by :mod:`scale.planner.census` (meta-device model, fake-tensor
   forward with saved-tensor hooks).
-- **Where each launch mode keeps them** is :mod:`scale.layouts` (DeepSpeed, DDP and FSDP2 as their code does).
+- **Where each launch mode keeps them** is :mod:`scale.planner.layouts` (DeepSpeed, DDP and FSDP2 as their code does).
 - **Logits**: the part of the saved bytes from the LM head on (``logits_to_keep``: ``loss.threshold`` positions
   per row), and what the full ``[B, T, V]`` logits would have cost instead.
 - **Transient** bytes (alive for part of the step) are estimates: the larger of the loss's backward (three
@@ -37,7 +37,7 @@ and the plan stops with a one-line error).
 Shapes: ``B`` = ``train.micro_batch_size``, ``T`` = ``data.max_length``, ``N`` = ``loss.threshold``, ``V`` vocab.
 ``--resume CKPT`` plans the run that wrote a checkpoint (its config, plus any overrides) on ``--gpus``: it prints the
 ``train.gradient_accumulation_steps`` that keeps the checkpoint's global batch there (the value ``scale-train``
-computes itself when the config is the checkpoint's, :func:`scale.state.resume_accumulation`), or why none does.
+computes itself when the config is the checkpoint's, :func:`scale.training.state.resume_accumulation`), or why none does.
 
 No ``accelerate`` or ``torch.distributed`` import (``tests/test_layering.py``): planning never starts a process
 group.
@@ -56,22 +56,23 @@ from typing import Any
 
 import torch
 
-from scale.assets import resolve_data
-from scale.census import (GIB, Activations, PlanError, build_meta_model, census, count_activations,
-                          count_reference_peak, load_model_config, nbytes)
-from scale.config import load_config
-from scale.config_help import help_text
+from scale.config.help import help_text
+from scale.config.load import load_config
+from scale.config.schema import Config, ModelConfig
+from scale.config.validation import ConfigError
 from scale.data.tokenize import build_splits
-from scale.flops import flops_per_token, model_shape, reference_flops_per_token
-from scale.layouts import MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, SP_MODES, Rank, predict_mode
-from scale.logs import ignore_known_warnings
-from scale.modeling import load_tokenizer
-from scale.moe import active_counts, moe_layout
+from scale.modeling.build import load_tokenizer
+from scale.modeling.moe import active_counts, moe_layout
+from scale.modeling.moe import model_shape as moe_model_shape
 from scale.objectives.preference import REFERENCE_ADAPTER
-from scale.moe import model_shape as moe_model_shape
-from scale.schema import Config, ModelConfig
-from scale.state import divisors, read_state, resume_accumulation, saved_global_batch
-from scale.validation import ConfigError
+from scale.planner.census import (GIB, Activations, PlanError, build_meta_model, census, count_activations,
+                                  count_reference_peak, load_model_config, nbytes)
+from scale.planner.layouts import (MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, SP_MODES, Rank,
+                                   predict_mode)
+from scale.training.state import divisors, read_state, resume_accumulation, saved_global_batch
+from scale.utils.assets import resolve_data
+from scale.utils.flops import flops_per_token, model_shape, reference_flops_per_token
+from scale.utils.logs import ignore_known_warnings
 
 # A mode "fits" when its total leaves this fraction of the GPU free: the predictions are checked to within 10% on
 # CPU, not on every GPU stack. Between that and 100% the plan says "tight".
@@ -135,7 +136,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     if gpu_mem_gib <= 0:
         raise PlanError(f"--gpu-mem {gpu_mem_gib}: GiB per GPU must be > 0")
     if cfg.train.micro_batch_size == "auto":
-        raise PlanError("train.micro_batch_size=auto: plan a number (scale.autobatch resolves auto at start-up; "
+        raise PlanError("train.micro_batch_size=auto: plan a number (scale.planner.autobatch resolves auto at start-up; "
                         "scale-plan resolves it against --gpu-mem)")
     hf_config = load_model_config(cfg.model, model_config)
     counts: dict[str, int] = {}
@@ -172,7 +173,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
             for regime in regimes} if gc_setting in ("every_n", "offload") else acts_by_gc[on]
     preference = plan_pairs(user_cfg, cfg, models[on], params, acts, cast, counts) if cfg.loss.trains_pairs() else {}
     order, acts_sp = (("single",) if single_only else modes_in_order(cfg)), None
-    # One rank's shard of every row (scale.ulysses), DeepSpeed's regime.
+    # One rank's shard of every row (scale.distributed.ulysses), DeepSpeed's regime.
     if cfg.train.sequence_parallel_size > 1 and not single_only:
         sp = cfg.train.sequence_parallel_size
         sp_by_gc = {gc: count_activations(cfg, mdl, params, cast, sp=sp) for gc, mdl in models.items()}
@@ -264,7 +265,7 @@ def auto_micro_batch(cfg: Config, data_parallel_size: int, gpu_mem_gib: float, m
     """``train.micro_batch_size: auto`` as the run resolves it: the largest micro-batch whose single-device plan fits
     ``train.auto_memory_fraction`` of ``gpu_mem_gib`` (:func:`largest_micro_batch`, at most ``upper``); with
     ``train.auto_global_batch_size`` ``G``, the largest that also divides ``G / data_parallel_size``, and the
-    accumulation that makes up the rest. Shared by ``scale-train`` (:mod:`scale.autobatch`) and ``scale-plan``.
+    accumulation that makes up the rest. Shared by ``scale-train`` (:mod:`scale.planner.autobatch`) and ``scale-plan``.
 
     Returns:
         ``(micro_batch_size, gradient_accumulation_steps, its single-device Rank)``; ``(0, steps as set, None)`` when
@@ -330,8 +331,8 @@ def none_fits_advice(cfg: Config, compute_dtype: str, ranks: list[Rank], replan:
 
 
 def modes_in_order(cfg: Config) -> tuple[str, ...]:
-    """The plan's columns, cheapest first: :data:`scale.layouts.MODES`, with the sequence-parallel ones
-    (:data:`scale.layouts.SP_MODES`) before ZeRO-3 offload when ``train.sequence_parallel_size > 1``."""
+    """The plan's columns, cheapest first: :data:`scale.planner.layouts.MODES`, with the sequence-parallel ones
+    (:data:`scale.planner.layouts.SP_MODES`) before ZeRO-3 offload when ``train.sequence_parallel_size > 1``."""
     if cfg.train.sequence_parallel_size == 1:
         return MODES
     return (*MODES[:-1], *SP_MODES, MODES[-1])
@@ -395,8 +396,8 @@ def plan_pairs(user_cfg: Config, cfg: Config, model: torch.nn.Module, params: li
       backward are counted for them.
     - **The reference** (``dpo``): ``loss.reference: adapter`` runs one more forward of the ``2P`` rows per
       micro-batch under ``no_grad`` after the policy's, while the policy's saved activations are alive: its peak
-      (:func:`scale.census.count_reference_peak`: tail logits, logsumexp's buffer, one layer's intermediates)
-      is a transient of the step (``Activations.reference``, :func:`scale.layouts.predict_mode` takes the larger
+      (:func:`scale.planner.census.count_reference_peak`: tail logits, logsumexp's buffer, one layer's intermediates)
+      is a transient of the step (``Activations.reference``, :func:`scale.planner.layouts.predict_mode` takes the larger
       of it and the loss backward). ``precomputed``: nothing in the step; one pass before training over every
       train and eval pair, ``2 x train.eval_micro_batch_size`` rows at a time, with no gradients or optimizer
       state yet.
@@ -404,16 +405,16 @@ def plan_pairs(user_cfg: Config, cfg: Config, model: torch.nn.Module, params: li
       ``reference`` (:func:`scale.objectives.preference.add_reference_adapter`), is appended to ``params`` as frozen
       parameters of the LoRA matrices' shapes and dtypes, so every launch mode holds (or shards) it as weights.
     - **FLOPs per pair**: the policy's training FLOPs of both sides (``2 T`` positions x
-      :func:`scale.flops.flops_per_token`) and the reference's forward
-      (:func:`scale.flops.reference_flops_per_token`) in the
+      :func:`scale.utils.flops.flops_per_token`) and the reference's forward
+      (:func:`scale.utils.flops.reference_flops_per_token`) in the
       step or once in the pre-pass.
 
     Args:
         user_cfg: the config as given (``train.micro_batch_size`` in pairs).
         cfg: the planned config (:func:`pair_rows` of :func:`with_tail`'s).
-        model: the meta-built model (:func:`scale.census.build_meta_model`).
-        params: its :func:`scale.census.census`; the reference adapter's copies are appended (see above).
-        acts: the activations by precision regime (as :func:`scale.layouts.predict_mode` reads them); their
+        model: the meta-built model (:func:`scale.planner.census.build_meta_model`).
+        params: its :func:`scale.planner.census.census`; the reference adapter's copies are appended (see above).
+        acts: the activations by precision regime (as :func:`scale.planner.layouts.predict_mode` reads them); their
             ``reference`` is set.
         cast: the DeepSpeed regime's parameter dtype, or None.
         counts: examples per split (:func:`data_tail`), possibly empty.
@@ -474,7 +475,7 @@ def checkpoint_variant(on: Activations, off: Activations, m: ModelConfig) -> Act
 
 
 def loss_note(cfg: Config, act: Activations) -> str:
-    """The loss's chunking in words (:mod:`scale.chunked`)."""
+    """The loss's chunking in words (:mod:`scale.loss.chunked`)."""
     B, N = cfg.train.micro_batch_size, cfg.loss.threshold
     if act.loss_positions < B * N:
         return (f"loss.chunk_size={cfg.loss.chunk_size}: the tail loss runs in chunks of {act.loss_positions} "
@@ -541,8 +542,8 @@ ROWS = (("base weights", "weights"), ("trainable (LoRA)", "trainable"), ("fp32 m
 
 def moe_text(model: torch.nn.Module, params: list[Any], max_length: int, threshold: int) -> str:
     """The plan's line for a mixture-of-experts model (``""`` for a dense one): total and active parameters (a token
-    runs through ``k`` of the ``E`` routed experts, :func:`scale.moe.active_counts`), the training FLOPs per token
-    from the active ones (:func:`scale.moe.model_shape`, the ``train/mfu`` count) against every expert running, and
+    runs through ``k`` of the ``E`` routed experts, :func:`scale.modeling.moe.active_counts`), the training FLOPs per token
+    from the active ones (:func:`scale.modeling.moe.model_shape`, the ``train/mfu`` count) against every expert running, and
     the expert stack one MoE layer holds in its training dtype: LoRA on fused experts (peft's ``ParamWrapper``)
     computes ``W + B A`` for the whole stack in each forward, which backward keeps (counted in the saved
     activations; checkpointing keeps one layer's)."""
@@ -705,10 +706,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> None:
-    """Console entry point. The planner counts 4-bit weights itself (:func:`scale.census.nf4_bytes`) on meta
+    """Console entry point. The planner counts 4-bit weights itself (:func:`scale.planner.census.nf4_bytes`) on meta
     tensors, so bitsandbytes, which peft and transformers import whenever it is installed (~3 s of CPU: it wraps its
     kernels in ``torch.compile``), is kept out of the process as in :func:`scale.cli.start_fast`; peft's call of
-    transformers' deprecated ``is_gradient_checkpointing`` is not reported (:func:`scale.logs.ignore_known_warnings`,
+    transformers' deprecated ``is_gradient_checkpointing`` is not reported (:func:`scale.utils.logs.ignore_known_warnings`,
     as every command drops it)."""
     sys.modules.setdefault("bitsandbytes", None)
     ignore_known_warnings()

@@ -14,15 +14,15 @@ import os
 import sys
 import time
 
-from scale.assets import resolve_data
-from scale.config import load_config
-from scale.config_help import help_text
+from scale.config.help import help_text
+from scale.config.load import load_config
+from scale.config.validation import ConfigError
 from scale.data.cache import default_cache_dir, fingerprint, load_splits
 from scale.data.read import DataError
 from scale.data.token_table import column
-from scale.logs import configure_logging
-from scale.modeling import load_tokenizer
-from scale.validation import ConfigError
+from scale.modeling.build import load_tokenizer
+from scale.utils.assets import resolve_data
+from scale.utils.logs import configure_logging
 
 EXIT_BAD_INPUT = 2
 

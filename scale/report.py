@@ -18,11 +18,11 @@ import textwrap
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from scale.config import load_config
-from scale.config_help import help_text
-from scale.metrics import read_jsonl
-from scale.schedule import lr_factor
-from scale.validation import ConfigError
+from scale.config.help import help_text
+from scale.config.load import load_config
+from scale.config.validation import ConfigError
+from scale.training.metrics import read_jsonl
+from scale.training.schedule import lr_factor
 
 Rows = list[dict[str, Any]]
 
@@ -92,7 +92,7 @@ HEADROOM = 1.15  # from_zero panels end 15% above their largest value, so no lin
 
 
 def schedule_line(run_dir: Path, last_step: int) -> tuple[list[int], list[float]] | None:
-    """The learning rate at every optimizer step, from the run's ``config.yaml`` and :mod:`scale.schedule`
+    """The learning rate at every optimizer step, from the run's ``config.yaml`` and :mod:`scale.training.schedule`
     (the logged ``train/lr`` has one point per log interval, which hides a warm-up shorter than it).
 
     ``last_step`` (the run's last logged step) stands for the schedule's length when the run was set by

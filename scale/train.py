@@ -11,9 +11,9 @@ The maths of one optimizer step: the window of ``gradient_accumulation_steps`` m
 contributes ``sum(weighted tail CE) / sum(weights)`` where both sums run over the whole window and all
 ranks. A partial last window (end of an epoch) is normalised by its own sums: not dropped, not rescaled.
 
-Reading order: :func:`fit` (the loop), :func:`train_window` (one optimizer step), :class:`scale.commit.StepCommit`
-(when that step is applied), :func:`scale.windows.windows` (how ranks stay in step), :func:`run`
-(:func:`scale.job.setup`, which builds everything before the loop, + fit + the adapter).
+Reading order: :func:`fit` (the loop), :func:`train_window` (one optimizer step), :class:`scale.training.commit.StepCommit`
+(when that step is applied), :func:`scale.training.windows.windows` (how ranks stay in step), :func:`run`
+(:func:`scale.training.job.setup`, which builds everything before the loop, + fit + the adapter).
 """
 
 from __future__ import annotations
@@ -30,21 +30,21 @@ import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
 
-from scale.best import observe, out_of_patience, write_best
-from scale.checkpoint import ADAPTER_FILE, rng_states, save_adapter, save_checkpoint, set_rng_states
-from scale.checks import check_invariants, fingerprints
-from scale.commit import HeldWindow, StepCommit, nonfinite_flag, where_text
-from scale.evaluate import evaluate
+from scale.config.schema import Config
+from scale.distributed.ulysses import sharded
 from scale.export import save_serving_files, serving_tokenizer
-from scale.job import Job, setup
-from scale.metrics import Progress, StepMeter, duration_text
-from scale.samples import generate_samples, sample_metrics, write_samples
-from scale.schema import Config
-from scale.signals import EvalInterrupted, Preempted, Preemption
-from scale.state import STATE_FILE, SaveTimer
-from scale.tracking import finish_trackers, log_model
-from scale.ulysses import sharded
-from scale.windows import Window, skip_trained, windows
+from scale.training.best import observe, out_of_patience, write_best
+from scale.training.checkpoint import ADAPTER_FILE, rng_states, save_adapter, save_checkpoint, set_rng_states
+from scale.training.checks import check_invariants, fingerprints
+from scale.training.commit import HeldWindow, StepCommit, nonfinite_flag, where_text
+from scale.training.evaluate import evaluate
+from scale.training.job import Job, setup
+from scale.training.metrics import Progress, StepMeter, duration_text
+from scale.training.samples import generate_samples, sample_metrics, write_samples
+from scale.training.state import STATE_FILE, SaveTimer
+from scale.training.tracking import finish_trackers, log_model
+from scale.training.windows import Window, skip_trained, windows
+from scale.utils.signals import EvalInterrupted, Preempted, Preemption
 
 logger = get_logger(__name__)
 
@@ -242,7 +242,7 @@ def sync_on_last_micro_batch(acc: Accelerator, n_micro: int) -> None:
     micro-batches, also when the window is shorter than ``gradient_accumulation_steps`` (end of an epoch).
 
     ``Accelerator._do_sync`` (accelerate/accelerator.py) increments ``acc.step`` on entering ``accumulate()``
-    and syncs when ``step % num_steps == 0`` (with ``sync_with_dataloader=False``, as :mod:`scale.launch`
+    and syncs when ``step % num_steps == 0`` (with ``sync_with_dataloader=False``, as :mod:`scale.distributed.launch`
     configures it). Starting the counter at ``num_steps - n_micro`` puts the sync on the window's last
     micro-batch. ``acc.step`` is public but not documented: checked against accelerate 1.10 to 1.15, and
     ``tests/test_accumulation.py`` fails if the sync point moves.
@@ -253,7 +253,7 @@ def sync_on_last_micro_batch(acc: Accelerator, n_micro: int) -> None:
 def epoch_loader(job: Job) -> tuple[Iterable[dict[str, torch.Tensor]], dict[str, torch.Tensor] | None]:
     """This rank's train micro-batches of ``state.epoch`` and the one trained before them (:func:`windows`'
     ``last``): mid-epoch after a resume, without the ``windows_in_epoch * GA`` already trained, the last of which
-    is a rank's stand-in if its shard holds no batch for the next window (:func:`scale.windows.skip_trained`)."""
+    is a rank's stand-in if its shard holds no batch for the next window (:func:`scale.training.windows.skip_trained`)."""
     trained = job.state.windows_in_epoch * job.cfg.train.gradient_accumulation_steps
     return skip_trained(job.acc, job.train_dl, job.state.epoch, trained)
 
@@ -270,7 +270,7 @@ def full_norm(grad_norm: Any) -> Any:
 
 
 def evaluate_and_log(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
-    """:func:`evaluate` at the current step, plus the generated samples (:mod:`scale.samples`), logged and
+    """:func:`evaluate` at the current step, plus the generated samples (:mod:`scale.training.samples`), logged and
     announced in one line. Collective.
 
     Raises:

@@ -19,9 +19,9 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
-from scale.config import load_config
+from scale.config.load import load_config
 from scale.data import Collator, PackedCollator, PaddingFreeCollator, build_splits
-from scale.modeling import build_model, load_tokenizer
+from scale.modeling.build import build_model, load_tokenizer
 from scale.objectives.tail import LossSpec
 from tests.launching import CHATS, TINY
 

@@ -19,18 +19,18 @@ SHARED_DATA = ROOT.parent / "shared" / "data"
 
 def tiny_cfg(out: Path, *overrides: str):
     """The tiny CPU job with its output in ``out`` and absolute data path, plus overrides."""
-    from scale.config import load_config
+    from scale.config.load import load_config
 
     return load_config(TINY_YAML, [f"output_dir={out}", f"data.path={TINY_DATA}", *overrides])
 
 
 def log_file_lines(records) -> list[str]:
-    """Log records as the CLI writes them to a log file (:data:`scale.logs.LOG_FORMAT`), one entry per line: what
+    """Log records as the CLI writes them to a log file (:data:`scale.utils.logs.LOG_FORMAT`), one entry per line: what
     docs/outputs.md keeps under 300 characters."""
     import copy
     import logging
 
-    from scale.logs import LOG_FORMAT, _Notices
+    from scale.utils.logs import LOG_FORMAT, _Notices
 
     fmt, notices = logging.Formatter(LOG_FORMAT), _Notices()  # the CLI's handlers rewrite the known notices
     lines = []
@@ -53,8 +53,8 @@ def _reset_accelerate():
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from scale.schema import ModelConfig
-    from scale.modeling import load_tokenizer
+    from scale.config.schema import ModelConfig
+    from scale.modeling.build import load_tokenizer
 
     return load_tokenizer(ModelConfig(name_or_path="tiny-llama"))
 

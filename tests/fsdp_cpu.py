@@ -15,7 +15,7 @@ Why after ``__init__`` and not in ``_prepare_backend``: returning ``MULTI_GPU`` 
 ``MULTI_CPU`` branch that starts the gloo process group (with ``cpu=True`` the GPU branch does not start one either)
 and ``set_device`` would index ``torch.cuda.device_count()`` (0 here). Relabelling afterwards changes nothing else.
 Checked against accelerate 1.15 (``accelerate/state.py``); ``scale-train`` refuses an FSDP launch that did not
-become FSDP, so a shim that stopped working fails loudly (``scale.launch.build_accelerator``).
+become FSDP, so a shim that stopped working fails loudly (``scale.distributed.launch.build_accelerator``).
 """
 
 from __future__ import annotations

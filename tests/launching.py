@@ -23,7 +23,7 @@ JOB = ["data.max_train_examples=20", "train.max_steps=6", "train.log_every=1", "
        "log.trackers=[]", "optim.name=sgd", "optim.lr=0.5",
        "log.peak_flops=1e12"]  # measuring it costs minutes on a CPU without bf16 GEMM kernels (no avx512_bf16)
 # Parity runs checkpoint every layer (as tiny_cpu.yaml does) and check the invariants after the last step
-# (scale.checks): they are also tests/test_modes.py's LoRA rows for their modes (:func:`assert_invariants`).
+# (scale.training.checks): they are also tests/test_modes.py's LoRA rows for their modes (:func:`assert_invariants`).
 CHECKED = ["model.gradient_checkpointing=true", "train.check_invariants=true"]
 # The same job on prompt/completion rows: tails of 2 to 12 tokens (a completion of 1-6 words + EOS), so the
 # micro-batches of a window hold tails of different lengths; 20 rows make windows of 8, 8 and 4 per epoch.
@@ -73,8 +73,8 @@ def save_tiny_directory(path: Path, *overrides: str) -> Path:
     """The job's ``tiny-llama`` (tiny_cpu.yaml + ``overrides``, weights from ``train.seed``) written with
     ``save_pretrained``: a real model directory holding the very weights the built-in name builds, so a run from it
     must give the built-in run's numbers (``model.name_or_path=<path> model.tokenizer=smollm2-135m``)."""
-    from scale.config import load_config
-    from scale.modeling import load_base, load_tokenizer
+    from scale.config.load import load_config
+    from scale.modeling.build import load_base, load_tokenizer
 
     cfg = load_config(str(TINY), list(overrides))
     load_base(cfg.model, len(load_tokenizer(cfg.model)), cfg.train.seed).save_pretrained(path)
@@ -230,12 +230,12 @@ def assert_adapter_reproduces_eval(out: Path) -> None:
     from safetensors.torch import load_file
     from torch.utils.data import DataLoader
 
-    from scale.config import load_config
+    from scale.config.load import load_config
     from scale.data import Collator, build_splits
-    from scale.evaluate import evaluate
+    from scale.modeling.build import load_base, load_tokenizer
     from scale.objectives.tail import LossSpec
-    from scale.metrics import read_jsonl
-    from scale.modeling import load_base, load_tokenizer
+    from scale.training.evaluate import evaluate
+    from scale.training.metrics import read_jsonl
 
     final = [r for r in read_jsonl(out / "metrics.jsonl") if "eval/loss" in r][-1]
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")

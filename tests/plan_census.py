@@ -3,7 +3,7 @@
     accelerate launch --config_file configs/accelerate/cpu_zero2.yaml tests/plan_census.py OUT.json \\
         --config configs/train/tiny_cpu.yaml [key=value ...] [--case NAME key=value ...]...
 
-Builds the job's model as the harness does (``scale.modeling.build_model``; for a ``model.name_or_path`` directory
+Builds the job's model as the harness does (``scale.modeling.build.build_model``; for a ``model.name_or_path`` directory
 that holds only a ``config.json``, random weights from that config through the same ``add_lora``), prepares it with the harness's
 Accelerator and optimizer, runs one optimizer step, then the forward and backward of a second one, and counts,
 right before that second optimizer step, the bytes of every storage this rank holds, by kind:
@@ -33,7 +33,7 @@ import torch
 
 
 def _build(cfg, device_map):
-    from scale.modeling import _DTYPES, add_lora, build_model
+    from scale.modeling.build import _DTYPES, add_lora, build_model
 
     source = Path(cfg.model.name_or_path)
     if not (source.is_dir() and [p.name for p in source.iterdir()] == ["config.json"]):
@@ -69,8 +69,8 @@ def main() -> None:
     common = args[:marks[0]] if marks else args
     cases = [(args[i + 1], args[i + 2:j]) for i, j in zip(marks, marks[1:] + [len(args)])] or [(None, [])]
     from scale.cli import start_fast
-    from scale.config import load_config
-    from scale.modeling import needs_bitsandbytes
+    from scale.config.load import load_config
+    from scale.modeling.build import needs_bitsandbytes
 
     cfgs = [(name, load_config(config, [*common, *extra])) for name, extra in cases]
     # as scale-train starts: bitsandbytes only where a case quantizes, the libraries' objects frozen
@@ -113,9 +113,9 @@ def count(cfg, out: str, before: set[int]) -> None:
     storage was alive ``before`` (an earlier case's leftovers) are not this case's and are not counted."""
     import time
 
-    from scale import loss as scale_loss
-    from scale.parts.optimizer import make_optimizer
-    from scale.launch import build_accelerator, plan_for_mode
+    from scale.distributed.launch import build_accelerator, plan_for_mode
+    from scale.loss import tail as scale_loss
+    from scale.training.parts.optimizer import make_optimizer
 
     t0 = time.perf_counter()
 

@@ -3,7 +3,7 @@
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml -m tests.precision_split --config ... \\
         train.mixed_precision=auto
 
-Before ``scale.cli`` runs, the shim replaces ``scale.precision.measure_peak_flops`` (the probe behind
+Before ``scale.cli`` runs, the shim replaces ``scale.training.precision.measure_peak_flops`` (the probe behind
 ``train.mixed_precision: auto``) with a fake that reports bf16 GEMMs at 2x fp32 on rank 0 and 0.5x on every other
 rank: ranks that decided on their own measurements would train one model in two dtypes. It also records, per
 rank, what the run was built with (``precision_rank<R>.json`` in ``output_dir``: the Accelerator's
@@ -24,10 +24,10 @@ def enable() -> None:
     """Install the fake probe and the per-rank record (idempotent)."""
     import torch
 
-    import scale.job
-    import scale.precision
+    import scale.training.job
+    import scale.training.precision
 
-    if getattr(scale.precision.measure_peak_flops, "_scale_split", False):
+    if getattr(scale.training.precision.measure_peak_flops, "_scale_split", False):
         return
     calls = [0]
 
@@ -37,8 +37,8 @@ def enable() -> None:
         return FP32 if dtype == torch.float32 else FP32 * (2.0 if rank == 0 else 0.5)
 
     fake._scale_split = True  # type: ignore[attr-defined]
-    scale.precision.measure_peak_flops = fake
-    setup = scale.job.setup
+    scale.training.precision.measure_peak_flops = fake
+    setup = scale.training.job.setup
 
     def recorded(cfg):
         job = setup(cfg)
@@ -47,7 +47,7 @@ def enable() -> None:
         Path(cfg.output_dir, f"precision_rank{job.acc.process_index}.json").write_text(json.dumps(record))
         return job
 
-    scale.job.setup = recorded
+    scale.training.job.setup = recorded
 
 
 if __name__ == "__main__":  # the training entry point, as `python -m scale.train`, with the shim
@@ -56,5 +56,5 @@ if __name__ == "__main__":  # the training entry point, as `python -m scale.trai
     enable()
     import scale.train
 
-    scale.train.setup = scale.job.setup  # scale.train imported setup by name
+    scale.train.setup = scale.training.job.setup  # scale.train imported setup by name
     runpy.run_module("scale.cli", run_name="__main__", alter_sys=True)

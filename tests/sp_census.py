@@ -4,7 +4,7 @@
     accelerate launch --config_file configs/accelerate/cpu_zero2.yaml tests/sp_census.py OUT.json --config ... \\
         train.sequence_parallel_size=2 --case NAME ROWS LENGTH TAIL [--case ...]
 
-The job is set up as ``scale-train`` sets it up (:func:`scale.job.setup`: DeepSpeed Ulysses installed, the model
+The job is set up as ``scale-train`` sets it up (:func:`scale.training.job.setup`: DeepSpeed Ulysses installed, the model
 prepared); each case is ``ROWS`` examples of ``LENGTH`` tokens whose last ``TAIL`` tokens are trained, cut into this
 rank's shard by the product's :func:`scale.data.sequence.shard_rows`, and one
 :meth:`scale.objectives.tail.LossSpec.loss_step` runs on it under the sharded attention with ``saved_tensors_hooks``
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from scale.config import load_config
+from scale.config.load import load_config
 from scale.data import Example
 from scale.data.sequence import shard_rows
-from scale.job import setup
-from scale.ulysses import sharded
+from scale.distributed.ulysses import sharded
+from scale.training.job import setup
 
 
 def saved_bytes(model: torch.nn.Module, batch: dict, spec) -> int:

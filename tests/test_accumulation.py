@@ -57,7 +57,7 @@ def test_loss_is_token_weighted_not_mean_of_micro_batch_means(tmp_path):
     out = tmp_path / "log"
     run(tiny_cfg(out, *COMMON, "train.micro_batch_size=3", "train.gradient_accumulation_steps=3",
                  "train.max_steps=1"))
-    from scale.metrics import read_jsonl
+    from scale.training.metrics import read_jsonl
 
     rows = read_jsonl(out / "metrics.jsonl")
     train = [r for r in rows if "train/loss" in r]

@@ -1,4 +1,4 @@
-"""``train.micro_batch_size: auto`` (scale/autobatch.py) on CPU: the resolution against a given device memory (the
+"""``train.micro_batch_size: auto`` (scale/planner/autobatch.py) on CPU: the resolution against a given device memory (the
 GPU probe monkeypatched), the accumulation that keeps ``train.auto_global_batch_size``, the start-up line, the
 hint for a run that leaves the device mostly unused, and bad values refused in one line."""
 
@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from tests.conftest import TINY_YAML, tiny_cfg
-from scale.autobatch import AutoBatch, planned_bytes, resolve_auto_micro_batch, under_used_line
-from scale.census import GIB
-from scale.metrics import read_jsonl
-from scale.validation import ConfigError
+from scale.config.validation import ConfigError
+from scale.planner.autobatch import AutoBatch, planned_bytes, resolve_auto_micro_batch, under_used_line
+from scale.planner.census import GIB
+from scale.training.metrics import read_jsonl
 
 # The tiny model's plan: ~1.01 GiB at one row (the plan's fixed framework overhead) plus ~1.6 MiB per row, so
 # 2 GiB at a fraction of 0.75 fits a few hundred rows and 1.4 GiB a few dozen.
@@ -74,7 +74,7 @@ def test_auto_run_trains_as_the_number_it_resolved_to(tmp_path, monkeypatch, cap
     from scale.train import run
 
     steps = ["train.max_steps=2", "train.log_every=1", "train.eval_every=0", "log.trackers=[]"]
-    monkeypatch.setattr("scale.parts.launch.device_memory_gib", lambda device: MEMORY_GIB)
+    monkeypatch.setattr("scale.training.parts.launch.device_memory_gib", lambda device: MEMORY_GIB)
     caplog.set_level(logging.INFO)
     run(tiny_cfg(tmp_path / "auto", "train.micro_batch_size=auto", "train.auto_global_batch_size=8", *steps))
     said = [r.getMessage().removeprefix("[RANK 0] ") for r in caplog.records]  # accelerate's logger adds the rank
@@ -142,7 +142,7 @@ def test_auto_with_no_row_fitting_is_refused(tmp_path):
 
 
 def test_scale_plan_resolves_auto_against_gpu_mem(capsys):
-    from scale.config import load_config
+    from scale.config.load import load_config
     from scale.plan import largest_micro_batch, main
 
     assert main(["--config", str(TINY_YAML), "--gpus", "1", "--gpu-mem", "2", "train.micro_batch_size=auto"]) == 0
@@ -156,7 +156,7 @@ def test_scale_plan_resolves_auto_against_gpu_mem(capsys):
 def test_scale_plan_keeps_the_auto_global_batch(capsys):
     """With ``train.auto_global_batch_size`` G on 2 GPUs: the largest fitting micro-batch that divides G / 2, and
     the accumulation that makes up G, as scale-train resolves it."""
-    from scale.config import load_config
+    from scale.config.load import load_config
     from scale.plan import largest_micro_batch, main
 
     G = 24

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scale import loss as scale_loss
-from scale.config import load_config
+from scale.config.load import load_config
+from scale.config.schema import LoraConfig, ModelConfig
+from scale.config.validation import ConfigError
 from scale.data import Collator, Example
-from scale.modeling import build_model
-from scale.schema import LoraConfig, ModelConfig
-from scale.validation import ConfigError
+from scale.loss import tail as scale_loss
+from scale.modeling.build import build_model
 
 V = 300
 
@@ -79,7 +79,7 @@ def test_padding_free_refused_on_families_whose_layers_leak(config_class, kw, na
     """Tiny configs of the hybrid families: refused with one line naming family and layer type; Llama/Gemma3 pass."""
     import transformers
 
-    from scale.attention import check_packing, packing_leak
+    from scale.modeling.attention import check_packing, packing_leak
 
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=V)
@@ -104,7 +104,7 @@ def test_flash_attention_without_flash_attn_is_one_line_before_anything_is_writt
     import importlib.util
 
     from scale.cli import main
-    from scale.attention import check_attention
+    from scale.modeling.attention import check_attention
 
     if importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available():
         pytest.skip("flash-attn runs on this machine")

@@ -15,16 +15,16 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from scale.checkpoint import CheckpointError, list_checkpoints, record_files
-from scale.config import dump_config, load_config
+from scale.config.load import dump_config, load_config
+from scale.config.schema import DataConfig, LossConfig
+from scale.config.validation import ConfigError
 from scale.data import DataError, label_token_ids, load_rows, tokenize_rows
 from scale.data.tasks import get
 from scale.data.tasks.base import Rows
-from scale.launch import LaunchError, plan_for_mode, reconcile_deepspeed
-from scale.metrics import read_jsonl
-from scale.schema import DataConfig, LossConfig
+from scale.distributed.launch import LaunchError, plan_for_mode, reconcile_deepspeed
 from scale.train import run
-from scale.validation import ConfigError
+from scale.training.checkpoint import CheckpointError, list_checkpoints, record_files
+from scale.training.metrics import read_jsonl
 from tests.conftest import TINY_YAML, tiny_cfg
 
 
@@ -340,13 +340,13 @@ def test_fp16_on_cpu_is_refused(tmp_path):
 def test_liger_loss_on_cpu_is_refused(tmp_path):
     assert _refused(tmp_path, ConfigError, "loss.fused=liger") == (
         "loss.fused=liger needs a CUDA GPU (Liger-Kernel's Triton kernels); on CPU set loss.fused=null "
-        "(scale.chunked's loss, exact on any device)")
+        "(scale.loss.chunked's loss, exact on any device)")
 
 
 def test_liger_loss_with_type_weights_is_refused():
     assert _message(ConfigError, load_config, TINY_YAML, ["loss.fused=liger", "loss.type_weights=[1.0,2.0]"]) == (
         "loss.fused=liger computes an unweighted cross-entropy: it cannot apply loss.type_weights or loss.criterion. "
-        "Drop them, or set loss.fused=null (scale.chunked's loss takes both)")
+        "Drop them, or set loss.fused=null (scale.loss.chunked's loss takes both)")
 
 
 def test_yaml_yes_no_on_off_keep_their_words(tmp_path):
@@ -402,7 +402,7 @@ def test_tracker_whose_package_is_missing(tmp_path, monkeypatch):
 
 
 def test_output_dir_that_is_a_file_or_not_writable(tmp_path, monkeypatch):
-    from scale.inputs import check_output_dir
+    from scale.distributed.inputs import check_output_dir
 
     (tmp_path / "f").write_text("x")
     assert _message(ConfigError, run, tiny_cfg(tmp_path / "f")) == (
@@ -571,8 +571,8 @@ def test_eval_with_every_weight_zero_reports_no_loss(tmp_path):
 def test_redaction_keeps_paths_and_hashes_so_the_saved_config_reruns(tmp_path, monkeypatch):
     """Kind: redaction rewrote non-secrets (any 40-hex string, any text containing a secret env value), so
     config.yaml no longer reran the job and resume compared redacted text."""
-    from scale.checkpoint import compare_configs
-    from scale.config import to_dict
+    from scale.config.load import to_dict
+    from scale.training.checkpoint import compare_configs
 
     sha = "0123456789abcdef0123456789abcdef01234567"  # a data hash / git commit in a path: not a secret
     token = "hf_" + "Zq" * 16
@@ -609,7 +609,7 @@ def test_first_run_equals_later_runs_whatever_the_asset_cache_holds(tmp_path, mo
 
     import numpy as np
 
-    import scale.assets
+    import scale.utils.assets
     import scale.modeling
 
     def losses(name):
@@ -621,16 +621,16 @@ def test_first_run_equals_later_runs_whatever_the_asset_cache_holds(tmp_path, mo
     def draws():
         torch.rand(1000), random.random(), np.random.rand(10)
 
-    real_prepare, real_resolve = scale.assets.prepare_smollm2, scale.modeling.resolve_model
+    real_prepare, real_resolve = scale.utils.assets.prepare_smollm2, scale.modeling.build.resolve_model
     warm = losses("warm")
 
     def cold_prepare():
         draws()
         return real_prepare()
 
-    monkeypatch.setattr(scale.assets, "prepare_smollm2", cold_prepare)
+    monkeypatch.setattr(scale.utils.assets, "prepare_smollm2", cold_prepare)
     assert losses("cold") == warm
-    monkeypatch.setattr(scale.assets, "prepare_smollm2", real_prepare)
+    monkeypatch.setattr(scale.utils.assets, "prepare_smollm2", real_prepare)
 
     def leaky_resolve(name):  # the same draws outside the isolation: the check can see them
         draws()
@@ -735,7 +735,7 @@ def test_zero_weight_window_under_ddp_equals_one_process(tmp_path):
 
 
 def test_lone_config_yaml_is_not_a_run(tmp_path):
-    from scale.checkpoint import check_fresh_start
+    from scale.training.checkpoint import check_fresh_start
 
     (tmp_path / "config.yaml").write_text("output_dir: .\n")  # e.g. the user's own config kept in output_dir
     check_fresh_start(tiny_cfg(tmp_path))
@@ -749,7 +749,7 @@ def test_resume_latest_without_checkpoint_in_an_epoch_run(tmp_path):
     finished run, metrics alone an earlier attempt that is restarted."""
     from accelerate import PartialState
 
-    from scale.checkpoint import check_fresh_start
+    from scale.training.checkpoint import check_fresh_start
 
     PartialState()  # the restart warning goes through accelerate's logger
     cfg = tiny_cfg(tmp_path, "train.resume_from=latest", "train.max_steps=null", "train.num_epochs=1")
@@ -954,7 +954,7 @@ def test_jsonl_line_that_is_not_json(tmp_path):
 def test_forward_tail_checks_row_lengths_and_gaps(side):
     import torch
 
-    from scale.loss import forward_tail
+    from scale.loss.tail import forward_tail
 
     def batch(mask, tails):
         mask = torch.tensor(mask)
@@ -979,7 +979,7 @@ def test_training_windows_check_rows_inside_their_all_gather():
     import torch
 
     from scale.objectives.tail import LossSpec
-    from scale.windows import windows
+    from scale.training.windows import windows
 
     spec = LossSpec(padding_side="left", type_weights=None, criterion=None)
     good = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4, dtype=torch.long),

@@ -54,7 +54,7 @@ def test_parity_mode_selection_and_unlaunchable_rows(monkeypatch, capsys):
     """benchmarks/parity.py: ``--modes`` splits at commas outside parentheses and matches whole names (``2x(4,2)``
     holds a comma; a fragment such as ``2)`` used to select every ``(2,2)`` row); a row starting more processes than
     the machine takes is found before launch by the launcher's own check."""
-    import scale.launch
+    import scale.distributed.launch
     from benchmarks import parity
     from tests.launching import modes
 
@@ -75,20 +75,20 @@ def test_parity_mode_selection_and_unlaunchable_rows(monkeypatch, capsys):
     assert counts["deepspeed launcher 2x(2,2)"] == counts["fsdp2 2x(2,2)"] == counts["ddp 2x(2,2)"] == 2
     assert counts[four] == counts["ulysses sp2 zero3 4x(2,2) dp2"] == 4
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(scale.launch, "usable_cores", lambda: 2)
+    monkeypatch.setattr(scale.distributed.launch, "usable_cores", lambda: 2)
     assert parity.launch_problem(table[four][0]) == ("4 processes on this machine without a GPU and 2 CPU cores: "
                                                      "at most 2")
     assert parity.launch_problem(table["zero3 2x(2,2)"][0]) is None
-    monkeypatch.setattr(scale.launch, "usable_cores", lambda: 4)
+    monkeypatch.setattr(scale.distributed.launch, "usable_cores", lambda: 4)
     assert parity.launch_problem(table[four][0]) is None
 
 
 @pytest.mark.slow
 def test_parity_skips_a_row_and_still_prints_its_summary(monkeypatch, capsys, tmp_path):
-    import scale.launch
+    import scale.distributed.launch
     from benchmarks import parity
 
-    monkeypatch.setattr(scale.launch, "usable_cores", lambda: 2)
+    monkeypatch.setattr(scale.distributed.launch, "usable_cores", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert parity.main(["--modes", "ulysses sp2 zero2 4x(2,2) dp2", "--jobs", "reviews", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -213,7 +213,7 @@ def test_gpu_check_dry_run_report(tmp_path):
     import re
 
     from benchmarks import gpu_check
-    from scale.config import load_config
+    from scale.config.load import load_config
     from scale.plan import largest_micro_batch
 
     out = tmp_path / "report.md"

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from scale.best import observe, out_of_patience, write_best
-from scale.checkpoint import list_checkpoints, rotate
-from scale.metrics import read_jsonl
-from scale.state import TrainerState
+from scale.config.validation import ConfigError
+from scale.config.validation import best_mode
 from scale.train import run
-from scale.validation import ConfigError
-from scale.validation import best_mode
+from scale.training.best import observe, out_of_patience, write_best
+from scale.training.checkpoint import list_checkpoints, rotate
+from scale.training.metrics import read_jsonl
+from scale.training.state import TrainerState
 from tests.conftest import tiny_cfg
 
 
@@ -129,12 +129,12 @@ def test_keep_best_metric_the_run_never_reports_is_refused_before_step_1(tmp_pat
 
 
 def test_the_metrics_a_run_will_report_are_known_before_it_evaluates():
-    from scale.best import check_reported
-    from scale.config import load_config
+    from scale.config.load import load_config
     from scale.data import tasks
-    from scale.evaluate import metric_names
     from scale.objectives.tail import LossSpec
-    from scale.samples import Sample, sample_metric_names
+    from scale.training.best import check_reported
+    from scale.training.evaluate import metric_names
+    from scale.training.samples import Sample, sample_metric_names
     from tests.conftest import TINY_YAML
 
     spec = LossSpec.from_config(load_config(TINY_YAML))

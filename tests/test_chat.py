@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from scale.config.schema import DataConfig, LossConfig, ModelConfig
 from scale.data import Collator, DataError, build_splits, load_rows, tokenize_rows
-from scale.loss import forward_tail, tail_loss, token_weights
-from scale.modeling import load_base
-from scale.schema import DataConfig, LossConfig, ModelConfig
+from scale.loss.tail import forward_tail, tail_loss, token_weights
+from scale.modeling.build import load_base
 from tests.conftest import ROOT, SHARED_DATA, TINY_YAML
 
 CASES = SHARED_DATA.parent / "cases" / "turn3"
@@ -332,7 +332,7 @@ def test_two_process_resume_on_multi_turn_chats_is_bit_exact(tmp_path):
     and the adapter are bit-identical to the uninterrupted run."""
     from safetensors.torch import load_file
 
-    from scale.metrics import read_jsonl
+    from scale.training.metrics import read_jsonl
 
     ref, resumed = tmp_path / "ref", tmp_path / "resumed"
     _run_launch(ref, "train.save_every=4")
@@ -347,7 +347,7 @@ def test_two_process_resume_on_multi_turn_chats_is_bit_exact(tmp_path):
 @pytest.mark.slow
 def test_resume_after_a_template_edit_is_refused(tmp_path):
     """C37 in one process: the template's text is in the checkpoint; an edited template stops the resume."""
-    from scale.validation import ConfigError
+    from scale.config.validation import ConfigError
     from scale.train import run
     from tests.conftest import tiny_cfg
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scale.config import load_config
+from scale.config.load import load_config
+from scale.config.schema import DataConfig, LossConfig, ModelConfig
 from scale.data import Collator, DataError, build_splits, load_rows, removed_lines, tokenize_rows
-from scale.loss import forward_tail, tail_loss, token_weights
-from scale.modeling import load_base
-from scale.schema import DataConfig, LossConfig, ModelConfig
+from scale.loss.tail import forward_tail, tail_loss, token_weights
+from scale.modeling.build import load_base
 from tests.conftest import ROOT
 
 CHATML_TOOLS = ROOT / "configs" / "chat" / "chatml_tools.jinja"
@@ -328,7 +328,7 @@ def test_threshold_all_trains_the_whole_text_as_a_full_sequence_nll(tmp_path, to
 
 def test_threshold_all_config_show_rows_and_plan(tmp_path, capsys, tokenizer):
     from scale.cli import main
-    from scale.validation import ConfigError
+    from scale.config.validation import ConfigError
     from scale.plan import data_tail
 
     assert load_config("tiny_cpu", ["loss.threshold=all"]).loss.threshold == "all"

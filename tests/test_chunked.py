@@ -1,4 +1,4 @@
-"""Chunked tail loss (scale.chunked) against today's unchunked loss: loss and LoRA gradients within fp32
+"""Chunked tail loss (scale.loss.chunked) against today's unchunked loss: loss and LoRA gradients within fp32
 round-off (tests/bounds.py) on the tiny vocabulary, for padded (left/right) and padding-free batches, type weights
 and user criteria (plain and per-type), fused and checkpointed paths; at the real vocabulary both within fp32
 round-off of a float64 reference; fp32 [B, N, V] is never built."""
@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scale import chunked
-from scale import loss as scale_loss
+from scale.config.schema import LoraConfig, ModelConfig
 from scale.data import Collator, Example
 from scale.data.collate import PaddingFreeCollator
-from scale.modeling import build_model, load_base
+from scale.loss import chunked
+from scale.loss import tail as scale_loss
+from scale.modeling.build import build_model, load_base
 from scale.objectives.tail import LossSpec
-from scale.schema import LoraConfig, ModelConfig
 from tests.test_loss import my_criterion, my_typed_criterion
 
 V = 300
@@ -141,8 +141,8 @@ def test_the_chunked_loss_never_builds_full_fp32_logits():
 
 
 def test_config_field_rules():
-    from scale.config import load_config
-    from scale.validation import ConfigError
+    from scale.config.load import load_config
+    from scale.config.validation import ConfigError
 
     assert load_config("tiny_cpu").loss.chunk_size == "auto"
     assert load_config("tiny_cpu", ["loss.chunk_size=256"]).loss.chunk_size == 256

@@ -72,7 +72,7 @@ def test_startup_notices_that_are_not_problems_are_plain_info_lines():
 
 
 def test_step_lines_and_durations():
-    from scale.metrics import duration_text, step_line
+    from scale.training.metrics import duration_text, step_line
 
     metrics = {"train/loss": 2.34567, "train/lr": 2e-4, "train/tokens_per_s": 1234.5, "train/grad_norm": 0.8123,
                "train/mfu": 0.391, "train/steps_per_s": 0.5}
@@ -95,7 +95,7 @@ class _Stream:
 @pytest.mark.parametrize("env, tty, plain", [("", True, False), ("", False, True), ("lines", True, True),
                                              ("bar", False, False), ("LINES", True, True)])
 def test_plain_progress_where_stderr_is_not_a_terminal(monkeypatch, env, tty, plain):
-    from scale.metrics import plain_progress
+    from scale.training.metrics import plain_progress
 
     monkeypatch.setenv("SCALE_PROGRESS", env)
     assert plain_progress(_Stream(tty)) is plain
@@ -133,7 +133,7 @@ def test_log_file_of_a_run_is_plain_lines(tmp_path):
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 300 and "\r" not in text, max(lines, key=len)
     assert "optimizer steps:" not in text  # the tqdm bar's description
-    steps = [line.split("INFO scale.metrics: ")[1] for line in lines if "INFO scale.metrics: step " in line]
+    steps = [line.split("INFO scale.training.metrics: ")[1] for line in lines if "INFO scale.training.metrics: step " in line]
     assert [s.split()[1] for s in steps] == ["2/12", "4/12", "6/12", "8/12", "10/12", "12/12"]
     assert all(" loss " in s and " lr " in s and " tok/s " in s and " mfu " in s and " eta " in s for s in steps)
     for step in (0, 6, 12):  # tiny_cpu evaluates every 6 steps: a line before and one with the figures after
@@ -150,7 +150,7 @@ def test_log_file_of_a_run_is_plain_lines(tmp_path):
 def test_mode_plan_lines_stay_within_a_log_line():
     """The sequence-parallel DeepSpeed plan (311 characters as one line) and the CPU QLoRA plan with its bf16 paths
     (329): split where a line would pass 300 characters, every note kept, in order."""
-    from scale.startup import mode_plan_lines
+    from scale.training.startup import mode_plan_lines
 
     sp = ["sequence parallel: 2 ranks per row (DeepSpeed Ulysses, sdpa attention), 1 data-parallel",
           "checkpointing use_reentrant=False", "checkpoints: DeepSpeed's files, frozen base excluded"]
@@ -165,7 +165,7 @@ def test_mode_plan_lines_stay_within_a_log_line():
     assert lines == ["mode plan: 4-bit base on cpu, storage uint8",
                      "parameter dtypes: {'float32/frozen': 28346688, 'uint8/frozen': 53084160, 'float32/trainable': "
                      "4884480}; bf16 paths: " + ", ".join(paths)]
-    prefix = "2026-12-02 14:00:58,690 WARNING scale.startup: [RANK 0] "  # the longest level name
+    prefix = "2026-12-02 14:00:58,690 WARNING scale.training.startup: [RANK 0] "  # the longest level name
     many = sp + [f"WARNING: train.sequence_parallel_size=2 does not divide the 3 processes of a node: some rows' ranks "
                  f"sit on two nodes and every attention call crosses the network", "4-bit base on cpu, storage uint8"]
     lines = mode_plan_lines(many, {"float32/frozen": 1}, paths)
@@ -181,9 +181,9 @@ def test_packing_start_up_lines_count_the_bins_the_loop_trains(tmp_path, caplog)
     import logging
     import math
 
-    from scale.job import setup
-    from scale.metrics import read_jsonl
     from scale.train import fit
+    from scale.training.job import setup
+    from scale.training.metrics import read_jsonl
     from tests.conftest import log_file_lines, tiny_cfg
 
     out = tmp_path / "out"

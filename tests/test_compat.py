@@ -1,4 +1,4 @@
-"""The compatibility seam (scale/compat.py): checkpointing on both transformers APIs, the tested ranges against
+"""The compatibility seam (scale/utils/compat.py): checkpointing on both transformers APIs, the tested ranges against
 pyproject.toml's bounds, the out-of-range warning of scale-train's start-up, and scale-env's report."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from scale import compat
-from scale.compat import TESTED, enable_checkpointing, in_tested_range, untested_dependencies
+from scale.utils import compat
+from scale.utils.compat import TESTED, enable_checkpointing, in_tested_range, untested_dependencies
 from tests.conftest import ROOT
 
 
@@ -57,7 +57,7 @@ def test_the_out_of_range_line_names_each_untested_dependency(monkeypatch):
 
 
 def test_scale_train_start_up_warns_once_when_a_dependency_is_outside(tmp_path, monkeypatch, caplog):
-    from scale.job import setup
+    from scale.training.job import setup
     from tests.conftest import tiny_cfg
 
     real = compat.installed
@@ -162,8 +162,8 @@ def test_cpu_flags_are_read_from_cpuinfo():
 def test_a_moe_model_on_a_peft_without_target_parameters_is_one_line(monkeypatch):
     """LoRA on fused experts needs peft's target_parameters (peft 0.17): an older peft is refused in one line that
     names the fix (on the lowest tier's peft 0.15 the check is real; elsewhere it is made to answer False)."""
-    from scale import moe
-    from scale.validation import ConfigError
+    from scale.config.validation import ConfigError
+    from scale.modeling import moe
     from tests.test_moe import tiny_moe
 
     if moe.peft_adapts_parameters():

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from scale.config import dump_config, load_config
-from scale.config_help import help_table
-from scale.validation import ConfigError
+from scale.config.help import help_table
+from scale.config.load import dump_config, load_config
+from scale.config.validation import ConfigError
 from tests.conftest import ROOT
 
 
@@ -43,10 +43,10 @@ def test_bad_values_name_the_key(override, message):
 
 
 def test_config_reference_matches_schema():
-    from scale.config_help import config_doc
+    from scale.config.help import config_doc
 
     doc = (ROOT / "docs" / "config.md").read_text(encoding="utf-8")
-    assert doc == config_doc(), "docs/config.md is stale: python -m scale.config_help > docs/config.md"
+    assert doc == config_doc(), "docs/config.md is stale: python -m scale.config.help > docs/config.md"
     assert help_table() in doc and "| `learning_rate` | 2e-05 (transformers: 5e-05) | `optim.lr` | `0.0002` |" in doc
 
 

@@ -7,17 +7,9 @@ import json
 
 import pytest
 
-from scale.data import (
-    Collator,
-    build_splits,
-    label_sequences,
-    load_rows,
-    render_template,
-    special_affixes,
-    split_rows,
-    tokenize_rows,
-)
-from scale.schema import DataConfig, LossConfig
+from scale.config.schema import DataConfig, LossConfig
+from scale.data import (Collator, build_splits, label_sequences, load_rows, render_template, special_affixes,
+                        split_rows, tokenize_rows)
 from tests.conftest import ROOT, SHARED_DATA, TINY_DATA
 
 TINY_COMPLETIONS = ROOT / "configs" / "data" / "tiny_completions.jsonl"
@@ -272,8 +264,8 @@ def test_tiny_completions_file(tokenizer):
 
 def test_embedded_dialog_data_of_the_sft_job(tokenizer):
     """The SFT job's data: the chatterbot-corpus wheel's English corpus as messages rows (fetched once)."""
-    from scale.assets import resolve_data
-    from scale.config import load_config
+    from scale.config.load import load_config
+    from scale.utils.assets import resolve_data
 
     path = resolve_data("chatterbot-english")
     rows = load_rows(DataConfig(), path)

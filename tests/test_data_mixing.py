@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from scale.config import load_config
+from scale.config.load import load_config
+from scale.config.validation import ConfigError
 from scale.data import DataError, build_splits
-from scale.validation import ConfigError
 from tests.conftest import ROOT, TINY_YAML, tiny_cfg
 
 COMPLETIONS = ROOT / "configs" / "data" / "tiny_completions.jsonl"
@@ -210,7 +210,7 @@ def test_overrides_index_entries_and_paths_resolve_beside_the_config(tmp_path):
         (str(tmp_path / "data" / "a.jsonl"), 2.0, None), ("org/name", 0.5, "en")]
     with pytest.raises(ConfigError, match=r"data.datasets has 2 entries; index it with 0..1"):
         load_config(tmp_path / "job.yaml", ["data.datasets.2.weight=1"])
-    from scale.config import dump_config
+    from scale.config.load import dump_config
 
     dump_config(cfg, tmp_path / "config.yaml")  # what a run writes and its resume reads back
     assert load_config(tmp_path / "config.yaml") == cfg

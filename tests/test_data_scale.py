@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from scale.config.schema import DataConfig, LossConfig
 from scale.data import DataError, build_splits
-from scale.schema import DataConfig, LossConfig
 from tests.conftest import ROOT, TINY_DATA, tiny_cfg
 
 TINY_COMPLETIONS = ROOT / "configs" / "data" / "tiny_completions.jsonl"

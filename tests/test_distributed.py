@@ -16,9 +16,9 @@ import torch
 
 from tests.launching import (CHECKED, ROOT, TINY, assert_adapter_reproduces_eval, assert_invariants, modes, rel_dev,
                              run_mode, save_tiny_directory, weight_dev)
-from scale.config import load_config
-from scale.schedule import lr_factor
-from scale.launch import LaunchError, check_launch_environment, cpu_threads_per_rank, reconcile_deepspeed
+from scale.config.load import load_config
+from scale.distributed.launch import LaunchError, check_launch_environment, cpu_threads_per_rank, reconcile_deepspeed
+from scale.training.schedule import lr_factor
 
 TOL = 1e-5
 
@@ -78,7 +78,7 @@ def test_fsdp2_shards_and_matches_single_device(reference, tmp_path):
     """accelerate's own FSDP2 preparation (``fully_shard`` per decoder layer) on 2 CPU processes through the test-only
     shim (tests/fsdp_cpu.py, which only relabels the device type): the weights are really sharded, the numbers are
     one device's, and the gathered adapter is whole."""
-    from scale.metrics import read_jsonl
+    from scale.training.metrics import read_jsonl
 
     cmds, overrides = modes()["fsdp2 2x(2,2)"]
     got = run_mode(cmds, overrides + ["train.check_invariants=true"], tmp_path)
@@ -112,7 +112,7 @@ def test_guard_real_launch_cpu_num_processes_2_exits_with_message(tmp_path):
 
 
 def test_guard_world_size_without_process_group(monkeypatch, tmp_path):
-    import scale.launch as launch
+    import scale.distributed.launch as launch
     from accelerate.utils import DistributedType
 
     class FakeAccelerator:
@@ -129,7 +129,7 @@ def test_guard_world_size_without_process_group(monkeypatch, tmp_path):
 
 
 def test_guard_deepspeed_dropped(monkeypatch, tmp_path):
-    import scale.launch as launch
+    import scale.distributed.launch as launch
     from accelerate.utils import DistributedType
 
     class FakeAccelerator:
@@ -147,7 +147,7 @@ def test_guard_deepspeed_dropped(monkeypatch, tmp_path):
 
 
 def test_guard_fsdp_dropped(monkeypatch, tmp_path):
-    import scale.launch as launch
+    import scale.distributed.launch as launch
     from accelerate.utils import DistributedType
 
     class FakeAccelerator:

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scale.checkpoint import list_checkpoints
-from scale.metrics import read_jsonl
-from scale.signals import Preempted, Preemption
 from scale.train import run
+from scale.training.checkpoint import list_checkpoints
+from scale.training.metrics import read_jsonl
+from scale.utils.signals import Preempted, Preemption
 from tests.conftest import tiny_cfg
 
 # eval every 4 steps of 12, samples generated at each evaluation

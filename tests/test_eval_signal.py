@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from scale.job import setup
-from scale.metrics import read_jsonl
-from scale.signals import Preempted, Preemption
 from scale.train import fit
+from scale.training.job import setup
+from scale.training.metrics import read_jsonl
+from scale.utils.signals import Preempted, Preemption
 from tests.conftest import tiny_cfg
 
 BATCH_S = 0.25   # each eval batch (1 row) made this slow: the step-1 evaluation of 32 rows would take >= 8 s

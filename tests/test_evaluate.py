@@ -11,14 +11,14 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from scale.config import load_config
+from scale.config.load import load_config
+from scale.config.schema import DataConfig, LossConfig
 from scale.data import Collator, build_splits
-from scale.evaluate import evaluate
-from scale.metrics import read_jsonl
-from scale.modeling import load_base
+from scale.modeling.build import load_base
 from scale.objectives.tail import LossSpec
-from scale.schema import DataConfig, LossConfig
 from scale.train import run
+from scale.training.evaluate import evaluate
+from scale.training.metrics import read_jsonl
 from tests.bounds import TINY_JOB_REL  # two fp32 paths of the tiny job (tests/bounds.py)
 from tests.conftest import ROOT, TINY_DATA, TINY_YAML, tiny_cfg
 
@@ -28,7 +28,7 @@ LABELS = ["very negative", "negative", "positive", "thumbs-up"]
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    from scale.schema import ModelConfig
+    from scale.config.schema import ModelConfig
 
     return load_base(ModelConfig(name_or_path="tiny-llama"), vocab_size=len(tokenizer), seed=3).eval()
 
@@ -156,7 +156,7 @@ def test_prompt_completion_job_with_epochs(tmp_path):
 def test_steps_for_epochs_counts_the_windows_every_rank_runs(n, mb, ga, world):
     """accelerate deals micro-batches round-robin to the ranks; an epoch ends when no rank has a batch left,
     in windows of ga micro-batches: the loop's count equals ceil(n / global_batch_size) in every mode."""
-    from scale.schedule import steps_for_epochs
+    from scale.training.schedule import steps_for_epochs
 
     batches = -(-n // mb)
     per_rank = [len(range(r, batches, world)) for r in range(world)]

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scale.flops import model_shape, shape_from_config
-from scale.metrics import read_jsonl
+from scale.config.validation import ConfigError
 from scale.train import run
-from scale.validation import ConfigError
+from scale.training.metrics import read_jsonl
+from scale.utils.flops import model_shape, shape_from_config
 from tests.conftest import tiny_cfg
 
 V = 49152  # the SmolLM2 tokenizer's vocabulary
@@ -117,12 +117,12 @@ def test_lora_target_names_of_another_family_are_one_line(saved, tmp_path):
 
 
 def test_a_failing_flops_count_never_stops_training(saved, tmp_path, monkeypatch, caplog):
-    import scale.parts.model
+    import scale.training.parts.model
 
     def broken(model):
         raise AttributeError("'FancyConfig' object has no attribute 'intermediate_size'")
 
-    monkeypatch.setattr(scale.parts.model, "model_shape", broken)
+    monkeypatch.setattr(scale.training.parts.model, "model_shape", broken)
     caplog.set_level(logging.WARNING)
     final = run(tiny_cfg(tmp_path, *JOB, f"model.name_or_path={saved['llama']}"))
     warnings = [r.getMessage() for r in caplog.records if "no FLOPs count" in r.getMessage()]

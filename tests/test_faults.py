@@ -22,11 +22,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scale.checkpoint import list_checkpoints
-from scale.commit import NonFiniteError
-from scale.metrics import read_jsonl
-from scale.signals import EXIT_PREEMPTED
 from scale.train import run
+from scale.training.checkpoint import list_checkpoints
+from scale.training.commit import NonFiniteError
+from scale.training.metrics import read_jsonl
+from scale.utils.signals import EXIT_PREEMPTED
 from tests.conftest import TINY_DATA, tiny_cfg
 from tests.criteria import POISON_TYPE
 from tests.launching import ROOT, TINY, accelerate_cmd
@@ -237,7 +237,7 @@ def test_nonfinite_loss_stops_naming_step_and_row(tmp_path, tokenizer, criterion
 
 def test_nonfinite_error_from_the_window_vote_is_the_log_steps_error(tmp_path, tokenizer):
     """Without a log, an evaluation or a checkpoint after the bad step, its verdict comes with the next window's vote
-    (scale.commit.StepCommit), not from a read of its own: the same error, naming the same step and rows."""
+    (scale.training.commit.StepCommit), not from a read of its own: the same error, naming the same step and rows."""
     poison_row, step = _train_row(tmp_path, tokenizer)
     data = _poisoned_data(tmp_path, poison_row)
     messages = []

@@ -1,4 +1,4 @@
-"""scale.flops: the FLOPs-per-token formula against a hand count, parameter counts against a real model."""
+"""scale.utils.flops: the FLOPs-per-token formula against a hand count, parameter counts against a real model."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from scale.flops import PEAK_BF16_FLOPS, flops_per_token, lora_params, mfu, param_counts, peak_flops
+from scale.utils.flops import PEAK_BF16_FLOPS, flops_per_token, lora_params, mfu, param_counts, peak_flops
 
 # hidden 64, MLP 128, 2 layers, 4 heads of 16, 2 KV heads, vocab 1000.
 TINY = SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -68,11 +68,11 @@ def test_peak_flops_table_and_names():
                                                         ("dpo", "adapter", "runs/sft/adapter"),
                                                         ("dpo", "precomputed", None), ("simpo", "adapter", None)])
 def test_train_mfu_counts_the_in_step_dpo_reference_forward(objective, reference, adapter):
-    """``train/mfu``'s FLOPs (:func:`scale.metrics.model_flops`) of 2 rows x T = 32, tail 8: the LoRA step
+    """``train/mfu``'s FLOPs (:func:`scale.training.metrics.model_flops`) of 2 rows x T = 32, tail 8: the LoRA step
     ``4 (N + f N_head) + 6 N_lora + 12 L T d``, plus the reference's forward ``2 (N + f N_head) + 4 L T d`` (+ ``2
     N_lora`` from a starting adapter) when DPO runs it in the step; none for precomputed references or SimPO."""
-    from scale.config import load_config
-    from scale.metrics import model_flops
+    from scale.config.load import load_config
+    from scale.training.metrics import model_flops
 
     cfg = load_config(None, [f"loss.objective={objective}", f"loss.reference={reference}"]
                       + ([f"model.adapter={adapter}"] if adapter else []))

@@ -12,10 +12,10 @@ import json
 import pytest
 import torch
 
+from scale.config.schema import ModelConfig
 from scale.export import save_serving_files
 from scale.generate import Sampling, main, read_conversations, split_reference
-from scale.modeling import load_base
-from scale.schema import ModelConfig
+from scale.modeling.build import load_base
 from tests.conftest import ROOT
 
 CHATML = ROOT / "configs" / "chat" / "chatml.jinja"

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from scale.metrics import read_jsonl
+from scale.training.metrics import read_jsonl
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -24,7 +24,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 def test_bf16_qlora_trains_and_beats_fp32_lora_per_step(tmp_path):
-    from scale.config import load_config
+    from scale.config.load import load_config
     from scale.train import run
 
     common = ["train.max_steps=30", "train.eval_every=0", "data.eval_size=64", "log.trackers=[]",
@@ -74,7 +74,7 @@ LIGER_SHAPE = dict(M=2048, H=576, V=49152)
 def liger_premise(M: int, H: int, V: int) -> int:
     """The chunk size ``auto`` takes for ``M`` positions of vocabulary ``V``; asserts it chunks and that ``liger``
     decides the same (the premise of :func:`test_liger_fused_loss_matches_the_chunked_loss`)."""
-    from scale import chunked
+    from scale.loss import chunked
 
     chunk = chunked.resolve_chunk_size("auto", M, V)
     assert 0 < chunk < M and chunked.resolve_chunk_size("liger", M, V) == chunk, (M, V, chunk)
@@ -82,10 +82,10 @@ def liger_premise(M: int, H: int, V: int) -> int:
 
 
 def fused_head_loss_against_float64(device: str, fused: str | None, M: int, H: int, V: int, chunk: int) -> None:
-    """``scale.chunked.chunked_tail_loss`` with ``fused`` on ``device`` against the float64 loss of the same
+    """``scale.loss.chunked.chunked_tail_loss`` with ``fused`` on ``device`` against the float64 loss of the same
     inputs: the weighted CE sum within :func:`tests.bounds.ce_sum_bounds`'s bound, the hidden-state gradient
     within its elementwise bound, the denominator exact."""
-    from scale import chunked
+    from scale.loss import chunked
     from tests.bounds import ce_sum_bounds
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -111,7 +111,7 @@ def fused_head_loss_against_float64(device: str, fused: str | None, M: int, H: i
 
 @needs_cuda
 def test_liger_fused_loss_matches_the_chunked_loss():
-    """Liger's fused linear cross-entropy and scale.chunked's fused path on the same tail hidden states: each within
+    """Liger's fused linear cross-entropy and scale.loss.chunked's fused path on the same tail hidden states: each within
     fp32 round-off of the float64 loss and hidden-state gradient (both compute the logits chunk by chunk in fp32),
     so within twice that of each other. The same body runs on CPU in tests/test_chunked.py."""
     pytest.importorskip("liger_kernel")

@@ -9,11 +9,11 @@ import re
 import pytest
 
 from scale.cli import main, parse_args
-from scale.config import load_config
-from scale.config_help import keys_help
-from scale.names import TRL_NAMES, all_keys, differences_from_trl, schema_fields, suggest
-from scale.schedule import lr_factor, warmup_steps
-from scale.validation import ConfigError
+from scale.config.help import keys_help
+from scale.config.load import load_config
+from scale.config.names import TRL_NAMES, all_keys, differences_from_trl, schema_fields, suggest
+from scale.config.validation import ConfigError
+from scale.training.schedule import lr_factor, warmup_steps
 from tests.conftest import TINY_YAML
 
 
@@ -111,7 +111,7 @@ def test_a_config_file_with_unknown_keys_in_several_sections_names_the_file_and_
                                          "did you mean train.micro_batch_size or train.eval_micro_batch_size?"),
                                         ("optm", "did you mean optim?"), ("trian", "did you mean train?")])
 def test_help_and_overrides_suggest_the_same_key(capsys, typo, hint):
-    """``--help TOPIC`` and an override of that key answer with one rule (scale.names.suggest): ``lr`` is optim.lr
+    """``--help TOPIC`` and an override of that key answer with one rule (scale.config.names.suggest): ``lr`` is optim.lr
     on both paths (the help suggested lora), ``optim.lrr`` optim.lr (the help suggested optim)."""
     assert main(["--help", typo]) == 2
     assert capsys.readouterr().err == (f"scale-train: error: ConfigError: --help {typo}: no such section or key: "
@@ -232,7 +232,7 @@ def test_every_command_help_reads_as_plain_text(module, first, capsys):
     """Each command's --help prints its module docstring without reST markup (double backquotes, :data: roles)."""
     import importlib
 
-    from scale.config_help import help_text
+    from scale.config.help import help_text
 
     mod = importlib.import_module(f"scale.{module}")
     try:

@@ -65,13 +65,13 @@ def test_installed_package_runs_the_tiny_job_and_zero2_from_anywhere(tmp_path):
     saved = (work / "zero2" / "config.yaml").read_text()
     assert f"{venv}/lib/" in saved and "scale/configs/data/tiny_reviews.jsonl" in saved  # the shipped data
     # The SFT job's chat template ships too: its config names it relative to itself.
-    probe = "from scale.config import load_config; print(open(load_config('sft').data.chat_template).read())"
+    probe = "from scale.config.load import load_config; print(open(load_config('sft').data.chat_template).read())"
     assert "<|im_start|>" in _sh([str(bin_dir / "python"), "-c", probe], work, env).stdout
 
     _sh([str(pip), "install", "-q", "--no-deps", "-e", str(build)], tmp_path, env)  # editable: the checkout's
     # (training from an editable install is what every other test does; here: from another directory, the named
     # config and its data resolve to the checkout, and the command's data path reads them)
-    probe = "from scale.config import load_config; print(load_config('tiny_cpu').data.path)"
+    probe = "from scale.config.load import load_config; print(load_config('tiny_cpu').data.path)"
     assert _sh([str(bin_dir / "python"), "-c", probe], work, env).stdout.strip() == \
         f"{build}/configs/data/tiny_reviews.jsonl"
     rows = _sh([str(bin_dir / "scale-train"), "--config", "tiny_cpu", "--show-rows", "1"], work, env).stdout

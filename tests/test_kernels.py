@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scale import kernels
-from scale.validation import ConfigError
-from scale.wrapped import base_model
+from scale.config.validation import ConfigError
+from scale.modeling import kernels
+from scale.utils.wrapped import base_model
 from tests.bounds import EPS32, fp32_paths_rel
 from tests.conftest import tiny_cfg
 
@@ -89,7 +89,7 @@ def test_liger_kernels_on_cpu_are_refused_before_anything_is_written(tmp_path):
 
 
 def test_an_unknown_kernels_value_is_refused():
-    from scale.config import load_config
+    from scale.config.load import load_config
 
     with pytest.raises(ConfigError) as e:
         load_config(None, ["model.kernels=triton"])
@@ -121,8 +121,8 @@ def test_liger_kernels_match_the_unpatched_model_in_fp32(monkeypatch):
     for name in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP"):  # Liger rebinds these module-wide: undone
         monkeypatch.setattr(modeling_llama, name, getattr(modeling_llama, name))
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    from scale import modeling
-    from scale.schema import LoraConfig, ModelConfig
+    from scale.config.schema import LoraConfig, ModelConfig
+    from scale.modeling import build as modeling
 
     V, H = 300, 64
     model = modeling.build_model(ModelConfig(name_or_path="tiny-llama", gradient_checkpointing=False,
@@ -161,8 +161,8 @@ def test_liger_kernels_train_the_tiny_job_as_the_unpatched_one(tmp_path):
     from transformers.models.llama import modeling_llama
 
     from benchmarks.common import reset_accelerate
-    from scale.metrics import read_jsonl
     from scale.train import run
+    from scale.training.metrics import read_jsonl
     from tests.test_mixed_paths import GRAD_REL
 
     saved = {n: getattr(modeling_llama, n) for n in ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")}

@@ -62,7 +62,7 @@ def test_lm_eval_generates_the_runs_samples(chat_run):
 
 
 def test_runs_without_an_answer_to_score_are_refused(tmp_path, capsys):
-    from scale.config import dump_config
+    from scale.config.load import dump_config
 
     assert main([str(tmp_path), "--write-only"]) == 2
     assert capsys.readouterr().err == f"scale-lm-eval: error: {tmp_path} has no config.yaml: give the directory of a " \

@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scale import loss as scale_loss
+from scale.config.schema import ModelConfig
 from scale.data import Collator, Example
 from scale.data.tasks.base import exact_match
 from scale.data.tasks.classification import sequence_logprob, target_stats
-from scale.modeling import load_base
-from scale.schema import ModelConfig
+from scale.loss import tail as scale_loss
+from scale.modeling.build import load_base
 
 N = 3
 

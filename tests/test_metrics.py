@@ -8,8 +8,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from scale.metrics import StepMeter, peak_memory_gib
-from scale.precision import compute_dtype, measure_peak_flops, measured_size, resolve_peak_flops
+from scale.training.metrics import StepMeter, peak_memory_gib
+from scale.training.precision import compute_dtype, measure_peak_flops, measured_size, resolve_peak_flops
 
 
 def _batch(rows, seq_len, real):
@@ -46,8 +46,8 @@ def test_padding_free_flops_equal_the_padded_batch_of_the_same_rows():
     ``tail_mask`` width) of the LM head, not ``loss.threshold``."""
     from types import SimpleNamespace
 
-    from scale.config import load_config
-    from scale.metrics import model_flops
+    from scale.config.load import load_config
+    from scale.training.metrics import model_flops
 
     shape = SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=1000)
@@ -95,7 +95,7 @@ def test_peak_flops_setting_number_off_and_measured(tmp_path, monkeypatch):
 
 def test_probe_stays_small_for_a_dtype_without_a_fast_kernel(monkeypatch):
     """A dtype at 0.2 GFLOP/s (bf16 on an AVX2-only CPU) is measured at 256^3, not at 2048^3 (~80 s a product)."""
-    from scale import precision
+    from scale.training import precision
 
     monkeypatch.setattr(precision, "_MEASURED", {})
     monkeypatch.setattr(precision, "_time_gemm",
@@ -115,7 +115,7 @@ def test_compute_dtype_follows_autocast_then_4bit_then_weights(tmp_path):
 
 
 def test_bad_peak_flops_setting(tmp_path):
-    from scale.validation import ConfigError
+    from scale.config.validation import ConfigError
     from tests.conftest import tiny_cfg
 
     for bad in ("fast", "-1", "0", "true"):
@@ -127,7 +127,7 @@ def test_bad_peak_flops_setting(tmp_path):
 def test_auto_precision_follows_the_probe(monkeypatch, tmp_path, bf16_rate, choice):
     """fp32 at 290 GFLOP/s: AMX-like bf16 (2.12 TFLOP/s, 7.3x) -> bf16, 4-bit compute dtype bf16 as well; an AVX2 CPU
     (0.2 GFLOP/s) or a ratio under 1.3x (1.24x) -> fp32."""
-    from scale import precision
+    from scale.training import precision
     from tests.conftest import tiny_cfg
 
     monkeypatch.setattr(precision, "_MEASURED", {})
@@ -144,7 +144,7 @@ def test_auto_precision_follows_the_probe(monkeypatch, tmp_path, bf16_rate, choi
 
 
 def test_auto_precision_pinned_and_qlora_fp32(tmp_path):
-    from scale import precision
+    from scale.training import precision
     from tests.conftest import tiny_cfg
 
     pinned = tiny_cfg(tmp_path)                                   # tiny_cpu pins "no": tests stay fp32 on any CPU
@@ -153,6 +153,6 @@ def test_auto_precision_pinned_and_qlora_fp32(tmp_path):
     qlora = tiny_cfg(tmp_path, "train.mixed_precision=auto", "model.quantize_4bit=true")
     got = precision.resolve_mixed_precision(qlora, torch.device("cpu"))
     assert got.choice == "no" and "bnb_4bit_compute_dtype=float32" in got.reason and got.fp32_flops is None
-    from scale.config import load_config
+    from scale.config.load import load_config
 
     assert load_config().train.mixed_precision == "auto" and load_config().model.bnb_4bit_compute_dtype == "auto"

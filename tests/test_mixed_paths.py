@@ -1,4 +1,4 @@
-"""The mixed-precision paths a CUDA run takes (scale.mixed_paths.DEVICE_PATHS), run under bf16 autocast on the CPU
+"""The mixed-precision paths a CUDA run takes (scale.modeling.mixed_paths.DEVICE_PATHS), run under bf16 autocast on the CPU
 (the same code: every path reads the autocast state of the tensors' own device) and, with ``-m gpu``, on a GPU:
 fewer casts per forward and backward, gradients within bf16 round-off of the float32 model's."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from scale import mixed_paths, modeling
-from scale.schema import LoraConfig, ModelConfig
+from scale.config.schema import LoraConfig, ModelConfig
+from scale.modeling import mixed_paths, build as modeling
 from tests.bounds import EPS_BF16, rel_bound
 
 V = 300
@@ -138,7 +138,7 @@ def test_qlora_residual_in_the_compute_dtype_tracks_fp32_as_the_fp32_upcast_does
     bf16-autocast step (with the run's mixed paths) stay within :data:`RESIDUAL_REL` of the float32 model's, as
     those of the float32 upcast (``float32``, peft's ``prepare_model_for_kbit_training``) do."""
     pytest.importorskip("bitsandbytes")
-    from scale.checks import dtype_census
+    from scale.training.checks import dtype_census
 
     def build(residual: str) -> torch.nn.Module:
         cfg = ModelConfig(name_or_path="tiny-llama", quantize_4bit=True, gradient_checkpointing=False,
@@ -175,8 +175,8 @@ def test_qlora_residual_in_the_compute_dtype_tracks_fp32_as_the_fp32_upcast_does
 def test_the_planner_counts_the_unquantized_weights_in_the_residual_dtype():
     """scale-plan's census: a bf16-loaded 4-bit model's unquantized weights are float32 under the float32 upcast,
     bf16 under ``compute`` (the same tensors), the 4-bit and LoRA ones unchanged."""
-    from scale import census
-    from scale.config import load_config
+    from scale.config.load import load_config
+    from scale.planner import census
 
     counts = {}
     for residual in ("float32", "compute"):
@@ -202,8 +202,8 @@ def test_the_tiny_qlora_job_trains_with_its_residual_stream_in_bf16(tmp_path, ca
     import logging
 
     from benchmarks.common import reset_accelerate
-    from scale.metrics import read_jsonl
     from scale.train import run
+    from scale.training.metrics import read_jsonl
     from tests.conftest import tiny_cfg
 
     losses, lines = {}, {}

@@ -39,8 +39,8 @@ def test_checkpointed_lora_and_qlora_in_every_mode(mode, kind, tmp_path):
 
 
 def test_checkpointing_on_equals_off_gradients():
-    from scale.schema import LoraConfig, ModelConfig
-    from scale.modeling import build_model
+    from scale.config.schema import LoraConfig, ModelConfig
+    from scale.modeling.build import build_model
 
     ids = torch.randint(3, 300, (4, 16), generator=torch.Generator().manual_seed(1))
     grads = []
@@ -65,11 +65,11 @@ def test_merged_export_predicts_like_adapter_plus_base(tmp_path, tokenizer):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from scale import loss as scale_loss
-    from scale.config import load_config
+    from scale.config.load import load_config
     from scale.data import Collator, build_splits
     from scale.export import merge_run
-    from scale.modeling import load_base
+    from scale.loss import tail as scale_loss
+    from scale.modeling.build import load_base
     from scale.train import run
 
     run(tiny_cfg(tmp_path, "model.quantize_4bit=true", "train.max_steps=4", "optim.lr=5e-3"))

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (scale.moe): what LoRA trains, proven on tiny models built from their configs.
+"""Mixture-of-experts models (scale.modeling.moe): what LoRA trains, proven on tiny models built from their configs.
 
 Families: Qwen3-MoE, Mixtral, DeepSeek-V3 (shared experts, a dense first layer), gpt-oss (transposed fused weights,
 biases). transformers 5 fuses each layer's experts into 3-D parameters; LoRA reaches them through peft's
@@ -13,13 +13,13 @@ import warnings
 import pytest
 import torch
 
-from scale.compat import peft_adapts_parameters
-from scale.config import ConfigError
-from scale.loss import forward_tail
-from scale.modeling import add_lora
-from scale.moe import expert_factors, moe_layout, parameter_adapters, targets_line
-from scale.parts.experts import ExpertLoad, RouterAux
-from scale.schema import LoraConfig, ModelConfig
+from scale.config.load import ConfigError
+from scale.config.schema import LoraConfig, ModelConfig
+from scale.loss.tail import forward_tail
+from scale.modeling.build import add_lora
+from scale.modeling.moe import expert_factors, moe_layout, parameter_adapters, targets_line
+from scale.training.parts.experts import ExpertLoad, RouterAux
+from scale.utils.compat import peft_adapts_parameters
 from tests.bounds import fp32_paths_rel
 
 # LoRA on fused experts needs peft's target_parameters (peft 0.17); the lowest-versions tier (peft 0.15) runs
@@ -270,8 +270,8 @@ def test_a_run_says_what_trains_logs_the_expert_load_and_exports(tmp_path, caplo
 
     from scale.export import merge_run
     from scale.generate import load_model
-    from scale.metrics import read_jsonl
     from scale.train import run
+    from scale.training.metrics import read_jsonl
     from tests.conftest import log_file_lines, tiny_cfg
 
     torch.manual_seed(0)
@@ -320,7 +320,7 @@ def test_4bit_quantizes_the_linear_layers_and_keeps_the_experts_in_model_dtype(t
     """bitsandbytes 4-bit replaces nn.Linear only: the fused experts stay in model.dtype (bf16 here, not the fp32
     prepare_model_for_kbit_training would make of them), the line says so, and their adapters get gradients."""
     pytest.importorskip("bitsandbytes")
-    from scale.modeling import build_model
+    from scale.modeling.build import build_model
 
     tiny_moe("qwen3_moe").to(torch.bfloat16).save_pretrained(tmp_path / "moe")
     model = build_model(ModelConfig(name_or_path=str(tmp_path / "moe"), quantize_4bit=True, dtype="bfloat16",
@@ -396,8 +396,8 @@ def test_a_run_with_a_trained_router_logs_its_aux_loss(tmp_path, caplog):
 
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from scale.metrics import read_jsonl
     from scale.train import run
+    from scale.training.metrics import read_jsonl
     from tests.conftest import tiny_cfg
 
     torch.manual_seed(0)
@@ -425,8 +425,8 @@ def test_resume_of_a_moe_run_is_bit_exact(tmp_path):
     from safetensors.torch import load_file
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from scale.metrics import read_jsonl
     from scale.train import run
+    from scale.training.metrics import read_jsonl
     from tests.conftest import tiny_cfg
 
     torch.manual_seed(0)
@@ -462,7 +462,7 @@ def test_a_saved_adapter_with_shared_experts_reloads_to_the_same_model(tmp_path)
     scale-export and scale-generate load), the adapter gives the trained model's logits."""
     from peft import PeftModel
 
-    from scale.moe import explicit_targets
+    from scale.modeling.moe import explicit_targets
 
     model = lora(tiny_moe("deepseek_v3"), dropout=0.0)
     with torch.no_grad():

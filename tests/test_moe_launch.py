@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from scale.compat import peft_adapts_parameters
+from scale.utils.compat import peft_adapts_parameters
 from tests.launching import modes, rel_dev, run_in_process, run_mode, save_tiny_moe_directory, weight_dev
 
 # LoRA on fused experts needs peft's target_parameters (peft 0.17); the lowest-versions tier (peft 0.15) runs

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from scale import census as C
 from scale import plan as P
-from scale.compat import peft_adapts_parameters
-from scale.config import load_config
-from scale.flops import flops_per_token
-from scale.flops import model_shape as dense_shape
-from scale.moe import active_counts, model_shape, moe_layout
+from scale.config.load import load_config
+from scale.modeling.moe import active_counts, model_shape, moe_layout
+from scale.planner import census as C
+from scale.utils.compat import peft_adapts_parameters
+from scale.utils.flops import flops_per_token
+from scale.utils.flops import model_shape as dense_shape
 from tests.conftest import ROOT, TINY_YAML
 from tests.test_plan import live_step_peak, real_saved_bytes
 
@@ -54,7 +54,7 @@ def test_planned_moe_activations_within_10_percent_of_saved_tensor_hooks(checkpo
     """The fake-tensor count runs (it stopped with "Expected inputs of BF16 type" from grouped_mm's fake kernel) and
     lands within 10% of what autograd saves in a real forward: the sorted token-expert pairs ``[n k, H]`` and, per
     MoE layer, the expert stack ``W + B A`` peft's parameter LoRA computes."""
-    from scale.modeling import build_model
+    from scale.modeling.build import build_model
 
     cfg, hf, params = planned(tmp_path, "train.micro_batch_size=4", "data.max_length=32",
                               f"model.gradient_checkpointing={str(checkpointing).lower()}")
@@ -67,7 +67,7 @@ def test_planned_moe_activations_within_10_percent_of_saved_tensor_hooks(checkpo
 
 
 def test_planned_moe_single_device_peak_within_10_percent_of_live_tensor_bytes(tmp_path):
-    from scale.modeling import build_model
+    from scale.modeling.build import build_model
 
     B, T = 4, 32
     cfg, _hf, _ = planned(tmp_path, f"train.micro_batch_size={B}", f"data.max_length={T}",
@@ -79,7 +79,7 @@ def test_planned_moe_single_device_peak_within_10_percent_of_live_tensor_bytes(t
 
 def test_active_parameters_and_flops_count_k_of_e_experts(tmp_path):
     """Hand count on the real model: a token uses the attention, embeddings, norms, routers and 2 of the 8 experts."""
-    from scale.modeling import build_model
+    from scale.modeling.build import build_model
 
     cfg, _hf, _ = planned(tmp_path)
     model = build_model(cfg.model, cfg.lora, V, 0)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from scale.config import load_config
+from scale.config.load import load_config
 from tests.conftest import ROOT, TINY_YAML
 
 
@@ -64,7 +64,7 @@ def test_machine_peak_is_the_best_probe_ever_measured(tmp_path):
     best of three); a later call on a busier machine probes once and returns the cached figure unchanged; a later
     probe above it raises the cached figure (a figure cached while the machine was busy is not kept); another key
     (another dtype, CPU, torch or thread count) is measured on its own."""
-    from scale.precision import machine_peak
+    from scale.training.precision import machine_peak
 
     key = "cpu A | torch 2.13.0 | float32 | 2 threads"
     path = tmp_path / "peak_flops.json"
@@ -93,8 +93,8 @@ def test_two_identical_runs_divide_by_the_same_peak_on_a_busier_machine(tmp_path
     from accelerate import Accelerator
 
     import torch
-    from scale import precision
-    from scale.precision import resolve_peak_flops
+    from scale.training import precision
+    from scale.training.precision import resolve_peak_flops
     from tests.conftest import tiny_cfg
 
     monkeypatch.setenv("SCALE_CACHE", str(tmp_path / "cache"))

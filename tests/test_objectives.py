@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scale import loss as scale_loss
-from scale.checkpoint import compare_configs
-from scale.config import load_config, to_dict
+from scale.config.load import load_config, to_dict
+from scale.config.schema import LoraConfig, ModelConfig
+from scale.config.validation import ConfigError
 from scale.data import Collator, Example
-from scale.modeling import build_model
+from scale.loss import tail as scale_loss
+from scale.modeling.build import build_model
 from scale.objectives import OBJECTIVES, build_objective
 from scale.objectives.base import Objective
 from scale.objectives.tail import LossSpec
-from scale.schema import LoraConfig, ModelConfig
-from scale.validation import ConfigError
+from scale.training.checkpoint import compare_configs
 from tests.conftest import TINY_YAML
 
 V = 300
@@ -43,7 +43,7 @@ def test_sft_is_the_default_and_meets_the_interface():
 
 def test_sft_loss_step_is_the_tail_loss_numerator():
     """loss_step (unchunked at this size: 3 x 9 positions x 300 vocab is far under the 256 MiB threshold) is the
-    numerator of scale.loss.tail_loss on the tail logits: the same operations, so equal bit for bit."""
+    numerator of scale.loss.tail.tail_loss on the tail logits: the same operations, so equal bit for bit."""
     model = build_model(ModelConfig(name_or_path="tiny-llama", gradient_checkpointing=False),
                         LoraConfig(r=4, dropout=0.0), vocab_size=V, seed=0).eval()
     objective = build_objective(load_config(TINY_YAML, ["loss.type_weights=[1.0,0.5]"]))

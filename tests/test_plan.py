@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from scale import census as C
-from scale import layouts as LY
 from scale import plan as P
-from scale.config import load_config
+from scale.config.load import load_config
+from scale.planner import census as C
+from scale.planner import layouts as LY
 from tests.conftest import ROOT, TINY_YAML
 from tests.launching import free_port
 from tests.live_bytes import LiveBytes
@@ -154,7 +154,7 @@ def test_predicted_model_states_equal_what_each_rank_holds(shape, mode, tmp_path
 
 def real_saved_bytes(model: torch.nn.Module, cfg, padded: bool = True) -> int:
     """Bytes autograd saves in one real CPU forward of the tail loss (distinct storages, parameters excluded)."""
-    from scale import loss as scale_loss
+    from scale.loss import tail as scale_loss
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -186,8 +186,8 @@ def live_step_peak(cfg, model: torch.nn.Module, B: int, T: int) -> int:
     """Peak live tensor bytes (:class:`tests.live_bytes.LiveBytes`) of the second of two real optimizer steps of
     ``model`` on ``[B, T]`` random rows (the first left-padded by 5), counting the weights, buffers, optimizer state
     and 4-bit quantization state as the plan does."""
-    from scale import loss as scale_loss
-    from scale.parts.optimizer import make_optimizer
+    from scale.loss import tail as scale_loss
+    from scale.training.parts.optimizer import make_optimizer
 
     model.train()
     optimizer, _ = make_optimizer(cfg, model)
@@ -223,7 +223,7 @@ def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, ch
                                                                        request):
     import copy
 
-    from scale.modeling import add_lora, build_model
+    from scale.modeling.build import add_lora, build_model
 
     overrides = {"tiny": [], "tiny-bf16": ["model.dtype=bfloat16", "train.mixed_precision=bf16"],
                  "smollm2-135m": [f"model.name_or_path={smollm2_dir(tmp_path)}", "lora.r=16",
@@ -263,8 +263,8 @@ def test_predicted_packed_activations_within_10_percent_of_saved_tensor_hooks(ch
     for 8 bins of 64 tokens, each two examples of 32 tokens whose tails are all but their first token."""
     from scale.data import Example
     from scale.data.collate import PackedCollator
+    from scale.modeling.build import build_model
     from scale.objectives.tail import LossSpec
-    from scale.modeling import build_model
 
     cfg, hf, params = planned([f"model.gradient_checkpointing={str(checkpointing).lower()}", "data.packing=true",
                                f"loss.chunk_size={chunk}", "loss.threshold=64"])  # N = T, as make_plan sets it
@@ -288,8 +288,8 @@ def test_predicted_padded_chunked_activations_within_10_percent_of_saved_tensor_
     """[issue 19] loss.chunk_size on a padded micro-batch (an SFT tail of 32 positions a row, chunks of 64 of the
     B x N = 256): the plan's count against what autograd saves in the product's own path (``loss_step`` ->
     ``forward_tail_hidden`` -> ``chunked_tail_loss``), one row left-padded as the collator pads it."""
+    from scale.modeling.build import build_model
     from scale.objectives.tail import LossSpec
-    from scale.modeling import build_model
 
     cfg, hf, params = planned([f"model.gradient_checkpointing={str(checkpointing).lower()}", "loss.threshold=32",
                                "loss.chunk_size=64"])
@@ -323,7 +323,7 @@ def test_predicted_single_device_peak_within_10_percent_of_live_tensor_bytes(sha
     the peak of live tensor bytes over a real CPU optimizer step (the optimizer state already exists)."""
     import copy
 
-    from scale.modeling import add_lora, build_model
+    from scale.modeling.build import add_lora, build_model
 
     if "qlora" in shape:
         pytest.importorskip("bitsandbytes")
@@ -416,7 +416,7 @@ def test_shipped_model_configs_count_their_published_parameters(name, base_param
                                     "model.bnb_4bit_quant_storage=bfloat16"]])
 def test_4bit_base_equals_a_real_bitsandbytes_model(extra):
     pytest.importorskip("bitsandbytes")
-    from scale.modeling import build_model
+    from scale.modeling.build import build_model
 
     cfg, hf, params = planned(["model.quantize_4bit=true", *extra])
     predicted = LY.predict_mode(cfg, params, NO_ACTS, "single", 1, hf).weights

@@ -1,4 +1,4 @@
-"""bf16 on CPU: each mixed-precision path (scale.mixed_paths.MIXED_PATHS) against the bf16 maths it replaces and
+"""bf16 on CPU: each mixed-precision path (scale.modeling.mixed_paths.MIXED_PATHS) against the bf16 maths it replaces and
 the fp32 maths it approximates; ``train.mixed_precision: auto`` decided once (rank 0's choice on every rank) and
 kept by a resume."""
 
@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from scale import mixed_paths
-from scale import modeling
-from scale.schema import LoraConfig, ModelConfig
-from scale.validation import ConfigError
+from scale.config.schema import LoraConfig, ModelConfig
+from scale.config.validation import ConfigError
+from scale.modeling import build as modeling
+from scale.modeling import mixed_paths
 from tests.conftest import tiny_cfg
 from tests.launching import accelerate_cmd, run_mode
 
@@ -193,7 +193,7 @@ def test_all_paths_track_fp32_as_the_bf16_path_does():
 
 def _fake_probe(monkeypatch, bf16_over_fp32: float) -> list[int]:
     """Make the start-up probe report bf16 GEMMs at ``bf16_over_fp32`` x fp32; return a call counter."""
-    import scale.precision
+    import scale.training.precision
 
     calls = [0]
 
@@ -201,7 +201,7 @@ def _fake_probe(monkeypatch, bf16_over_fp32: float) -> list[int]:
         calls[0] += 1
         return 100e9 * (bf16_over_fp32 if dtype == BF16 else 1.0)
 
-    monkeypatch.setattr(scale.precision, "measure_peak_flops", fake)
+    monkeypatch.setattr(scale.training.precision, "measure_peak_flops", fake)
     return calls
 
 
@@ -231,7 +231,7 @@ def test_auto_precision_is_kept_on_resume_and_an_explicit_change_is_an_error(tmp
     assert calls[0] == 2  # fp32 and bf16, once
 
     calls = _fake_probe(monkeypatch, 0.5)  # the probe now says fp32: the resumed run keeps bf16, unmeasured
-    from scale.job import setup
+    from scale.training.job import setup
 
     job = setup(tiny_cfg(tmp_path, *RESUME, "train.max_steps=4", "train.resume_from=latest"))
     assert (job.acc.mixed_precision, job.cfg.train.mixed_precision, job.state.mixed_precision) == ("bf16",) * 3
@@ -244,8 +244,8 @@ def test_auto_precision_is_kept_on_resume_and_an_explicit_change_is_an_error(tmp
 
 
 def test_saved_precision_reads_the_state_then_the_saved_config(tmp_path):
-    from scale.state import STATE_FILE
-    from scale.checkpoint import saved_precision
+    from scale.training.checkpoint import saved_precision
+    from scale.training.state import STATE_FILE
 
     ckpt = tmp_path / "checkpoints" / "step_000003"
     ckpt.mkdir(parents=True)

@@ -13,20 +13,12 @@ import math
 import pytest
 import torch
 
+from scale.config.schema import DataConfig, LoraConfig, LossConfig, ModelConfig
 from scale.data import Collator, DataError, PaddingFreeCollator, load_rows, removed_lines, tokenize_rows
 from scale.data.tasks.preference import PairCollator, PairedExamples
-from scale.modeling import add_lora, build_model, load_adapter, load_base
-from scale.objectives.preference import (
-    PreferenceObjective,
-    add_reference_adapter,
-    dpo_loss,
-    orpo_loss,
-    reference_forward,
-    reference_logps,
-    simpo_loss,
-    tail_logps,
-)
-from scale.schema import DataConfig, LoraConfig, LossConfig, ModelConfig
+from scale.modeling.build import add_lora, build_model, load_adapter, load_base
+from scale.objectives.preference import (PreferenceObjective, add_reference_adapter, dpo_loss, orpo_loss,
+                                         reference_forward, reference_logps, simpo_loss, tail_logps)
 from tests.conftest import ROOT
 
 CHATML = ROOT / "configs" / "chat" / "chatml.jinja"
@@ -233,9 +225,9 @@ def test_objective_that_does_not_fit_the_format_is_refused_before_tokenizing(tmp
     """A run whose ``loss.objective`` does not train its data's format stops in one line as soon as the format is
     known: no row is tokenized and no token cache entry is written (on a large file the build takes minutes). A
     later start whose splits come from an existing cache entry is refused by the same check, before the model."""
+    from scale.config.validation import ConfigError
     from scale.data import tokenize
     from scale.train import run
-    from scale.validation import ConfigError
     from tests.conftest import TINY_DATA, tiny_cfg
 
     data = _write(tmp_path / "p.jsonl", TEXT_PAIRS * 3) if pairs else TINY_DATA
@@ -499,12 +491,12 @@ def test_packed_pairs_equal_padded(tokenizer, pair_examples, name):
 
 def test_precomputed_references_reach_packed_bins(tokenizer, pair_examples):
     """loss.reference=precomputed with data.packing: the reference logps set on the split's pairs
-    (scale.parts.preference.pairs_of_loader finds them under the bins) travel with each pair into the packed
+    (scale.training.parts.preference.pairs_of_loader finds them under the bins) travel with each pair into the packed
     micro-batch, in its row order (2p chosen, 2p + 1 rejected of the pair in pair_row[p])."""
     from scale.data.collate import PaddingFreeCollator
     from scale.data.order import PackedRows
     from scale.data.tasks.preference import PackedPairCollator
-    from scale.parts.preference import pairs_of_loader
+    from scale.training.parts.preference import pairs_of_loader
 
     pairs = PairedExamples(pair_examples)
     packed = PackedRows(pairs, [[2, 0], [3], [1]])
@@ -618,8 +610,8 @@ def test_policy_equal_to_its_reference_has_zero_rewards_with_dropout_in_the_conf
     were 0.0086 and the accuracies 0.625.)"""
     import logging
 
-    from scale.metrics import read_jsonl
     from scale.train import run
+    from scale.training.metrics import read_jsonl
     from tests.conftest import tiny_cfg
 
     path = _write(tmp_path / "p.jsonl", [{"prompt": f"Q: question {i} about things?", "chosen": " Yes" + " yes" * i,
@@ -655,7 +647,7 @@ def test_sft_keeps_the_models_dropout_and_the_reference_never_draws_masks(tmp_pa
     model.disable_dropout=true turns them off under sft too. With model.disable_dropout=false under dpo the policy's
     forward draws masks, but the in-step reference runs in eval mode: it equals the precomputed pass bit for bit, and
     the model is back in train mode after it."""
-    from scale.parts.model import set_dropout
+    from scale.training.parts.model import set_dropout
     from tests.conftest import tiny_cfg
 
     def cfg(*overrides):

@@ -6,7 +6,7 @@
 - plan(dpo, P pairs) against plan(sft, 2P rows) on the same data: the same model states, saved decoder activations
   and logits; the in-step reference adds exactly its counted forward peak to the transient bytes when that is the
   larger; the FLOPs per pair are 2T positions of training FLOPs plus 2T of forward FLOPs, recomputed here from the
-  hand count of the model (:func:`scale.flops.param_counts`).
+  hand count of the model (:func:`scale.utils.flops.param_counts`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import json
 import pytest
 import torch
 
-from scale import census as C
-from scale import flops as F
 from scale import plan as P
-from scale.config import load_config
+from scale.config.load import load_config
+from scale.planner import census as C
+from scale.utils import flops as F
 from tests.conftest import TINY_YAML
 from tests.live_bytes import LiveBytes
 
@@ -65,7 +65,7 @@ def live_pair_step_peak(cfg, model: torch.nn.Module, batch: dict[str, torch.Tens
     objective's own ``loss_step`` (policy forward, the in-step reference forward when it has one, the loss), counting
     the weights, buffers and optimizer state as the plan does (as :func:`tests.test_plan.live_step_peak`)."""
     from scale.objectives.preference import PreferenceObjective
-    from scale.parts.optimizer import make_optimizer
+    from scale.training.parts.optimizer import make_optimizer
 
     model.train()
     objective = PreferenceObjective.from_config(cfg)
@@ -89,7 +89,7 @@ def live_pair_step_peak(cfg, model: torch.nn.Module, batch: dict[str, torch.Tens
     ("dpo", "adapter", True), ("dpo", "adapter", False), ("dpo", "precomputed", True), ("simpo", "adapter", False)])
 def test_plan_of_a_tiny_preference_step_within_10_percent_of_live_tensor_bytes(pairs_path, objective, reference,
                                                                               checkpointing):
-    from scale.modeling import build_model
+    from scale.modeling.build import build_model
 
     cfg = config(pairs_path, f"loss.objective={objective}", f"loss.reference={reference}",
                  f"model.gradient_checkpointing={str(checkpointing).lower()}")
@@ -160,13 +160,13 @@ def test_dpo_plan_is_the_sft_plan_of_twice_the_rows_plus_the_reference(pairs_pat
 
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_counted_reference_peak_equals_a_real_reference_forward(pairs_path, checkpointing):
-    """The reference forward's peak as the plan counts it (fake tensors, :func:`scale.census.count_reference_peak`)
+    """The reference forward's peak as the plan counts it (fake tensors, :func:`scale.planner.census.count_reference_peak`)
     against the peak of live tensor bytes over the product's own in-step reference (``reference_forward``: adapter
     disabled, no_grad, summed tail logps) on a real ``[2P, T]`` micro-batch: the same operations on the same shapes,
     so the same storages, plus the ``[2P, N, V]`` fp32 buffer ``torch.logsumexp`` allocates inside its kernel (which
     a dispatch mode cannot see, so the plan adds it); within 2% (the real forward's RoPE tables and masks are built
     from the batch's values)."""
-    from scale.modeling import build_model
+    from scale.modeling.build import build_model
     from scale.objectives.preference import reference_forward
 
     cfg = config(pairs_path, f"model.gradient_checkpointing={str(checkpointing).lower()}")

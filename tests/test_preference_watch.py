@@ -20,8 +20,8 @@ from accelerate import Accelerator
 
 from scale import report as R
 from scale.objectives.preference import PreferenceObjective
-from scale.parts.log import pair_scorer
-from scale.samples import Generation, generate_samples, pick_samples, start_samples_file, write_samples
+from scale.training.parts.log import pair_scorer
+from scale.training.samples import Generation, generate_samples, pick_samples, start_samples_file, write_samples
 from tests.conftest import tiny_cfg
 from tests.test_preference import TEXT_PAIRS, _enc, _model, _pairs
 

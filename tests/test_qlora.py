@@ -1,7 +1,7 @@
 """QLoRA on CPU: trains, and its LoRA gradients equal those of an fp32 model on the dequantized weights.
 
 bitsandbytes repacks 4-bit weights for CPU inference after an eval-mode forward and then computes without
-autograd (see ``scale.modeling.disable_cpu_inference_packing``); these tests run an eval pass first so that
+autograd (see ``scale.modeling.build.disable_cpu_inference_packing``); these tests run an eval pass first so that
 trap would show.
 """
 
@@ -12,8 +12,8 @@ import torch
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from scale.modeling import build_model  # noqa: E402
-from scale.schema import LoraConfig, ModelConfig
+from scale.config.schema import LoraConfig, ModelConfig
+from scale.modeling.build import build_model  # noqa: E402
 from tests.conftest import tiny_cfg  # noqa: E402
 
 LORA = LoraConfig(r=4, alpha=8.0, dropout=0.0)
@@ -70,8 +70,8 @@ def test_qlora_lora_grads_match_dequantized_reference(gradient_checkpointing):
 def test_qlora_job_trains_on_cpu(tmp_path):
     from safetensors.torch import load_file
 
-    from scale.metrics import read_jsonl
     from scale.train import run
+    from scale.training.metrics import read_jsonl
 
     from tests.launching import assert_invariants
 

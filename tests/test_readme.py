@@ -43,7 +43,7 @@ def _words(command: str) -> list[str]:
 
 def _check_train_args(args: list[str]) -> None:
     from scale.cli import parse_args
-    from scale.config import load_config
+    from scale.config.load import load_config
 
     parsed = parse_args(args)
     load_config(parsed.config, parsed.overrides)
@@ -114,7 +114,7 @@ def test_readme_is_a_front_door():
 def test_make_train_example_has_its_own_output_dir():
     """The README's `make train ARGS=...` example runs after `make train`: with the default job's output_dir it was
     refused as another run's directory."""
-    from scale.config import load_config
+    from scale.config.load import load_config
 
     example = re.search(r'make train ARGS="([^"]+)"', (ROOT / "README.md").read_text(encoding="utf-8")).group(1)
     assert load_config(None, example.split()).output_dir != load_config(None).output_dir

@@ -124,8 +124,8 @@ def test_chat_run_plots_exact_match_and_padding_and_shows_only_its_eval_columns(
     # An epoch-based run (max_steps null): the lr panel's schedule line takes its length from the last step.
     (run / "config.yaml").write_text("optim:\n  lr: 5.0e-4\n  warmup_steps: 1\ntrain:\n  max_steps: null\n"
                                      "  num_epochs: 1\n", encoding="utf-8")
-    from scale.config import load_config
-    from scale.schedule import lr_factor
+    from scale.config.load import load_config
+    from scale.training.schedule import lr_factor
 
     optim = load_config(run / "config.yaml").optim
     assert R.schedule_line(run, 3) == ([1, 2, 3], [5.0e-4 * lr_factor(s, optim, 3) for s in range(3)])
@@ -192,8 +192,8 @@ def test_memory_from_zero_with_headroom_and_lr_schedule_at_every_step(runs, tmp_
     step (a 2-step warm-up is invisible in points logged every 2 steps), on a linear axis."""
     from matplotlib.figure import Figure
 
-    from scale.config import dump_config, load_config
-    from scale.schedule import lr_factor
+    from scale.config.load import dump_config, load_config
+    from scale.training.schedule import lr_factor
     from tests.conftest import TINY_YAML
 
     cfg = load_config(TINY_YAML, ["train.max_steps=6", "optim.warmup_steps=2", "optim.lr=2e-4"])

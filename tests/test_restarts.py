@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from scale.checkpoint import CheckpointError, check_fresh_start, list_checkpoints
-from scale.config import dump_config
-from scale.rendezvous import is_rendezvous_failure, with_rendezvous_retries
-from scale.signals import EXIT_PREEMPTED, Preempted, Preemption
+from scale.config.load import dump_config
+from scale.distributed.rendezvous import is_rendezvous_failure, with_rendezvous_retries
 from scale.train import run
+from scale.training.checkpoint import CheckpointError, check_fresh_start, list_checkpoints
+from scale.utils.signals import EXIT_PREEMPTED, Preempted, Preemption
 from tests.conftest import tiny_cfg
 from tests.launching import ROOT
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scale.checkpoint import CheckpointError, compare_configs, list_checkpoints, record_files, resolve_resume
-from scale.fileio import sha256_file
-from scale.metrics import read_jsonl
-from scale.state import STATE_FILE
+from scale.config.validation import ConfigError
 from scale.train import run
-from scale.validation import ConfigError
+from scale.training.checkpoint import CheckpointError, compare_configs, list_checkpoints, record_files, resolve_resume
+from scale.training.metrics import read_jsonl
+from scale.training.state import STATE_FILE
+from scale.utils.fileio import sha256_file
 from tests.conftest import tiny_cfg
 
 # 20 rows, micro-batch 2, GA 2: 5 windows per epoch. K = 7 is the 2nd window of the 2nd epoch.
@@ -220,10 +220,10 @@ def test_epoch_extension_is_handled_like_a_step_extension():
 def test_portable_state_alone_resumes_bit_exact(reference, tmp_path, monkeypatch):
     """The mode-independent files (adapter_model + optimizer_state.safetensors, the scheduler, the RNG states) hold
     everything: read instead of accelerate's optimizer.bin, the resume is still bit-exact."""
-    import scale.checkpoint.rules
-    import scale.checkpoint.saving
+    import scale.training.checkpoint.rules
+    import scale.training.checkpoint.saving
 
-    for room in (scale.checkpoint.rules, scale.checkpoint.saving):  # where check_resume and load_checkpoint read it
+    for room in (scale.training.checkpoint.rules, scale.training.checkpoint.saving):  # where check_resume and load_checkpoint read it
         monkeypatch.setattr(room, "native", lambda *a: False)
     ckpt = tmp_path / "ckpt"
     shutil.copytree(reference / "checkpoints" / f"step_{K:06d}", ckpt)
@@ -238,7 +238,7 @@ def test_portable_state_alone_resumes_bit_exact(reference, tmp_path, monkeypatch
 
 
 class World:
-    """``size`` data-parallel ranks as threads of this process, each running the real :func:`scale.windows.windows`:
+    """``size`` data-parallel ranks as threads of this process, each running the real :func:`scale.training.windows.windows`:
     ``acc.gather`` joins every rank's vote in rank order, as the all-gather of a process group does, and
     ``acc.skip_first_batches`` is accelerate's."""
 
@@ -290,9 +290,9 @@ class World:
 
 def _epoch_windows(world: World, loaders: list, ga: int, objective, trained_windows: int) -> list:
     """Every rank's windows of epoch 1 after ``trained_windows`` windows were trained (0: the whole epoch), as the
-    loop takes them (:func:`scale.train.epoch_loader`'s :func:`scale.windows.skip_trained`, then ``windows``): per
+    loop takes them (:func:`scale.train.epoch_loader`'s :func:`scale.training.windows.skip_trained`, then ``windows``): per
     window ``(den, [(input_ids, weights, real) per micro-batch])``."""
-    from scale.windows import skip_trained, windows
+    from scale.training.windows import skip_trained, windows
 
     def rank_windows(rank):
         acc = world.acc(rank)
@@ -305,7 +305,7 @@ def _epoch_windows(world: World, loaders: list, ga: int, objective, trained_wind
 
 def _sharded(make_loader, world: int) -> list:
     """The loader ``make_loader()`` builds as each of ``world`` ranks gets it from ``Accelerator.prepare``
-    (scale.launch's settings). One loader per rank, as each process builds its own: the ranks' threads must not
+    (scale.distributed.launch's settings). One loader per rank, as each process builds its own: the ranks' threads must not
     share a sampler's generator."""
     from accelerate.data_loader import prepare_data_loader
 
@@ -336,7 +336,7 @@ def test_resume_after_any_window_gives_each_rank_the_uninterrupted_windows(tmp_p
 
     from scale.data import build_splits
     from scale.objectives import build_objective
-    from scale.parts.loaders import make_loaders
+    from scale.training.parts.loaders import make_loaders
     from tests.launching import PAIRS
 
     Accelerator(cpu=True)  # accelerate's sharding reads its state

@@ -1,5 +1,5 @@
 """Resume on another number of processes or another launch mode with the same global batch (the portable state,
-scale/checkpoint/portable.py), and ``resume_from=latest|auto`` taking the newest checkpoint that verifies.
+scale/training/checkpoint/portable.py), and ``resume_from=latest|auto`` taking the newest checkpoint that verifies.
 
 Unit tier: the accumulation rule, verification, the choice of checkpoint, rotation, and a checkpoint "written by 2
 processes" resumed on one in this process. Launch tier: a few real cross-mode resumes (the whole matrix is
@@ -17,14 +17,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scale.checkpoint import (CheckpointError, compare_configs, list_checkpoints, pick_resume, record_files, rotate,
-                              verify)
-from scale.checkpoint import derived_seed
-from scale.metrics import read_jsonl
-from scale.state import STATE_FILE
-from scale.state import resume_accumulation
+from scale.config.validation import ConfigError
 from scale.train import run
-from scale.validation import ConfigError
+from scale.training.checkpoint import (CheckpointError, compare_configs, list_checkpoints, pick_resume, record_files,
+                                       rotate, verify)
+from scale.training.checkpoint import derived_seed
+from scale.training.metrics import read_jsonl
+from scale.training.state import STATE_FILE
+from scale.training.state import resume_accumulation
 from tests.conftest import log_file_lines, tiny_cfg
 from tests.launching import PAIRS
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+from scale.config.schema import ModelConfig
 from scale.data.tasks.base import Example
-from scale.modeling import load_base
-from scale.samples import (Generation, Sample, generate_samples, last_answer, pick_samples, sample_metrics,
-                           start_samples_file, write_samples)
-from scale.schema import ModelConfig
-from scale.signals import EvalInterrupted
+from scale.modeling.build import load_base
+from scale.training.samples import (Generation, Sample, generate_samples, last_answer, pick_samples, sample_metrics,
+                                    start_samples_file, write_samples)
+from scale.utils.signals import EvalInterrupted
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,7 @@ def test_same_rows_per_step_in_every_mode_and_after_resume():
 
 def test_accelerate_keeps_the_sampler_and_passes_the_epoch(tmp_path, tokenizer):
     from scale.data import build_splits
-    from scale.parts.loaders import make_loaders
+    from scale.training.parts.loaders import make_loaders
     from tests.conftest import tiny_cfg
 
     cfg = tiny_cfg(tmp_path, "data.group_by_length=true", "data.mega_batch_steps=2")
@@ -117,8 +117,8 @@ def test_grouped_resume_mid_epoch_is_bit_exact(tmp_path):
     from accelerate.state import AcceleratorState, GradientState
     from safetensors.torch import load_file
 
-    from scale.metrics import read_jsonl
     from scale.train import run
+    from scale.training.metrics import read_jsonl
     from tests.conftest import tiny_cfg
 
     job = ["data.max_train_examples=20", "train.micro_batch_size=2", "train.gradient_accumulation_steps=2",
@@ -141,10 +141,10 @@ PACKED_LENS = (9, 4, 15, 6)  # rows of padding_free_case, with tails of 2, 1, 5 
 def padding_free_case(tokenizer, checkpointing: bool, type_of=lambda i: i % 2):
     """The tiny LoRA model (every LoRA weight non-zero) and four rows of :data:`PACKED_LENS` tokens as a padded and
     as a padding-free batch: ``(model, padded, packed)``. ``type_of(i)``: row ``i``'s type indicator."""
+    from scale.config.schema import LoraConfig, ModelConfig
     from scale.data import Collator, Example
     from scale.data.collate import PaddingFreeCollator
-    from scale.modeling import build_model
-    from scale.schema import LoraConfig, ModelConfig
+    from scale.modeling.build import build_model
 
     model = build_model(ModelConfig(name_or_path="tiny-llama", gradient_checkpointing=checkpointing),
                         LoraConfig(r=4, dropout=0.0), len(tokenizer), seed=0)
@@ -160,7 +160,7 @@ def padding_free_case(tokenizer, checkpointing: bool, type_of=lambda i: i % 2):
 
 def test_padding_free_matches_padded_loss_and_gradients(tokenizer):
     """One packed row with restarting position ids = the padded batch: same tail loss and LoRA gradients."""
-    from scale.loss import forward_tail
+    from scale.loss.tail import forward_tail
 
     model, padded, packed = padding_free_case(tokenizer, checkpointing=False)
     assert packed["input_ids"].shape == (1, 34) and packed["seq_lens"].tolist() == [9, 4, 15, 6]
@@ -258,8 +258,8 @@ def test_padding_free_job_matches_padded_job(tmp_path, data):
     position at all."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from scale.metrics import read_jsonl
     from scale.train import run
+    from scale.training.metrics import read_jsonl
     from tests.conftest import ROOT, tiny_cfg
     from tests.launching import CHATS
 
@@ -303,8 +303,8 @@ def test_packed_loader_trains_every_row_once_and_matches_padded(tmp_path, tokeni
     at most `max_length` tokens each; a packed micro-batch's tail loss and LoRA gradients equal the padded
     batch of the same examples within fp32 round-off (tests/bounds.py)."""
     from scale.data import Collator, build_splits
-    from scale.parts.loaders import make_loaders
-    from scale.modeling import build_model
+    from scale.modeling.build import build_model
+    from scale.training.parts.loaders import make_loaders
     from tests.conftest import tiny_cfg
 
     cfg = tiny_cfg(tmp_path, "data.packing=true", "data.max_length=96", "train.micro_batch_size=2",
@@ -344,8 +344,8 @@ def test_packed_epoch_job_counts_its_steps_in_bins(tmp_path):
     """`train.num_epochs` with `data.packing`: one epoch is ceil(bins / global batch) optimizer steps (not rows),
     every step trains a padding-free micro-batch, and the run ends after exactly that many steps."""
     from scale.data.order import pack_bfd
-    from scale.metrics import read_jsonl
     from scale.train import run
+    from scale.training.metrics import read_jsonl
     from tests.conftest import tiny_cfg
 
     cfg = tiny_cfg(tmp_path, "data.packing=true", "data.max_length=96", "data.max_train_examples=48",
@@ -354,7 +354,7 @@ def test_packed_epoch_job_counts_its_steps_in_bins(tmp_path):
     run(cfg)
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
     from scale.data import build_splits
-    from scale.modeling import load_tokenizer
+    from scale.modeling.build import load_tokenizer
 
     splits = build_splits(cfg.data, cfg.loss, load_tokenizer(cfg.model), cfg.data.path, cfg.train.seed)
     bins = pack_bfd([len(e.input_ids) for e in splits.train], 96)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scale.attention import SEQUENCE_PARALLEL_ATTENTION, check_sequence_parallel, sequence_parallel_problem
-from scale.chunked import chunked_tail_loss
-from scale.config import load_config
+from scale.config.load import load_config
+from scale.config.validation import ConfigError
 from scale.data import Collator, Example
 from scale.data.sequence import ShardCollator, padded_length, shard_padded, shard_rows
-from scale.loss import batch_bad_rows, describe_batch_row, forward_tail, tail_loss, token_weights
-from scale.validation import ConfigError
+from scale.loss.chunked import chunked_tail_loss
+from scale.loss.tail import batch_bad_rows, describe_batch_row, forward_tail, tail_loss, token_weights
+from scale.modeling.attention import SEQUENCE_PARALLEL_ATTENTION, check_sequence_parallel, sequence_parallel_problem
 from tests.conftest import TINY_YAML
 
 
@@ -116,7 +116,7 @@ def test_shard_without_tail_is_an_exact_zero_never_nan():
 
 def test_chunked_loss_per_shard_equals_unchunked():
     """The chunked tail loss (LM head one chunk at a time) on each shard's hidden states equals its unchunked loss."""
-    from scale.chunked import forward_tail_hidden
+    from scale.loss.chunked import forward_tail_hidden
 
     model, ex = _model(), _examples()
     shards = [shard_rows([[e] for e in ex], r, 2, 0) for r in range(2)]
@@ -173,7 +173,7 @@ def test_bad_row_is_named_from_the_whole_example():
 
 
 def test_metrics_count_rows_once_per_group():
-    from scale.metrics import StepMeter
+    from scale.training.metrics import StepMeter
 
     ex = _examples()
     meters = [StepMeter(torch.device("cpu"), lambda b, t, k=0: float(b * t), sequence_parallel_size=2) for _ in "ab"]
@@ -231,11 +231,11 @@ EAGER_UNDER_SP = ("train.sequence_parallel_size=2 cannot be exact here: model.at
 
 
 def test_attention_is_refused_from_the_config_before_the_accelerator(monkeypatch, tmp_path):
-    """The config alone decides it: scale.job.setup raises before build_accelerator is called (accelerate's own check
+    """The config alone decides it: scale.training.job.setup raises before build_accelerator is called (accelerate's own check
     would fire inside Accelerator() with a ValueError on every rank)."""
-    import scale.job as job
-    import scale.parts.launch
-    from scale.attention import check_sequence_parallel_config
+    import scale.training.job as job
+    import scale.training.parts.launch
+    from scale.modeling.attention import check_sequence_parallel_config
 
     eager = load_config(TINY_YAML, ["model.attn_implementation=eager", "train.sequence_parallel_size=2"])
     with pytest.raises(ConfigError) as e:
@@ -247,7 +247,7 @@ def test_attention_is_refused_from_the_config_before_the_accelerator(monkeypatch
     def built(*args, **kwargs):
         raise AssertionError("the Accelerator was built before the sequence-parallel attention was checked")
 
-    monkeypatch.setattr(scale.parts.launch, "build_accelerator", built)  # where setup's launch part builds it
+    monkeypatch.setattr(scale.training.parts.launch, "build_accelerator", built)  # where setup's launch part builds it
     eager.output_dir = str(tmp_path / "out")
     with pytest.raises(ConfigError) as e:
         job.setup(eager)
@@ -257,7 +257,7 @@ def test_attention_is_refused_from_the_config_before_the_accelerator(monkeypatch
 def test_accelerate_refusing_the_parallelism_config_is_one_line():
     """Whatever accelerate's own checks refuse when ParallelismConfig is built (the installed version decides:
     1.16 refuses eager and flex_attention) is a ConfigError naming the keys, raised before any Accelerator."""
-    from scale.launch import sequence_parallelism_config
+    from scale.distributed.launch import sequence_parallelism_config
 
     cfg = load_config(TINY_YAML, ["model.attn_implementation=eager", "train.sequence_parallel_size=2"])
     with pytest.raises(ConfigError) as e:
@@ -280,7 +280,7 @@ def test_config_rejects_size_zero_and_global_batch_counts_data_parallel_ranks():
 
 def test_guard_launch_before_the_accelerator_is_built(monkeypatch, tmp_path):
     """N > 1 outside DeepSpeed, and N not dividing the process count: one line each, before any process group."""
-    from scale import launch
+    from scale.distributed import launch
 
     class NeverBuilt:
         def __init__(self, **kwargs):
@@ -307,7 +307,7 @@ def test_gradient_scale_per_zero_stage(zero, expect):
 
     from accelerate.utils import DistributedType
 
-    from scale.launch import LaunchError, plan_for_mode
+    from scale.distributed.launch import LaunchError, plan_for_mode
 
     ds = {"zero_optimization": {"stage": zero}}
     acc = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, num_processes=4, local_process_index=0,

@@ -30,10 +30,10 @@ def _evals(out) -> list[dict]:
 
 @pytest.mark.launch
 def test_every_tail_on_one_shard_matches_one_device_and_resumes_bit_exact(tmp_path):
-    from scale.config import load_config
+    from scale.config.load import load_config
     from scale.data import build_splits
     from scale.data.sequence import shard_rows
-    from scale.modeling import load_tokenizer
+    from scale.modeling.build import load_tokenizer
     from tests.launching import JOB, TINY
 
     # The premise: every train and eval row is 16 tokens and its tail predictions sit on shard 1 of 2.

@@ -30,8 +30,8 @@ def test_tiny_job_imports_no_deepspeed_wandb_or_matplotlib(tmp_path):
 
 
 def test_bitsandbytes_is_needed_for_4bit_a_quantized_directory_or_a_hub_id(tmp_path):
-    from scale.schema import ModelConfig
-    from scale.modeling import needs_bitsandbytes
+    from scale.config.schema import ModelConfig
+    from scale.modeling.build import needs_bitsandbytes
 
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "config.json").write_text('{"model_type": "llama"}')
@@ -72,7 +72,7 @@ def test_compile_at_import_is_deferred_to_the_first_call(tmp_path, monkeypatch):
 def test_deepspeed_shm_op_is_not_built():
     import importlib
 
-    from scale.launch import skip_deepspeed_shm_op
+    from scale.distributed.launch import skip_deepspeed_shm_op
 
     ds_torch = importlib.import_module("deepspeed.comm.torch")  # `import deepspeed.comm.torch as` finds torch
 
@@ -81,7 +81,7 @@ def test_deepspeed_shm_op_is_not_built():
 
 
 def test_offload_notice_only_when_an_op_will_compile(tmp_path, monkeypatch):
-    from scale.launch import deepspeed_op_notice
+    from scale.distributed.launch import deepspeed_op_notice
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
@@ -101,10 +101,10 @@ def test_bf16_qlora_on_cpu_keeps_lora_and_adam_fp32_and_tracks_fp32(tmp_path):
     import torch
     from accelerate.state import AcceleratorState, GradientState
 
-    from scale.checks import dtype_census
-    from scale.metrics import read_jsonl
-    from scale.job import setup
     from scale.train import fit
+    from scale.training.checks import dtype_census
+    from scale.training.job import setup
+    from scale.training.metrics import read_jsonl
     from tests.conftest import tiny_cfg
 
     job = ["model.quantize_4bit=true", "train.max_steps=4", "train.log_every=1", "train.eval_every=0",

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from scale.config import configs_dir, yaml_load
-from scale.launch import LaunchError, check_ranks_per_machine
-from scale.topology import GPU_TOPOLOGIES, processes_for, ranks_problem
-from scale.validation import ConfigError
+from scale.config.load import configs_dir, yaml_load
+from scale.config.validation import ConfigError
+from scale.distributed.launch import LaunchError, check_ranks_per_machine
+from scale.distributed.topology import GPU_TOPOLOGIES, processes_for, ranks_problem
 from tests.conftest import ROOT, TINY_DATA
 
 
@@ -101,7 +101,7 @@ def test_wrapper_refuses_before_starting_anything(tmp_path):
 def test_readme_ddp_one_liner_starts_one_rank_per_device(tmp_path):
     """`scale-train --accelerate-config ddp` (the README's line) on this GPU-less machine: 2 ranks, not the YAML's
     8, and the start-up log says the world size and the global batch."""
-    from scale.metrics import read_jsonl
+    from scale.training.metrics import read_jsonl
 
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "scale.cli", "--accelerate-config", "ddp", "--config", "tiny_cpu",

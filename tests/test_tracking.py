@@ -1,4 +1,4 @@
-"""W&B across requeues (scale/tracking.py): one run per job, its history equal to metrics.jsonl, artifacts, sweeps.
+"""W&B across requeues (scale/training/tracking.py): one run per job, its history equal to metrics.jsonl, artifacts, sweeps.
 
 W&B runs offline (tests/conftest.py); the ``.wandb`` files are read back with tests/wandb_records.py.
 """
@@ -15,12 +15,12 @@ import time
 import pytest
 import yaml
 
-from scale.checkpoint import list_checkpoints
 from scale.cli import override_form
-from scale.metrics import read_jsonl
-from scale.signals import EXIT_PREEMPTED
-from scale.tracking import RUN_FILE, job_run_id, supersede_offline
-from scale.validation import ConfigError
+from scale.config.validation import ConfigError
+from scale.training.checkpoint import list_checkpoints
+from scale.training.metrics import read_jsonl
+from scale.training.tracking import RUN_FILE, job_run_id, supersede_offline
+from scale.utils.signals import EXIT_PREEMPTED
 from tests.conftest import ROOT, TINY_DATA, TINY_YAML, tiny_cfg
 from tests.wandb_records import read_run
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from scale.metrics import read_jsonl
 from scale.train import run
+from scale.training.metrics import read_jsonl
 from tests.bounds import TINY_JOB_REL  # two fp32 paths of the tiny job (tests/bounds.py)
 from tests.conftest import tiny_cfg
 
@@ -51,11 +51,11 @@ def test_adapter_reloads_and_reproduces_final_eval(tiny_run, tokenizer):
     from peft import PeftModel
     from torch.utils.data import DataLoader
 
-    from scale.config import load_config
+    from scale.config.load import load_config
     from scale.data import Collator, build_splits
-    from scale.modeling import load_base
+    from scale.modeling.build import load_base
     from scale.objectives.tail import LossSpec
-    from scale.evaluate import evaluate
+    from scale.training.evaluate import evaluate
 
     out, final = tiny_run
     cfg = load_config(out / "config.yaml")
@@ -85,20 +85,20 @@ def test_no_full_logits_in_a_training_step(tmp_path, monkeypatch):
         return original(model, *args, **kwargs)
 
     monkeypatch.setattr(modeling, "add_lora", hooked)
-    import scale.evaluate
+    import scale.training.evaluate
     import scale.loss
-    import scale.parts.model
+    import scale.training.parts.model
 
     T_seen = []
-    real_forward_tail = scale.loss.forward_tail
+    real_forward_tail = scale.loss.tail.forward_tail
 
     def spy(model, batch, *a, **k):
         T_seen.append(batch["input_ids"].shape[1])
         return real_forward_tail(model, batch, *a, **k)
 
     monkeypatch.setattr(scale.loss, "forward_tail", spy)   # training (loss_step)
-    monkeypatch.setattr(scale.evaluate, "forward_tail", spy)   # evaluation
-    monkeypatch.setattr(scale.parts.model, "build_model", lambda *a, **k: modeling.build_model(*a, **k))
+    monkeypatch.setattr(scale.training.evaluate, "forward_tail", spy)   # evaluation
+    monkeypatch.setattr(scale.training.parts.model, "build_model", lambda *a, **k: modeling.build_model(*a, **k))
     # eval.generate_samples=0: model.generate's own forwards keep one position ([1, 1, V]) but skip forward_tail
     run(tiny_cfg(tmp_path, "train.max_steps=2", "train.save_adapter=false", "eval.generate_samples=0"))
     assert len(seen) == len(T_seen) > 0

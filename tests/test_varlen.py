@@ -1,4 +1,4 @@
-"""Packed rows attended one example at a time (scale/varlen.py): the same outputs and gradients as transformers'
+"""Packed rows attended one example at a time (scale/modeling/varlen.py): the same outputs and gradients as transformers'
 block-diagonal mask, within float32 round-off; whatever cannot be split runs masked; a padding-free run on CPU
 switches it on."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scale.varlen import segment_attention, segmentable, use_segment_attention
+from scale.modeling.varlen import segment_attention, segmentable, use_segment_attention
 from tests.bounds import fp32_paths_rel
 
 
@@ -91,7 +91,7 @@ def test_tiny_model_trains_packed_rows_as_padded_with_per_example_attention(toke
     sdpa."""
     import transformers.integrations.sdpa_attention as sdpa_module
 
-    from scale.loss import forward_tail
+    from scale.loss.tail import forward_tail
     from scale.objectives.tail import LossSpec
     from tests.test_sampling import PACKED_LENS as lens
     from tests.test_sampling import padding_free_case

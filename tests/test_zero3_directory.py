@@ -1,5 +1,5 @@
 """ZeRO-3 from a model directory (issue 21, item 1): ``from_pretrained`` under DeepSpeed's ``zero.Init`` is a
-collective, so every rank loads the model at once (:func:`scale.parts.model.build_model_on_every_rank`); before, rank 0
+collective, so every rank loads the model at once (:func:`scale.training.parts.model.build_model_on_every_rank`); before, rank 0
 loaded it alone inside ``main_process_first`` and gloo aborted with a collective mismatch.
 
 Two CPU processes (gloo) through the real ``accelerate launch`` with configs/accelerate/cpu_zero3.yaml. That LoRA in
@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 
-from scale.metrics import read_jsonl
+from scale.training.metrics import read_jsonl
 from tests.launching import from_directory, modes, run_mode
 
 pytestmark = [pytest.mark.launch,

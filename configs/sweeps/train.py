@@ -3,7 +3,7 @@
 
 It is ``scale-train`` with two defaults a sweep needs: each trial trains into its own
 ``output_dir=runs/sweeps/<W&B run id>`` and logs to W&B (``log.trackers=[wandb]``); the agent's ``WANDB_RUN_ID`` is
-the run id (:mod:`scale.tracking`), so a requeued trial resumed with ``train.resume_from=latest`` continues it.
+the run id (:mod:`scale.training.tracking`), so a requeued trial resumed with ``train.resume_from=latest`` continues it.
 Either default gives way to an argument that sets it.
 """
 

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from scale.config.validation import ConfigError
 from scale.data.mixing import sources_digests
 from scale.data.read import DataError
 from scale.data.tasks import get
@@ -55,8 +56,7 @@ from scale.data.tasks.base import Builder
 from scale.data.tasks.chat_template import chat_template_path
 from scale.data.token_table import LISTS, SCALARS, TokenTable
 from scale.data.tokenize import Splits, _tokenize, build_splits, fingerprint_bytes, with_task
-from scale.fileio import sha256_file, temp_dir_for, write_text_atomic
-from scale.validation import ConfigError
+from scale.utils.fileio import sha256_file, temp_dir_for, write_text_atomic
 
 logger = logging.getLogger(__name__)
 

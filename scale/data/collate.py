@@ -87,7 +87,7 @@ class PaddingFreeCollator:
     no token attends across examples. This is the semantics of ``transformers.DataCollatorWithFlattening``,
     plus the fields the tail loss needs. Measured exact against the padded batch on CPU (fp32 round-off,
     ``tests/test_sampling.py``); the model must be called with ``use_cache=False`` (a cache turns the
-    packed-sequence detection off), as :func:`scale.loss.forward_tail` does.
+    packed-sequence detection off), as :func:`scale.loss.tail.forward_tail` does.
 
     Returns a dict with ``input_ids`` ``[1, L]`` (``L`` = total tokens), ``position_ids`` ``[1, L]``,
     ``seq_lens`` ``[B]`` (tokens of each example), ``tail_mask`` ``[B, N]`` (each example's trained-token mask)

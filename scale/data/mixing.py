@@ -39,14 +39,14 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
-from scale.assets import DATASETS, resolve_data
+from scale.config.schema import DataConfig, LossConfig
+from scale.config.validation import dataset_name
 from scale.data.read import DataError, with_place
 from scale.data.sources import eval_source_of, read_source, source_digest, source_kind
 from scale.data.split import cleaned, split_source
 from scale.data.tasks import MIXABLE, load_rows
 from scale.data.tasks.base import Builder, Example, Rows, Task
-from scale.schema import DataConfig, LossConfig
-from scale.validation import dataset_name
+from scale.utils.assets import DATASETS, resolve_data
 
 READ_KEYS = ("format", "split", "subset", "text_column", "label_column", "prompt_column", "completion_column",
              "messages_column", "tools_column", "target_column", "type_column", "column_names")

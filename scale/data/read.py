@@ -24,7 +24,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-from scale.schema import DataConfig
+from scale.config.schema import DataConfig
 
 EXTENSIONS = (".csv", ".json", ".jsonl", ".tsv")
 

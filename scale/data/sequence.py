@@ -1,6 +1,6 @@
 """Sequence-parallel rows: each of the ``N`` ranks of a sequence-parallel group holds ``1/N`` of every row.
 
-Plain tensors only (no accelerate, no torch.distributed): :mod:`scale.ulysses` runs the attention that joins
+Plain tensors only (no accelerate, no torch.distributed): :mod:`scale.distributed.ulysses` runs the attention that joins
 the shards, this module builds them. Shapes: ``R`` rows of the micro-batch, ``T`` padded row length (a
 multiple of ``N``), ``C = T / N`` positions per shard, ``E`` examples, ``K`` this shard's tail predictions per
 example (the widest example's, at least 1).
@@ -13,7 +13,7 @@ received the same micro-batch (the loader is sharded over the data-parallel rank
    longest row rounded up to a multiple of ``N``. No attention mask: Ulysses drops masks (a ``[T, T]`` mask
    is what it exists to avoid) and the core attention runs causal, so a real token never sees the padding
    after it. Several examples in one row stay apart only under an attention that reads the restarting
-   position ids (flash-attention's varlen path): :func:`scale.attention.check_sequence_parallel` refuses
+   position ids (flash-attention's varlen path): :func:`scale.modeling.attention.check_sequence_parallel` refuses
    packing otherwise.
 2. **labels shifted before the split**: the prediction at position ``p`` is scored against token ``p + 1``,
    which may lie on the next rank's shard; each trained tail token's *predictor* position, its target and its
@@ -24,7 +24,7 @@ received the same micro-batch (the loader is sharded over the data-parallel rank
    shard may hold no tail prediction at all (the normal case for a tail): its ``tail_mask`` is all zero, its
    weights sum to exactly 0 and its loss numerator is an exact 0, never a mean of nothing (NaN).
 
-The loss of a shard is then the tail loss of its own predictions (:func:`scale.loss.forward_tail` takes the
+The loss of a shard is then the tail loss of its own predictions (:func:`scale.loss.tail.forward_tail` takes the
 shard's tail-only logits); the loop adds numerators and weights over the window and over every rank (data- and
 sequence-parallel alike) and divides once, so the sum over the ``N`` shards is the whole row's loss.
 """
@@ -149,7 +149,7 @@ def shard_padded(input_ids: Tensor, attention_mask: Tensor | None, keep: Tensor,
     """A padded batch (left or right) as sequence-parallel rows, for a forward that must look unsharded (evaluation).
 
     Each row's real tokens (one contiguous run) are moved to column 0 with position ids ``0, 1, ...`` (what
-    :func:`scale.loss.forward_tail` gives them under either padding side), the rows are padded on the right to
+    :func:`scale.loss.tail.forward_tail` gives them under either padding side), the rows are padded on the right to
     ``T'`` (the longest rounded up to a multiple of ``sp_size``), and rank ``sp_rank`` keeps columns
     ``[r C, (r + 1) C)``. The logits asked for at padded positions ``keep`` are mapped to the new layout.
 

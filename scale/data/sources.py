@@ -26,9 +26,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from scale.assets import resolve_data
 from scale.data.read import DataError, FileRows, columns_of, read_table
-from scale.fileio import sha256_file
+from scale.utils.assets import resolve_data
+from scale.utils.fileio import sha256_file
 
 TABLE_EXTENSIONS = (".csv", ".json", ".jsonl", ".tsv")   # scale.data.read's strict readers
 ARROW_EXTENSIONS = (".parquet", ".arrow")                 # read through datasets
@@ -264,7 +264,7 @@ def eval_source_of(data_cfg: Any, path: str) -> tuple[Any, str] | None:
 
 
 def source_digest(cfg: Any, path: str) -> str:
-    """A hex sha256 of what ``path`` holds: a file's own sha256 (as :func:`scale.fileio.sha256_file`, so the
+    """A hex sha256 of what ``path`` holds: a file's own sha256 (as :func:`scale.utils.fileio.sha256_file`, so the
     data-changed guard of checkpoints written before sources existed still matches), a directory's or glob's
     relative paths and file hashes, or a hub id with its subset, split and resolved revision.
 

@@ -15,8 +15,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from scale.config.schema import DataConfig
 from scale.data.read import DataError, row_key
-from scale.schema import DataConfig
 
 
 def split_rows(rows: list[Any], eval_size: int, seed: int) -> tuple[list[Any], list[Any]]:

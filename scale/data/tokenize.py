@@ -24,12 +24,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from scale.config.schema import DataConfig, LossConfig
+from scale.config.validation import ConfigError
 from scale.data.mixing import dropped_per_source, read_rows
 from scale.data.read import DataError
 from scale.data.split import count_copies
 from scale.data.tasks.base import BY_TRUNCATION, Builder, Example, Rows, Task
-from scale.schema import DataConfig, LossConfig
-from scale.validation import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -151,9 +151,9 @@ def fingerprint_bytes(e: Example) -> bytes:
 
 
 def check_objective_fits(loss_cfg: LossConfig, task: Task) -> None:
-    """A preference objective (:meth:`scale.schema.LossConfig.trains_pairs`) trains preference pairs, and pairs train
+    """A preference objective (:meth:`scale.config.schema.LossConfig.trains_pairs`) trains preference pairs, and pairs train
     only under one. Checked as soon as the format is known (before tokenizing), and again on the splits a run gets
-    from the token cache (:func:`scale.parts.data.build_data`).
+    from the token cache (:func:`scale.training.parts.data.build_data`).
 
     Args:
         loss_cfg: the loss section (``loss.objective``).

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from scale.config.schema import Config
+from scale.config.validation import ConfigError
 from scale.objectives.base import Objective
 from scale.objectives.preference import PreferenceObjective
 from scale.objectives.tail import LossSpec
-from scale.schema import Config
-from scale.validation import ConfigError
 
 OBJECTIVES: dict[str, Callable[[Config], Objective]] = {
     "sft": LossSpec.from_config,  # cross-entropy over each row's tail (scale.objectives.tail)
@@ -28,7 +28,7 @@ def build_objective(cfg: Config) -> Objective:
 
     Raises:
         ConfigError: an objective that is not registered in :data:`OBJECTIVES`.
-        ValueError: a ``loss.criterion`` that cannot be imported (:func:`scale.loss.load_criterion`).
+        ValueError: a ``loss.criterion`` that cannot be imported (:func:`scale.loss.tail.load_criterion`).
     """
     build = OBJECTIVES.get(cfg.loss.objective)
     if build is None:

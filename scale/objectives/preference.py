@@ -33,7 +33,7 @@ one length.
 **Dropout.** A policy forward that draws dropout masks scores each side with noise, and a reference under other
 masks than the policy's makes a step's rewards noise even where the policy still equals its reference (TRL:
 ``disable_dropout``, huggingface/trl#2042). Under these objectives ``model.disable_dropout`` (null) is true: every
-dropout of the model and LoRA's are off (:func:`scale.modeling.disable_dropout`), so policy == reference gives
+dropout of the model and LoRA's are off (:func:`scale.modeling.build.disable_dropout`), so policy == reference gives
 rewards of exactly 0. The reference always runs in eval mode (:func:`reference_mode`), without masks.
 
 **The reference without a second copy** (DPO): the same model, run under ``torch.no_grad`` in eval mode in the
@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from scale.loss import forward_tail
+from scale.loss.tail import forward_tail
 
 OBJECTIVES = ("dpo", "simpo", "orpo")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
@@ -102,7 +102,7 @@ def side_logps(tail_logits: Tensor, targets: Tensor, tail_mask: Tensor) -> tuple
     """Each row's summed log-probability of its trained tail tokens, and how many there are.
 
     Args:
-        tail_logits: ``[B, N, V]`` predictions of the tail tokens (:func:`scale.loss.forward_tail`); computed in
+        tail_logits: ``[B, N, V]`` predictions of the tail tokens (:func:`scale.loss.tail.forward_tail`); computed in
             float32 (float64 kept).
         targets: ``[B, N]`` token ids.
         tail_mask: ``[B, N]`` 1 on trained tail tokens.
@@ -279,7 +279,7 @@ def add_reference_adapter(model: torch.nn.Module) -> None:
 
 def tail_logps(model: torch.nn.Module, batch: dict[str, Tensor], padding_side: str = "left") -> tuple[Tensor, Tensor]:
     """``(logps [2P], lengths [2P])`` of a pair batch's rows under ``model`` (:func:`side_logps` of
-    :func:`scale.loss.forward_tail`): padded, padding-free or packed."""
+    :func:`scale.loss.tail.forward_tail`): padded, padding-free or packed."""
     tail_logits, targets = forward_tail(model, batch, padding_side=padding_side, check=False)
     return side_logps(tail_logits, targets, batch["tail_mask"])
 

@@ -1,7 +1,7 @@
 """A mixture-of-experts model's load-balancing loss on top of any objective, while its routers train.
 
 ``job.setup`` wraps the objective ``loss.objective`` names (:func:`with_router_aux`); the loop sees one objective and
-never branches on it. The router logits come from hooks on the model's routers (:class:`scale.parts.experts.RouterAux`).
+never branches on it. The router logits come from hooks on the model's routers (:class:`scale.training.parts.experts.RouterAux`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class WithRouterAux:
     Args:
         objective: the wrapped objective.
         aux: what gives a micro-batch's term after its forward: ``term(batch, weight_sum) -> []``
-            (:class:`scale.parts.experts.RouterAux`).
+            (:class:`scale.training.parts.experts.RouterAux`).
     """
 
     def __init__(self, objective: Objective, aux: Any) -> None:

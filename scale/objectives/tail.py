@@ -1,5 +1,5 @@
 """The ``sft`` objective: cross-entropy over each row's tail (:mod:`scale.loss`), chunked where the tail's logits
-would not fit at once (:mod:`scale.chunked`). Plain tensors only.
+would not fit at once (:mod:`scale.loss.chunked`). Plain tensors only.
 
 Shapes: ``B`` rows, ``N`` the longest tail of the batch, ``V`` vocabulary.
 """
@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from scale import loss as scale_loss  # module attribute: tests spy on scale.loss.forward_tail
-from scale.chunked import chunkable, chunked_tail_loss, forward_tail_hidden, resolve_chunk_size, vocab_size
-from scale.loss import CRITERION_MODE, Criterion, load_criterion, token_weights
-from scale.schema import Config
+from scale.config.schema import Config
+from scale.loss import tail as scale_loss  # module attribute: tests spy on scale.loss.tail.forward_tail
+from scale.loss.chunked import chunkable, chunked_tail_loss, forward_tail_hidden, resolve_chunk_size, vocab_size
+from scale.loss.tail import CRITERION_MODE, Criterion, load_criterion, token_weights
 
 BATCH_KEYS = ("input_ids", "attention_mask", "tail_mask", "type_indicator")
 """What a padded batch carries for the tail loss (:class:`scale.data.collate.Collator`)."""
@@ -32,7 +32,7 @@ class LossSpec:
         criterion: a user criterion (:func:`load_criterion`: it takes the type ids whatever ``loss.criterion_mode``
             says), or ``None`` for cross-entropy.
         chunk_size: ``loss.chunk_size``: ``"auto"``, 0 (unchunked) or positions per chunk of the tail loss
-            (:mod:`scale.chunked`); ``"liger"`` under ``loss.fused: liger`` (chunks where ``auto`` would, with
+            (:mod:`scale.loss.chunked`); ``"liger"`` under ``loss.fused: liger`` (chunks where ``auto`` would, with
             Liger-Kernel's fused linear cross-entropy).
     """
 
@@ -76,7 +76,7 @@ class LossSpec:
 
     def tail_loss(self, tail_logits: Tensor, targets: Tensor, weights: Tensor,
                   type_indicator: Tensor) -> tuple[Tensor, Tensor]:
-        """:func:`scale.loss.tail_loss` under this spec's criterion: ``(numerator, denominator)``, float32 scalars
+        """:func:`scale.loss.tail.tail_loss` under this spec's criterion: ``(numerator, denominator)``, float32 scalars
         ``[]``."""
         return scale_loss.tail_loss(tail_logits, targets, weights, type_indicator, self.criterion, CRITERION_MODE)
 
@@ -86,8 +86,8 @@ class LossSpec:
         Pure: no collectives; the caller divides by the window's denominator. The rows were checked by
         ``scale.train.windows`` (inside its all-gather), so no check here. The tail logits ``[B, N, V]`` are
         freed before returning; when ``chunk_size`` cuts the tail into several chunks they are never built at
-        once (:func:`scale.chunked.chunked_tail_loss`: fp32 logits of one chunk at a time, exact to round-off), else
-        the loss is :func:`scale.loss.tail_loss` of the tail logits.
+        once (:func:`scale.loss.chunked.chunked_tail_loss`: fp32 logits of one chunk at a time, exact to round-off), else
+        the loss is :func:`scale.loss.tail.tail_loss` of the tail logits.
         """
         B, N = weights.shape
         if chunkable(model):

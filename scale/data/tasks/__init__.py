@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from scale.config.schema import DataConfig
 from scale.data.read import DataError, integer_cell, with_line
 from scale.data.sources import read_source
 from scale.data.tasks import classification, messages, preference, prompt_completion, text
 from scale.data.tasks.base import Rows, Task
-from scale.schema import DataConfig
 
 # Detection order: the first whose columns the file has; the last is the fallback.
 TASKS: dict[str, type[Task]] = {

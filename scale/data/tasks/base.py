@@ -20,8 +20,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from scale.config.schema import DataConfig, LossConfig
 from scale.data.read import DataError
-from scale.schema import DataConfig, LossConfig
 
 
 @dataclass

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from scale.config.schema import DataConfig
 from scale.data.read import DataError
-from scale.schema import DataConfig
 
 ROLES = ("system", "user", "assistant", "tool")
 

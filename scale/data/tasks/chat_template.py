@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from scale.config import configs_dir
+from scale.config.load import configs_dir
+from scale.config.schema import DataConfig
 from scale.data.read import DataError
-from scale.schema import DataConfig
 
 
 def chat_template_path(value: str | None) -> Path | None:

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from scale.config.schema import DataConfig, LossConfig
 from scale.data.read import DataError, normalize_label, text_cell
 from scale.data.tasks.base import Builder, Example, Task, encode
-from scale.loss import forward_tail
-from scale.schema import DataConfig, LossConfig
+from scale.loss.tail import forward_tail
 
 _FIELD = re.compile(r"\{(text|label)\}")
 

@@ -51,6 +51,7 @@ import json
 import logging
 from typing import Any
 
+from scale.config.schema import DataConfig, LossConfig
 from scale.data.read import DataError
 from scale.data.tasks.base import (BY_LONG_COMPLETIONS, BY_TRUNCATION, Builder, CompletionTask, Example, encode,
                                    encode_literal)
@@ -58,7 +59,6 @@ from scale.data.tasks.chat_rows import (LINKING_KEYS, LINKING_KEYS_OF_TOOL_MESSA
                                         TOOLS_TEMPLATE, read_messages, read_tools)
 from scale.data.tasks.chat_spans import content_ranges, find_all, first_difference, spans
 from scale.data.tasks.chat_template import ClockError, chat_template, render, special_strings, template_name
-from scale.schema import DataConfig, LossConfig
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from scale.schema import DataConfig, LossConfig
+from scale.config.schema import DataConfig, LossConfig
 from scale.data.read import DataError
 from scale.data.tasks.base import Builder, Example, Task, encode
 from scale.data.tasks.chat_rows import read_messages, read_tools

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from scale.config.schema import DataConfig, LossConfig
 from scale.data.read import text_cell
 from scale.data.tasks.base import Builder, CompletionTask, Example, Task, encode
 from scale.data.tasks.chat_rows import conversational_row
 from scale.data.tasks.messages import Messages
-from scale.schema import DataConfig, LossConfig
 
 
 class PromptCompletion(CompletionTask):

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from scale.config.schema import DataConfig, LossConfig
 from scale.data.read import DataError, target_cell, text_cell
 from scale.data.tasks.base import Builder, Example, Task, encode
 from scale.data.tasks.classification import target_stats
-from scale.schema import DataConfig, LossConfig
 
 
 def _target_id(tokenizer: Any, target: int | str, i: int) -> int:

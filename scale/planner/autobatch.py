@@ -1,0 +1,156 @@
+"""``train.micro_batch_size: auto``: the largest micro-batch the memory plan (:mod:`scale.plan`) fits into
+``train.auto_memory_fraction`` of the GPU, resolved at start-up before anything reads the batch (the accelerator,
+a DeepSpeed config, the loaders); and, for a run with a set micro-batch, the hint when its plan leaves most of the
+GPU unused. One line each for the start-up log.
+
+    train.micro_batch_size=auto                                  # gradient_accumulation_steps as set: G grows
+    train.micro_batch_size=auto train.auto_global_batch_size=256 # G stays 256: accumulation makes up the rest
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from scale.config.schema import Config
+from scale.config.validation import ConfigError
+from scale.plan import auto_micro_batch, make_plan
+from scale.planner.census import GIB, PlanError
+
+# Below this share of the device's memory, a run with a set micro-batch is told about train.micro_batch_size=auto.
+UNDER_USED = 0.25
+# The largest micro-batch auto picks (scale.plan.largest_micro_batch's default bound).
+MAX_ROWS = 4096
+
+
+@dataclass
+class AutoBatch:
+    """What ``train.micro_batch_size: auto`` resolved to.
+
+    Attributes:
+        micro_batch_size: rows per device per forward pass.
+        gradient_accumulation_steps: micro-batches per optimizer step on each device.
+        data_parallel_size: ranks that hold different rows.
+        planned_gib: the plan's bytes per device at that micro-batch (GiB).
+        device_gib: one device's memory (GiB).
+        fraction: ``train.auto_memory_fraction``.
+        kept_global_batch: ``train.auto_global_batch_size`` was set and is kept.
+    """
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    data_parallel_size: int
+    planned_gib: float
+    device_gib: float
+    fraction: float
+    kept_global_batch: bool
+
+    def line(self) -> str:
+        """The start-up line: ``train.micro_batch_size=auto: micro_batch_size 64 x gradient_accumulation_steps 2 x 1
+        data-parallel rank(s) = global_batch_size 128 (gradient_accumulation_steps as set; train.auto_global_batch_size
+        keeps one); planned 104.6 GiB of 139.8 GiB per device (train.auto_memory_fraction 0.75)``, and what caps a
+        plan under a quarter of the device."""
+        G = self.micro_batch_size * self.gradient_accumulation_steps * self.data_parallel_size
+        why = ("kept: train.auto_global_batch_size" if self.kept_global_batch
+               else "gradient_accumulation_steps as set; train.auto_global_batch_size keeps one")
+        text = (f"train.micro_batch_size=auto: micro_batch_size {self.micro_batch_size} x gradient_accumulation_steps "
+                f"{self.gradient_accumulation_steps} x {self.data_parallel_size} data-parallel rank(s) = "
+                f"global_batch_size {G} ({why}); planned {self.planned_gib:.1f} GiB of {self.device_gib:.1f} GiB per "
+                f"device (train.auto_memory_fraction {self.fraction:g})")
+        if self.planned_gib < UNDER_USED * self.device_gib:
+            text += ("; under a quarter of the device: train.auto_global_batch_size caps the micro-batch"
+                     if self.kept_global_batch else f"; under a quarter of the device: {MAX_ROWS} rows is the cap")
+        return text
+
+
+def device_memory_gib(device: torch.device | None = None) -> float | None:
+    """One GPU's memory in GiB (``torch.cuda.get_device_properties(...).total_memory``): this process's GPU
+    (``LOCAL_RANK``, before the accelerator picks it), or ``None`` without CUDA."""
+    if device is not None and device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device is not None and device.index is not None else (
+        int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.cuda.get_device_properties(index).total_memory / GIB
+
+
+def resolve_auto_micro_batch(cfg: Config, data_parallel_size: int, memory_gib: float | None) -> AutoBatch | None:
+    """Resolve ``train.micro_batch_size: auto`` in place: the largest micro-batch whose single-device plan
+    (:func:`scale.plan.largest_micro_batch`) fits ``train.auto_memory_fraction`` of ``memory_gib``; with
+    ``train.auto_global_batch_size`` ``G`` set, the largest that also divides ``G / data_parallel_size``, and
+    ``train.gradient_accumulation_steps = G / (micro_batch_size x data_parallel_size)`` so the global batch stays.
+    Without it, ``gradient_accumulation_steps`` stays as set and the global batch grows with the micro-batch (the
+    learning rate is not rescaled). Resolved, the config holds numbers only (``auto_global_batch_size`` null), as
+    ``config.yaml`` and the checkpoints then record them; a resume resolves ``auto`` again and keeps the checkpoint's
+    global batch as for any change of micro-batch (:func:`scale.training.checkpoint.adapt_to_checkpoint`).
+
+    Every rank resolves alike: the plan is arithmetic on the config and the device's memory (ranks with GPUs of
+    different sizes would disagree: set a number there).
+
+    On a CPU (``memory_gib`` None) ``auto`` is refused: the largest micro-batch the host RAM holds is not the
+    fastest one there (CPU GEMMs saturate at a few rows; a step of hundreds of rows takes minutes), and RAM is
+    shared with the OS and the data loader, so a number is what a CPU run wants.
+
+    Args:
+        cfg: the config; ``train.micro_batch_size``, ``train.gradient_accumulation_steps`` and
+            ``train.auto_global_batch_size`` are set in place.
+        data_parallel_size: ranks that hold different rows (:meth:`scale.config.schema.TrainConfig.data_parallel_size`).
+        memory_gib: one device's memory (GiB, :func:`device_memory_gib`); ``None`` on a CPU.
+
+    Returns:
+        What was chosen, or ``None`` when ``train.micro_batch_size`` is a number.
+
+    Raises:
+        ConfigError: on a CPU; not even one row fits; ``train.auto_global_batch_size`` is not divisible by the
+            data-parallel ranks; the model cannot be planned (the planner's message).
+    """
+    t = cfg.train
+    if t.micro_batch_size != "auto":
+        return None
+    if memory_gib is None:
+        raise ConfigError("train.micro_batch_size=auto plans against a GPU's memory and this run has no GPU: set a "
+                          "number (train.micro_batch_size=8 is the CPU default)")
+    G = t.auto_global_batch_size
+    try:
+        b, ga, rank = auto_micro_batch(cfg, data_parallel_size, memory_gib, upper=MAX_ROWS)
+    except PlanError as e:
+        if G is not None and G % data_parallel_size:
+            raise ConfigError(str(e)) from None
+        raise ConfigError(f"train.micro_batch_size=auto: the memory plan failed ({e}); set a number") from None
+    if b == 0 or rank is None:
+        raise ConfigError(f"train.micro_batch_size=auto: not even one row of data.max_length={cfg.data.max_length} "
+                          f"fits {t.auto_memory_fraction:g} of {memory_gib:.1f} GiB: lower data.max_length, set "
+                          f"model.gradient_checkpointing=true or raise train.auto_memory_fraction")
+    planned = rank.total
+    t.gradient_accumulation_steps = ga
+    t.micro_batch_size, t.auto_global_batch_size = b, None  # resolved: config.yaml holds the numbers
+    return AutoBatch(b, t.gradient_accumulation_steps, data_parallel_size, planned / GIB, memory_gib,
+                     t.auto_memory_fraction, G is not None)
+
+
+def planned_bytes(cfg: Config, micro_batch_size: int, memory_gib: float) -> int:
+    """The single-device plan's bytes (:func:`scale.plan.make_plan`'s first row) at ``micro_batch_size``.
+
+    Raises:
+        PlanError: the model cannot be planned.
+    """
+    return make_plan(replace(cfg, train=replace(cfg.train, micro_batch_size=micro_batch_size)), 1,
+                     memory_gib, single_only=True).ranks[0].total
+
+
+def under_used_line(cfg: Config, memory_gib: float | None) -> str | None:
+    """For a GPU run with a set ``train.micro_batch_size``: one start-up line when its plan uses under a quarter of
+    the device's memory, naming ``train.micro_batch_size: auto``; ``None`` otherwise (a CPU, ``auto``, a model the
+    planner cannot plan, or a plan that uses the device). One plan: a few fake-tensor forwards, no device memory."""
+    if memory_gib is None or cfg.train.micro_batch_size == "auto":
+        return None
+    try:
+        planned = planned_bytes(cfg, cfg.train.micro_batch_size, memory_gib) / GIB
+    except PlanError:
+        return None
+    if planned >= UNDER_USED * memory_gib:
+        return None
+    return (f"memory: the plan of micro_batch_size {cfg.train.micro_batch_size} uses {planned:.1f} GiB of "
+            f"{memory_gib:.1f} GiB per device, under a quarter: train.micro_batch_size: auto picks the largest that "
+            f"fits train.auto_memory_fraction")

@@ -1,0 +1,172 @@
+"""Save and load: a checkpoint written atomically in the launch mode's own files plus the portable state, read
+back in the same mode (``accelerate.load_state``) or in any other (:mod:`scale.training.checkpoint.portable`); the final
+adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import DistributedType
+from safetensors.torch import load_file
+
+from scale.config.load import to_dict
+from scale.config.schema import Config
+from scale.distributed.launch import ModePlan
+from scale.modeling.build import restore_inference_config
+from scale.training.checkpoint.portable import (ADAPTER_FILE, PortableStateError, load_portable, restore_rng,
+                                                write_portable)
+from scale.training.checkpoint.rules import check_same_tokens, native
+from scale.training.checkpoint.store import CheckpointError, _is_writer, checkpoint_root, record_files, rotate
+from scale.training.state import STATE_FILE, TrainerState
+from scale.utils.fileio import replace_dir, temp_dir_for
+
+logger = get_logger(__name__)
+
+def unwrap(acc: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """``acc.unwrap_model(model)`` without importing DeepSpeed outside DeepSpeed runs.
+
+    accelerate's ``extract_model_from_parallel`` imports ``deepspeed`` (and through it ``wandb``) whenever it
+    is installed, ~2 s for a run that uses neither (accelerate 1.15, utils/other.py). One device and DDP
+    peel the DDP wrapper here, keeping the mixed-precision forward as ``unwrap_model`` does by default
+    (``keep_fp32_wrapper=True``); every other mode (DeepSpeed, FSDP) goes through accelerate.
+    """
+    if acc.distributed_type not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        return acc.unwrap_model(model)
+    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def _trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full trainable tensors on CPU; an FSDP2 shard (``DTensor``) is gathered first: a collective, every rank calls."""
+    full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p  # noqa: E731
+    return {n: full(p.detach()).cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def register_hooks(acc: Accelerator) -> None:
+    """Make ``save_state``/``load_state`` skip the model's full state dict in one device and DDP modes: the
+    trainable tensors are written by :func:`scale.training.checkpoint.portable.write_portable` (``adapter_model.safetensors``)
+    and read back here, and the frozen (possibly 4-bit) base is rebuilt from the config, not written every checkpoint.
+    The pattern follows accelerate's ``register_save_state_pre_hook`` docs (as diffusers uses it)."""
+
+    def save_hook(models: list[torch.nn.Module], weights: list[dict], output_dir: str) -> None:
+        weights.clear()  # accelerate would write the full state dict, 4-bit base included
+
+    def load_hook(models: list[torch.nn.Module], input_dir: str) -> None:
+        for model in models:
+            unwrapped = unwrap(acc, model)
+            state = load_file(os.path.join(input_dir, ADAPTER_FILE))  # on CPU; load_state_dict copies
+            expected = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
+            if set(state) != expected:
+                raise CheckpointError(f"{input_dir}/{ADAPTER_FILE} holds other tensors than this model trains: "
+                                      f"missing {sorted(expected - set(state))[:3]}, "
+                                      f"unexpected {sorted(set(state) - expected)[:3]}")
+            unwrapped.load_state_dict(state, strict=False)
+        models.clear()  # loaded above; accelerate must not load a full state dict
+
+    acc.register_save_state_pre_hook(save_hook)
+    acc.register_load_state_pre_hook(load_hook)
+
+
+def save_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, state: TrainerState, model: torch.nn.Module,
+                    optimizer: Any) -> Path:
+    """Write a complete checkpoint for ``state.step`` atomically and prune old ones. Collective.
+
+    The launch mode's own files (``accelerate.save_state``), then the portable state (:mod:`scale.training.checkpoint.portable`),
+    then, once every rank's files are in, each file's size and sha256 and the counters in ``trainer_state.json``,
+    then the rename.
+
+    Returns:
+        The checkpoint directory.
+    """
+    final = checkpoint_root(cfg.output_dir) / f"step_{state.step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    writer = _is_writer(acc)
+    if writer:
+        temp_dir_for(final)  # removes debris of an interrupted save
+    acc.wait_for_everyone()  # collective: the directory exists before anyone writes into it
+    acc.save_state(str(tmp), **plan.save_state_kwargs)  # collective under DeepSpeed (ZeRO shards)
+    write_portable(acc, plan, model, optimizer, tmp, writer)  # collective: shards gathered
+    acc.wait_for_everyone()  # collective: every rank's files are in tmp
+    if writer:
+        state.config, state.saved_at = to_dict(cfg), time.time()
+        state.mode, state.world_size, state.data_parallel_size = plan.mode, acc.num_processes, plan.data_parallel_size
+        state.global_batch_size = cfg.train.global_batch_size(plan.data_parallel_size)
+        state.files = record_files(tmp)
+        # written last: a directory with trainer_state.json is whole
+        (tmp / STATE_FILE).write_text(json.dumps(state.state_dict(), indent=1), encoding="utf-8")
+        replace_dir(tmp, final)  # the same step may be saved again (pre-empted right after an interval save)
+        rotate(cfg.output_dir, cfg.train.save_total_limit, keep=state.best_step, upto=state.step)
+    acc.wait_for_everyone()  # collective: nobody runs ahead of the rename
+    logger.info("checkpoint %s written (%s)", final, state.reason, main_process_only=True)
+    return final
+
+
+def load_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path, state: TrainerState,
+                    model: torch.nn.Module, optimizer: Any, scheduler: Any, progress: TrainerState) -> TrainerState:
+    """Restore model (trainable tensors), optimizer, scheduler and RNG states from ``path`` (already checked
+    by :func:`scale.training.checkpoint.rules.check_resume`): the mode's own files when it was written in this mode on these
+    processes, else the portable state, in any mode (:func:`scale.training.checkpoint.rules.native`). Collective.
+
+    Args:
+        state: the checkpoint's progress (its ``trainer_state.json``).
+        progress: this run's progress before the resume: its data, template and rows digests must be the
+            checkpoint's (:func:`scale.training.checkpoint.rules.check_same_tokens`).
+
+    Returns:
+        ``state``: the progress the run continues from.
+
+    Raises:
+        ConfigError: what :func:`scale.training.checkpoint.rules.check_same_tokens` raises.
+        CheckpointError: the portable state does not fit this model.
+    """
+    check_same_tokens(path, state, progress)
+    if native(state, plan, acc):
+        acc.load_state(str(path), **plan.load_state_kwargs)  # collective under DeepSpeed
+        how, rng = f"{plan.mode} on {acc.num_processes} process(es), as written", None
+    else:
+        try:
+            load_portable(acc, plan, model, optimizer, scheduler, path)  # collective
+        except PortableStateError as e:
+            raise CheckpointError(str(e)) from e
+        rng = restore_rng(acc, path, state.world_size, cfg.train.seed, state.step)
+        how = (f"portable state: written by {state.mode or 'an older version'} on {state.world_size} process(es), "
+               f"resumed as {plan.mode} on {acc.num_processes}")
+    for line in resume_lines(path, state, how, rng):
+        logger.info(line, main_process_only=True)
+    return state
+
+
+def resume_lines(path: Path, state: TrainerState, how: str, rng: str | None) -> list[str]:
+    """The log lines of a resume: where it continues (step, epoch, windows into the epoch) and how the state was
+    read (``how``), then how the RNG was restored (``rng``, :func:`scale.training.checkpoint.portable.restore_rng`; None: with
+    the mode's own files). Two lines, so that each stays under the 300 characters of a log file's line."""
+    return ([f"resumed from {path} at step {state.step} (epoch {state.epoch}, {state.windows_in_epoch} windows into "
+             f"it): {how}"] + ([f"resume RNG: {rng}"] if rng else []))
+
+
+def save_adapter(acc: Accelerator, plan: ModePlan, model: torch.nn.Module, out: Path) -> None:
+    """Write the final PEFT adapter (``adapter_config.json``, ``adapter_model.safetensors``) to ``out``
+    atomically: built in ``<out>.tmp``, then renamed.
+
+    Under ZeRO-3/FSDP (``plan.partitioned``) the LoRA weights are gathered from every rank first; saving the
+    local shards instead writes empty adapters (peft#453, peft#2892). Collective: every rank calls.
+    """
+    # Collective when partitioned: ZeRO-3 gathers the whole model on rank 0; FSDP2 only the trainable tensors.
+    state_dict = None if not plan.partitioned else (_trainable_state(unwrap(acc, model)) if plan.mode == "fsdp"
+                                                    else acc.get_state_dict(model))
+    if acc.is_main_process:
+        unwrapped = unwrap(acc, model)
+        restore_inference_config(unwrapped)
+        tmp = temp_dir_for(out)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        replace_dir(tmp, out)
+    acc.wait_for_everyone()  # collective: every rank must reach this

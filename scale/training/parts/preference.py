@@ -1,0 +1,75 @@
+"""The preference part of a run (``loss.objective``: dpo | simpo | orpo on ``data.format: preference`` pairs): the
+objective and the data checked together, the starting adapter's frozen copy as the DPO reference, and the reference
+pass of ``loss.reference: precomputed``. The pair loaders are :mod:`scale.training.parts.loaders`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from torch.utils.data import DataLoader
+
+from scale.config.schema import Config
+from scale.data.collate import Collator
+from scale.data.order import PackedRows
+from scale.data.tasks.preference import PairCollator, PairedExamples
+from scale.data.token_table import Reordered
+from scale.data.tokenize import Splits
+from scale.objectives.preference import PreferenceObjective, add_reference_adapter, reference_logps
+
+logger = get_logger(__name__)
+
+
+def keep_reference(cfg: Config, model: torch.nn.Module, objective: Any) -> None:
+    """With ``model.adapter`` under DPO's in-step reference, keep the starting adapter's frozen copy as the
+    reference (:func:`scale.objectives.preference.add_reference_adapter`); before the optimizer sees the model."""
+    if isinstance(objective, PreferenceObjective) and objective.needs_reference and cfg.model.adapter is not None \
+            and objective.reference == "adapter":
+        add_reference_adapter(model)
+
+
+def precompute_references(acc: Accelerator, cfg: Config, model: torch.nn.Module, objective: Any, splits: Splits,
+                          pad_token_id: int, loaders: list[DataLoader]) -> None:
+    """``loss.reference: precomputed``: the reference logps of every train and eval pair, from one pass of the
+    (prepared) model as training starts, set on the loaders' :class:`PairedExamples` so every batch carries them.
+
+    Collective under ZeRO-3: every rank runs the whole pass in the same batches. The result is kept in
+    ``<output_dir>/reference_logps.pt`` under the key of the token cache (the token fingerprint of both splits) and
+    of the model (``model.*``), so a resumed run reads it instead of a second pass.
+    """
+    if not (isinstance(objective, PreferenceObjective) and objective.needs_reference_pass):
+        return
+    key = hashlib.sha256(repr((splits.fingerprint, cfg.model.name_or_path, cfg.model.adapter, cfg.model.dtype,
+                               cfg.model.quantize_4bit, cfg.train.seed)).encode()).hexdigest()
+    path = Path(cfg.output_dir) / "reference_logps.pt"
+    stored = torch.load(path) if path.is_file() else None
+    if stored is None or stored.get("key") != key:
+        collate = PairCollator(Collator(pad_token_id, cfg.data.padding_side))
+        refs = {}
+        for name, split in (("train", splits.train), ("eval", splits.eval)):
+            dl = DataLoader(PairedExamples(split), batch_size=cfg.train.eval_micro_batch_size, collate_fn=collate)
+            refs[name] = reference_logps(model, ({k: v.to(acc.device) for k, v in b.items()} for b in dl),
+                                         cfg.data.padding_side, starting_adapter=cfg.model.adapter is not None)
+        stored = {"key": key, **refs}
+        if acc.is_main_process:
+            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+            torch.save(stored, path)
+            logger.info("reference pass: %d train and %d eval pairs (loss.reference=precomputed) -> %s",
+                        len(refs["train"]) // 2, len(refs["eval"]) // 2, path, main_process_only=True)
+    for dl, name in zip(loaders, ("train", "eval")):
+        pairs_of_loader(dl.dataset).ref_logps = stored[name]
+
+
+def pairs_of_loader(dataset: Any) -> PairedExamples:
+    """The :class:`PairedExamples` under a pair loader's dataset: itself, the split an evaluation order
+    (:class:`Reordered`) views, or the pairs that ``data.packing``'s bins (:class:`PackedRows`) hold."""
+    if isinstance(dataset, Reordered):
+        return dataset.base
+    if isinstance(dataset, PackedRows):
+        return dataset.rows
+    return dataset
