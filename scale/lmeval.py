@@ -42,7 +42,7 @@ from scale.config.load import load_config
 from scale.data import tasks
 from scale.data.cache import load_splits
 from scale.data.read import DataError
-from scale.export import serving_tokenizer
+from scale.generation.export import serving_tokenizer
 from scale.modeling.build import load_tokenizer
 from scale.training.samples import pick_samples
 from scale.utils.assets import resolve_data

@@ -32,7 +32,7 @@ from accelerate.logging import get_logger
 
 from scale.config.schema import Config
 from scale.distributed.ulysses import sharded
-from scale.export import save_serving_files, serving_tokenizer
+from scale.generation.export import save_serving_files, serving_tokenizer
 from scale.training.best import observe, out_of_patience, write_best
 from scale.training.checkpoint import ADAPTER_FILE, rng_states, save_adapter, save_checkpoint, set_rng_states
 from scale.training.checks import check_invariants, fingerprints

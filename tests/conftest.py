@@ -81,7 +81,7 @@ def chat_run(tmp_path_factory):
     ``samples.jsonl``. Trained once per session for the serving and lm-eval tests (~20 s)."""
     import json
 
-    from scale.export import merge_run
+    from scale.generation.export import merge_run
     from scale.train import run
 
     tmp = tmp_path_factory.mktemp("chat_run")

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from scale.config.schema import ModelConfig
-from scale.export import save_serving_files
-from scale.generate import Sampling, main, read_conversations, split_reference
+from scale.generate import main, read_conversations, split_reference
+from scale.generation.export import save_serving_files
+from scale.generation.generator import Sampling
 from scale.modeling.build import load_base
 from tests.conftest import ROOT
 
@@ -140,7 +141,7 @@ def test_bad_messages_lines_name_the_line(model_dir, capsys, monkeypatch):
 @pytest.fixture(scope="module")
 def plain_dir(tmp_path_factory, tokenizer):
     """A merged/-like directory of a run trained without a chat template: the tokenizer saved without one, as
-    training saves it (scale.export.serving_tokenizer), stopping at EOS only."""
+    training saves it (scale.generation.export.serving_tokenizer), stopping at EOS only."""
     out = tmp_path_factory.mktemp("plain")
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = None
@@ -189,7 +190,7 @@ def test_a_model_without_a_chat_template_answers_the_text_as_it_is(plain_dir, ca
 def test_plain_prompts_get_the_bos_the_run_trained_with(tokenizer):
     """A tokenizer whose post-processor puts BOS in front (Llama): the plain prompt starts with it once, as the
     run's rows did (scale.data.tasks.base.Builder.front); SmolLM2's adds none."""
-    from scale.generate import plain_prompt_ids
+    from scale.generation.generator import plain_prompt_ids
 
     text = "Review: fine.\nSentiment:"
     plain = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -208,7 +209,7 @@ def test_plain_prompts_get_the_bos_the_run_trained_with(tokenizer):
 def test_serving_tokenizer_keeps_a_template_only_for_chat_rows(tmp_path):
     """What training saves in adapter/: no chat template (and EOS as the only stop) for rows no template rendered,
     the run's data.chat_template for chats; a run directory's saved tokenizer is read as it is."""
-    from scale.export import serving_tokenizer
+    from scale.generation.export import serving_tokenizer
     from tests.conftest import tiny_cfg
 
     cfg = tiny_cfg(tmp_path, f"data.chat_template={CHATML}")

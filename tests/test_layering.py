@@ -65,10 +65,13 @@ ALLOWED: dict[str, set[str]] = {
     "data.order": set(),                                       # length-grouped sampling, packing into bins
     "data.sequence": {"data.collate"},                         # sequence-parallel rows: each rank's shard (issue 29)
     "data": {"data.collate", "data.read", "data.split", "data.tasks", "data.tokenize"},  # the face: hands names on
-    "export": {"config.load", "config.help", "data.tasks", "utils.fileio", "utils.logs", "modeling.build", "modeling.moe", "config.schema"},
-    "generate": {"config.load", "config.help", "data.tasks", "export", "utils.logs", "modeling.build", "modeling.moe", "config.schema"},
+    "generation.export": {"config.load", "config.schema", "data.tasks", "modeling.build", "modeling.moe",
+                          "utils.fileio"},
+    "generate": {"config.help", "generation.generator", "modeling.build", "utils.logs"},
+    "generation.generator": {"config.load", "config.schema", "data.tasks", "generation.export", "modeling.build",
+                             "modeling.moe"},
     # scale-lm-eval: the eval split (token cache, samples' prompt/answer split) as a harness task
-    "lmeval": {"utils.assets", "config.load", "config.help", "data", "data.cache", "data.read", "data.tasks", "export", "utils.fileio",
+    "lmeval": {"utils.assets", "config.load", "config.help", "data", "data.cache", "data.read", "data.tasks", "generation.export", "utils.fileio",
                "utils.logs", "modeling.build", "training.samples"},
     "plan": {"utils.assets", "planner.census", "config.load", "config.help", "data.tokenize", "utils.flops", "planner.layouts", "utils.logs", "modeling.build",
              "modeling.moe", "objectives", "config.schema", "training.state", "config.validation"},  # data: the tails; objectives: pairs' reference;
@@ -85,7 +88,7 @@ ALLOWED: dict[str, set[str]] = {
     # scale/training/parts/: each part of a run builds itself (launch, data, model, loaders, ...)
     "training.parts": {"utils.assets", "modeling.attention", "planner.autobatch", "training.best", "training.checkpoint", "distributed.collective", "data.cache", "data.collate",
               "data.mixing", "data.order", "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize",
-              "training.evaluate", "export", "utils.flops", "modeling.kernels", "distributed.launch", "training.metrics", "modeling.mixed_paths", "modeling.build", "modeling.moe",
+              "training.evaluate", "generation.export", "utils.flops", "modeling.kernels", "distributed.launch", "training.metrics", "modeling.mixed_paths", "modeling.build", "modeling.moe",
               "objectives", "training.precision", "training.samples", "training.schedule", "config.schema", "training.state", "training.tracking", "distributed.ulysses", "config.validation",
               "modeling.varlen"},
     "training.windows": {"loss.tail", "objectives", "utils.signals", "training.state"},  # accumulation windows: one all-gather per optimizer step
@@ -101,7 +104,7 @@ ALLOWED: dict[str, set[str]] = {
     "training.job": {"training.checkpoint", "config.load", "data.tasks", "distributed.launch", "training.metrics", "modeling.build", "objectives", "training.parts", "training.precision",
             "training.samples", "config.schema", "training.startup", "training.state", "distributed.ulysses"},
     "training.commit": {"training.job", "training.metrics", "training.windows"},  # when a trained window's optimizer step is applied (StepCommit)
-    "train": {"training.best", "training.checkpoint", "training.checks", "training.commit", "training.evaluate", "export", "training.job", "training.metrics", "training.samples", "config.schema",
+    "train": {"training.best", "training.checkpoint", "training.checks", "training.commit", "training.evaluate", "generation.export", "training.job", "training.metrics", "training.samples", "config.schema",
               "utils.signals", "training.state", "training.tracking", "distributed.ulysses", "training.windows"},
     "cli": {"utils.assets", "training.checkpoint", "training.commit", "config.load", "config.help", "data.mixing", "data.read", "data.tokenize",
             "distributed.inputs",
@@ -111,6 +114,8 @@ ALLOWED: dict[str, set[str]] = {
                 "config.validation"},  # scale-prepare
     "env": {"utils.compat"},  # scale-env: versions, devices, CPU flags and launcher variables for a bug report
     "utils": set(),  # the wing's face
+    "generation": set(),  # the wing's face
+    "export": {"config.help", "config.load", "generation.export", "modeling.build", "utils.logs"},  # scale-export
     "config": {"config.load"},  # the wing's face: hands config.load's names on
     "loss": {"loss.tail"},  # the wing's face: hands loss.tail's names on
     "modeling": {"modeling.build"},  # the wing's face: hands modeling.build's names on
@@ -143,10 +148,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the memory plan (scale-plan; the start-up plans train.micro_batch_size=auto)", {"plan"}),
     ("the loop side", {"planner.autobatch",
                        "distributed.inputs", "distributed.collective", "training.metrics", "training.precision", "training.tracking", "distributed.launch", "distributed.ulysses", "training.checks",
-                       "training.checkpoint", "training.best", "training.evaluate", "training.samples", "export", "generate", "training.parts", "training.startup", "training.windows",
+                       "training.checkpoint", "training.best", "training.evaluate", "training.samples", "generation.export", "generation.generator", "generate", "training.parts", "training.startup", "training.windows",
                        "training.job", "training.commit", "train"}),
-    ("entry points", {"cli", "env", "prepare", "report", "lmeval"}),
-    ("the wings' faces and the re-export modules: nothing inside imports them", {"utils", "config", "loss", "modeling", "planner", "distributed", "training", "assets", "job"}),
+    ("entry points", {"cli", "env", "prepare", "report", "lmeval", "export"}),
+    ("the wings' faces and the re-export modules: nothing inside imports them", {"utils", "config", "loss", "modeling", "planner", "distributed", "training", "generation", "assets", "job"}),
 ]
 # Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and
 # `--accelerate-config` import neither torch nor accelerate (scale/cli.py's module comment), and start_fast imports

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from scale.export import merge_run
+from scale.generation.export import merge_run
 from scale.lmeval import evaluate, last_eval, main, task_name
 from scale.train import run
 from tests.bounds import TINY_JOB_REL  # two fp32 paths of the tiny job (tests/bounds.py)

@@ -67,7 +67,7 @@ def test_merged_export_predicts_like_adapter_plus_base(tmp_path, tokenizer):
 
     from scale.config.load import load_config
     from scale.data import Collator, build_splits
-    from scale.export import merge_run
+    from scale.generation.export import merge_run
     from scale.loss import tail as scale_loss
     from scale.modeling.build import load_base
     from scale.train import run

@@ -268,8 +268,8 @@ def test_a_run_says_what_trains_logs_the_expert_load_and_exports(tmp_path, caplo
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from scale.export import merge_run
-    from scale.generate import load_model
+    from scale.generation.export import merge_run
+    from scale.generation.generator import load_model
     from scale.train import run
     from scale.training.metrics import read_jsonl
     from tests.conftest import log_file_lines, tiny_cfg

@@ -1,4 +1,4 @@
-"""A trained chat run serves as it trained (scale/export.py, scale/generate.py): the trained chat template and
+"""A trained chat run serves as it trained (scale/generation/export.py, scale/generate.py): the trained chat template and
 end-of-turn stop travel with adapter/ and merged/; plain transformers generates from merged/ and stops, and
 `transformers serve` (OpenAI-compatible, on 127.0.0.1) answers a held-out chat exactly as `scale-generate` and the
 run's own samples.jsonl did."""
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from scale.export import merge_run
-from scale.generate import generate_texts, load_for_generation, render_prompt
 from scale.generate import main as generate_main
+from scale.generation.export import merge_run
+from scale.generation.generator import generate_texts, load_for_generation, render_prompt
 from scale.train import run
 from tests.conftest import CHAT_SYSTEM, ROOT, tiny_cfg
 from tests.launching import free_port

@@ -232,7 +232,7 @@ def dequantize_in_compute_dtype(model: torch.nn.Module, on: bool = True) -> int:
     step. The forward already dequantizes straight to the compute dtype (``gemm_4bit``). Setting the state's dtype
     to the compute dtype gives bit-identical weights (the same kernel rounds the same float32 products; checked on
     the NF4 double-quantized ``[1536, 576]`` of SmolLM2: 0.24 instead of 0.57 ms per weight on one thread).
-    ``on=False`` puts the load dtype back. Export dequantizes its own freshly loaded base (scale.export).
+    ``on=False`` puts the load dtype back. Export dequantizes its own freshly loaded base (scale.generation.export).
     """
     count = 0
     for module in model.modules():

@@ -13,7 +13,7 @@ code of ours) and compared, as text, with the answer the row trains:
 
 A row's *prompt* is its tokens as trained up to its last trained answer (for a chat: every turn before the last
 assistant turn, rendered by the trained template, ending with the generation prompt) and its *reference* is that
-answer through its stop token (EOS or the template's end-of-turn marker: :func:`scale.export.serving_tokenizer`).
+answer through its stop token (EOS or the template's end-of-turn marker: :func:`scale.generation.export.serving_tokenizer`).
 Generation stops at those stops or after ``min(len(reference), eval.max_new_tokens)`` tokens: a longer
 completion cannot match. Each completion goes to ``<output_dir>/samples.jsonl`` (``step, row, prompt, reference,
 completion, exact``; main process, one append per evaluation) and to a W&B table ``eval/samples``.

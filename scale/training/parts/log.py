@@ -14,7 +14,7 @@ from scale.config.schema import Config
 from scale.data.collate import Collator
 from scale.data.tasks.preference import Pair, PairCollator
 from scale.data.tokenize import Splits
-from scale.export import serving_tokenizer
+from scale.generation.export import serving_tokenizer
 from scale.objectives.preference import PreferenceObjective
 from scale.objectives.tail import LossSpec
 from scale.training.best import check_reported
