@@ -30,7 +30,7 @@ times, each run ``--steps`` optimizer steps of which the first ``--warmup`` are 
   the same code that logs ``train/mfu``;
 - peak memory: ``torch.cuda.max_memory_allocated`` during the contestant's first run, minus what was allocated
   before its model was built: its weights, adapters, optimizer state, activations and workspace (GiB);
-- predicted vs measured: ``scale-plan``'s single-device prediction of that peak (``scale.plan.make_plan`` with the
+- predicted vs measured: ``scale-plan``'s single-device prediction of that peak (``scale.planner.plan.make_plan`` with the
   shape's config, ``--full-rows``: the rows have no padding; its ``allocated``, i.e. without the assumed CUDA
   context and fragmentation overhead) next to ``max_memory_allocated``; the goal is within 15%.
 
@@ -55,7 +55,7 @@ if __package__ in (None, ""):  # `python benchmarks/gpu.py`: make `benchmarks.co
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Harness, Job, RunResult, fmt_spread, llama_config, machine_line, reset_accelerate
-from scale.plan import make_plan
+from scale.planner.plan import make_plan
 from scale.training.metrics import model_flops
 from scale.training.precision import PeakFlops, resolve_peak_flops
 from scale.utils.flops import mfu

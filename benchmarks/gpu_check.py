@@ -17,7 +17,7 @@ the command exits 1 at the end, so one broken section never loses the others' fi
    weights: each step's loss and each adapter tensor within the float32 bound of tests/bounds.py (the maths is the
    same on both; only the order of the sums differs, see :func:`parity`).
 5. ``auto``: the default job (configs/train/default.yaml: QLoRA on the embedded SmolLM2-135M and review snippets,
-   no download) at its own micro-batch and at the largest one ``scale.plan.largest_micro_batch`` fits into
+   no download) at its own micro-batch and at the largest one ``scale.planner.autobatch.largest_micro_batch`` fits into
    ``--memory-fraction`` of the device, tokens/s of each (``train/tokens_per_s``, the last logged interval).
 6. ``casts``: LoRA and QLoRA (1B shape, 8 x 1024) with the mixed-precision paths (``scale.modeling.mixed_paths``) off and on,
    and on with ``model.kernels: liger``: dtype casts (aten ``_to_copy``) and aten ops of one micro-batch's forward
@@ -197,7 +197,7 @@ def parity(device: str) -> tuple[str, dict]:
 def run_auto(dry: bool, memory_gib: float | None, fraction: float) -> tuple[str, dict]:
     """The default job at its own micro-batch and at the largest the plan fits into ``fraction`` of the device."""
     from scale.config.load import load_config
-    from scale.plan import largest_micro_batch
+    from scale.planner.autobatch import largest_micro_batch
     from scale.train import run
     from scale.training.metrics import read_jsonl
 
@@ -332,7 +332,7 @@ def run_casts(dry: bool) -> tuple[str, dict]:
 def largest_plan_total(cfg, b: int, memory_gib: float) -> float:
     from dataclasses import replace
 
-    from scale.plan import make_plan
+    from scale.planner.plan import make_plan
 
     return make_plan(replace(cfg, train=replace(cfg.train, micro_batch_size=b)), 1, memory_gib).ranks[0].total / 2**30
 

@@ -143,7 +143,8 @@ def test_auto_with_no_row_fitting_is_refused(tmp_path):
 
 def test_scale_plan_resolves_auto_against_gpu_mem(capsys):
     from scale.config.load import load_config
-    from scale.plan import largest_micro_batch, main
+    from scale.plan import main
+    from scale.planner.autobatch import largest_micro_batch
 
     assert main(["--config", str(TINY_YAML), "--gpus", "1", "--gpu-mem", "2", "train.micro_batch_size=auto"]) == 0
     out = capsys.readouterr().out
@@ -157,7 +158,8 @@ def test_scale_plan_keeps_the_auto_global_batch(capsys):
     """With ``train.auto_global_batch_size`` G on 2 GPUs: the largest fitting micro-batch that divides G / 2, and
     the accumulation that makes up G, as scale-train resolves it."""
     from scale.config.load import load_config
-    from scale.plan import largest_micro_batch, main
+    from scale.plan import main
+    from scale.planner.autobatch import largest_micro_batch
 
     G = 24
     assert main(["--config", str(TINY_YAML), "--gpus", "2", "--gpu-mem", "2", "train.micro_batch_size=auto",

@@ -329,7 +329,7 @@ def test_threshold_all_trains_the_whole_text_as_a_full_sequence_nll(tmp_path, to
 def test_threshold_all_config_show_rows_and_plan(tmp_path, capsys, tokenizer):
     from scale.cli import main
     from scale.config.validation import ConfigError
-    from scale.plan import data_tail
+    from scale.planner.plan import data_tail
 
     assert load_config("tiny_cpu", ["loss.threshold=all"]).loss.threshold == "all"
     for bad in ("0", "some"):

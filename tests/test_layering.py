@@ -49,8 +49,11 @@ ALLOWED: dict[str, set[str]] = {
     "modeling.varlen": {"loss.tail", "modeling.mixed_paths", "utils.wrapped"},
     "modeling.attention": {"config.schema", "config.validation"},  # which attention a run may use: the kernel, packing, sequence parallelism
     # scale-plan's counts: meta/fake tensors, no process group
-    "planner.census": {"loss.chunked", "config.load", "loss.tail", "modeling.build", "modeling.moe", "objectives", "config.schema"},  # objectives: the pairs' loss
-    "planner.layouts": {"modeling.attention", "planner.census", "config.load", "config.schema"},  # modeling: the sequence-parallel guard, for the SP columns
+    "planner.census": {"config.load", "config.schema", "modeling.build", "modeling.moe"},
+    "planner.activations": {"config.schema", "loss.chunked", "loss.tail", "modeling.moe", "objectives", "planner.census"},
+    "planner.pairs": {"config.schema", "objectives", "planner.activations", "utils.flops"},
+    "planner.moe": {"modeling.moe", "planner.census", "utils.flops"},
+    "planner.layouts": {"config.load", "config.schema", "modeling.attention", "planner.activations", "planner.census"},
     # scale/data/: the stages, each importing only the ones before it (LAYERS)
     "data.read": {"config.schema"},                                   # files -> rows of cells; DataError
     "data.sources": {"utils.assets", "data.read", "utils.fileio"},         # any source -> rows
@@ -73,15 +76,15 @@ ALLOWED: dict[str, set[str]] = {
     # scale-lm-eval: the eval split (token cache, samples' prompt/answer split) as a harness task
     "lmeval": {"utils.assets", "config.load", "config.help", "data", "data.cache", "data.read", "data.tasks", "generation.export", "utils.fileio",
                "utils.logs", "modeling.build", "training.samples"},
-    "plan": {"utils.assets", "planner.census", "config.load", "config.help", "data.tokenize", "utils.flops", "planner.layouts", "utils.logs", "modeling.build",
-             "modeling.moe", "objectives", "config.schema", "training.state", "config.validation"},  # data: the tails; objectives: pairs' reference;
+    "planner.plan": {"config.schema", "data.tokenize", "modeling.build", "planner.activations", "planner.census", "planner.layouts", "planner.moe", "planner.pairs", "utils.assets"},
+    "plan": {"config.help", "config.load", "config.schema", "config.validation", "planner.autobatch", "planner.census", "planner.layouts", "planner.plan", "training.state", "utils.logs"},
     # state: --resume reads a checkpoint's trainer_state.json
     # the loop side: may import accelerate / torch.distributed
     "distributed.rendezvous": set(),
     "distributed.launch": {"config.load", "distributed.inputs", "distributed.rendezvous", "config.schema", "distributed.topology", "config.validation"},
     # paths, output_dir, GPU-only kernels, trackers: checked before any process group
     "distributed.inputs": {"config.schema", "config.validation"},
-    "planner.autobatch": {"planner.census", "plan", "config.schema", "config.validation"},  # train.micro_batch_size=auto: the plan at start-up
+    "planner.autobatch": {"config.schema", "config.validation", "planner.census", "planner.layouts", "planner.plan"},
     "distributed.collective": set(),  # on_every_rank, main_process_first, shared_run_id
     "training.startup": {"training.checks", "utils.compat", "data.token_table", "data.tokenize", "distributed.launch", "config.names", "training.parts", "training.precision",
                 "training.schedule", "config.schema"},  # the start-up lines
@@ -135,7 +138,8 @@ LAYERS: list[tuple[str, set[str]]] = [
                      "utils.wrapped",
                      "config.names", "config.load", "config.help", "utils.assets", "training.schedule", "distributed.topology"}),
     ("model and loss (plain tensors)", {"loss.tail", "loss.chunked", "objectives", "modeling.moe", "modeling.build", "modeling.mixed_paths",
-                                        "modeling.kernels", "modeling.attention", "planner.census", "planner.layouts", "modeling.varlen"}),
+                                        "modeling.kernels", "modeling.attention", "planner.census", "planner.layouts", "modeling.varlen",
+                                        "planner.activations", "planner.pairs", "planner.moe"}),
     ("data: reading files", {"data.read"}),
     ("data: sources", {"data.sources"}),
     ("data: tasks, one module per format", {"data.tasks"}),
@@ -145,12 +149,12 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("data: cache", {"data.token_table", "data.cache"}),
     ("data: collation and order", {"data.collate", "data.order", "data.sequence"}),
     ("data: the package's face", {"data"}),
-    ("the memory plan (scale-plan; the start-up plans train.micro_batch_size=auto)", {"plan"}),
-    ("the loop side", {"planner.autobatch",
+    ("the memory plan (scale-plan; the start-up plans train.micro_batch_size=auto)", {"planner.plan", "planner.autobatch"}),
+    ("the loop side", {
                        "distributed.inputs", "distributed.collective", "training.metrics", "training.precision", "training.tracking", "distributed.launch", "distributed.ulysses", "training.checks",
                        "training.checkpoint", "training.best", "training.evaluate", "training.samples", "generation.export", "generation.generator", "generate", "training.parts", "training.startup", "training.windows",
                        "training.job", "training.commit", "train"}),
-    ("entry points", {"cli", "env", "prepare", "report", "lmeval", "export"}),
+    ("entry points", {"cli", "env", "prepare", "report", "lmeval", "export", "plan"}),
     ("the wings' faces and the re-export modules: nothing inside imports them", {"utils", "config", "loss", "modeling", "planner", "distributed", "training", "generation", "assets", "job"}),
 ]
 # Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and

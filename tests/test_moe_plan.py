@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from scale import plan as P
 from scale.config.load import load_config
 from scale.modeling.moe import active_counts, model_shape, moe_layout
+from scale.planner import activations as A
 from scale.planner import census as C
+from scale.planner import plan as P
 from scale.utils.compat import peft_adapts_parameters
 from scale.utils.flops import flops_per_token
 from scale.utils.flops import model_shape as dense_shape
@@ -58,7 +59,7 @@ def test_planned_moe_activations_within_10_percent_of_saved_tensor_hooks(checkpo
 
     cfg, hf, params = planned(tmp_path, "train.micro_batch_size=4", "data.max_length=32",
                               f"model.gradient_checkpointing={str(checkpointing).lower()}")
-    predicted = C.count_activations(cfg, C.build_meta_model(cfg, hf), params)
+    predicted = A.count_activations(cfg, C.build_meta_model(cfg, hf), params)
     model = build_model(cfg.model, cfg.lora, V, cfg.train.seed)
     real = real_saved_bytes(model, cfg)
     assert abs(predicted.total / real - 1) < 0.10, (predicted, real)

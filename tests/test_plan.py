@@ -24,8 +24,10 @@ import torch
 
 from scale import plan as P
 from scale.config.load import load_config
+from scale.planner import activations as A
 from scale.planner import census as C
 from scale.planner import layouts as LY
+from scale.planner.autobatch import largest_micro_batch
 from tests.conftest import ROOT, TINY_YAML
 from tests.launching import free_port
 from tests.live_bytes import LiveBytes
@@ -36,7 +38,7 @@ BASE = ["log.trackers=[]", "train.gradient_accumulation_steps=1"]
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=2048)
 ODD = ["model.tiny_hidden_size=66", "model.tiny_num_heads=3", "model.tiny_intermediate_size=127", "lora.r=3"]
-NO_ACTS = {False: C.Activations(0, 0, 0, 0), True: C.Activations(0, 0, 0, 0)}
+NO_ACTS = {False: A.Activations(0, 0, 0, 0), True: A.Activations(0, 0, 0, 0)}
 STATES = ("weights", "trainable", "master", "gradients", "optimizer")
 
 
@@ -229,7 +231,7 @@ def test_predicted_activations_within_10_percent_of_saved_tensor_hooks(shape, ch
                  "smollm2-135m": [f"model.name_or_path={smollm2_dir(tmp_path)}", "lora.r=16",
                                   "train.micro_batch_size=2", "data.max_length=32"]}[shape]
     cfg, hf, params = planned([*overrides, f"model.gradient_checkpointing={str(checkpointing).lower()}"])
-    predicted = C.count_activations(cfg, C.build_meta_model(cfg, hf), params, padded=padded)
+    predicted = A.count_activations(cfg, C.build_meta_model(cfg, hf), params, padded=padded)
     if shape == "smollm2-135m":
         model = add_lora(copy.deepcopy(request.getfixturevalue("smollm2_base")), cfg.model, cfg.lora)
         model.train()
@@ -269,7 +271,7 @@ def test_predicted_packed_activations_within_10_percent_of_saved_tensor_hooks(ch
     cfg, hf, params = planned([f"model.gradient_checkpointing={str(checkpointing).lower()}", "data.packing=true",
                                f"loss.chunk_size={chunk}", "loss.threshold=64"])  # N = T, as make_plan sets it
     B, T = cfg.train.micro_batch_size, cfg.data.max_length
-    predicted = C.count_activations(cfg, C.build_meta_model(cfg, hf), params, packed=True)
+    predicted = A.count_activations(cfg, C.build_meta_model(cfg, hf), params, packed=True)
     model = build_model(cfg.model, cfg.lora, C.TINY_VOCAB, cfg.train.seed)
     model.train()
     g = torch.Generator().manual_seed(0)
@@ -294,7 +296,7 @@ def test_predicted_padded_chunked_activations_within_10_percent_of_saved_tensor_
     cfg, hf, params = planned([f"model.gradient_checkpointing={str(checkpointing).lower()}", "loss.threshold=32",
                                "loss.chunk_size=64"])
     B, T, N = cfg.train.micro_batch_size, cfg.data.max_length, cfg.loss.threshold
-    predicted = C.count_activations(cfg, C.build_meta_model(cfg, hf), params, padded=True)
+    predicted = A.count_activations(cfg, C.build_meta_model(cfg, hf), params, padded=True)
     assert predicted.loss_positions == 64
     model = build_model(cfg.model, cfg.lora, C.TINY_VOCAB, cfg.train.seed)
     model.train()
@@ -374,17 +376,17 @@ def test_predicted_sequence_parallel_activations_within_10_percent_of_each_rank(
             cfg, hf, params = planned(["train.sequence_parallel_size=2", f"data.max_length={length}",
                                        f"train.micro_batch_size={rows}", f"loss.threshold={tail}",
                                        f"model.gradient_checkpointing={str(gc).lower()}"])
-            predicted = C.count_activations(cfg, C.build_meta_model(cfg, hf, checkpointing=gc), params, sp=2)
+            predicted = A.count_activations(cfg, C.build_meta_model(cfg, hf, checkpointing=gc), params, sp=2)
             real = max(c[f"checkpointing_{'on' if gc else 'off'}"] for c in counts)
             assert abs(predicted.total / real - 1) < 0.10, (name, gc, predicted, real)
-            whole = C.count_activations(cfg, C.build_meta_model(cfg, hf, checkpointing=gc), params, padded=False)
+            whole = A.count_activations(cfg, C.build_meta_model(cfg, hf, checkpointing=gc), params, padded=False)
             assert predicted.decoder < 0.6 * whole.decoder  # the decoder's share halves on 2 ranks
 
 
 def test_checkpointing_saves_less_and_logits_are_the_tail():
     cfg, hf, params = planned([])
-    on = C.count_activations(cfg, C.build_meta_model(cfg, hf, checkpointing=True), params)
-    off = C.count_activations(cfg, C.build_meta_model(cfg, hf, checkpointing=False), params)
+    on = A.count_activations(cfg, C.build_meta_model(cfg, hf, checkpointing=True), params)
+    off = A.count_activations(cfg, C.build_meta_model(cfg, hf, checkpointing=False), params)
     assert on.decoder < off.decoder / 5
     # The loss keeps the fp32 log-softmax of B x N tail predictions over V: the head's share is about that.
     B, N, V = cfg.train.micro_batch_size, cfg.loss.threshold, C.TINY_VOCAB
@@ -563,11 +565,11 @@ def test_largest_micro_batch_is_the_last_that_fits():
     cfg, _hf, _ = planned(["data.max_length=64"])
     one = P.make_plan(cfg, 1, 80.0).ranks[0].total
     gib = 1.5 * one / C.GIB / 0.9                        # room for ~1.5x one row's plan at fraction 0.9
-    b, rank = P.largest_micro_batch(cfg, gib, 0.9)
+    b, rank = largest_micro_batch(cfg, gib, 0.9)
 
     def total(n: int) -> int:
         from dataclasses import replace
         return P.make_plan(replace(cfg, train=replace(cfg.train, micro_batch_size=n)), 1, gib).ranks[0].total
 
     assert b >= 1 and rank.total == total(b) <= 0.9 * gib * C.GIB < total(b + 1)
-    assert P.largest_micro_batch(cfg, 0.5 * one / C.GIB, 1.0) == (0, None)
+    assert largest_micro_batch(cfg, 0.5 * one / C.GIB, 1.0) == (0, None)

@@ -16,9 +16,11 @@ import json
 import pytest
 import torch
 
-from scale import plan as P
 from scale.config.load import load_config
+from scale.plan import format_plan
+from scale.planner import activations as A
 from scale.planner import census as C
+from scale.planner import plan as P
 from scale.utils import flops as F
 from tests.conftest import TINY_YAML
 from tests.live_bytes import LiveBytes
@@ -155,12 +157,12 @@ def test_dpo_plan_is_the_sft_plan_of_twice_the_rows_plus_the_reference(pairs_pat
     assert simpo.preference["step_flops_per_pair"] == pytest.approx(2 * T * train, rel=1e-12)
     assert ada.preference["step_flops_per_pair"] == pytest.approx(2 * T * (train + forward), rel=1e-12)
     assert pre.preference["reference_pass_flops"] == pytest.approx(40 * 2 * T * forward, rel=1e-12)
-    assert "a micro-batch of 4 pairs is 8 rows" in P.format_plan(ada)
+    assert "a micro-batch of 4 pairs is 8 rows" in format_plan(ada)
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_counted_reference_peak_equals_a_real_reference_forward(pairs_path, checkpointing):
-    """The reference forward's peak as the plan counts it (fake tensors, :func:`scale.planner.census.count_reference_peak`)
+    """The reference forward's peak as the plan counts it (fake tensors, :func:`scale.planner.activations.count_reference_peak`)
     against the peak of live tensor bytes over the product's own in-step reference (``reference_forward``: adapter
     disabled, no_grad, summed tail logps) on a real ``[2P, T]`` micro-batch: the same operations on the same shapes,
     so the same storages, plus the ``[2P, N, V]`` fp32 buffer ``torch.logsumexp`` allocates inside its kernel (which
@@ -174,7 +176,7 @@ def test_counted_reference_peak_equals_a_real_reference_forward(pairs_path, chec
     planned_cfg = P.pair_rows(P.with_tail(cfg, tail))
     hf = C.load_model_config(cfg.model)
     meta = C.build_meta_model(planned_cfg, hf)
-    counted = C.count_reference_peak(planned_cfg, meta, C.census(planned_cfg, meta))
+    counted = A.count_reference_peak(planned_cfg, meta, C.census(planned_cfg, meta))
     model = build_model(cfg.model, cfg.lora, C.TINY_VOCAB, 0)
     model.train()
     batch = pair_batch(2 * PAIRS, T, tail, ref=False)

@@ -329,7 +329,7 @@ def restore_expert_dtype(model: torch.nn.Module, layout: MoeLayout, dtypes: dict
 @contextlib.contextmanager
 def static_experts() -> Iterator[None]:
     """Run transformers' fused-experts kernel on fake tensors (the planner's activation count,
-    :func:`scale.planner.census.count_activations`).
+    :func:`scale.planner.activations.count_activations`).
 
     transformers 5 computes the experts with ``grouped_mm_experts_forward``: static shapes (a sort of the ``n * k``
     token-expert pairs, ``histc`` offsets), then ``torch.nn.functional.grouped_mm``, whose fake (meta) kernel accepts

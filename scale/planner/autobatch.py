@@ -1,7 +1,11 @@
-"""``train.micro_batch_size: auto``: the largest micro-batch the memory plan (:mod:`scale.plan`) fits into
-``train.auto_memory_fraction`` of the GPU, resolved at start-up before anything reads the batch (the accelerator,
-a DeepSpeed config, the loaders); and, for a run with a set micro-batch, the hint when its plan leaves most of the
-GPU unused. One line each for the start-up log.
+"""The micro-batch search, and ``train.micro_batch_size: auto`` at start-up.
+
+:func:`largest_micro_batch` finds the largest micro-batch whose single-device plan (:func:`scale.planner.plan.make_plan`)
+fits a share of one device; :func:`auto_micro_batch` adds ``train.auto_global_batch_size`` (``scale-plan`` and the
+run share both). At start-up ``train.micro_batch_size: auto`` is resolved against the GPU's memory before anything
+reads the batch (:func:`resolve_auto_micro_batch`: the accelerator, a DeepSpeed config, the loaders), and, for a run
+with a set micro-batch, the hint when its plan leaves most of the GPU unused (:func:`under_used_line`); one line each
+for the start-up log.
 
     train.micro_batch_size=auto                                  # gradient_accumulation_steps as set: G grows
     train.micro_batch_size=auto train.auto_global_batch_size=256 # G stays 256: accumulation makes up the rest
@@ -11,17 +15,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from scale.config.schema import Config
 from scale.config.validation import ConfigError
-from scale.plan import auto_micro_batch, make_plan
 from scale.planner.census import GIB, PlanError
+from scale.planner.layouts import Rank
+from scale.planner.plan import HEADROOM, make_plan
 
 # Below this share of the device's memory, a run with a set micro-batch is told about train.micro_batch_size=auto.
 UNDER_USED = 0.25
-# The largest micro-batch auto picks (scale.plan.largest_micro_batch's default bound).
+# The largest micro-batch auto picks (scale.planner.autobatch.largest_micro_batch's default bound).
 MAX_ROWS = 4096
 
 
@@ -65,6 +71,94 @@ class AutoBatch:
         return text
 
 
+def largest_micro_batch(cfg: Config, gpu_mem_gib: float, fraction: float = 1 - HEADROOM,
+                        model_config: str | None = None, upper: int = 4096) -> tuple[int, Rank | None]:
+    """The largest ``train.micro_batch_size`` whose single-device plan fits ``fraction`` of one device's memory.
+
+    The plan's total (model states, saved activations, logits, transient bytes and the assumed framework overhead:
+    :func:`scale.planner.plan.make_plan`'s ``single`` row) is affine in the micro-batch at a fixed row length (everything but the model
+    states scales with the rows), so two plans (1 and 16 rows) give the candidate ``b = (limit - total(0)) / slope``;
+    plans at ``b`` and ``b + 1`` confirm it, and a bisection below ``b`` (or a doubling above it) takes over when the
+    total is not affine (a loss chunk size that changes with the rows): 4 plans when it is, each a fake-tensor forward.
+
+    Args:
+        cfg: the training config; every key but ``train.micro_batch_size`` is planned as given.
+        gpu_mem_gib: memory of the device (GiB).
+        fraction: the share of it the plan may fill (0 < fraction <= 1).
+        model_config: a ``config.json`` to plan instead of ``model.name_or_path``'s.
+        upper: the largest micro-batch returned.
+
+    Returns:
+        ``(micro_batch_size, its single-device Rank)``; ``(0, None)`` when even one row does not fit.
+
+    Raises:
+        PlanError: as :func:`scale.planner.plan.make_plan`, or ``fraction`` outside ``(0, 1]``.
+    """
+    if not 0 < fraction <= 1:
+        raise PlanError(f"memory fraction {fraction}: must be in (0, 1]")
+    limit = fraction * gpu_mem_gib * GIB
+    plans: dict[int, Rank] = {}
+
+    def total(b: int) -> Rank:
+        if b not in plans:
+            plans[b] = make_plan(replace(cfg, train=replace(cfg.train, micro_batch_size=b)), 1, gpu_mem_gib,
+                                 model_config=model_config, single_only=True).ranks[0]
+        return plans[b]
+
+    def fits(b: int) -> bool:
+        return not total(b).refused and total(b).total <= limit
+
+    if not fits(1):
+        return 0, None
+    slope = max((total(16).total - total(1).total) / 15, 1.0)
+    guess = int(min(max((limit - total(1).total) / slope + 1, 1), upper))
+    lo, hi = (guess, guess + 1) if fits(guess) else (1, guess)   # lo fits; hi does not, once checked
+    while lo < upper and hi <= upper and fits(hi):                # past the guess: double until a size does not fit
+        lo, hi = hi, min(2 * hi, upper + 1)
+    if lo >= upper or hi > upper:
+        return (upper, total(upper)) if fits(upper) else _bisect(lo, upper, fits, total)
+    return _bisect(lo, hi, fits, total)
+
+
+def auto_micro_batch(cfg: Config, data_parallel_size: int, gpu_mem_gib: float, model_config: str | None = None,
+                     upper: int = 4096) -> tuple[int, int, Rank | None]:
+    """``train.micro_batch_size: auto`` as the run resolves it: the largest micro-batch whose single-device plan fits
+    ``train.auto_memory_fraction`` of ``gpu_mem_gib`` (:func:`largest_micro_batch`, at most ``upper``); with
+    ``train.auto_global_batch_size`` ``G``, the largest that also divides ``G / data_parallel_size``, and the
+    accumulation that makes up the rest. Shared by ``scale-train`` (:mod:`scale.planner.autobatch`) and ``scale-plan``.
+
+    Returns:
+        ``(micro_batch_size, gradient_accumulation_steps, its single-device Rank)``; ``(0, steps as set, None)`` when
+        not even one row fits.
+
+    Raises:
+        PlanError: ``G`` not divisible by ``data_parallel_size``; as :func:`scale.planner.plan.make_plan`.
+    """
+    t = cfg.train
+    G = t.auto_global_batch_size
+    if G is not None and G % data_parallel_size:
+        raise PlanError(f"train.auto_global_batch_size={G} is not divisible by the {data_parallel_size} "
+                        f"data-parallel ranks: use a multiple of {data_parallel_size}")
+    per_rank = G // data_parallel_size if G is not None else upper
+    plain = replace(cfg, train=replace(t, auto_global_batch_size=None))  # a number with it set is refused
+    b, rank = largest_micro_batch(plain, gpu_mem_gib, t.auto_memory_fraction, model_config, upper=min(per_rank, upper))
+    if b == 0 or rank is None or G is None:
+        return b, t.gradient_accumulation_steps, rank
+    fit, b = b, max(d for d in range(1, b + 1) if per_rank % d == 0)
+    if b != fit:
+        rank = make_plan(replace(plain, train=replace(plain.train, micro_batch_size=b)), 1, gpu_mem_gib,
+                         model_config=model_config, single_only=True).ranks[0]
+    return b, per_rank // b, rank
+
+
+def _bisect(lo: int, hi: int, fits: Any, total: Any) -> tuple[int, Rank]:
+    """The largest size in ``[lo, hi)`` that fits, given that ``lo`` fits and ``hi`` does not."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, total(lo)
+
+
 def device_memory_gib(device: torch.device | None = None) -> float | None:
     """One GPU's memory in GiB (``torch.cuda.get_device_properties(...).total_memory``): this process's GPU
     (``LOCAL_RANK``, before the accelerator picks it), or ``None`` without CUDA."""
@@ -77,7 +171,7 @@ def device_memory_gib(device: torch.device | None = None) -> float | None:
 
 def resolve_auto_micro_batch(cfg: Config, data_parallel_size: int, memory_gib: float | None) -> AutoBatch | None:
     """Resolve ``train.micro_batch_size: auto`` in place: the largest micro-batch whose single-device plan
-    (:func:`scale.plan.largest_micro_batch`) fits ``train.auto_memory_fraction`` of ``memory_gib``; with
+    (:func:`scale.planner.autobatch.largest_micro_batch`) fits ``train.auto_memory_fraction`` of ``memory_gib``; with
     ``train.auto_global_batch_size`` ``G`` set, the largest that also divides ``G / data_parallel_size``, and
     ``train.gradient_accumulation_steps = G / (micro_batch_size x data_parallel_size)`` so the global batch stays.
     Without it, ``gradient_accumulation_steps`` stays as set and the global batch grows with the micro-batch (the
@@ -130,7 +224,7 @@ def resolve_auto_micro_batch(cfg: Config, data_parallel_size: int, memory_gib: f
 
 
 def planned_bytes(cfg: Config, micro_batch_size: int, memory_gib: float) -> int:
-    """The single-device plan's bytes (:func:`scale.plan.make_plan`'s first row) at ``micro_batch_size``.
+    """The single-device plan's bytes (:func:`scale.planner.plan.make_plan`'s first row) at ``micro_batch_size``.
 
     Raises:
         PlanError: the model cannot be planned.
@@ -154,3 +248,4 @@ def under_used_line(cfg: Config, memory_gib: float | None) -> str | None:
     return (f"memory: the plan of micro_batch_size {cfg.train.micro_batch_size} uses {planned:.1f} GiB of "
             f"{memory_gib:.1f} GiB per device, under a quarter: train.micro_batch_size: auto picks the largest that "
             f"fits train.auto_memory_fraction")
+

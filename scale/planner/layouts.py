@@ -26,7 +26,8 @@ import torch
 from scale.config.load import configs_dir
 from scale.config.schema import Config
 from scale.modeling.attention import sequence_parallel_problem
-from scale.planner.census import DTYPES, GIB, Activations, ParamInfo, nbytes, nf4_bytes
+from scale.planner.activations import Activations
+from scale.planner.census import DTYPES, GIB, ParamInfo, nbytes, nf4_bytes
 
 # Launch modes, cheapest first: bytes moved between ranks per optimizer step (W = all weights, G = trainable
 # gradients): single 0; DDP all-reduce of G; ZeRO-1/2 reduce-scatter of G + all-gather of the updated trainable
@@ -155,7 +156,7 @@ def sequence_parallel_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool
 
     Model states are ZeRO's over all ``world`` ranks (DeepSpeed partitions over the sequence-and-data-parallel group,
     every rank: the same bytes as without sequence parallelism). Activations and the LM head/loss are ``acts`` as
-    counted for one rank's shard (:func:`scale.planner.census.count_activations` with ``sp = N``). Transient: the recomputed
+    counted for one rank's shard (:func:`scale.planner.activations.count_activations` with ``sp = N``). Transient: the recomputed
     layer and the loss backward of the shard, plus the all-to-all buffers of one attention call: a send and a
     receive copy of query, key, value and output, each ``[B, T / N, heads x head size]`` (an estimate).
     """
@@ -187,7 +188,7 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
 
     Args:
         cfg: the training config.
-        params: :func:`census` of the model.
+        params: :func:`scale.planner.census.census` of the model.
         acts: activations by precision regime: ``acts[False]`` with the dtypes as trained, ``acts[True]`` with every
             floating parameter in the mixed-precision dtype (DeepSpeed with bf16/fp16 casts the module).
         mode: one of :data:`MODES`.
