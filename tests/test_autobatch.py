@@ -74,7 +74,7 @@ def test_auto_run_trains_as_the_number_it_resolved_to(tmp_path, monkeypatch, cap
     from scale.train import run
 
     steps = ["train.max_steps=2", "train.log_every=1", "train.eval_every=0", "log.trackers=[]"]
-    monkeypatch.setattr("scale.training.parts.launch.device_memory_gib", lambda device: MEMORY_GIB)
+    monkeypatch.setattr("scale.planner.autobatch.device_memory_gib", lambda device: MEMORY_GIB)
     caplog.set_level(logging.INFO)
     run(tiny_cfg(tmp_path / "auto", "train.micro_batch_size=auto", "train.auto_global_batch_size=8", *steps))
     said = [r.getMessage().removeprefix("[RANK 0] ") for r in caplog.records]  # accelerate's logger adds the rank

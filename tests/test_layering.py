@@ -89,7 +89,7 @@ ALLOWED: dict[str, set[str]] = {
     "training.startup": {"training.checks", "utils.compat", "data.token_table", "data.tokenize", "distributed.launch", "config.names", "training.parts", "training.precision",
                 "training.schedule", "config.schema"},  # the start-up lines
     # scale/training/parts/: each part of a run builds itself (launch, data, model, loaders, ...)
-    "training.parts": {"utils.assets", "modeling.attention", "planner.autobatch", "training.best", "training.checkpoint", "distributed.collective", "data.cache", "data.collate",
+    "training.parts": {"utils.assets", "modeling.attention", "planner", "training.best", "training.checkpoint", "distributed.collective", "data.cache", "data.collate",
               "data.mixing", "data.order", "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize",
               "training.evaluate", "generation.export", "utils.flops", "modeling.kernels", "distributed.launch", "training.metrics", "modeling.mixed_paths", "modeling.build", "modeling.moe",
               "objectives", "training.precision", "training.samples", "training.schedule", "config.schema", "training.state", "training.tracking", "distributed.ulysses", "config.validation",
@@ -122,7 +122,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"config.load"},  # the wing's face: hands config.load's names on
     "loss": {"loss.tail"},  # the wing's face: hands loss.tail's names on
     "modeling": {"modeling.build"},  # the wing's face: hands modeling.build's names on
-    "planner": set(),  # the wing's face
+    "planner": {"planner.autobatch"},  # the wing's face: the run's one door (plan_micro_batch)
     "distributed": set(),  # the wing's face
     "training": set(),  # the wing's face
     "assets": {"utils.assets"},  # kept for scripts outside the package
@@ -149,13 +149,13 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("data: cache", {"data.token_table", "data.cache"}),
     ("data: collation and order", {"data.collate", "data.order", "data.sequence"}),
     ("data: the package's face", {"data"}),
-    ("the memory plan (scale-plan; the start-up plans train.micro_batch_size=auto)", {"planner.plan", "planner.autobatch"}),
+    ("the memory plan (scale-plan; the start-up plans train.micro_batch_size=auto)", {"planner.plan", "planner.autobatch", "planner"}),
     ("the loop side", {
                        "distributed.inputs", "distributed.collective", "training.metrics", "training.precision", "training.tracking", "distributed.launch", "distributed.ulysses", "training.checks",
                        "training.checkpoint", "training.best", "training.evaluate", "training.samples", "generation.export", "generation.generator", "generate", "training.parts", "training.startup", "training.windows",
                        "training.job", "training.commit", "train"}),
     ("entry points", {"cli", "env", "prepare", "report", "lmeval", "export", "plan"}),
-    ("the wings' faces and the re-export modules: nothing inside imports them", {"utils", "config", "loss", "modeling", "planner", "distributed", "training", "generation", "assets", "job"}),
+    ("the wings' faces and the re-export modules: nothing inside imports them", {"utils", "config", "loss", "modeling", "distributed", "training", "generation", "assets", "job"}),
 ]
 # Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and
 # `--accelerate-config` import neither torch nor accelerate (scale/cli.py's module comment), and start_fast imports

@@ -5,6 +5,13 @@ together by :mod:`scale.planner.plan` (with :mod:`scale.planner.pairs` for prefe
 :mod:`scale.planner.moe` for mixture-of-experts models); :mod:`scale.planner.autobatch` searches the largest
 micro-batch that fits. ``scale-plan`` (:mod:`scale.plan`) prints a plan.
 
+The training run consults the planner through this face only, and through one function:
+:func:`~scale.planner.autobatch.plan_micro_batch` (``train.micro_batch_size: auto`` and the under-used-GPU line).
+
 Imports the wings below it (utils, config, loss, data, modeling, objectives); never ``accelerate`` or
 ``torch.distributed``.
 """
+
+from scale.planner.autobatch import MicroBatch, plan_micro_batch
+
+__all__ = ["MicroBatch", "plan_micro_batch"]

@@ -1,11 +1,11 @@
-"""The micro-batch search, and ``train.micro_batch_size: auto`` at start-up.
+"""The micro-batch search and the run's one door to the planner.
 
 :func:`largest_micro_batch` finds the largest micro-batch whose single-device plan (:func:`scale.planner.plan.make_plan`)
 fits a share of one device; :func:`auto_micro_batch` adds ``train.auto_global_batch_size`` (``scale-plan`` and the
-run share both). At start-up ``train.micro_batch_size: auto`` is resolved against the GPU's memory before anything
-reads the batch (:func:`resolve_auto_micro_batch`: the accelerator, a DeepSpeed config, the loaders), and, for a run
-with a set micro-batch, the hint when its plan leaves most of the GPU unused (:func:`under_used_line`); one line each
-for the start-up log.
+run share both). :func:`plan_micro_batch` is what the training start-up asks, and all it asks: ``train.micro_batch_size:
+auto`` resolved against the GPU's memory before anything reads the batch (the accelerator, a DeepSpeed config, the
+loaders), and, for a run with a set micro-batch, the hint when its plan leaves most of the GPU unused; one line each
+for the start-up log (:meth:`MicroBatch.line`).
 
     train.micro_batch_size=auto                                  # gradient_accumulation_steps as set: G grows
     train.micro_batch_size=auto train.auto_global_batch_size=256 # G stays 256: accumulation makes up the rest
@@ -249,3 +249,40 @@ def under_used_line(cfg: Config, memory_gib: float | None) -> str | None:
             f"{memory_gib:.1f} GiB per device, under a quarter: train.micro_batch_size: auto picks the largest that "
             f"fits train.auto_memory_fraction")
 
+
+@dataclass
+class MicroBatch:
+    """The start-up's micro-batch as the planner settled it (:func:`plan_micro_batch`).
+
+    Attributes:
+        cfg: the run's config (``train.micro_batch_size`` a number once ``auto`` is resolved).
+        memory_gib: one device's memory (GiB), or None on a CPU.
+        auto: what ``train.micro_batch_size: auto`` resolved to, or None when the config set a number.
+    """
+
+    cfg: Config
+    memory_gib: float | None
+    auto: AutoBatch | None
+
+    def line(self) -> str | None:
+        """The start-up line: ``auto``'s choice (:meth:`AutoBatch.line`), else the hint of :func:`under_used_line`,
+        planned from the config as it stands when asked (the main process asks once the accelerator has settled
+        ``train.mixed_precision: auto``); None when there is nothing to say."""
+        return self.auto.line() if self.auto else under_used_line(self.cfg, self.memory_gib)
+
+
+def plan_micro_batch(cfg: Config, data_parallel_size: int, device: torch.device) -> MicroBatch:
+    """What the training start-up asks the planner: ``train.micro_batch_size: auto`` resolved in place against
+    ``device``'s memory (:func:`resolve_auto_micro_batch`), before anything reads the batch, and the line to log
+    (:meth:`MicroBatch.line`). Every rank calls it alike.
+
+    Args:
+        cfg: the config; resolved in place as :func:`resolve_auto_micro_batch` says.
+        data_parallel_size: ranks that hold different rows.
+        device: where this rank computes (:func:`device_memory_gib` reads a GPU's memory; a CPU has none).
+
+    Raises:
+        ConfigError: as :func:`resolve_auto_micro_batch`.
+    """
+    memory = device_memory_gib(device)  # None on a CPU
+    return MicroBatch(cfg, memory, resolve_auto_micro_batch(cfg, data_parallel_size, memory))

@@ -20,7 +20,7 @@ from scale.config.schema import Config
 from scale.distributed.launch import ModePlan, build_accelerator, plan_for_mode
 from scale.distributed.ulysses import SequenceParallel
 from scale.modeling.attention import check_attention, check_sequence_parallel_config
-from scale.planner.autobatch import device_memory_gib, resolve_auto_micro_batch, under_used_line
+from scale.planner import plan_micro_batch
 from scale.training.checkpoint import adapt_to_checkpoint, check_resume, pick_resume, register_hooks, saved_precision
 from scale.training.precision import PrecisionChoice, resolve_mixed_precision
 from scale.training.state import TrainerState
@@ -61,7 +61,7 @@ def build_launch(cfg: Config) -> Launch:
 
     ``train.mixed_precision=auto`` is resolved in place, once for every rank (rank 0 decides, a resume keeps its
     checkpoint's): ``config.yaml``, the checkpoints and the Accelerator get the choice. ``train.micro_batch_size=auto``
-    is resolved in place before anything reads the batch (:func:`scale.planner.autobatch.resolve_auto_micro_batch`), and a GPU
+    is resolved in place before anything reads the batch (:func:`scale.planner.plan_micro_batch`), and a GPU
     run whose plan uses under a quarter of the device is told so; one start-up line each. A resume on another number
     of processes keeps the checkpoint's global batch: the accumulation is set before the accelerator (and a
     DeepSpeed config) reads it; ``WORLD_SIZE`` is the launcher's (1 without one).
@@ -74,15 +74,14 @@ def build_launch(cfg: Config) -> Launch:
     out = Path(cfg.output_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     data_parallel = cfg.train.data_parallel_size(int(os.environ.get("WORLD_SIZE", "1")))
-    memory = device_memory_gib(device)  # None on a CPU
-    auto = resolve_auto_micro_batch(cfg, data_parallel, memory)  # before the accelerator reads the batch
+    micro_batch = plan_micro_batch(cfg, data_parallel, device)  # auto resolved: before the accelerator reads the batch
     regrouped = adapt_to_checkpoint(cfg, data_parallel)
     decided: list[Any] = []
     acc = build_accelerator(cfg, settle=lambda: decided.append(
         resolve_mixed_precision(cfg, device, saved=saved_precision(cfg.train.resume_from, out))))  # collective
     plan = plan_for_mode(cfg, acc)
     if acc.is_main_process:
-        for line in (auto.line() if auto else under_used_line(cfg, memory), regrouped):
+        for line in (micro_batch.line(), regrouped):
             if line:
                 logger.info(line)
     resume = pick_resume(acc, cfg)  # collective: latest/auto -> the newest checkpoint that verifies
