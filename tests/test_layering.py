@@ -111,7 +111,8 @@ ALLOWED: dict[str, set[str]] = {
               "utils.signals", "training.state", "training.tracking", "distributed.ulysses", "training.windows"},
     "cli": {"utils.assets", "training.checkpoint", "training.commit", "config.load", "config.help", "data.mixing", "data.read", "data.tokenize",
             "distributed.inputs",
-            "distributed.launch", "utils.logs", "modeling.build", "config.schema", "utils.signals", "distributed.topology", "train", "config.validation"},
+            "distributed.launch", "distributed.launcher", "utils.logs", "modeling.build", "config.schema", "utils.signals", "train", "config.validation"},
+    "distributed.launcher": {"config.load", "distributed.topology"},  # scale-train --accelerate-config
     "report": {"config.load", "config.help", "training.metrics", "training.schedule", "config.validation"},
     "prepare": {"utils.assets", "config.load", "config.help", "data.cache", "data.read", "data.token_table", "utils.logs", "modeling.build",
                 "config.validation"},  # scale-prepare
@@ -136,7 +137,8 @@ DISTRIBUTED = {"distributed.launch", "distributed.rendezvous", "training.metrics
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"utils.compat", "utils.fileio", "utils.flops", "utils.logs", "utils.signals", "training.state", "distributed.rendezvous", "config.validation", "config.schema",
                      "utils.wrapped",
-                     "config.names", "config.load", "config.help", "utils.assets", "training.schedule", "distributed.topology"}),
+                     "config.names", "config.load", "config.help", "utils.assets", "training.schedule", "distributed.topology",
+                     "distributed.launcher"}),
     ("model and loss (plain tensors)", {"loss.tail", "loss.chunked", "objectives", "modeling.moe", "modeling.build", "modeling.mixed_paths",
                                         "modeling.kernels", "modeling.attention", "planner.census", "planner.layouts", "modeling.varlen",
                                         "planner.activations", "planner.pairs", "planner.moe"}),

@@ -55,7 +55,7 @@ from scale.data.tasks import get
 from scale.data.tasks.base import Builder
 from scale.data.tasks.chat_template import chat_template_path
 from scale.data.token_table import LISTS, SCALARS, TokenTable
-from scale.data.tokenize import Splits, _tokenize, build_splits, fingerprint_bytes, with_task
+from scale.data.tokenize import BatchEncoded, Splits, _tokenize, build_splits, fingerprint_bytes, with_task
 from scale.utils.fileio import sha256_file, temp_dir_for, write_text_atomic
 
 logger = logging.getLogger(__name__)
@@ -120,37 +120,6 @@ def fingerprint(cfg: Any, tokenizer: Any, path: str) -> tuple[str, dict[str, Any
 
 # ---- building ----
 
-class _BatchEncoded:
-    """The tokenizer, except that ``tokenizer(text, add_special_tokens=False)`` for a text of ``texts`` is
-    answered from one batched encode (Rust, no per-call Python overhead). The ids are those of one call each."""
-
-    def __init__(self, tokenizer: Any, texts: list[str]) -> None:
-        self._tok = tokenizer
-        unique = list(dict.fromkeys(texts))
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if not unique:
-            encoded = []
-        elif backend is not None and backend.truncation is None and backend.padding is None \
-                and hasattr(backend, "encode_batch_fast"):
-            # What tokenizer(text, add_special_tokens=False) runs, minus transformers' per-text Python
-            # (offsets, BatchEncoding): the same Rust encode, so the same ids (tests/test_data_scale.py).
-            encoded = [e.ids for e in backend.encode_batch_fast(unique, add_special_tokens=False)]
-        else:
-            encoded = tokenizer(unique, add_special_tokens=False)["input_ids"]
-        self._memo = dict(zip(unique, encoded))
-
-    def __call__(self, text: Any, *args: Any, add_special_tokens: bool = True, **kw: Any) -> Any:
-        if not args and not kw and not add_special_tokens and isinstance(text, str) and text in self._memo:
-            return {"input_ids": self._memo[text]}
-        return self._tok(text, *args, add_special_tokens=add_special_tokens, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tok, name)
-
-    def __len__(self) -> int:
-        return len(self._tok)
-
-
 _WORK: dict[str, Any] = {}  # set before the pool forks: the rows, task, builder and loss config the workers read
 
 
@@ -161,7 +130,7 @@ def _tokenize_span(span: tuple[int, int]) -> tuple[dict[str, np.ndarray], tuple[
     rows, builder, task = _WORK["rows"][span[0]:span[1]], copy.copy(_WORK["builder"]), _WORK["task"]
     builder.dropped, builder.drop_info, builder.notes = [], [], {}
     texts = [t for r in rows for t in task.texts(r, builder.cfg)]  # what the format's encode() will encode
-    builder.tokenizer = _BatchEncoded(_WORK["builder"].tokenizer, texts)
+    builder.tokenizer = BatchEncoded(_WORK["builder"].tokenizer, texts)
     examples = _tokenize(rows, task, builder, _WORK["loss"])
     lengths = np.fromiter((len(e.input_ids) for e in examples), dtype=np.int32, count=len(examples))
     values = np.fromiter(itertools.chain.from_iterable(e.input_ids for e in examples), dtype=_WORK["dtype"],

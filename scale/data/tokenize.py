@@ -50,6 +50,38 @@ def tokenize_rows(rows: Rows, tokenizer: Any, data_cfg: DataConfig, loss_cfg: Lo
     return _tokenize(rows, task, Builder(tokenizer, data_cfg), loss_cfg)
 
 
+class BatchEncoded:
+    """The tokenizer, except that ``tokenizer(text, add_special_tokens=False)`` for a text of ``texts`` is
+    answered from one batched encode (Rust, no per-call Python overhead). The ids are those of one call each. The
+    token cache's workers tokenize through it (:mod:`scale.data.cache`)."""
+
+    def __init__(self, tokenizer: Any, texts: list[str]) -> None:
+        self._tok = tokenizer
+        unique = list(dict.fromkeys(texts))
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if not unique:
+            encoded = []
+        elif backend is not None and backend.truncation is None and backend.padding is None \
+                and hasattr(backend, "encode_batch_fast"):
+            # What tokenizer(text, add_special_tokens=False) runs, minus transformers' per-text Python
+            # (offsets, BatchEncoding): the same Rust encode, so the same ids (tests/test_data_scale.py).
+            encoded = [e.ids for e in backend.encode_batch_fast(unique, add_special_tokens=False)]
+        else:
+            encoded = tokenizer(unique, add_special_tokens=False)["input_ids"]
+        self._memo = dict(zip(unique, encoded))
+
+    def __call__(self, text: Any, *args: Any, add_special_tokens: bool = True, **kw: Any) -> Any:
+        if not args and not kw and not add_special_tokens and isinstance(text, str) and text in self._memo:
+            return {"input_ids": self._memo[text]}
+        return self._tok(text, *args, add_special_tokens=add_special_tokens, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+    def __len__(self) -> int:
+        return len(self._tok)
+
+
 def _tokenize(rows: list[dict[str, Any]], task: Any, b: Builder, loss_cfg: LossConfig) -> list[Example]:
     """Every row's examples (a format may make none, one or several of a row), and ``b.notes["trained_tokens"]``
     counts their trained tokens."""
