@@ -1,17 +1,20 @@
-"""The package's layout: which room may import which, who may touch accelerate/torch.distributed, and the three
-counts of issue 28 over the whole package: no import circle, no import that runs up the layers, no import of a
-scale module inside a function (the documented exceptions are listed here).
+"""The package's layout: its wings (the subpackages of ``scale/``), which wing may import which, which room may import
+which, who may touch accelerate/torch.distributed, and three counts over the whole package: no import circle, no import
+that runs up the layers, no import of a scale module inside a function (the documented exceptions are listed here).
 
-A room is a module of ``scale/`` (``config``), a stage of ``scale/data/`` (``data.read``), the format package
-``scale/data/tasks/`` (``data.tasks``) or the data package's face (``data``: its ``__init__``). A new module
-must be added to ``ALLOWED`` (with the rooms it may import) and to a layer of ``LAYERS``: the layout is a
-decision, not an accident. Imports inside functions and under ``TYPE_CHECKING`` count too.
+A wing is a subpackage of ``scale/`` (``scale/planner/``) or the package root (``root``: the loop ``train``, ``cli`` and
+the other commands). A room is a module named by its dotted path under ``scale/`` (``planner.census``), a package read
+as one room (:data:`PACKAGE_ROOMS`: ``data.tasks``, ``objectives``, ...) or a package's face (its ``__init__``:
+``planner``). A new module must be added to ``ALLOWED`` (with the rooms it may import) and to a layer of its wing in
+``LAYERS``: the layout is a decision, not an accident. Imports inside functions and under ``TYPE_CHECKING`` count too.
+docs/architecture.md draws the same map for a reader.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -20,156 +23,204 @@ from tests.conftest import ROOT
 
 SCALE = ROOT / "scale"
 
-# room -> the rooms it may import. Plain-tensor rooms first, then the data stages, the loop side, the entry points.
+# The wings, bottom first: wing -> the wings it may import (only wings listed before it). Each wing's face says the
+# same in its last paragraph ("Imports ..."), checked below.
+WINGS: dict[str, tuple[str, ...]] = {
+    "utils": (),  # files, logs, signals, library versions, FLOPs, the embedded assets, the wrapped model
+    "config": ("utils",),  # the schema, its rules, YAML and overrides, --help
+    "loss": ("utils", "config"),  # tail cross-entropy on plain tensors
+    "data": ("utils", "config", "loss"),  # rows -> tokens -> batches, one stage per module
+    "modeling": ("utils", "config", "loss"),  # the model: base, LoRA, MoE, attention, kernels
+    "objectives": ("utils", "config", "loss", "data", "modeling"),  # what a run minimises, one file per objective
+    "planner": ("utils", "config", "loss", "data", "modeling", "objectives"),  # bytes per rank, from configs
+    "distributed": ("utils", "config", "loss", "data", "modeling"),  # processes, the Accelerator, collectives
+    "generation": ("utils", "config", "loss", "data", "modeling", "objectives"),  # serving files, generate
+    "training": ("utils", "config", "loss", "data", "modeling", "objectives", "planner", "distributed", "generation"),
+    "root": ("utils", "config", "loss", "data", "modeling", "objectives", "planner", "distributed", "generation",
+             "training"),  # the loop (train), the commands
+}
+# Wings of plain-tensor code: never accelerate, torch.distributed or deepspeed.
+PLAIN = ("utils", "config", "loss", "data", "modeling", "objectives", "planner", "generation")
+# Faces that hand a wing's names on to scripts outside the package (`from scale.config import load_config`), and the
+# root modules kept for them: nothing inside the package imports these.
+FOR_OUTSIDE = ("utils", "config", "loss", "modeling", "distributed", "generation", "training", "assets", "job")
+
+# room -> the rooms it may import.
 ALLOWED: dict[str, set[str]] = {
-    "utils.fileio": set(),
+    # utils
+    "utils.fileio": set(),  # atomic writes, file hashes
     "utils.compat": set(),  # library APIs that moved between the declared bounds, and the tested version ranges
     "utils.logs": set(),  # the log format and third-party notice filters every command uses
     "utils.flops": set(),
     "utils.signals": set(),
-    "training.state": {"config.validation"},  # TrainerState, SaveTimer (moved out of checkpoint, issue 20), a resume's global batch
+    "utils.assets": {"utils.fileio"},
+    "utils.wrapped": set(),  # the transformers model under DDP/DeepSpeed/peft wrappers (attribute walking only)
+    "utils": set(),  # the face: hands nothing on
+    # config
     "config.validation": set(),  # the config's rules and ConfigError: the schema imports them
     "config.schema": {"config.validation"},  # Config.__post_init__ runs the rules
-    "training.best": {"utils.fileio", "training.state", "config.validation"},  # train.keep_best, early stopping (issue 20)
-    "config.help": {"config.names", "config.schema", "config.validation"},  # --help and docs/config.md, generated from the schema
-    "config.load": {"utils.fileio", "config.names", "config.schema", "config.validation"},
     "config.names": {"config.schema"},  # TRL/transformers names -> scale keys, closest keys to a typo
-    "distributed.topology": {"config.validation"},  # processes per machine: one per visible GPU (torch only where a GPU driver is)
-    "utils.assets": {"utils.fileio"},
-    "training.schedule": {"config.schema"},
-    "utils.wrapped": set(),  # the transformers model under DDP/DeepSpeed/peft wrappers (attribute walking only)
+    "config.load": {"config.names", "config.schema", "config.validation", "utils.fileio"},
+    "config.help": {"config.names", "config.schema", "config.validation"},  # --help and docs/config.md
+    "config": {"config.load"},  # the face: hands config.load's names on
+    # loss
     "loss.tail": {"utils.wrapped"},
     "loss.chunked": {"loss.tail"},  # the chunked tail loss: fp32 logits of one chunk of the tail at a time
-    "objectives": {"loss.chunked", "loss.tail", "config.schema", "config.validation"},  # one file per objective; loss.objective picks one
-    "modeling.build": {"utils.assets", "utils.compat", "modeling.moe", "config.schema", "config.validation"},
-    "modeling.moe": {"utils.compat", "utils.flops", "config.validation"},  # mixture-of-experts models: LoRA targets, expert load, active counts
+    "loss": {"loss.tail"},  # the face: hands loss.tail's names on
+    # data: the stages, each importing only the ones before it (LAYERS)
+    "data.read": {"config.schema"},  # files -> rows of cells; DataError
+    "data.sources": {"data.read", "utils.assets", "utils.fileio"},  # any source -> rows
+    "data.tasks": {"config.load", "config.schema", "data.read", "data.sources", "loss.tail"},  # one module per format
+    "data.split": {"config.schema", "data.read"},  # one source's train/eval rows
+    "data.mixing": {"config.schema", "config.validation", "data.read", "data.sources", "data.split", "data.tasks",
+                    "utils.assets"},
+    "data.tokenize": {"config.schema", "config.validation", "data.mixing", "data.read", "data.split",
+                      "data.tasks"},  # -> Splits
+    "data.token_table": {"data.tasks"},  # the cache's memory-mapped splits
+    "data.cache": {"config.validation", "data.mixing", "data.read", "data.tasks", "data.token_table", "data.tokenize",
+                   "utils.fileio"},
+    "data.collate": {"data.tasks"},  # padded, padding-free and packed batches
+    "data.order": set(),  # length-grouped sampling, packing into bins
+    "data.sequence": {"data.collate"},  # sequence-parallel rows: each rank's shard
+    "data": {"data.collate", "data.read", "data.split", "data.tasks", "data.tokenize"},  # the face: hands names on
+    # modeling
+    "modeling.moe": {"config.validation", "utils.compat", "utils.flops"},  # MoE: LoRA targets, expert load, counts
+    "modeling.attention": {"config.schema", "config.validation"},  # which attention: kernel, packing, SP
     "modeling.mixed_paths": {"utils.wrapped"},  # mixed-precision paths with fewer casts (bf16 autocast where it pays)
-    "modeling.kernels": {"config.validation", "utils.wrapped"},  # model.kernels: Liger-Kernel's RMSNorm/SwiGLU/RoPE patches, by model family
+    "modeling.kernels": {"config.validation", "utils.wrapped"},  # model.kernels: Liger-Kernel's patches, by family
+    "modeling.build": {"config.schema", "config.validation", "modeling.moe", "utils.assets", "utils.compat"},
     # packed rows' attention one example at a time where no varlen kernel runs
     "modeling.varlen": {"loss.tail", "modeling.mixed_paths", "utils.wrapped"},
-    "modeling.attention": {"config.schema", "config.validation"},  # which attention a run may use: the kernel, packing, sequence parallelism
-    # scale-plan's counts: meta/fake tensors, no process group
-    "planner.census": {"config.load", "config.schema", "modeling.build", "modeling.moe"},
-    "planner.activations": {"config.schema", "loss.chunked", "loss.tail", "modeling.moe", "objectives", "planner.census"},
-    "planner.pairs": {"config.schema", "objectives", "planner.activations", "utils.flops"},
-    "planner.moe": {"modeling.moe", "planner.census", "utils.flops"},
+    "modeling": {"modeling.build"},  # the face: hands modeling.build's names on
+    # objectives: one file per objective; loss.objective picks one
+    "objectives": {"config.schema", "config.validation", "loss.chunked", "loss.tail"},
+    # planner: scale-plan's counts, meta/fake tensors, no process group
+    "planner.census": {"config.load", "config.schema", "modeling.build", "modeling.moe"},  # parameters
+    "planner.activations": {"config.schema", "loss.chunked", "loss.tail", "modeling.moe", "objectives",
+                            "planner.census"},  # saved activations; objectives: the pairs' loss
+    "planner.moe": {"modeling.moe", "planner.census", "utils.flops"},  # the plan's line for a MoE model
+    "planner.pairs": {"config.schema", "objectives", "planner.activations", "utils.flops"},  # a preference job's
+    # where each launch mode keeps the bytes; modeling: the sequence-parallel guard, for the SP columns
     "planner.layouts": {"config.load", "config.schema", "modeling.attention", "planner.activations", "planner.census"},
-    # scale/data/: the stages, each importing only the ones before it (LAYERS)
-    "data.read": {"config.schema"},                                   # files -> rows of cells; DataError
-    "data.sources": {"utils.assets", "data.read", "utils.fileio"},         # any source -> rows
-    "data.tasks": {"config.load", "data.read", "data.sources", "loss.tail", "config.schema"},  # one module per format: rows -> tokens
-    "data.split": {"data.read", "config.schema"},                     # one source's train/eval rows
-    "data.mixing": {"utils.assets", "data.read", "data.sources", "data.split", "data.tasks", "config.schema", "config.validation"},
-    "data.tokenize": {"data.mixing", "data.read", "data.split", "data.tasks", "config.schema", "config.validation"},  # -> Splits
-    "data.token_table": {"data.tasks"},                        # the cache's memory-mapped splits
-    "data.cache": {"data.mixing", "data.read", "data.tasks", "data.token_table", "data.tokenize", "utils.fileio",
-                   "config.validation"},
-    "data.collate": {"data.tasks"},                            # padded, padding-free and packed batches
-    "data.order": set(),                                       # length-grouped sampling, packing into bins
-    "data.sequence": {"data.collate"},                         # sequence-parallel rows: each rank's shard (issue 29)
-    "data": {"data.collate", "data.read", "data.split", "data.tasks", "data.tokenize"},  # the face: hands names on
-    "generation.export": {"config.load", "config.schema", "data.tasks", "modeling.build", "modeling.moe",
-                          "utils.fileio"},
-    "generate": {"config.help", "generation.generator", "modeling.build", "utils.logs"},
-    "generation.generator": {"config.load", "config.schema", "data.tasks", "generation.export", "modeling.build",
-                             "modeling.moe"},
-    # scale-lm-eval: the eval split (token cache, samples' prompt/answer split) as a harness task
-    "lmeval": {"utils.assets", "config.load", "config.help", "data", "data.cache", "data.read", "data.tasks", "generation.export", "utils.fileio",
-               "utils.logs", "modeling.build", "training.samples"},
-    "planner.plan": {"config.schema", "data.tokenize", "modeling.build", "planner.activations", "planner.census", "planner.layouts", "planner.moe", "planner.pairs", "utils.assets"},
-    "plan": {"config.help", "config.load", "config.schema", "config.validation", "planner.autobatch", "planner.census", "planner.layouts", "planner.plan", "training.state", "utils.logs"},
-    # state: --resume reads a checkpoint's trainer_state.json
-    # the loop side: may import accelerate / torch.distributed
+    "planner.plan": {"config.schema", "data.tokenize", "modeling.build", "planner.activations", "planner.census",
+                     "planner.layouts", "planner.moe", "planner.pairs", "utils.assets"},  # data: the tails
+    "planner.autobatch": {"config.schema", "config.validation", "planner.census", "planner.layouts",
+                          "planner.plan"},  # the micro-batch search; train.micro_batch_size=auto at start-up
+    "planner": {"planner.autobatch"},  # the face: the run's one door (plan_micro_batch)
+    # distributed: may import accelerate / torch.distributed
+    "distributed.topology": {"config.validation"},  # processes per machine (torch only where a GPU driver is)
     "distributed.rendezvous": set(),
-    "distributed.launch": {"config.load", "distributed.inputs", "distributed.rendezvous", "config.schema", "distributed.topology", "config.validation"},
+    "distributed.collective": set(),  # on_every_rank, main_process_first, shared_run_id
     # paths, output_dir, GPU-only kernels, trackers: checked before any process group
     "distributed.inputs": {"config.schema", "config.validation"},
-    "planner.autobatch": {"config.schema", "config.validation", "planner.census", "planner.layouts", "planner.plan"},
-    "distributed.collective": set(),  # on_every_rank, main_process_first, shared_run_id
-    "training.startup": {"training.checks", "utils.compat", "data.token_table", "data.tokenize", "distributed.launch", "config.names", "training.parts", "training.precision",
-                "training.schedule", "config.schema"},  # the start-up lines
-    # scale/training/parts/: each part of a run builds itself (launch, data, model, loaders, ...)
-    "training.parts": {"utils.assets", "modeling.attention", "planner", "training.best", "training.checkpoint", "distributed.collective", "data.cache", "data.collate",
-              "data.mixing", "data.order", "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize",
-              "training.evaluate", "generation.export", "utils.flops", "modeling.kernels", "distributed.launch", "training.metrics", "modeling.mixed_paths", "modeling.build", "modeling.moe",
-              "objectives", "training.precision", "training.samples", "training.schedule", "config.schema", "training.state", "training.tracking", "distributed.ulysses", "config.validation",
-              "modeling.varlen"},
-    "training.windows": {"loss.tail", "objectives", "utils.signals", "training.state"},  # accumulation windows: one all-gather per optimizer step
-    "distributed.ulysses": {"data.sequence"},  # the sequence-parallel attention, loaders and eval forward (DeepSpeed Ulysses)
-    "training.metrics": {"utils.fileio", "utils.flops", "config.schema"},
-    "training.precision": {"utils.fileio", "utils.flops", "config.schema"},  # train.mixed_precision=auto, the GEMM probe, one device's peak FLOP/s
-    "training.tracking": {"config.load", "utils.fileio", "training.metrics", "config.schema"},
+    "distributed.ulysses": {"data.sequence"},  # sequence-parallel attention, loaders, eval forward (DeepSpeed Ulysses)
+    "distributed.launch": {"config.load", "config.schema", "config.validation", "distributed.inputs",
+                           "distributed.rendezvous", "distributed.topology"},
+    "distributed.launcher": {"config.load", "distributed.topology"},  # scale-train --accelerate-config (no torch)
+    "distributed": set(),  # the face: hands nothing on
+    # generation
+    "generation.export": {"config.load", "config.schema", "data.tasks", "modeling.build", "modeling.moe",
+                          "utils.fileio"},  # serving files, the merged model
+    "generation.generator": {"config.load", "config.schema", "data.tasks", "generation.export", "modeling.build",
+                             "modeling.moe"},  # answering as the run trained
+    "generation": set(),  # the face: hands nothing on
+    # training: may import accelerate / torch.distributed
+    "training.state": {"config.validation"},  # TrainerState, SaveTimer, a resume's global batch
+    "training.schedule": {"config.schema"},
+    "training.precision": {"config.schema", "utils.fileio", "utils.flops"},  # mixed_precision=auto, peak FLOP/s
+    "training.metrics": {"config.schema", "utils.fileio", "utils.flops"},
     "training.checks": {"modeling.build"},
-    # the package scale/training/checkpoint/: store, resume rules, save/load, the portable state any launch mode loads
-    "training.checkpoint": {"config.load", "utils.fileio", "distributed.launch", "modeling.build", "config.schema", "training.state", "config.validation"},
+    "training.best": {"config.validation", "training.state", "utils.fileio"},  # train.keep_best, early stopping
+    "training.tracking": {"config.load", "config.schema", "training.metrics", "utils.fileio"},
     "training.evaluate": {"data.tasks", "loss.tail", "objectives", "utils.signals"},
-    "training.samples": {"training.checkpoint", "utils.signals", "training.tracking"},  # generation at each evaluation (issue 20)
-    "training.job": {"training.checkpoint", "config.load", "data.tasks", "distributed.launch", "training.metrics", "modeling.build", "objectives", "training.parts", "training.precision",
-            "training.samples", "config.schema", "training.startup", "training.state", "distributed.ulysses"},
-    "training.commit": {"training.job", "training.metrics", "training.windows"},  # when a trained window's optimizer step is applied (StepCommit)
-    "train": {"training.best", "training.checkpoint", "training.checks", "training.commit", "training.evaluate", "generation.export", "training.job", "training.metrics", "training.samples", "config.schema",
-              "utils.signals", "training.state", "training.tracking", "distributed.ulysses", "training.windows"},
-    "cli": {"utils.assets", "training.checkpoint", "training.commit", "config.load", "config.help", "data.mixing", "data.read", "data.tokenize",
-            "distributed.inputs",
-            "distributed.launch", "distributed.launcher", "utils.logs", "modeling.build", "config.schema", "utils.signals", "train", "config.validation"},
-    "distributed.launcher": {"config.load", "distributed.topology"},  # scale-train --accelerate-config
-    "report": {"config.load", "config.help", "training.metrics", "training.schedule", "config.validation"},
-    "prepare": {"utils.assets", "config.load", "config.help", "data.cache", "data.read", "data.token_table", "utils.logs", "modeling.build",
-                "config.validation"},  # scale-prepare
-    "env": {"utils.compat"},  # scale-env: versions, devices, CPU flags and launcher variables for a bug report
-    "utils": set(),  # the wing's face
-    "generation": set(),  # the wing's face
+    "training.windows": {"loss.tail", "objectives", "training.state", "utils.signals"},  # one all-gather per step
+    # the package training/checkpoint/: store, resume rules, save/load, the portable state any launch mode loads
+    "training.checkpoint": {"config.load", "config.schema", "config.validation", "distributed.launch",
+                            "modeling.build", "training.state", "utils.fileio"},
+    "training.samples": {"training.checkpoint", "training.tracking", "utils.signals"},  # generation at each eval
+    # training/parts/: each part of a run builds itself (launch, data, model, loaders, ...)
+    "training.parts": {"config.schema", "config.validation", "data.cache", "data.collate", "data.mixing", "data.order",
+                       "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize",
+                       "distributed.collective", "distributed.launch", "distributed.ulysses", "generation.export",
+                       "modeling.attention", "modeling.build", "modeling.kernels", "modeling.mixed_paths",
+                       "modeling.moe", "modeling.varlen", "objectives", "planner", "training.best",
+                       "training.checkpoint", "training.evaluate", "training.metrics", "training.precision",
+                       "training.samples", "training.schedule", "training.state", "training.tracking",
+                       "utils.assets"},
+    "training.startup": {"config.names", "config.schema", "data.token_table", "data.tokenize", "distributed.launch",
+                         "training.checks", "training.parts", "training.precision", "training.schedule",
+                         "utils.compat"},  # the start-up lines
+    "training.job": {"config.load", "config.schema", "data.tasks", "distributed.launch", "distributed.ulysses",
+                     "modeling.build", "objectives", "training.checkpoint", "training.metrics", "training.parts",
+                     "training.precision", "training.samples", "training.startup", "training.state"},
+    "training.commit": {"training.job", "training.metrics", "training.windows"},  # when a step is applied
+    "training": set(),  # the face: hands nothing on
+    # root: the loop and the commands
+    "train": {"config.schema", "distributed.ulysses", "generation.export", "training.best", "training.checkpoint",
+              "training.checks", "training.commit", "training.evaluate", "training.job", "training.metrics",
+              "training.samples", "training.state", "training.tracking", "training.windows", "utils.signals"},
+    "cli": {"config.help", "config.load", "config.schema", "config.validation", "data.mixing", "data.read",
+            "data.tokenize", "distributed.inputs", "distributed.launch", "distributed.launcher", "modeling.build",
+            "train", "training.checkpoint", "training.commit", "utils.assets", "utils.logs", "utils.signals"},
+    # scale-plan; state: --resume reads a checkpoint's trainer_state.json
+    "plan": {"config.help", "config.load", "config.schema", "config.validation", "planner.autobatch",
+             "planner.census", "planner.layouts", "planner.plan", "training.state", "utils.logs"},
     "export": {"config.help", "config.load", "generation.export", "modeling.build", "utils.logs"},  # scale-export
-    "config": {"config.load"},  # the wing's face: hands config.load's names on
-    "loss": {"loss.tail"},  # the wing's face: hands loss.tail's names on
-    "modeling": {"modeling.build"},  # the wing's face: hands modeling.build's names on
-    "planner": {"planner.autobatch"},  # the wing's face: the run's one door (plan_micro_batch)
-    "distributed": set(),  # the wing's face
-    "training": set(),  # the wing's face
-    "assets": {"utils.assets"},  # kept for scripts outside the package
+    "generate": {"config.help", "generation.generator", "modeling.build", "utils.logs"},  # scale-generate
+    # scale-lm-eval: the eval split (token cache, samples' prompt/answer split) as a harness task
+    "lmeval": {"config.help", "config.load", "data.cache", "data.read", "data.tasks", "generation.export",
+               "modeling.build", "training.samples", "utils.assets", "utils.fileio", "utils.logs"},
+    "prepare": {"config.help", "config.load", "config.validation", "data.cache", "data.read", "data.token_table",
+                "modeling.build", "utils.assets", "utils.logs"},  # scale-prepare
+    "report": {"config.help", "config.load", "config.validation", "training.metrics", "training.schedule"},
+    "env": {"utils.compat"},  # scale-env: versions, devices, CPU flags and launcher variables for a bug report
+    "assets": {"utils.assets"},  # kept for scripts outside the package (and python -m scale.assets)
     "job": {"training.job"},  # kept for scripts outside the package
 }
-DISTRIBUTED = {"distributed.launch", "distributed.rendezvous", "training.metrics", "training.tracking", "training.checks", "training.checkpoint", "training.evaluate", "training.job", "train", "cli",
-               "training.samples", "training.precision", "distributed.ulysses", "distributed.collective", "training.startup", "training.parts", "training.windows", "distributed.inputs", "training.commit"}
+# Rooms that may import accelerate / torch.distributed / deepspeed (distributed, training and the root's loop only).
+DISTRIBUTED = {"distributed.collective", "distributed.inputs", "distributed.launch", "distributed.rendezvous",
+               "distributed.ulysses", "training.checkpoint", "training.checks", "training.commit",
+               "training.evaluate", "training.job", "training.metrics", "training.parts", "training.precision",
+               "training.samples", "training.startup", "training.tracking", "training.windows", "train", "cli"}
 
-# Bottom first. A room imports rooms of its own layer or below; an import into a higher layer runs upward. The data
-# stages are one layer each, in the order rows flow: files, sources, formats, split, mixing, tokens, cache, batches.
-LAYERS: list[tuple[str, set[str]]] = [
-    ("foundations", {"utils.compat", "utils.fileio", "utils.flops", "utils.logs", "utils.signals", "training.state", "distributed.rendezvous", "config.validation", "config.schema",
-                     "utils.wrapped",
-                     "config.names", "config.load", "config.help", "utils.assets", "training.schedule", "distributed.topology",
-                     "distributed.launcher"}),
-    ("model and loss (plain tensors)", {"loss.tail", "loss.chunked", "objectives", "modeling.moe", "modeling.build", "modeling.mixed_paths",
-                                        "modeling.kernels", "modeling.attention", "planner.census", "planner.layouts", "modeling.varlen",
-                                        "planner.activations", "planner.pairs", "planner.moe"}),
-    ("data: reading files", {"data.read"}),
-    ("data: sources", {"data.sources"}),
-    ("data: tasks, one module per format", {"data.tasks"}),
-    ("data: split", {"data.split"}),
-    ("data: mixing", {"data.mixing"}),
-    ("data: tokenization", {"data.tokenize"}),
-    ("data: cache", {"data.token_table", "data.cache"}),
-    ("data: collation and order", {"data.collate", "data.order", "data.sequence"}),
-    ("data: the package's face", {"data"}),
-    ("the memory plan (scale-plan; the start-up plans train.micro_batch_size=auto)", {"planner.plan", "planner.autobatch", "planner"}),
-    ("the loop side", {
-                       "distributed.inputs", "distributed.collective", "training.metrics", "training.precision", "training.tracking", "distributed.launch", "distributed.ulysses", "training.checks",
-                       "training.checkpoint", "training.best", "training.evaluate", "training.samples", "generation.export", "generation.generator", "generate", "training.parts", "training.startup", "training.windows",
-                       "training.job", "training.commit", "train"}),
-    ("entry points", {"cli", "env", "prepare", "report", "lmeval", "export", "plan"}),
-    ("the wings' faces and the re-export modules: nothing inside imports them", {"utils", "config", "loss", "modeling", "distributed", "training", "generation", "assets", "job"}),
-]
-# Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and
-# `--accelerate-config` import neither torch nor accelerate (scale/cli.py's module comment), and start_fast imports
-# the loop with the garbage collector paused. Nothing else may import inside a function.
-DEFERRED = {("cli", "training.checkpoint"), ("cli", "training.commit"), ("cli", "data.mixing"), ("cli", "data.read"), ("cli", "data.tokenize"),
-            ("cli", "distributed.inputs"), ("cli", "distributed.launch"), ("cli", "modeling.build"), ("cli", "train")}
-
+# Each wing's layers, bottom first. A room imports rooms of its own layer or below (and wings below its own); an
+# import into a higher layer runs upward. The data stages are one layer each, in the order rows flow: files,
+# sources, formats, split, mixing, tokens, cache, batches. A wing's face sits on top of its wing.
+LAYERS: dict[str, list[set[str]]] = {
+    "utils": [{"utils.fileio", "utils.logs", "utils.signals", "utils.compat", "utils.flops", "utils.wrapped"},
+              {"utils.assets"}, {"utils"}],
+    "config": [{"config.validation"}, {"config.schema"}, {"config.names"}, {"config.load", "config.help"},
+               {"config"}],
+    "loss": [{"loss.tail"}, {"loss.chunked"}, {"loss"}],
+    "data": [{"data.read"}, {"data.sources"}, {"data.tasks"}, {"data.split"}, {"data.mixing"}, {"data.tokenize"},
+             {"data.token_table", "data.cache"}, {"data.collate", "data.order", "data.sequence"}, {"data"}],
+    "modeling": [{"modeling.moe", "modeling.attention", "modeling.mixed_paths", "modeling.kernels"},
+                 {"modeling.build", "modeling.varlen"}, {"modeling"}],
+    "objectives": [{"objectives"}],
+    "planner": [{"planner.census"}, {"planner.activations", "planner.moe"}, {"planner.pairs", "planner.layouts"},
+                {"planner.plan"}, {"planner.autobatch"}, {"planner"}],
+    "distributed": [{"distributed.topology", "distributed.rendezvous", "distributed.collective", "distributed.inputs",
+                     "distributed.ulysses"}, {"distributed.launch", "distributed.launcher"}, {"distributed"}],
+    "generation": [{"generation.export"}, {"generation.generator"}, {"generation"}],
+    "training": [{"training.state", "training.schedule", "training.precision", "training.metrics", "training.checks"},
+                 {"training.best", "training.tracking", "training.evaluate", "training.windows",
+                  "training.checkpoint"},
+                 {"training.samples"}, {"training.parts"}, {"training.startup"}, {"training.job"},
+                 {"training.commit"}, {"training"}],
+    "root": [{"train", "plan", "export", "generate", "lmeval", "prepare", "report", "env"}, {"cli"},
+             {"assets", "job"}],
+}
 # Packages that are one room each (their modules are read as one): the formats, the objectives, the checkpoint, the
 # parts of a run. Every other module is a room of its own, named by its dotted path under scale/.
 PACKAGE_ROOMS = ("data.tasks", "objectives", "training.checkpoint", "training.parts")
 # The loop's modules: no print, no empty_cache, no len(batch), no host read (.item()).
 LOOP = ("train", "training.commit", "training.windows", "training.evaluate", "loss.tail", "training.metrics")
+# Imports of scale modules inside a function, each deferring a heavy library: `scale-train --help` and
+# `--accelerate-config` import neither torch nor accelerate (scale/cli.py's module comment), and start_fast imports
+# the loop with the garbage collector paused. Nothing else may import inside a function.
+DEFERRED = {("cli", "training.checkpoint"), ("cli", "training.commit"), ("cli", "data.mixing"), ("cli", "data.read"),
+            ("cli", "data.tokenize"), ("cli", "distributed.inputs"), ("cli", "distributed.launch"),
+            ("cli", "modeling.build"), ("cli", "train")}
 
 
 def _room(module: str) -> str | None:
@@ -233,11 +284,65 @@ def _imports(room: str) -> set[str]:
     return {imported for name, path in _modules().items() if _room(name) == room for imported, _ in _file_imports(path)}
 
 
+def _wing(room: str) -> str:
+    """The wing of a room: its first name under ``scale/`` (``planner.census`` -> ``planner``), else ``root``."""
+    first = room.split(".")[0]
+    return first if first in WINGS and first != "root" else "root"
+
+
 def test_every_module_is_in_the_table():
     rooms = {_room(name) for name in _modules()} - {None}
     assert rooms == set(ALLOWED), f"add to / remove from ALLOWED: {rooms ^ set(ALLOWED)}"
-    layered = [room for _, rooms_ in LAYERS for room in rooms_]
+    assert list(LAYERS) == list(WINGS), "one entry of LAYERS per wing, in the wings' order"
+    layered = [room for rooms_ in LAYERS.values() for layer in rooms_ for room in layer]
     assert sorted(layered) == sorted(set(ALLOWED)), f"give each room one layer: {set(layered) ^ set(ALLOWED)}"
+    strays = {room: wing for wing, layers in LAYERS.items() for layer in layers for room in layer
+              if _wing(room) != wing}
+    assert strays == {}, f"a room's layer is in its own wing: {strays}"
+
+
+def test_the_wings_stand_in_order():
+    """A wing may import only wings below it (listed before it): the table itself has no circle and runs down."""
+    order = list(WINGS)
+    assert order[-1] == "root"
+    for wing, below in WINGS.items():
+        assert all(order.index(b) < order.index(wing) for b in below), f"{wing} may import a wing above it"
+    assert set(PLAIN) < set(WINGS) and set(FOR_OUTSIDE) <= set(ALLOWED)
+
+
+def test_wings_import_only_the_wings_they_may():
+    wrong = sorted({f"{a} -> {b}" for a, b, _ in _links() if a != "scale"
+                    and _wing(_room(b)) != _wing(_room(a)) and _wing(_room(b)) not in WINGS[_wing(_room(a))]})
+    assert wrong == [], f"imports into a wing its row in WINGS does not list: {wrong}"
+
+
+@pytest.mark.parametrize("wing", [w for w in WINGS if w != "root"])
+def test_each_wing_face_says_what_it_holds_and_may_import(wing):
+    """The wing's ``__init__.py`` opens with what lives there and ends its docstring with the wings it may import,
+    the same as its row in :data:`WINGS` (``Imports nothing of scale`` for none)."""
+    doc = ast.get_docstring(ast.parse((SCALE / wing / "__init__.py").read_text(encoding="utf-8"))) or ""
+    said = [p for p in doc.split("\n\n") if p.startswith("Imports")]
+    assert said, f"scale/{wing}/__init__.py: end the docstring with a paragraph 'Imports ...'"
+    words = {t.split(".")[1] if t.startswith("scale.") else t for t in re.findall(r"\w+(?:\.\w+)*", said[-1])}
+    named = words & set(WINGS) - {wing}
+    assert named == set(WINGS[wing]), f"scale/{wing}/__init__.py names {sorted(named)}, WINGS {sorted(WINGS[wing])}"
+
+
+def test_the_run_consults_the_planner_through_one_function():
+    """Outside the planner only ``scale-plan`` (root ``plan``) reads its modules; the loop imports its face, which
+    hands on one function (``plan_micro_batch``: the micro-batch search and the under-used-GPU line)."""
+    inside = sorted({f"{a} -> {b}" for a, b, _ in _links() if _wing(_room(b)) == "planner"
+                     and _wing(_room(a)) != "planner" and _room(a) != "plan" and _room(b) != "planner"})
+    assert inside == [], f"the planner's internals imported from outside it: {inside}"
+    face = ast.parse((SCALE / "planner" / "__init__.py").read_text(encoding="utf-8"))
+    handed = {a.name for node in face.body if isinstance(node, ast.ImportFrom) for a in node.names}
+    assert handed == {"MicroBatch", "plan_micro_batch"}
+
+
+def test_faces_for_scripts_outside_are_imported_by_nothing_inside():
+    users = sorted({f"{a} -> {b}" for a, b, _ in _links() if a != "scale" and _room(b) in FOR_OUTSIDE
+                    and _room(a) != _room(b)})
+    assert users == [], f"import the module, not the face or the re-export module: {users}"
 
 
 @pytest.mark.parametrize("room", sorted(ALLOWED))
@@ -248,6 +353,7 @@ def test_module_imports_only_what_the_table_allows(room):
     distributed = {m for m in imported if m.startswith(("accelerate", "torch.distributed", "deepspeed"))}
     if room not in DISTRIBUTED:
         assert not distributed, f"{room} is plain-tensor code but imports {sorted(distributed)}"
+    assert not (room in DISTRIBUTED and _wing(room) in PLAIN), f"{room} is in a plain-tensor wing"
 
 
 def test_no_import_circle():
@@ -284,9 +390,12 @@ def test_no_import_circle():
 
 
 def test_no_import_runs_upward():
-    """Every import stays in its layer or goes down (the package's own ``scale/__init__.py``, above every layer,
-    imports scale.utils.signals to exit at once on a signal while the libraries load)."""
-    layer = {room: i for i, (_, rooms) in enumerate(LAYERS) for room in rooms}
+    """Every import stays in its layer or goes down: into a lower layer of its wing, or into a wing below (the
+    package's own ``scale/__init__.py``, above every layer, imports scale.utils.signals to exit at once on a signal
+    while the libraries load)."""
+    order = list(WINGS)
+    layer = {room: (order.index(wing), i) for wing, layers in LAYERS.items() for i, rooms in enumerate(layers)
+             for room in rooms}
     upward = [f"{a} -> {b}" for a, b, _ in _links() if a != "scale" and layer[_room(b)] > layer[_room(a)]]
     assert upward == []
 

@@ -6,6 +6,8 @@ tokenize (rows -> :class:`Splits` of examples) -> token_table, cache (the memory
 (batches: padded, padding-free, packed) and order (length-grouped sampling, packing into bins).
 
 The names other modules (and scripts written against ``scale.data``) import are handed on from here.
+
+Imports utils, config and loss; never ``accelerate`` or ``torch.distributed``.
 """
 
 from scale.data.collate import Collator, PackedCollator, PaddingFreeCollator

@@ -3,6 +3,8 @@
 
     objective = build_objective(cfg)                  # loss.objective: sft -> the tail loss
     num = objective.loss_step(model, batch, objective.weights(batch))
+
+Imports utils, config, loss, data and modeling; never ``accelerate`` or ``torch.distributed``.
 """
 
 from __future__ import annotations

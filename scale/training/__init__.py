@@ -4,6 +4,6 @@ best checkpoint, evaluation and samples, accumulation windows (:mod:`scale.train
 applied (:mod:`scale.training.commit`), checkpoints (:mod:`scale.training.checkpoint`), the parts a run is built
 from (:mod:`scale.training.parts`), the start-up lines and the job (:func:`scale.training.job.setup`).
 
-Imports every wing below it, the planner only through its face; may import ``accelerate`` and
-``torch.distributed``.
+Imports utils, config, loss, data, modeling, objectives, distributed and generation, and the planner only through
+its face (:func:`scale.planner.plan_micro_batch`); may import ``accelerate`` and ``torch.distributed``.
 """
