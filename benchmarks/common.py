@@ -54,7 +54,8 @@ def llama_config(shape: str | dict[str, Any], max_len: int = 2048) -> Any:
 
 def build_lora_model(shape: str | dict[str, Any], model_cfg: ModelConfig, lora_cfg: LoraConfig, seed: int = 0,
                      device: str | torch.device = "cpu", max_len: int = 2048) -> torch.nn.Module:
-    """Random-weight Llama of ``shape`` + LoRA, built the way ``scale.modeling.build.build_model`` builds ``tiny-llama``.
+    """Random-weight Llama of ``shape`` + LoRA, built the way ``scale.modeling.build.build_model`` builds
+    ``tiny-llama``.
 
     ``model_cfg`` supplies dtype, 4-bit quantization and checkpointing; 4-bit weights are quantized at load
     time by a round trip through a temporary directory (as ``scale.modeling.build.load_base`` does), onto
@@ -188,7 +189,8 @@ class Job:
     mega_batch_steps: int = 16
     rows: int | None = None        # rows in the data set; None: exactly `steps` global batches (one epoch)
     optimizer: str = "adamw"       # "sgd": plain SGD (no momentum), whose updates two devices' runs compare linearly
-    mixed_paths: bool = True       # under bf16: scale.modeling.mixed_paths' paths of the device, as scale-train takes them
+    mixed_paths: bool = True       # under bf16: scale.modeling.mixed_paths' paths of the device, as scale-train
+                                   # takes them
     kernels: str | None = None     # model.kernels ("liger": Liger-Kernel's RMSNorm/SwiGLU/RoPE, CUDA only)
 
     def model_cfg(self) -> ModelConfig:

@@ -5,14 +5,14 @@
     python benchmarks/compile.py --set data.packing=true            # any override of the job
 
 Issue 19 asks to measure ``torch.compile`` on the jobs and to offer ``train.compile`` only if it is faster and exact.
-The job's model is built as ``scale.modeling.build.build_model`` builds it (LoRA on the real SmolLM2-135M), and its first
-``--micro-batches`` train micro-batches come from the job's own loader (``scale.training.parts.loaders.make_loaders``: the same
-collator, padding or packing). One forward + backward of the tail loss (``scale.objectives.tail.LossSpec.loss_step``)
-per micro-batch, timed; no optimizer step, so eager and compiled see the same weights and their losses and LoRA
-gradients are compared directly (with ``lora.dropout=0``: the two would draw different dropout masks). The compiled
-module is ``torch.compile(model)`` (inductor, default mode, ``dynamic`` left to dynamo: it marks the sequence length
-dynamic after the first recompile). Round 1 of the compiled model includes compilation (reported apart); later rounds
-alternate eager and compiled.
+The job's model is built as ``scale.modeling.build.build_model`` builds it (LoRA on the real SmolLM2-135M), and its
+first ``--micro-batches`` train micro-batches come from the job's own loader
+(``scale.training.parts.loaders.make_loaders``: the same collator, padding or packing). One forward + backward of the
+tail loss (``scale.objectives.tail.LossSpec.loss_step``) per micro-batch, timed; no optimizer step, so eager and
+compiled see the same weights and their losses and LoRA gradients are compared directly (with ``lora.dropout=0``: the
+two would draw different dropout masks). The compiled module is ``torch.compile(model)`` (inductor, default mode,
+``dynamic`` left to dynamo: it marks the sequence length dynamic after the first recompile). Round 1 of the compiled
+model includes compilation (reported apart); later rounds alternate eager and compiled.
 
 Prints a table and ``compile: speedup=X`` (eager seconds / compiled seconds over the rounds after the first).
 """

@@ -145,7 +145,8 @@ def rank_probe(data: Path, cache: Path, num_proc: int) -> None:
     before = rss()
     start = time.perf_counter()
     run_id = shared_run_id(acc)
-    # as scale.training.job.setup: the node's main process finds (or builds) the entry, the other rank polls its build record
+    # as scale.training.job.setup: the node's main process finds (or builds) the entry, the other rank polls its build
+    # record
     splits = on_every_rank(acc, lambda: load_splits(cfg, tok, str(data), run_id) if acc.is_local_main_process
                            else wait_for_splits(cfg, tok, str(data), run_id))
     data_s = time.perf_counter() - start

@@ -24,14 +24,14 @@ times, each run ``--steps`` optimizer steps of which the first ``--warmup`` are 
   ``scale.training.metrics.model_flops`` (``scale.utils.flops.flops_per_token`` with ``lora_params=trainable`` and
   ``logits_fraction=threshold/T``): model FLOPs of LoRA training, ``4 (N + f N_head) + 6 N_lora + 12 L T
   d_attn`` per token (PaLM appendix B's ``6N + 12LHQT`` without weight gradients for the frozen base;
-  recomputation from checkpointing not counted); peak = dense bf16 from ``scale.utils.flops.PEAK_BF16_FLOPS`` by device name,
-  ``--peak-tflops``, or a bf16 GEMM timed on the device (``--measure-peak``; the default on CPU and for a GPU
-  missing from the table), resolved by ``scale.training.precision.resolve_peak_flops`` as ``log.peak_flops`` is in a run:
-  the same code that logs ``train/mfu``;
+  recomputation from checkpointing not counted); peak = dense bf16 from ``scale.utils.flops.PEAK_BF16_FLOPS`` by device
+  name, ``--peak-tflops``, or a bf16 GEMM timed on the device (``--measure-peak``; the default on CPU and for a GPU
+  missing from the table), resolved by ``scale.training.precision.resolve_peak_flops`` as ``log.peak_flops`` is in a
+  run: the same code that logs ``train/mfu``;
 - peak memory: ``torch.cuda.max_memory_allocated`` during the contestant's first run, minus what was allocated
   before its model was built: its weights, adapters, optimizer state, activations and workspace (GiB);
-- predicted vs measured: ``scale-plan``'s single-device prediction of that peak (``scale.planner.plan.make_plan`` with the
-  shape's config, ``--full-rows``: the rows have no padding; its ``allocated``, i.e. without the assumed CUDA
+- predicted vs measured: ``scale-plan``'s single-device prediction of that peak (``scale.planner.plan.make_plan`` with
+  the shape's config, ``--full-rows``: the rows have no padding; its ``allocated``, i.e. without the assumed CUDA
   context and fragmentation overhead) next to ``max_memory_allocated``; the goal is within 15%.
 
 Figures: none measured on this commit yet (docs/benchmarks.md holds no GPU table; a GPU run's table belongs

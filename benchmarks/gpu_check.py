@@ -19,9 +19,9 @@ the command exits 1 at the end, so one broken section never loses the others' fi
 5. ``auto``: the default job (configs/train/default.yaml: QLoRA on the embedded SmolLM2-135M and review snippets,
    no download) at its own micro-batch and at the largest one ``scale.planner.autobatch.largest_micro_batch`` fits into
    ``--memory-fraction`` of the device, tokens/s of each (``train/tokens_per_s``, the last logged interval).
-6. ``casts``: LoRA and QLoRA (1B shape, 8 x 1024) with the mixed-precision paths (``scale.modeling.mixed_paths``) off and on,
-   and on with ``model.kernels: liger``: dtype casts (aten ``_to_copy``) and aten ops of one micro-batch's forward
-   and backward, tokens/s through ``scale.train.fit``, the last loss (:func:`run_casts`).
+6. ``casts``: LoRA and QLoRA (1B shape, 8 x 1024) with the mixed-precision paths (``scale.modeling.mixed_paths``) off
+   and on, and on with ``model.kernels: liger``: dtype casts (aten ``_to_copy``) and aten ops of one micro-batch's
+   forward and backward, tokens/s through ``scale.train.fit``, the last loss (:func:`run_casts`).
 
 ``--dry-run`` runs every section on the CPU at tiny shapes (the device side of ``parity`` is then the CPU on one
 thread, against all threads: the same maths, summed in other orders where a kernel splits by thread), and
@@ -323,8 +323,8 @@ def run_casts(dry: bool) -> tuple[str, dict]:
     ok = all(f["paths on"]["_to_copy"] < f["paths off"]["_to_copy"] for f in figures.values())
     head = (f"{Job(**common).describe().split(', LoRA')[0]}, micro-batch {common['micro_batch_size']} x "
             f"T={common['seq']}, {common['steps']} steps ({common['warmup']} warm-up not timed), one run per row, "
-            f"through scale.train.fit; paths: scale.modeling.mixed_paths.paths_for('{device}'); liger: model.kernels=liger "
-            f"(RMSNorm, SwiGLU, RoPE)")
+            f"through scale.train.fit; paths: scale.modeling.mixed_paths.paths_for('{device}'); liger: "
+            f"model.kernels=liger (RMSNorm, SwiGLU, RoPE)")
     return f"{head}\n\n" + "\n".join(rows) + f"\n\nthe paths cut the casts of every job: **{ok}**", {
         "ok": ok, "figures": figures}
 
@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         "parity": ("4. fp32 on the device against the CPU", lambda: parity(device)),
         "auto": ("5. The default job at the largest micro-batch that fits",
                  lambda: run_auto(a.dry_run, memory, a.memory_fraction)),
-        "casts": ("6. Fewer casts (scale.modeling.mixed_paths) and Liger kernels, on and off", lambda: run_casts(a.dry_run)),
+        "casts": ("6. Fewer casts (scale.modeling.mixed_paths) and Liger kernels, on and off",
+                  lambda: run_casts(a.dry_run)),
     }
     parts, failed, t_all = [header(a.dry_run)], [], time.perf_counter()
     out = Path(a.out)

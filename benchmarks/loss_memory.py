@@ -5,8 +5,8 @@
 SmolLM2-135M's LM head (hidden 576, vocab 49,152, fp32, frozen as under LoRA). For each number ``N`` of tail
 positions (one micro-batch of 4 rows of ``N / 4`` trained tokens: an SFT answer is the whole tail) it records the
 peak bytes of live tensors created by the loss, from the hidden states ``[B, N/B, H]`` to their gradient: today's
-``lm_head -> [B, N/B, V] -> scale.loss.tail.tail_loss -> backward`` against ``scale.loss.chunked.chunked_tail_loss``. Bytes
-are counted on fake tensors (``FakeTensorMode``: shapes, no memory; the same count as real tensors, checked at the
+``lm_head -> [B, N/B, V] -> scale.loss.tail.tail_loss -> backward`` against ``scale.loss.chunked.chunked_tail_loss``.
+Bytes are counted on fake tensors (``FakeTensorMode``: shapes, no memory; the same count as real tensors, checked at the
 smallest ``N``), so ``N = 8192`` (1.5 GiB per fp32 logits tensor) runs on a small machine. The smallest ``N`` also
 runs on real tensors (chunks of 128) to check the two losses and gradients agree.
 Prints a table and ``loss_memory: ratio=X``, the smallest ratio at ``N >= 2048`` (target >= 4).

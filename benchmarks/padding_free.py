@@ -2,13 +2,14 @@
 
     python benchmarks/padding_free.py [--jobs chat,longtail,longtail-small] [--repeats 3] [--steps 7] [--threads 1]
 
-Contestants, each the real harness run (``scale.training.job.setup`` + ``scale.train.fit``, ``train.log_every=1``) on the
-same rows and weights:
+Contestants, each the real harness run (``scale.training.job.setup`` + ``scale.train.fit``, ``train.log_every=1``) on
+the same rows and weights:
 
 - ``padded``: ``data.padding_free=false`` (left-padded ``[B, T]`` micro-batches);
 - ``free (mask)``: ``data.padding_free=true`` with transformers' attention for packed rows, sdpa over the whole
   row with a block-diagonal ``[L, L]`` mask (the per-example attention switched off after set-up);
-- ``free``: ``data.padding_free=true`` as a CPU run has it, attention one example at a time (:mod:`scale.modeling.varlen`).
+- ``free``: ``data.padding_free=true`` as a CPU run has it, attention one example at a time
+  (:mod:`scale.modeling.varlen`).
 
 Jobs:
 

@@ -28,8 +28,8 @@ run when ``--jobs`` names them.
 item equal to a mode name selects that row only, any other item the rows whose names contain it (``ulysses``);
 an item that selects nothing stops with exit 2. The first row, the reference, always runs. A row this machine
 cannot launch (more processes than its GPUs, or without a GPU than ``max(2, CPU cores)``: the launcher's own
-``scale.distributed.launch.check_ranks_per_machine``) is skipped with one line saying why, before it starts; the summary still
-prints.
+``scale.distributed.launch.check_ranks_per_machine``) is skipped with one line saying why, before it starts; the summary
+still prints.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def local_processes(cmds: list[list[str]]) -> int:
 
 
 def launch_problem(cmds: list[list[str]]) -> str | None:
-    """Why this machine cannot launch the row (the launcher's :func:`scale.distributed.launch.check_ranks_per_machine` on
-    the row's :func:`local_processes`), or None."""
+    """Why this machine cannot launch the row (the launcher's :func:`scale.distributed.launch.check_ranks_per_machine`
+    on the row's :func:`local_processes`), or None."""
     from scale.distributed.launch import LaunchError, check_ranks_per_machine
 
     try:

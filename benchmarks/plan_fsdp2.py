@@ -8,8 +8,8 @@ shards are uneven; a tiny QLoRA model with fp32 quant storage; SmolLM2-135M's sh
 and compute, as ``tests/test_zero3_directory.py`` builds it) it runs
 ``tests/plan_census.py`` under ``accelerate launch --config_file tests/cpu_fsdp2.yaml`` (accelerate's own FSDP2
 preparation through the test-only shim ``tests/fsdp_cpu.py``), which counts the storages each rank holds right
-before its second optimizer step, and compares them with :func:`scale.planner.layouts.predict_mode` (``fsdp2``), row by row
-and rank by rank. Exits 1 unless every row is equal to the byte. Not a CI test (4 launches, ~2 minutes).
+before its second optimizer step, and compares them with :func:`scale.planner.layouts.predict_mode` (``fsdp2``), row by
+row and rank by rank. Exits 1 unless every row is equal to the byte. Not a CI test (4 launches, ~2 minutes).
 """
 
 from __future__ import annotations

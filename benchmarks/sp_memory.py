@@ -3,11 +3,11 @@ that trains within a fixed per-rank budget.
 
     python benchmarks/sp_memory.py [--tokens 4096] [--budget-mib 128] [--max-tokens 12288] [--step 1024]
 
-The job is the harness's own (:func:`scale.training.job.setup` of ``configs/train/tiny_cpu.yaml`` at a wider Llama shape: hidden
-256, 4 layers, 4 heads, 2 key/value heads, MLP 768, SmolLM2's 49,152-token vocabulary; LoRA r=8 on every linear layer,
-fp32, gradient checkpointing on): SP=1 is one process, SP=2 is DeepSpeed ZeRO-2 with Ulysses on 2 CPU processes
-(``configs/accelerate/cpu_zero2.yaml``, ``train.sequence_parallel_size=2``). One row of ``T`` tokens whose last 16 are
-trained (a long document, a short answer) goes through the product's path: the row cut into the rank's shard
+The job is the harness's own (:func:`scale.training.job.setup` of ``configs/train/tiny_cpu.yaml`` at a wider Llama
+shape: hidden 256, 4 layers, 4 heads, 2 key/value heads, MLP 768, SmolLM2's 49,152-token vocabulary; LoRA r=8 on every
+linear layer, fp32, gradient checkpointing on): SP=1 is one process, SP=2 is DeepSpeed ZeRO-2 with Ulysses on 2 CPU
+processes (``configs/accelerate/cpu_zero2.yaml``, ``train.sequence_parallel_size=2``). One row of ``T`` tokens whose
+last 16 are trained (a long document, a short answer) goes through the product's path: the row cut into the rank's shard
 (:func:`scale.data.sequence.shard_rows`), :meth:`scale.objectives.tail.LossSpec.loss_step` under the sharded attention,
 and the gradient of the LoRA weights (``torch.autograd.grad``: the activations' backward without ZeRO's gradient
 buckets, which are model states, planned by ``scale-plan``). The **activation peak** is the most tensor bytes alive at

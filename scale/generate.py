@@ -20,13 +20,13 @@ input); else ``>>> <last user message>`` and the answer.
 The template is the one the run trained with (``adapter/`` and ``merged/`` carry it) and the run's
 ``data.chat_template_kwargs`` (read from its ``config.yaml``: the run directory, or the one ``merged/`` is in).
 A run whose rows no chat template rendered (classification, plain text, text prompt/completion: training saves
-its tokenizer without one, :func:`scale.generation.export.serving_tokenizer`) gets each prompt's text as it trained, after
-the tokenizer's BOS where it adds one, as ``samples.jsonl`` shows it; ``--system``, ``--chat``, ``--messages`` and
+its tokenizer without one, :func:`scale.generation.export.serving_tokenizer`) gets each prompt's text as it trained,
+after the tokenizer's BOS where it adds one, as ``samples.jsonl`` shows it; ``--system``, ``--chat``, ``--messages`` and
 the interactive chat are refused. Decoding is ``model.generate``: greedy at ``--temperature 0`` (the default),
 else sampled with ``--temperature``/``--top-p``/``--top-k`` after ``torch.manual_seed(--seed)`` (the same command
 prints the same text on the same machine), stopping at EOS and at the trained end-of-turn marker
-(:func:`scale.generation.export.serving_tokenizer`) or after ``--max-new-tokens``. Bad input is one line naming the flag or
-the line, exit code 2, before the model loads. No accelerate import.
+(:func:`scale.generation.export.serving_tokenizer`) or after ``--max-new-tokens``. Bad input is one line naming the flag
+or the line, exit code 2, before the model loads. No accelerate import.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ and the plan stops with a one-line error).
 Shapes: ``B`` = ``train.micro_batch_size``, ``T`` = ``data.max_length``, ``N`` = ``loss.threshold``, ``V`` vocab.
 ``--resume CKPT`` plans the run that wrote a checkpoint (its config, plus any overrides) on ``--gpus``: it prints the
 ``train.gradient_accumulation_steps`` that keeps the checkpoint's global batch there (the value ``scale-train``
-computes itself when the config is the checkpoint's, :func:`scale.training.state.resume_accumulation`), or why none does.
+computes itself when the config is the checkpoint's, :func:`scale.training.state.resume_accumulation`), or why none
+does.
 
 No ``accelerate`` or ``torch.distributed`` import (``tests/test_layering.py``): planning never starts a process
 group.

@@ -11,9 +11,10 @@ The maths of one optimizer step: the window of ``gradient_accumulation_steps`` m
 contributes ``sum(weighted tail CE) / sum(weights)`` where both sums run over the whole window and all
 ranks. A partial last window (end of an epoch) is normalised by its own sums: not dropped, not rescaled.
 
-Reading order: :func:`fit` (the loop), :func:`train_window` (one optimizer step), :class:`scale.training.commit.StepCommit`
-(when that step is applied), :func:`scale.training.windows.windows` (how ranks stay in step), :func:`run`
-(:func:`scale.training.job.setup`, which builds everything before the loop, + fit + the adapter).
+Reading order: :func:`fit` (the loop), :func:`train_window` (one optimizer step),
+:class:`scale.training.commit.StepCommit` (when that step is applied), :func:`scale.training.windows.windows` (how ranks
+stay in step), :func:`run` (:func:`scale.training.job.setup`, which builds everything before the loop, + fit + the
+adapter).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
     accelerate launch --config_file configs/accelerate/cpu_zero2.yaml tests/sp_census.py OUT.json --config ... \\
         train.sequence_parallel_size=2 --case NAME ROWS LENGTH TAIL [--case ...]
 
-The job is set up as ``scale-train`` sets it up (:func:`scale.training.job.setup`: DeepSpeed Ulysses installed, the model
-prepared); each case is ``ROWS`` examples of ``LENGTH`` tokens whose last ``TAIL`` tokens are trained, cut into this
-rank's shard by the product's :func:`scale.data.sequence.shard_rows`, and one
+The job is set up as ``scale-train`` sets it up (:func:`scale.training.job.setup`: DeepSpeed Ulysses installed, the
+model prepared); each case is ``ROWS`` examples of ``LENGTH`` tokens whose last ``TAIL`` tokens are trained, cut into
+this rank's shard by the product's :func:`scale.data.sequence.shard_rows`, and one
 :meth:`scale.objectives.tail.LossSpec.loss_step` runs on it under the sharded attention with ``saved_tensors_hooks``
 counting distinct storages (parameters excluded), with gradient checkpointing as configured and then turned off. Each
 rank writes ``OUT.<name>.<rank>.json``.

@@ -1,5 +1,5 @@
-"""``train.micro_batch_size: auto`` (scale/planner/autobatch.py) on CPU: the resolution against a given device memory (the
-GPU probe monkeypatched), the accumulation that keeps ``train.auto_global_batch_size``, the start-up line, the
+"""``train.micro_batch_size: auto`` (scale/planner/autobatch.py) on CPU: the resolution against a given device memory
+(the GPU probe monkeypatched), the accumulation that keeps ``train.auto_global_batch_size``, the start-up line, the
 hint for a run that leaves the device mostly unused, and bad values refused in one line."""
 
 from __future__ import annotations

@@ -206,10 +206,10 @@ def test_gpu_check_dry_run_report(tmp_path):
     """``benchmarks/gpu_check.py --dry-run`` (what CI runs of ``make gpu-check``): one Markdown report whose sections
     hold real values: the GPU tests' counts, the harness against the bare loop with the same losses, the fp32
     parity of one thread against all (each loss and adapter within its float32 bound), the largest micro-batch
-    the plan fits, equal to ``scale.planner.autobatch.largest_micro_batch``'s, trained at both sizes, and the casts of LoRA and
-    QLoRA with the mixed-precision paths off and on (fewer with them, the Liger rows refused on CPU). The ``bench``
-    section is benchmarks/gpu.py's dry run, asserted by test_gpu_script_dry_run_and_no_cuda_message; skipped here
-    for time."""
+    the plan fits, equal to ``scale.planner.autobatch.largest_micro_batch``'s, trained at both sizes, and the casts of
+    LoRA and QLoRA with the mixed-precision paths off and on (fewer with them, the Liger rows refused on CPU). The
+    ``bench`` section is benchmarks/gpu.py's dry run, asserted by test_gpu_script_dry_run_and_no_cuda_message; skipped
+    here for time."""
     import re
 
     from benchmarks import gpu_check

@@ -133,7 +133,8 @@ def test_log_file_of_a_run_is_plain_lines(tmp_path):
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 300 and "\r" not in text, max(lines, key=len)
     assert "optimizer steps:" not in text  # the tqdm bar's description
-    steps = [line.split("INFO scale.training.metrics: ")[1] for line in lines if "INFO scale.training.metrics: step " in line]
+    steps = [line.split("INFO scale.training.metrics: ")[1] for line in lines
+             if "INFO scale.training.metrics: step " in line]
     assert [s.split()[1] for s in steps] == ["2/12", "4/12", "6/12", "8/12", "10/12", "12/12"]
     assert all(" loss " in s and " lr " in s and " tok/s " in s and " mfu " in s and " eta " in s for s in steps)
     for step in (0, 6, 12):  # tiny_cpu evaluates every 6 steps: a line before and one with the figures after

@@ -111,9 +111,9 @@ def fused_head_loss_against_float64(device: str, fused: str | None, M: int, H: i
 
 @needs_cuda
 def test_liger_fused_loss_matches_the_chunked_loss():
-    """Liger's fused linear cross-entropy and scale.loss.chunked's fused path on the same tail hidden states: each within
-    fp32 round-off of the float64 loss and hidden-state gradient (both compute the logits chunk by chunk in fp32),
-    so within twice that of each other. The same body runs on CPU in tests/test_chunked.py."""
+    """Liger's fused linear cross-entropy and scale.loss.chunked's fused path on the same tail hidden states: each
+    within fp32 round-off of the float64 loss and hidden-state gradient (both compute the logits chunk by chunk in
+    fp32), so within twice that of each other. The same body runs on CPU in tests/test_chunked.py."""
     pytest.importorskip("liger_kernel")
     chunk = liger_premise(**LIGER_SHAPE)
     for fused in (None, "liger"):

@@ -111,8 +111,8 @@ def test_a_config_file_with_unknown_keys_in_several_sections_names_the_file_and_
                                          "did you mean train.micro_batch_size or train.eval_micro_batch_size?"),
                                         ("optm", "did you mean optim?"), ("trian", "did you mean train?")])
 def test_help_and_overrides_suggest_the_same_key(capsys, typo, hint):
-    """``--help TOPIC`` and an override of that key answer with one rule (scale.config.names.suggest): ``lr`` is optim.lr
-    on both paths (the help suggested lora), ``optim.lrr`` optim.lr (the help suggested optim)."""
+    """``--help TOPIC`` and an override of that key answer with one rule (scale.config.names.suggest): ``lr`` is
+    optim.lr on both paths (the help suggested lora), ``optim.lrr`` optim.lr (the help suggested optim)."""
     assert main(["--help", typo]) == 2
     assert capsys.readouterr().err == (f"scale-train: error: ConfigError: --help {typo}: no such section or key: "
                                        f"{hint} (sections: data, eval, log, lora, loss, model, optim, train; --help "

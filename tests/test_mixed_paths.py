@@ -1,5 +1,5 @@
-"""The mixed-precision paths a CUDA run takes (scale.modeling.mixed_paths.DEVICE_PATHS), run under bf16 autocast on the CPU
-(the same code: every path reads the autocast state of the tensors' own device) and, with ``-m gpu``, on a GPU:
+"""The mixed-precision paths a CUDA run takes (scale.modeling.mixed_paths.DEVICE_PATHS), run under bf16 autocast on the
+CPU (the same code: every path reads the autocast state of the tensors' own device) and, with ``-m gpu``, on a GPU:
 fewer casts per forward and backward, gradients within bf16 round-off of the float32 model's."""
 
 from __future__ import annotations

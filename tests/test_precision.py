@@ -1,5 +1,5 @@
-"""bf16 on CPU: each mixed-precision path (scale.modeling.mixed_paths.MIXED_PATHS) against the bf16 maths it replaces and
-the fp32 maths it approximates; ``train.mixed_precision: auto`` decided once (rank 0's choice on every rank) and
+"""bf16 on CPU: each mixed-precision path (scale.modeling.mixed_paths.MIXED_PATHS) against the bf16 maths it replaces
+and the fp32 maths it approximates; ``train.mixed_precision: auto`` decided once (rank 0's choice on every rank) and
 kept by a resume."""
 
 from __future__ import annotations

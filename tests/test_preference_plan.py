@@ -162,12 +162,12 @@ def test_dpo_plan_is_the_sft_plan_of_twice_the_rows_plus_the_reference(pairs_pat
 
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_counted_reference_peak_equals_a_real_reference_forward(pairs_path, checkpointing):
-    """The reference forward's peak as the plan counts it (fake tensors, :func:`scale.planner.activations.count_reference_peak`)
-    against the peak of live tensor bytes over the product's own in-step reference (``reference_forward``: adapter
-    disabled, no_grad, summed tail logps) on a real ``[2P, T]`` micro-batch: the same operations on the same shapes,
-    so the same storages, plus the ``[2P, N, V]`` fp32 buffer ``torch.logsumexp`` allocates inside its kernel (which
-    a dispatch mode cannot see, so the plan adds it); within 2% (the real forward's RoPE tables and masks are built
-    from the batch's values)."""
+    """The reference forward's peak as the plan counts it (fake tensors,
+    :func:`scale.planner.activations.count_reference_peak`) against the peak of live tensor bytes over the product's own
+    in-step reference (``reference_forward``: adapter disabled, no_grad, summed tail logps) on a real ``[2P, T]``
+    micro-batch: the same operations on the same shapes, so the same storages, plus the ``[2P, N, V]`` fp32 buffer
+    ``torch.logsumexp`` allocates inside its kernel (which a dispatch mode cannot see, so the plan adds it); within 2%
+    (the real forward's RoPE tables and masks are built from the batch's values)."""
     from scale.modeling.build import build_model
     from scale.objectives.preference import reference_forward
 

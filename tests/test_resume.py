@@ -223,7 +223,8 @@ def test_portable_state_alone_resumes_bit_exact(reference, tmp_path, monkeypatch
     import scale.training.checkpoint.rules
     import scale.training.checkpoint.saving
 
-    for room in (scale.training.checkpoint.rules, scale.training.checkpoint.saving):  # where check_resume and load_checkpoint read it
+    # where check_resume and load_checkpoint read it
+    for room in (scale.training.checkpoint.rules, scale.training.checkpoint.saving):
         monkeypatch.setattr(room, "native", lambda *a: False)
     ckpt = tmp_path / "ckpt"
     shutil.copytree(reference / "checkpoints" / f"step_{K:06d}", ckpt)

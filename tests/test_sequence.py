@@ -231,8 +231,8 @@ EAGER_UNDER_SP = ("train.sequence_parallel_size=2 cannot be exact here: model.at
 
 
 def test_attention_is_refused_from_the_config_before_the_accelerator(monkeypatch, tmp_path):
-    """The config alone decides it: scale.training.job.setup raises before build_accelerator is called (accelerate's own check
-    would fire inside Accelerator() with a ValueError on every rank)."""
+    """The config alone decides it: scale.training.job.setup raises before build_accelerator is called (accelerate's own
+    check would fire inside Accelerator() with a ValueError on every rank)."""
     import scale.training.job as job
     import scale.training.parts.launch
     from scale.modeling.attention import check_sequence_parallel_config

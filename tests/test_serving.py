@@ -1,5 +1,5 @@
-"""A trained chat run serves as it trained (scale/generation/export.py, scale/generate.py): the trained chat template and
-end-of-turn stop travel with adapter/ and merged/; plain transformers generates from merged/ and stops, and
+"""A trained chat run serves as it trained (scale/generation/export.py, scale/generate.py): the trained chat template
+and end-of-turn stop travel with adapter/ and merged/; plain transformers generates from merged/ and stops, and
 `transformers serve` (OpenAI-compatible, on 127.0.0.1) answers a held-out chat exactly as `scale-generate` and the
 run's own samples.jsonl did."""
 

@@ -1,4 +1,5 @@
-"""W&B across requeues (scale/training/tracking.py): one run per job, its history equal to metrics.jsonl, artifacts, sweeps.
+"""W&B across requeues (scale/training/tracking.py): one run per job, its history equal to metrics.jsonl, artifacts,
+sweeps.
 
 W&B runs offline (tests/conftest.py); the ``.wandb`` files are read back with tests/wandb_records.py.
 """

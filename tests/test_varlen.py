@@ -1,6 +1,6 @@
-"""Packed rows attended one example at a time (scale/modeling/varlen.py): the same outputs and gradients as transformers'
-block-diagonal mask, within float32 round-off; whatever cannot be split runs masked; a padding-free run on CPU
-switches it on."""
+"""Packed rows attended one example at a time (scale/modeling/varlen.py): the same outputs and gradients as
+transformers' block-diagonal mask, within float32 round-off; whatever cannot be split runs masked; a padding-free run on
+CPU switches it on."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """ZeRO-3 from a model directory (issue 21, item 1): ``from_pretrained`` under DeepSpeed's ``zero.Init`` is a
-collective, so every rank loads the model at once (:func:`scale.training.parts.model.build_model_on_every_rank`); before, rank 0
-loaded it alone inside ``main_process_first`` and gloo aborted with a collective mismatch.
+collective, so every rank loads the model at once (:func:`scale.training.parts.model.build_model_on_every_rank`);
+before, rank 0 loaded it alone inside ``main_process_first`` and gloo aborted with a collective mismatch.
 
 Two CPU processes (gloo) through the real ``accelerate launch`` with configs/accelerate/cpu_zero3.yaml. That LoRA in
 fp32 from a ``save_pretrained`` directory gives one device's numbers is tests/test_distributed.py's ZeRO-3 parity row.

@@ -1,9 +1,9 @@
-"""Reading and writing configs: YAML instances of the schema (:mod:`scale.config.schema`), dotted command-line overrides,
-shipped named configs and secret redaction. The generated reference (``--help``, ``docs/config.md``) is
+"""Reading and writing configs: YAML instances of the schema (:mod:`scale.config.schema`), dotted command-line
+overrides, shipped named configs and secret redaction. The generated reference (``--help``, ``docs/config.md``) is
 :mod:`scale.config.help`.
 
-Unknown keys and wrong types are errors that name the dotted key. The schema's classes are in :mod:`scale.config.schema`,
-:class:`~scale.config.validation.ConfigError` in :mod:`scale.config.validation`.
+Unknown keys and wrong types are errors that name the dotted key. The schema's classes are in
+:mod:`scale.config.schema`, :class:`~scale.config.validation.ConfigError` in :mod:`scale.config.validation`.
 
     cfg = load_config("configs/train/tiny_cpu.yaml", ["train.max_steps=50", "optim.lr=1e-3"])
 

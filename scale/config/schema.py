@@ -55,7 +55,8 @@ class ModelConfig:
                                                "(sdpa). Padding-free batches use the varlen path of flash/flex.")
     kernels: str | None = _f(None, "Kernels patched into the model: null: transformers' own; liger: Liger-Kernel's "
                                    "RMSNorm, SwiGLU and RoPE (CUDA only, pip install liger-kernel; Llama, Mistral, "
-                                   "Qwen2/3, Gemma 1/2, Phi-3 and a few more families, scale.modeling.kernels.LIGER_APPLY).")
+                                   "Qwen2/3, Gemma 1/2, Phi-3 and a few more families, "
+                                   "scale.modeling.kernels.LIGER_APPLY).")
     use_reentrant: bool = _f(False, "Re-entrant checkpointing (breaks DDP+LoRA, peft#313); False is the default.")
     trust_remote_code: bool = _f(False, "Allow model code from the checkpoint directory to run.")
     disable_dropout: bool | None = _f(None, "true: every dropout off in training (TRL's disable_dropout): the "
@@ -240,9 +241,10 @@ class LossConfig:
     reference: str = _f("adapter", "objective=dpo: the reference model: adapter (the same model in the step, its "
                                    "LoRA adapter disabled, or the starting adapter frozen) | precomputed (one "
                                    "pass before training; the step runs the policy only).")
-    fused: str | None = _f(None, "Kernel of the chunked tail loss (where chunk_size chunks): null: scale.loss.chunked's "
-                                 "(exact, any device); liger: Liger-Kernel's fused linear cross-entropy (CUDA only, "
-                                 "pip install liger-kernel; unweighted tails: no type_weights, no criterion).")
+    fused: str | None = _f(None, "Kernel of the chunked tail loss (where chunk_size chunks): null: "
+                                 "scale.loss.chunked's (exact, any device); liger: Liger-Kernel's fused linear "
+                                 "cross-entropy (CUDA only, pip install liger-kernel; unweighted tails: no "
+                                 "type_weights, no criterion).")
     router_aux_coef: float | None = _f(None, "Mixture-of-experts models with lora.train_router=true: weight of the "
                                              "model's own load-balancing loss (Switch Transformer) added to the tail "
                                              "loss; null: the model config's router_aux_loss_coef when the router "
@@ -351,16 +353,17 @@ class TrainConfig:
     def global_batch_size(self, data_parallel_size: int) -> int:
         """``G`` = ``micro_batch_size x gradient_accumulation_steps x data_parallel_size``: rows per optimizer step
         over all ranks. The one place it is computed; ``data_parallel_size`` is the number of data-parallel ranks
-        (:attr:`scale.distributed.launch.ModePlan.data_parallel_size`: the world size, divided by any sequence-parallel degree)."""
+        (:attr:`scale.distributed.launch.ModePlan.data_parallel_size`: the world size, divided by any sequence-parallel
+        degree)."""
         return self.micro_batch_size * self.gradient_accumulation_steps * data_parallel_size
 
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel ranks of ``world_size`` processes: ``world_size / sequence_parallel_size`` (each
         sequence-parallel group shares its rows and counts once; the launch refuses a size that does not divide the
-        world, :func:`scale.distributed.launch.check_sequence_parallel_launch`). The one place it is derived from a process
-        count: :func:`scale.distributed.launch.plan_for_mode` (``ModePlan.data_parallel_size``), a resume before the accelerator
-        exists (:func:`scale.training.checkpoint.adapt_to_checkpoint`, from the launcher's ``WORLD_SIZE``) and
-        ``scale-plan --resume``."""
+        world, :func:`scale.distributed.launch.check_sequence_parallel_launch`). The one place it is derived from a
+        process count: :func:`scale.distributed.launch.plan_for_mode` (``ModePlan.data_parallel_size``), a resume
+        before the accelerator exists (:func:`scale.training.checkpoint.adapt_to_checkpoint`, from the launcher's
+        ``WORLD_SIZE``) and ``scale-plan --resume``."""
         return max(1, world_size // self.sequence_parallel_size)
 
 @dataclass

@@ -183,8 +183,8 @@ def fingerprint_bytes(e: Example) -> bytes:
 
 
 def check_objective_fits(loss_cfg: LossConfig, task: Task) -> None:
-    """A preference objective (:meth:`scale.config.schema.LossConfig.trains_pairs`) trains preference pairs, and pairs train
-    only under one. Checked as soon as the format is known (before tokenizing), and again on the splits a run gets
+    """A preference objective (:meth:`scale.config.schema.LossConfig.trains_pairs`) trains preference pairs, and pairs
+    train only under one. Checked as soon as the format is known (before tokenizing), and again on the splits a run gets
     from the token cache (:func:`scale.training.parts.data.build_data`).
 
     Args:

@@ -150,8 +150,8 @@ def build_accelerator(cfg: Config, settle: Callable[[], Any] | None = None) -> A
         cfg: the run's config; ``train.mixed_precision`` must be resolved (not ``auto``) when the Accelerator is
             made.
         settle: called on every rank once the process group is up and before the Accelerator is made, to agree
-            on what the Accelerator needs (``scale.training.job`` resolves ``train.mixed_precision: auto`` there, rank 0's
-            choice broadcast); collectives allowed. The group is started as the Accelerator starts it
+            on what the Accelerator needs (``scale.training.job`` resolves ``train.mixed_precision: auto`` there, rank
+            0's choice broadcast); collectives allowed. The group is started as the Accelerator starts it
             (accelerate's ``PartialState`` with the same ``cpu`` flag and process-group arguments).
 
     Raises:
@@ -234,8 +234,9 @@ def build_accelerator(cfg: Config, settle: Callable[[], Any] | None = None) -> A
 def check_sequence_parallel_launch(sp_size: int, use_deepspeed: bool, world: int) -> None:
     """``train.sequence_parallel_size`` fits the launch: a DeepSpeed mode, and a divisor of the process count.
 
-    Sequence parallelism runs through DeepSpeed Ulysses (:mod:`scale.distributed.ulysses`); DDP, FSDP2 and one device have no
-    sequence-parallel backend here (torch's ring context parallelism has no CPU kernel, and is not proven on GPUs).
+    Sequence parallelism runs through DeepSpeed Ulysses (:mod:`scale.distributed.ulysses`); DDP, FSDP2 and one device
+    have no sequence-parallel backend here (torch's ring context parallelism has no CPU kernel, and is not proven on
+    GPUs).
 
     Raises:
         LaunchError: ``sp_size > 1`` outside DeepSpeed, or ``sp_size`` does not divide ``world``.

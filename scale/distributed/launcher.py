@@ -57,12 +57,12 @@ def launch_with_accelerate(name_or_path: str, job_args: list[str], num_processes
     """Run ``scale-train job_args`` under ``accelerate launch`` with a (shipped or own) accelerate config.
 
     The process count is ``num_processes``, else one per visible GPU for a shipped GPU topology (2 CPU processes
-    without a GPU), else the YAML's (:func:`scale.distributed.topology.processes_for`), passed as ``--num_processes``; a count
-    this machine cannot hold is refused before anything starts. The config's relative ``deepspeed_config_file``
+    without a GPU), else the YAML's (:func:`scale.distributed.topology.processes_for`), passed as ``--num_processes``; a
+    count this machine cannot hold is refused before anything starts. The config's relative ``deepspeed_config_file``
     is read relative to the YAML and passed on as an absolute ``--deepspeed_config_file``, so the launch works from
     any directory. SIGTERM/SIGINT are forwarded to the launcher (which forwards them to the ranks: pre-emption
-    works as without the wrapper). When a rank reported an outcome (:func:`scale.cli._error`), its message is printed last
-    and its exit code is returned, whatever the launcher's own code (torch elastic turns every failure into 1), and
+    works as without the wrapper). When a rank reported an outcome (:func:`scale.cli._error`), its message is printed
+    last and its exit code is returned, whatever the launcher's own code (torch elastic turns every failure into 1), and
     the launcher's ``ChildFailedError`` traceback and summary, which repeat it, are left out (:data:`_LAUNCHER`).
 
     Returns:

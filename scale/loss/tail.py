@@ -406,9 +406,9 @@ def forward_tail_shard(model: torch.nn.Module, batch: dict[str, Tensor]) -> tupl
     """:func:`forward_tail` for this rank's shard of sequence-parallel rows: only this shard's tail predictions.
 
     Calls ``model(input_ids [R, C], position_ids [R, C], logits_to_keep=keep, use_cache=False)`` without an
-    attention mask (the sequence-parallel attention, :mod:`scale.distributed.ulysses`, joins the shards and runs causal); the
-    LM head sees the columns of this shard's tail predictions only (``keep``: the union over the rows, as under
-    right padding), never ``C``. The targets were shifted before the row was split, so a prediction at the
+    attention mask (the sequence-parallel attention, :mod:`scale.distributed.ulysses`, joins the shards and runs
+    causal); the LM head sees the columns of this shard's tail predictions only (``keep``: the union over the rows, as
+    under right padding), never ``C``. The targets were shifted before the row was split, so a prediction at the
     shard's last position is scored against the next shard's first token.
 
     Args:

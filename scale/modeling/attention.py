@@ -126,9 +126,9 @@ def sequence_parallel_problem(config: Any, attn_implementation: str, sp_size: in
                               max_length: int) -> str | None:
     """Why ``train.sequence_parallel_size=sp_size`` cannot be exact for this model, or None when it can.
 
-    Ulysses (:mod:`scale.distributed.ulysses`) shards the sequence between the attention calls and, around each attention call,
-    trades the shards for a share of the heads (all-to-all), runs the whole sequence's attention on ``heads / N``
-    heads with *no mask* (causal), and trades back. So:
+    Ulysses (:mod:`scale.distributed.ulysses`) shards the sequence between the attention calls and, around each
+    attention call, trades the shards for a share of the heads (all-to-all), runs the whole sequence's attention on
+    ``heads / N`` heads with *no mask* (causal), and trades back. So:
 
     - the attention must be a kernel it wraps (:data:`SEQUENCE_PARALLEL_ATTENTION`; eager needs a mask);
     - every layer must be full causal attention: a sliding window or a chunked layer would silently attend

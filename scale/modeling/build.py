@@ -147,7 +147,8 @@ def bnb_config(cfg: ModelConfig) -> Any:
         load_in_4bit=True,
         bnb_4bit_quant_type=cfg.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=cfg.bnb_4bit_use_double_quant,
-        # "auto" is resolved at start-up (scale.training.precision.resolve_mixed_precision); unresolved it computes in fp32
+        # "auto" is resolved at start-up (scale.training.precision.resolve_mixed_precision); unresolved it computes in
+        # fp32
         bnb_4bit_compute_dtype=_DTYPES.get(cfg.bnb_4bit_compute_dtype, torch.float32),
         bnb_4bit_quant_storage=getattr(torch, cfg.bnb_4bit_quant_storage),
     )

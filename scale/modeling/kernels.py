@@ -6,7 +6,8 @@ Liger-Kernel (https://github.com/linkedin/Liger-Kernel, Hsu et al. 2024, arXiv:2
 normalisation, fused ``silu(gate) * up``) and replaces the family module's ``apply_rotary_pos_emb`` (process-wide: any
 model of that family built later in the process uses it too). The LoRA layers under the MLP stay peft's: Liger's
 SwiGLU forward calls ``gate_proj``/``up_proj``/``down_proj`` as modules. Its cross-entropy patches are not applied:
-the loss is this harness's tail loss (``loss.fused: liger`` is the fused linear cross-entropy, :mod:`scale.loss.chunked`).
+the loss is this harness's tail loss (``loss.fused: liger`` is the fused linear cross-entropy,
+:mod:`scale.loss.chunked`).
 """
 
 from __future__ import annotations

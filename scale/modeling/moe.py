@@ -140,8 +140,8 @@ def lora_targets(layout: MoeLayout, target_modules: list[str] | str, train_route
     """Resolve ``lora.target_modules`` on a mixture-of-experts model to full module and parameter names.
 
     ``all-linear``: every linear layer in ``linear`` (the model's, LM head excluded:
-    :func:`scale.modeling.build.linear_names`) except router-like ones, and every expert weight. A list: a name matches a
-    linear layer by peft's suffix rule (``q_proj`` matches ``model.layers.0.self_attn.q_proj``) or an expert weight
+    :func:`scale.modeling.build.linear_names`) except router-like ones, and every expert weight. A list: a name matches
+    a linear layer by peft's suffix rule (``q_proj`` matches ``model.layers.0.self_attn.q_proj``) or an expert weight
     by its leaf (``gate_up_proj``, ``down_proj``; ``experts`` takes all of them). A string other than ``all-linear``:
     a regular expression full-matched against linear layer names and expert weight names (peft's rule for a string).
     ``train_router`` adds the routers' weights.
@@ -409,9 +409,9 @@ def active_counts(model: torch.nn.Module, layout: MoeLayout) -> ActiveCounts:
 
 
 def model_shape(model: torch.nn.Module) -> flops.ModelShape:
-    """:func:`scale.utils.flops.model_shape` with a mixture-of-experts model's fused experts counted as a token uses them:
-    ``k/E`` of the routed experts' weights and of their LoRA (``inactive_lora`` holds the rest of it), the routers'
-    ``[E, H]`` matmuls in full. A dense model's shape is :func:`scale.utils.flops.model_shape`'s."""
+    """:func:`scale.utils.flops.model_shape` with a mixture-of-experts model's fused experts counted as a token uses
+    them: ``k/E`` of the routed experts' weights and of their LoRA (``inactive_lora`` holds the rest of it), the
+    routers' ``[E, H]`` matmuls in full. A dense model's shape is :func:`scale.utils.flops.model_shape`'s."""
     shape = flops.model_shape(model)
     layout = moe_layout(model)
     if layout is None:

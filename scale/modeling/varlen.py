@@ -33,7 +33,8 @@ from scale.utils.wrapped import base_model
 
 SEGMENT_INNER = ("sdpa", "sdpa_cpu_mixed")
 """Attention implementations :func:`use_segment_attention` wraps: transformers' sdpa and the CPU bf16 path's
-(``scale.modeling.mixed_paths.MIXED_SDPA``); the wrapped name is the inner one plus :data:`scale.loss.tail.SEGMENTS_SUFFIX`."""
+(``scale.modeling.mixed_paths.MIXED_SDPA``); the wrapped name is the inner one plus
+:data:`scale.loss.tail.SEGMENTS_SUFFIX`."""
 
 _NOT_SEGMENTABLE = ("s_aux", "softcap", "position_bias")
 
@@ -95,8 +96,8 @@ def segmentable(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 
 def use_segment_attention(model: torch.nn.Module, on: bool = True) -> bool:
-    """Switch a model attending with sdpa (or ``scale.modeling.mixed_paths``'s CPU bf16 sdpa) to :func:`segment_attention`
-    around it (``on``), or back; return whether it changed.
+    """Switch a model attending with sdpa (or ``scale.modeling.mixed_paths``'s CPU bf16 sdpa) to
+    :func:`segment_attention` around it (``on``), or back; return whether it changed.
 
     Registered with transformers' ``AttentionInterface`` under the inner name plus :data:`SEGMENTS_SUFFIX`, with
     sdpa's mask function under the same name (``AttentionMaskInterface``), so padded batches get sdpa's mask and

@@ -1,7 +1,8 @@
 """A mixture-of-experts model's load-balancing loss on top of any objective, while its routers train.
 
 ``job.setup`` wraps the objective ``loss.objective`` names (:func:`with_router_aux`); the loop sees one objective and
-never branches on it. The router logits come from hooks on the model's routers (:class:`scale.training.parts.experts.RouterAux`).
+never branches on it. The router logits come from hooks on the model's routers
+(:class:`scale.training.parts.experts.RouterAux`).
 """
 
 from __future__ import annotations

@@ -86,8 +86,8 @@ class LossSpec:
         Pure: no collectives; the caller divides by the window's denominator. The rows were checked by
         ``scale.train.windows`` (inside its all-gather), so no check here. The tail logits ``[B, N, V]`` are
         freed before returning; when ``chunk_size`` cuts the tail into several chunks they are never built at
-        once (:func:`scale.loss.chunked.chunked_tail_loss`: fp32 logits of one chunk at a time, exact to round-off), else
-        the loss is :func:`scale.loss.tail.tail_loss` of the tail logits.
+        once (:func:`scale.loss.chunked.chunked_tail_loss`: fp32 logits of one chunk at a time, exact to round-off),
+        else the loss is :func:`scale.loss.tail.tail_loss` of the tail logits.
         """
         B, N = weights.shape
         if chunkable(model):

@@ -1,9 +1,9 @@
 """The activations autograd saves for backward, counted, not modelled: one forward of the harness's tail loss
 (:func:`scale.loss.tail.forward_tail`) runs on fake tensors (``torch._subclasses.FakeTensorMode``: shapes and dtypes,
-no data, no memory) at ``train.micro_batch_size`` x ``data.max_length``, and ``torch.autograd.graph.saved_tensors_hooks``
-adds up the distinct storages autograd keeps for backward (parameters excluded), with gradient checkpointing on and
-off (:func:`count_activations`); the in-step reference forward's peak of a preference job likewise
-(:func:`count_reference_peak`). The model is :mod:`scale.planner.census`'s meta-device one.
+no data, no memory) at ``train.micro_batch_size`` x ``data.max_length``, and
+``torch.autograd.graph.saved_tensors_hooks`` adds up the distinct storages autograd keeps for backward (parameters
+excluded), with gradient checkpointing on and off (:func:`count_activations`); the in-step reference forward's peak of a
+preference job likewise (:func:`count_reference_peak`). The model is :mod:`scale.planner.census`'s meta-device one.
 
 The fake forward dispatches like a CPU one (a fake CUDA device needs a CUDA build of torch), which saves the same
 tensors as CUDA's memory-efficient attention (query, key, value, output, log-sum-exp, the additive mask); under CUDA
@@ -118,8 +118,8 @@ class _FourBitMatmul(torch.autograd.Function):
 @contextmanager
 def four_bit_layers(model: torch.nn.Module, quantized: set[str], compute: torch.dtype) -> Iterator[None]:
     """Make the meta model's linear layers whose weight is 4-bit (``quantized``: parameter names from
-    :func:`scale.planner.census.census`) run as ``bitsandbytes.nn.Linear4bit.forward`` does: the input cast to the compute dtype, the
-    4-bit matmul (which saves no activation), the output cast back to the *input's* dtype. After
+    :func:`scale.planner.census.census`) run as ``bitsandbytes.nn.Linear4bit.forward`` does: the input cast to the
+    compute dtype, the 4-bit matmul (which saves no activation), the output cast back to the *input's* dtype. After
     ``prepare_model_for_kbit_training``'s fp32 norms and embeddings that input is fp32, so QLoRA's residual stream and
     projections stay fp32 under autocast (a plain linear layer would return the autocast dtype and save a
     low-precision copy of its input instead). Restores the forwards after."""
@@ -146,9 +146,9 @@ def four_bit_layers(model: torch.nn.Module, quantized: set[str], compute: torch.
 @contextmanager
 def ulysses_like_attention(model: torch.nn.Module, sp: int) -> Iterator[None]:
     """Within the block the model's attention does what DeepSpeed Ulysses does to the shapes on one of ``sp`` ranks
-    (:mod:`scale.distributed.ulysses`): query/key/value ``[B, h, C, d]`` of the rank's ``C`` positions become ``[B, h / sp, sp
-    x C, d]`` (all-to-all; key/value heads fewer than ``sp`` replicated first), the core attention runs causal over
-    the whole sequence without a mask, and its output goes back to ``[B, C, h x d]``. On fake tensors the exchanges
+    (:mod:`scale.distributed.ulysses`): query/key/value ``[B, h, C, d]`` of the rank's ``C`` positions become ``[B, h /
+    sp, sp x C, d]`` (all-to-all; key/value heads fewer than ``sp`` replicated first), the core attention runs causal
+    over the whole sequence without a mask, and its output goes back to ``[B, C, h x d]``. On fake tensors the exchanges
     are stand-in copies of the same shapes: Ulysses' own all-to-all saves nothing for backward (DeepSpeed 0.19
     ``deepspeed::dim_zero_all_to_all``), the core attention saves what it saves for these shapes."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

@@ -1,11 +1,11 @@
 """The micro-batch search and the run's one door to the planner.
 
-:func:`largest_micro_batch` finds the largest micro-batch whose single-device plan (:func:`scale.planner.plan.make_plan`)
-fits a share of one device; :func:`auto_micro_batch` adds ``train.auto_global_batch_size`` (``scale-plan`` and the
-run share both). :func:`plan_micro_batch` is what the training start-up asks, and all it asks: ``train.micro_batch_size:
-auto`` resolved against the GPU's memory before anything reads the batch (the accelerator, a DeepSpeed config, the
-loaders), and, for a run with a set micro-batch, the hint when its plan leaves most of the GPU unused; one line each
-for the start-up log (:meth:`MicroBatch.line`).
+:func:`largest_micro_batch` finds the largest micro-batch whose single-device plan
+(:func:`scale.planner.plan.make_plan`) fits a share of one device; :func:`auto_micro_batch` adds
+``train.auto_global_batch_size`` (``scale-plan`` and the run share both). :func:`plan_micro_batch` is what the training
+start-up asks, and all it asks: ``train.micro_batch_size: auto`` resolved against the GPU's memory before anything reads
+the batch (the accelerator, a DeepSpeed config, the loaders), and, for a run with a set micro-batch, the hint when its
+plan leaves most of the GPU unused; one line each for the start-up log (:meth:`MicroBatch.line`).
 
     train.micro_batch_size=auto                                  # gradient_accumulation_steps as set: G grows
     train.micro_batch_size=auto train.auto_global_batch_size=256 # G stays 256: accumulation makes up the rest
@@ -76,10 +76,11 @@ def largest_micro_batch(cfg: Config, gpu_mem_gib: float, fraction: float = 1 - H
     """The largest ``train.micro_batch_size`` whose single-device plan fits ``fraction`` of one device's memory.
 
     The plan's total (model states, saved activations, logits, transient bytes and the assumed framework overhead:
-    :func:`scale.planner.plan.make_plan`'s ``single`` row) is affine in the micro-batch at a fixed row length (everything but the model
-    states scales with the rows), so two plans (1 and 16 rows) give the candidate ``b = (limit - total(0)) / slope``;
-    plans at ``b`` and ``b + 1`` confirm it, and a bisection below ``b`` (or a doubling above it) takes over when the
-    total is not affine (a loss chunk size that changes with the rows): 4 plans when it is, each a fake-tensor forward.
+    :func:`scale.planner.plan.make_plan`'s ``single`` row) is affine in the micro-batch at a fixed row length
+    (everything but the model states scales with the rows), so two plans (1 and 16 rows) give the candidate ``b = (limit
+    - total(0)) / slope``; plans at ``b`` and ``b + 1`` confirm it, and a bisection below ``b`` (or a doubling above it)
+    takes over when the total is not affine (a loss chunk size that changes with the rows): 4 plans when it is, each a
+    fake-tensor forward.
 
     Args:
         cfg: the training config; every key but ``train.micro_batch_size`` is planned as given.

@@ -35,9 +35,9 @@ from scale.planner.census import DTYPES, GIB, ParamInfo, nbytes, nf4_bytes
 # backward (with a frozen base, W >> G); FSDP2 moves what ZeRO-3 moves and comes after it because on CPU its path
 # is proven only through a test shim (tests/fsdp_cpu.py), not on GPUs; ZeRO-3 offload adds host<->device copies.
 MODES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp2", "zero3_offload")
-# With train.sequence_parallel_size = N > 1 the plan adds these (scale.distributed.ulysses): ZeRO-2/3 whose N ranks per group
-# share every row; they move each layer's attention inputs and outputs between the group's ranks (all-to-all, 1/N of
-# a layer's activations per rank, 4 exchanges per layer), less than offload's host copies and more than ZeRO-3: they
+# With train.sequence_parallel_size = N > 1 the plan adds these (scale.distributed.ulysses): ZeRO-2/3 whose N ranks per
+# group share every row; they move each layer's attention inputs and outputs between the group's ranks (all-to-all, 1/N
+# of a layer's activations per rank, 4 exchanges per layer), less than offload's host copies and more than ZeRO-3: they
 # come between FSDP2 and ZeRO-3 offload.
 SP_MODES = ("zero2_sp", "zero3_sp")
 MODE_LABELS = {"single": "single", "ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
@@ -156,8 +156,8 @@ def sequence_parallel_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool
 
     Model states are ZeRO's over all ``world`` ranks (DeepSpeed partitions over the sequence-and-data-parallel group,
     every rank: the same bytes as without sequence parallelism). Activations and the LM head/loss are ``acts`` as
-    counted for one rank's shard (:func:`scale.planner.activations.count_activations` with ``sp = N``). Transient: the recomputed
-    layer and the loss backward of the shard, plus the all-to-all buffers of one attention call: a send and a
+    counted for one rank's shard (:func:`scale.planner.activations.count_activations` with ``sp = N``). Transient: the
+    recomputed layer and the loss backward of the shard, plus the all-to-all buffers of one attention call: a send and a
     receive copy of query, key, value and output, each ``[B, T / N, heads x head size]`` (an estimate).
     """
     n = cfg.train.sequence_parallel_size
@@ -271,7 +271,8 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
             shardable, unshardable, dtype = _weight_bytes(p, cfg, cast)
             elems = shardable // nbytes(dtype)
             # DeepSpeed compares the stored tensor's elements (ds_numel): a packed 4-bit weight stores
-            # ceil(numel / 2) bytes, i.e. fewer elements than its logical numel (counting it as numel under-predicted 1.156x).
+            # ceil(numel / 2) bytes, i.e. fewer elements than its logical numel (counting it as numel under-predicted
+            # 1.156x).
             persistent = (elems <= ds["stage3_param_persistence_threshold"]
                           and persisted + elems <= ds["stage3_model_persistence_threshold"])
             persisted += elems if persistent else 0

@@ -16,11 +16,11 @@ from scale.utils.flops import flops_per_token
 
 def moe_text(model: torch.nn.Module, params: list[Any], max_length: int, threshold: int) -> str:
     """The plan's line for a mixture-of-experts model (``""`` for a dense one): total and active parameters (a token
-    runs through ``k`` of the ``E`` routed experts, :func:`scale.modeling.moe.active_counts`), the training FLOPs per token
-    from the active ones (:func:`scale.modeling.moe.model_shape`, the ``train/mfu`` count) against every expert running, and
-    the expert stack one MoE layer holds in its training dtype: LoRA on fused experts (peft's ``ParamWrapper``)
-    computes ``W + B A`` for the whole stack in each forward, which backward keeps (counted in the saved
-    activations; checkpointing keeps one layer's)."""
+    runs through ``k`` of the ``E`` routed experts, :func:`scale.modeling.moe.active_counts`), the training FLOPs per
+    token from the active ones (:func:`scale.modeling.moe.model_shape`, the ``train/mfu`` count) against every expert
+    running, and the expert stack one MoE layer holds in its training dtype: LoRA on fused experts (peft's
+    ``ParamWrapper``) computes ``W + B A`` for the whole stack in each forward, which backward keeps (counted in the
+    saved activations; checkpointing keeps one layer's)."""
     layout = moe_layout(model)
     if layout is None:
         return ""

@@ -32,10 +32,10 @@ def plan_pairs(user_cfg: Config, cfg: Config, model: torch.nn.Module, params: li
       backward are counted for them.
     - **The reference** (``dpo``): ``loss.reference: adapter`` runs one more forward of the ``2P`` rows per
       micro-batch under ``no_grad`` after the policy's, while the policy's saved activations are alive: its peak
-      (:func:`scale.planner.activations.count_reference_peak`: tail logits, logsumexp's buffer, one layer's intermediates)
-      is a transient of the step (``Activations.reference``, :func:`scale.planner.layouts.predict_mode` takes the larger
-      of it and the loss backward). ``precomputed``: nothing in the step; one pass before training over every
-      train and eval pair, ``2 x train.eval_micro_batch_size`` rows at a time, with no gradients or optimizer
+      (:func:`scale.planner.activations.count_reference_peak`: tail logits, logsumexp's buffer, one layer's
+      intermediates) is a transient of the step (``Activations.reference``, :func:`scale.planner.layouts.predict_mode`
+      takes the larger of it and the loss backward). ``precomputed``: nothing in the step; one pass before training over
+      every train and eval pair, ``2 x train.eval_micro_batch_size`` rows at a time, with no gradients or optimizer
       state yet.
     - **A starting adapter** (``model.adapter``) under the in-step reference: its frozen copy, the peft adapter
       ``reference`` (:func:`scale.objectives.preference.add_reference_adapter`), is appended to ``params`` as frozen

@@ -57,8 +57,9 @@ class Plan:
     assumptions: list[str]
     resume: str | None = None  # --resume: the accumulation that keeps the checkpoint's global batch, in words
     advice: str = ""  # no mode fits: what would make one fit, in words (:func:`none_fits_advice`)
-    experts: str = ""  # a mixture-of-experts model: total vs active parameters and FLOPs per token (:func:`scale.planner.moe.moe_text`)
-    preference: dict[str, Any] = field(default_factory=dict)  # pairs: :func:`scale.planner.pairs.plan_pairs`; empty for other jobs
+    # a mixture-of-experts model: total vs active parameters and FLOPs per token (:func:`scale.planner.moe.moe_text`)
+    experts: str = ""
+    preference: dict[str, Any] = field(default_factory=dict)  # pairs: scale.planner.pairs.plan_pairs; else empty
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -72,14 +73,15 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     """Predict every launch mode's bytes per rank for ``cfg`` on ``gpus`` devices over ``nodes`` nodes.
 
     ``padded=False`` counts activations for rows that all fill ``data.max_length`` (no attention mask), see
-    :func:`scale.planner.activations.count_activations`; the harness pads each batch to its longest row, so True is the usual case.
-    ``single_only=True`` plans the single-device mode alone (``ranks`` holds it only, no advice): the same
-    :class:`scale.planner.layouts.Rank` as the full plan's first, at half the fake forwards (DeepSpeed's all-cast regime is not counted);
-    what :func:`scale.planner.autobatch.largest_micro_batch` probes with.
+    :func:`scale.planner.activations.count_activations`; the harness pads each batch to its longest row, so True is the
+    usual case. ``single_only=True`` plans the single-device mode alone (``ranks`` holds it only, no advice): the same
+    :class:`scale.planner.layouts.Rank` as the full plan's first, at half the fake forwards (DeepSpeed's all-cast regime
+    is not counted); what :func:`scale.planner.autobatch.largest_micro_batch` probes with.
 
     Raises:
         PlanError: impossible counts (``gpus < 1``, ``nodes < 1``, ``gpus`` not divisible by ``nodes``,
-            ``gpu_mem_gib <= 0``), or a model config that cannot be planned (:func:`scale.planner.census.load_model_config`).
+            ``gpu_mem_gib <= 0``), or a model config that cannot be planned
+            (:func:`scale.planner.census.load_model_config`).
     """
     if gpus < 1:
         raise PlanError(f"--gpus {gpus}: at least 1 GPU is needed")
@@ -91,8 +93,8 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     if gpu_mem_gib <= 0:
         raise PlanError(f"--gpu-mem {gpu_mem_gib}: GiB per GPU must be > 0")
     if cfg.train.micro_batch_size == "auto":
-        raise PlanError("train.micro_batch_size=auto: plan a number (scale.planner.autobatch resolves auto at start-up; "
-                        "scale-plan resolves it against --gpu-mem)")
+        raise PlanError("train.micro_batch_size=auto: plan a number (scale.planner.autobatch resolves auto at "
+                        "start-up; scale-plan resolves it against --gpu-mem)")
     hf_config = load_model_config(cfg.model, model_config)
     counts: dict[str, int] = {}
     tail, tail_note = data_tail(cfg, counts)
@@ -249,8 +251,8 @@ def none_fits_advice(cfg: Config, compute_dtype: str, ranks: list[Rank], replan:
         other = replan(replace(cfg, model=replace(m, bnb_4bit_quant_storage=compute_dtype)))
         if other.recommended is not None:
             total = next(r.total for r in other.ranks if r.mode == other.recommended)
-            return (f"set {key}: then {MODE_LABELS[other.recommended]} fits ({total / GIB:.2f} GiB per rank; ZeRO-3 and "
-                    f"FSDP2 shard 4-bit weights only stored in the compute dtype)")
+            return (f"set {key}: then {MODE_LABELS[other.recommended]} fits ({total / GIB:.2f} GiB per rank; ZeRO-3 "
+                    f"and FSDP2 shard 4-bit weights only stored in the compute dtype)")
         first.append(f"set {key} (ZeRO-3 and FSDP2 shard 4-bit weights only stored in the compute dtype)")
     rest = ["lower train.micro_batch_size or data.max_length"]
     if not m.gradient_checkpointing:

@@ -60,12 +60,12 @@ class StepCommit:
     a criterion can add a constant NaN; a rank that skipped alone would fork the replicas), so its verdict needs a
     host read of every rank's flag. Read where the step ends, that is a second host read per step beside the window
     vote's gather; instead the step waits, its flag travels in the next window's vote
-    (:func:`scale.training.windows.windows` calls :meth:`flag` and :meth:`apply`), and the step is applied (``optimizer.step``,
-    ``zero_grad``, the meter's sums) or skipped before the next window's first forward: the same updates in the
-    same order as applying it at once, for one host read per step. GradScaler's ``found_inf`` skips on the device
-    instead, but only fused optimizers take it (``torch.amp.GradScaler.step`` reads it on the host otherwise).
-    Anything that reads the weights, the optimizer, the schedule or the meter between (logging, evaluation, a
-    checkpoint, the end) calls :meth:`flush` first, which decides with one all-reduce and a host read of its own.
+    (:func:`scale.training.windows.windows` calls :meth:`flag` and :meth:`apply`), and the step is applied
+    (``optimizer.step``, ``zero_grad``, the meter's sums) or skipped before the next window's first forward: the same
+    updates in the same order as applying it at once, for one host read per step. GradScaler's ``found_inf`` skips on
+    the device instead, but only fused optimizers take it (``torch.amp.GradScaler.step`` reads it on the host
+    otherwise). Anything that reads the weights, the optimizer, the schedule or the meter between (logging, evaluation,
+    a checkpoint, the end) calls :meth:`flush` first, which decides with one all-reduce and a host read of its own.
 
     The schedule steps here too, after the optimizer (every step, skipped or trained or of zero weight), so that the
     step runs at its own learning rate. ``acc.sync_gradients`` is still true when the step is applied: nothing

@@ -4,9 +4,11 @@
 | format | metrics |
 |---|---|
 | every format | ``eval/loss``: tail NLL per weighted trained token (nats; ratio of sums), ``eval/examples`` |
-| ``classification`` | ``eval/target_nll``: NLL of the row's label (nats per example, the sum over its tokens), ``eval/accuracy``: the label (+ EOS) with the highest log-likelihood after the prompt is the row's |
+| ``classification`` | ``eval/target_nll``: NLL of the row's label (nats per example, the sum over its tokens),
+``eval/accuracy``: the label (+ EOS) with the highest log-likelihood after the prompt is the row's |
 | ``text`` with a ``target`` column | ``eval/target_nll``: NLL of the target token at ``loss.target_position`` |
-| ``prompt_completion``, ``messages`` | ``eval/loss`` is the completion NLL per trained token; ``eval/exact_match``: every trained token is the argmax (teacher forced) |
+| ``prompt_completion``, ``messages`` | ``eval/loss`` is the completion NLL per trained token; ``eval/exact_match``:
+every trained token is the argmax (teacher forced) |
 
 Accuracy with single-token labels compares the label tokens' logits at the label position (one forward);
 with multi-token labels every label is scored as ``sum_k log p(label_k | prompt, label_<k) + log p(EOS | prompt,
@@ -79,9 +81,10 @@ def evaluate(acc: Accelerator, model: torch.nn.Module, eval_dl: DataLoader, spec
             gathered table as one more column, so the ranks agree at the same batch without another collective.
         task: the split's prepared task (``Splits.task``); ``None``: the one the loader's examples carry
             (``eval_dl.dataset.task``, a loader over ``Splits.eval``).
-        sequence: under sequence parallelism (:class:`scale.distributed.ulysses.SequenceParallel`) every forward runs on the
-            rank's shard of the rows and returns what one device's would (:class:`scale.distributed.ulysses.ShardedForward`),
-            and the figures are gathered over the data-parallel ranks; never the plain attention on a shard.
+        sequence: under sequence parallelism (:class:`scale.distributed.ulysses.SequenceParallel`) every forward runs on
+            the rank's shard of the rows and returns what one device's would
+            (:class:`scale.distributed.ulysses.ShardedForward`), and the figures are gathered over the data-parallel
+            ranks; never the plain attention on a shard.
 
     Raises:
         EvalInterrupted: ``stop()`` was true on some rank after some batch; nothing is returned.

@@ -279,8 +279,9 @@ def model_flops(cfg: Config, model_config: Any, trainable: int) -> Callable[...,
         trainable: trainable (LoRA) parameter count.
 
     Returns:
-        ``flops_fn`` (:mod:`scale.utils.flops`: LoRA count, only the tail's logits, padding positions counted; with DPO's
-        in-step reference (``loss.reference: adapter``) its forward too, :func:`scale.utils.flops.reference_flops_per_token`).
+        ``flops_fn`` (:mod:`scale.utils.flops`: LoRA count, only the tail's logits, padding positions counted; with
+        DPO's in-step reference (``loss.reference: adapter``) its forward too,
+        :func:`scale.utils.flops.reference_flops_per_token`).
     """
     in_step_reference = cfg.loss.objective == "dpo" and cfg.loss.reference == "adapter"
 

@@ -13,10 +13,11 @@ code of ours) and compared, as text, with the answer the row trains:
 
 A row's *prompt* is its tokens as trained up to its last trained answer (for a chat: every turn before the last
 assistant turn, rendered by the trained template, ending with the generation prompt) and its *reference* is that
-answer through its stop token (EOS or the template's end-of-turn marker: :func:`scale.generation.export.serving_tokenizer`).
-Generation stops at those stops or after ``min(len(reference), eval.max_new_tokens)`` tokens: a longer
-completion cannot match. Each completion goes to ``<output_dir>/samples.jsonl`` (``step, row, prompt, reference,
-completion, exact``; main process, one append per evaluation) and to a W&B table ``eval/samples``.
+answer through its stop token (EOS or the template's end-of-turn marker:
+:func:`scale.generation.export.serving_tokenizer`). Generation stops at those stops or after ``min(len(reference),
+eval.max_new_tokens)`` tokens: a longer completion cannot match. Each completion goes to ``<output_dir>/samples.jsonl``
+(``step, row, prompt, reference, completion, exact``; main process, one append per evaluation) and to a W&B table
+``eval/samples``.
 
 Preference pairs (``data.format: preference``): the first ``eval.generate_samples`` held-out *pairs*; the policy
 answers their shared prompt (budget: the longer side), and each line holds ``step, row, prompt, completion,

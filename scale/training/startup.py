@@ -93,7 +93,8 @@ def packing_text(rows: int, bins: list[list[int]], lengths: np.ndarray, max_leng
 
 def mode_plan_lines(notes: list[str], dtypes: dict[str, int], cpu_paths: list[str]) -> list[str]:
     """The start-up lines of the mode plan (:attr:`scale.distributed.launch.ModePlan.notes`), the parameters' dtypes
-    (:func:`scale.training.checks.dtype_census`) and the mixed-precision paths in use, each within :data:`LINE_WIDTH`."""
+    (:func:`scale.training.checks.dtype_census`) and the mixed-precision paths in use, each within
+    :data:`LINE_WIDTH`."""
     tail = [f"parameter dtypes: {dtypes}"] + ([f"bf16 paths: {', '.join(cpu_paths)}"] if cpu_paths else [])
     return lines_within("mode plan: ", notes or ["defaults"]) + lines_within("", tail)
 
@@ -121,8 +122,9 @@ def log_data_stats(stats: dict[str, int], data_cfg: Any = None, unit: str = "row
 def report_start(launch: Launch, cfg: Config, data: Data, loaders: Loaders, model: torch.nn.Module,
                  cpu_paths: list[str], max_steps: int, counts: tuple[int, int]) -> None:
     """The start-up lines of the main process (module docstring), before the first step: the launch, packing,
-    one step's tokens and the parameters (``counts``: trainable and total, :func:`scale.modeling.build.parameter_counts`),
-    the data counts, a train row as trained, the differences from TRL's defaults and the mode plan."""
+    one step's tokens and the parameters (``counts``: trainable and total,
+    :func:`scale.modeling.build.parameter_counts`), the data counts, a train row as trained, the differences from TRL's
+    defaults and the mode plan."""
     acc, plan, splits = launch.acc, launch.plan, data.splits
     if not acc.is_main_process:
         return

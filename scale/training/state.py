@@ -43,8 +43,8 @@ class TrainerState:
     best_metric: float | None = None
     best_step: int | None = None
     evals_since_best: int = 0
-    # Where the checkpoint can be resumed (scale.training.checkpoint): the launch mode and the data-parallel ranks that wrote
-    # it, and G. 0 / "": written before these fields (then G = micro_batch_size x GA x world_size of its config).
+    # Where the checkpoint can be resumed (scale.training.checkpoint): the launch mode and the data-parallel ranks that
+    # wrote it, and G. 0 / "": written before these fields (then G = micro_batch_size x GA x world_size of its config).
     mode: str = ""              # single | ddp | zero1 | zero2 | zero3 | fsdp
     data_parallel_size: int = 0
     global_batch_size: int = 0

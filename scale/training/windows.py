@@ -119,7 +119,8 @@ def windows(acc: Accelerator, dl: Iterable[dict[str, torch.Tensor]], ga: int, ob
     window, the stop or the epoch's end is yielded), and is the loop's one host sync per optimizer step.
 
     Raises:
-        NonFiniteError: from ``held.apply`` (:class:`scale.training.commit.StepCommit`), under ``train.on_nonfinite=error``.
+        NonFiniteError: from ``held.apply`` (:class:`scale.training.commit.StepCommit`), under
+        ``train.on_nonfinite=error``.
         ValueError: a micro-batch on some rank holds a row with a gap in its mask or fewer than its tail + 1
             tokens (:func:`scale.loss.tail.check_rows`).
         RuntimeError: a rank has no batch to repeat for a window the others train (its shard is empty).

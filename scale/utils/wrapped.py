@@ -1,7 +1,7 @@
 """The transformers model a run's wrappers hold: the one whose config and modules the model-side patches
-(:mod:`scale.modeling.mixed_paths`, :mod:`scale.modeling.varlen`, :mod:`scale.modeling.kernels`, :func:`scale.loss.tail.packed_kwargs`) read or
-change. Plain attribute walking: no accelerate, no torch.distributed (:func:`scale.training.checkpoint.unwrap` is the loop
-side's, through accelerate).
+(:mod:`scale.modeling.mixed_paths`, :mod:`scale.modeling.varlen`, :mod:`scale.modeling.kernels`,
+:func:`scale.loss.tail.packed_kwargs`) read or change. Plain attribute walking: no accelerate, no torch.distributed
+(:func:`scale.training.checkpoint.unwrap` is the loop side's, through accelerate).
 """
 
 from __future__ import annotations

@@ -151,8 +151,8 @@ def check_same_run(cfg: Config, saved: dict[str, Any], source: Path, same_global
 def native(state: TrainerState, plan: ModePlan, acc: Accelerator) -> bool:
     """Whether a resume from ``state`` reads the launch mode's own files (``accelerate.load_state``): written in
     this mode by as many processes with as many data-parallel ranks. Else the portable state is read
-    (:func:`scale.training.checkpoint.portable.load_portable`). A checkpoint written before the mode was recorded is native when
-    the process count matches (it has no portable state)."""
+    (:func:`scale.training.checkpoint.portable.load_portable`). A checkpoint written before the mode was recorded is
+    native when the process count matches (it has no portable state)."""
     if not state.mode:
         return state.world_size == acc.num_processes
     return (state.mode, state.world_size, state.data_parallel_size or state.world_size) == (

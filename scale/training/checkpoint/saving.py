@@ -53,9 +53,10 @@ def _trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def register_hooks(acc: Accelerator) -> None:
     """Make ``save_state``/``load_state`` skip the model's full state dict in one device and DDP modes: the
-    trainable tensors are written by :func:`scale.training.checkpoint.portable.write_portable` (``adapter_model.safetensors``)
-    and read back here, and the frozen (possibly 4-bit) base is rebuilt from the config, not written every checkpoint.
-    The pattern follows accelerate's ``register_save_state_pre_hook`` docs (as diffusers uses it)."""
+    trainable tensors are written by :func:`scale.training.checkpoint.portable.write_portable`
+    (``adapter_model.safetensors``) and read back here, and the frozen (possibly 4-bit) base is rebuilt from the config,
+    not written every checkpoint. The pattern follows accelerate's ``register_save_state_pre_hook`` docs (as diffusers
+    uses it)."""
 
     def save_hook(models: list[torch.nn.Module], weights: list[dict], output_dir: str) -> None:
         weights.clear()  # accelerate would write the full state dict, 4-bit base included
@@ -80,9 +81,9 @@ def save_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, state: Traine
                     optimizer: Any) -> Path:
     """Write a complete checkpoint for ``state.step`` atomically and prune old ones. Collective.
 
-    The launch mode's own files (``accelerate.save_state``), then the portable state (:mod:`scale.training.checkpoint.portable`),
-    then, once every rank's files are in, each file's size and sha256 and the counters in ``trainer_state.json``,
-    then the rename.
+    The launch mode's own files (``accelerate.save_state``), then the portable state
+    (:mod:`scale.training.checkpoint.portable`), then, once every rank's files are in, each file's size and sha256 and
+    the counters in ``trainer_state.json``, then the rename.
 
     Returns:
         The checkpoint directory.
@@ -113,8 +114,8 @@ def save_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, state: Traine
 def load_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path, state: TrainerState,
                     model: torch.nn.Module, optimizer: Any, scheduler: Any, progress: TrainerState) -> TrainerState:
     """Restore model (trainable tensors), optimizer, scheduler and RNG states from ``path`` (already checked
-    by :func:`scale.training.checkpoint.rules.check_resume`): the mode's own files when it was written in this mode on these
-    processes, else the portable state, in any mode (:func:`scale.training.checkpoint.rules.native`). Collective.
+    by :func:`scale.training.checkpoint.rules.check_resume`): the mode's own files when it was written in this mode on
+    these processes, else the portable state, in any mode (:func:`scale.training.checkpoint.rules.native`). Collective.
 
     Args:
         state: the checkpoint's progress (its ``trainer_state.json``).
@@ -147,8 +148,8 @@ def load_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path, s
 
 def resume_lines(path: Path, state: TrainerState, how: str, rng: str | None) -> list[str]:
     """The log lines of a resume: where it continues (step, epoch, windows into the epoch) and how the state was
-    read (``how``), then how the RNG was restored (``rng``, :func:`scale.training.checkpoint.portable.restore_rng`; None: with
-    the mode's own files). Two lines, so that each stays under the 300 characters of a log file's line."""
+    read (``how``), then how the RNG was restored (``rng``, :func:`scale.training.checkpoint.portable.restore_rng`;
+    None: with the mode's own files). Two lines, so that each stays under the 300 characters of a log file's line."""
     return ([f"resumed from {path} at step {state.step} (epoch {state.epoch}, {state.windows_in_epoch} windows into "
              f"it): {how}"] + ([f"resume RNG: {rng}"] if rng else []))
 

@@ -15,9 +15,9 @@ Layout of one checkpoint ``<output_dir>/checkpoints/step_000040/``:
     pytorch_model/              DeepSpeed only: its own files (frozen parameters excluded), read by DeepSpeed
     pytorch_model_fsdp_0/ optimizer_0/   FSDP2 only: accelerate's sharded DCP files (the whole model; read back)
 
-The first four files are the portable state (:mod:`scale.training.checkpoint.portable`): any launch mode on any number of
-processes loads them, as long as the global batch ``G`` is the same (:func:`scale.training.state.resume_accumulation` recomputes
-``gradient_accumulation_steps``). A resume in the same mode on the same processes reads the mode's own files
+The first four files are the portable state (:mod:`scale.training.checkpoint.portable`): any launch mode on any number
+of processes loads them, as long as the global batch ``G`` is the same (:func:`scale.training.state.resume_accumulation`
+recomputes ``gradient_accumulation_steps``). A resume in the same mode on the same processes reads the mode's own files
 (``accelerate.load_state``), bit-exact as before.
 
 Atomicity: every rank writes into ``step_000040.tmp/``; after a barrier the writer records every file's size and

@@ -1,6 +1,6 @@
-"""The log part: where the run's figures go (``metrics.jsonl`` and the trackers, :class:`scale.training.metrics.MetricsLog`)
-and what every evaluation generates (``samples.jsonl``, :class:`scale.training.samples.Generation`), with the check that
-``train.keep_best`` names a figure the run reports.
+"""The log part: where the run's figures go (``metrics.jsonl`` and the trackers,
+:class:`scale.training.metrics.MetricsLog`) and what every evaluation generates (``samples.jsonl``,
+:class:`scale.training.samples.Generation`), with the check that ``train.keep_best`` names a figure the run reports.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def pick_eval_samples(cfg: Config, splits: Splits, spec: LossSpec) -> list[Sampl
     ``train.keep_best`` was checked against every figure the run reports (before step 1).
 
     Raises:
-        ConfigError: ``train.keep_best`` names a figure no evaluation reports (:func:`scale.training.best.check_reported`).
+        ConfigError: ``train.keep_best`` names a figure no evaluation reports
+            (:func:`scale.training.best.check_reported`).
     """
     samples = pick_samples(splits.eval, cfg.eval.generate_samples, cfg.data.labels, pairs=bool(splits.task.sides)) \
         if cfg.eval.generate_samples else []
@@ -42,8 +43,8 @@ def pick_eval_samples(cfg: Config, splits: Splits, spec: LossSpec) -> list[Sampl
 
 def build_log(launch: Launch, cfg: Config, splits: Splits, state: TrainerState) -> MetricsLog:
     """``metrics.jsonl`` and the trackers. A resumed run keeps the history up to its checkpoint and drops what was
-    logged after it; the trackers then continue the job's run and get the rows they lack (:mod:`scale.training.tracking`).
-    A fresh run logs the data counts and the precision choice once, at step 0."""
+    logged after it; the trackers then continue the job's run and get the rows they lack
+    (:mod:`scale.training.tracking`). A fresh run logs the data counts and the precision choice once, at step 0."""
     acc, resumed = launch.acc, launch.resume is not None
     sink = JsonlSink(Path(cfg.output_dir) / "metrics.jsonl", acc.is_main_process,
                      keep_until=state.step if resumed else None)

@@ -32,9 +32,9 @@ def build_run_model(launch: Launch, cfg: Config, vocab_size: int) -> tuple[torch
     Under ZeRO-3 every rank loads at once (:func:`build_model_on_every_rank`); a model on this machine is loaded by
     every rank at once, a hub id on the main process first. Under bf16 autocast the casts and the 4-bit
     dequantization take the paths with fewer casts on any device, and on the CPU the attention of short rows runs in
-    float32 (:mod:`scale.modeling.mixed_paths`, :func:`~scale.modeling.mixed_paths.paths_for`); under sequence parallelism the
-    attention stays the one Ulysses wraps (its name is what :mod:`scale.distributed.ulysses` registers). ``model.kernels``
-    patches its kernels in first (:mod:`scale.modeling.kernels`).
+    float32 (:mod:`scale.modeling.mixed_paths`, :func:`~scale.modeling.mixed_paths.paths_for`); under sequence
+    parallelism the attention stays the one Ulysses wraps (its name is what :mod:`scale.distributed.ulysses` registers).
+    ``model.kernels`` patches its kernels in first (:mod:`scale.modeling.kernels`).
 
     Raises:
         ConfigError: the model does not fit ``data.padding_free``/``data.packing`` or the sequence-parallel size;
@@ -111,8 +111,8 @@ def build_model_on_every_rank(acc: Accelerator, cfg: Config, plan: ModePlan, voc
 
 
 def flops_shape(model: torch.nn.Module) -> Any:
-    """The model's matmul shape for the FLOPs count (:func:`scale.modeling.moe.model_shape`: a mixture of experts counts the
-    experts a token uses), or ``None`` with one
+    """The model's matmul shape for the FLOPs count (:func:`scale.modeling.moe.model_shape`: a mixture of experts counts
+    the experts a token uses), or ``None`` with one
     warning: an optional metric must never stop training."""
     try:
         return model_shape(model)

@@ -1,5 +1,5 @@
-"""The resume-or-start part: the run's progress (:class:`scale.training.state.TrainerState`), either fresh or restored from
-the checkpoint the launch picked (model, optimizer, scheduler and RNG states, in any launch mode). Collective.
+"""The resume-or-start part: the run's progress (:class:`scale.training.state.TrainerState`), either fresh or restored
+from the checkpoint the launch picked (model, optimizer, scheduler and RNG states, in any launch mode). Collective.
 """
 
 from __future__ import annotations
