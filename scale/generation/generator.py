@@ -89,7 +89,8 @@ class Generator:
     @property
     def has_template(self) -> bool:
         """The run trained through a chat template: its saved tokenizer carries one. Training saves it only when the
-        prepared task rendered the rows with one (:func:`scale.export.serving_tokenizer`); else prompts are text."""
+        prepared task rendered the rows with one (:func:`scale.generation.export.serving_tokenizer`); else prompts are
+        text."""
         return bool(getattr(self.tokenizer, "chat_template", None))
 
 

@@ -194,7 +194,7 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
         packed: ``data.packing``: the micro-batch is one padding-free row of ``B x T`` tokens (bins
             that fill ``max_length``) whose block-diagonal ``[1, 1, BT, BT]`` mask transformers builds from the
             restarting position ids, and the LM head and loss see ``B x N`` positions (``N = T`` from
-            :func:`scale.plan.make_plan`: every token trained, the worst case); ``padded`` is ignored.
+            :func:`scale.planner.plan.make_plan`: every token trained, the worst case); ``padded`` is ignored.
         sp: ``train.sequence_parallel_size``: the count of one of ``sp`` ranks sharing each row
             (:mod:`scale.data.sequence`): ``B`` rows of ``C = T / sp`` positions (``T`` rounded up to a multiple of
             ``sp``), no attention mask, the attention as Ulysses runs it (:func:`ulysses_like_attention`), and the
