@@ -250,7 +250,8 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return name or None
 
 
-def _file_imports(path: Path) -> list[tuple[str, bool]]:
+@functools.cache
+def _file_imports(path: Path) -> tuple[tuple[str, bool], ...]:
     """``(imported name, inside a function)`` of every import of ``path`` (``from m import a`` as ``m.a``: the module
     ``m.a`` where ``a`` is a submodule, else a name of ``m``)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -264,7 +265,7 @@ def _file_imports(path: Path) -> list[tuple[str, bool]]:
             found += [(a.name, id(node) in inside) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:  # `from m import a` imports m.a, or m where a is a name
             found += [(f"{node.module}.{a.name}", id(node) in inside) for a in node.names]
-    return found
+    return tuple(found)
 
 
 def _links() -> list[tuple[str, str, bool]]:
