@@ -16,8 +16,8 @@ fits, a data-parallel one when there are several GPUs.
 
 How each number is obtained:
 
-- **Parameters** and **saved activations** are counted by :mod:`scale.planner.census` (meta-device model, fake-tensor
-  forward with saved-tensor hooks).
+- **Parameters** are counted by :mod:`scale.planner.census` (meta-device model) and **saved activations** by
+  :mod:`scale.planner.activations` (fake-tensor forward with saved-tensor hooks).
 - **Where each launch mode keeps them** is :mod:`scale.planner.layouts` (DeepSpeed, DDP and FSDP2 as their code does).
 - **Logits**: the part of the saved bytes from the LM head on (``logits_to_keep``: ``loss.threshold`` positions
   per row), and what the full ``[B, T, V]`` logits would have cost instead.
