@@ -91,7 +91,8 @@ ALLOWED: dict[str, set[str]] = {
     "modeling.build": {"config.schema", "config.validation", "modeling.moe", "utils.assets", "utils.compat"},
     # packed rows' attention one example at a time where no varlen kernel runs
     "modeling.varlen": {"loss.tail", "modeling.mixed_paths", "utils.wrapped"},
-    "modeling": {"modeling.build"},  # the face: hands modeling.build's names on
+    "modeling.dropout": set(),  # the dropout a model trains with; model.disable_dropout
+    "modeling": {"modeling.build", "modeling.dropout"},  # the face: hands modeling.build's, dropout's names on
     # objectives: one file per objective; loss.objective picks one
     "objectives": {"config.schema", "config.validation", "loss.chunked", "loss.tail"},
     # planner: scale-plan's counts, meta/fake tensors, no process group
@@ -142,11 +143,11 @@ ALLOWED: dict[str, set[str]] = {
     "training.parts": {"config.schema", "config.validation", "data.cache", "data.collate", "data.mixing", "data.order",
                        "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize",
                        "distributed.collective", "distributed.launch", "distributed.ulysses", "generation.export",
-                       "modeling.attention", "modeling.build", "modeling.kernels", "modeling.mixed_paths",
-                       "modeling.moe", "modeling.varlen", "objectives", "planner", "training.best",
-                       "training.checkpoint", "training.evaluate", "training.metrics", "training.precision",
-                       "training.samples", "training.schedule", "training.state", "training.tracking",
-                       "utils.assets"},
+                       "modeling.attention", "modeling.build", "modeling.dropout", "modeling.kernels",
+                       "modeling.mixed_paths", "modeling.moe", "modeling.varlen", "objectives", "planner",
+                       "training.best", "training.checkpoint", "training.evaluate", "training.metrics",
+                       "training.precision", "training.samples", "training.schedule", "training.state",
+                       "training.tracking", "utils.assets"},
     "training.startup": {"config.names", "config.schema", "data.token_table", "data.tokenize", "distributed.launch",
                          "training.checks", "training.parts", "training.precision", "training.schedule",
                          "utils.compat"},  # the start-up lines
@@ -194,7 +195,8 @@ LAYERS: dict[str, list[set[str]]] = {
     "loss": [{"loss.tail"}, {"loss.chunked"}, {"loss"}],
     "data": [{"data.read"}, {"data.sources"}, {"data.tasks"}, {"data.split"}, {"data.mixing"}, {"data.tokenize"},
              {"data.token_table", "data.cache"}, {"data.collate", "data.order", "data.sequence"}, {"data"}],
-    "modeling": [{"modeling.moe", "modeling.attention", "modeling.mixed_paths", "modeling.kernels"},
+    "modeling": [{"modeling.moe", "modeling.attention", "modeling.mixed_paths", "modeling.kernels",
+                  "modeling.dropout"},
                  {"modeling.build", "modeling.varlen"}, {"modeling"}],
     "objectives": [{"objectives"}],
     "planner": [{"planner.census"}, {"planner.activations", "planner.moe"}, {"planner.pairs", "planner.layouts"},

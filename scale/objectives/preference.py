@@ -33,7 +33,7 @@ one length.
 **Dropout.** A policy forward that draws dropout masks scores each side with noise, and a reference under other
 masks than the policy's makes a step's rewards noise even where the policy still equals its reference (TRL:
 ``disable_dropout``, huggingface/trl#2042). Under these objectives ``model.disable_dropout`` (null) is true: every
-dropout of the model and LoRA's are off (:func:`scale.modeling.build.disable_dropout`), so policy == reference gives
+dropout of the model and LoRA's are off (:func:`scale.modeling.dropout.disable_dropout`), so policy == reference gives
 rewards of exactly 0. The reference always runs in eval mode (:func:`reference_mode`), without masks.
 
 **The reference without a second copy** (DPO): the same model, run under ``torch.no_grad`` in eval mode in the

@@ -15,7 +15,8 @@ from scale.config.schema import Config
 from scale.distributed.collective import main_process_first, on_every_rank
 from scale.distributed.launch import ModePlan
 from scale.modeling.attention import check_packing, check_sequence_parallel
-from scale.modeling.build import build_model, disable_dropout, dropout_census
+from scale.modeling.build import build_model
+from scale.modeling.dropout import disable_dropout, dropout_census
 from scale.modeling.kernels import apply_kernels
 from scale.modeling.mixed_paths import paths_for, use_mixed_paths
 from scale.modeling.moe import model_shape
@@ -70,7 +71,7 @@ def build_run_model(launch: Launch, cfg: Config, vocab_size: int) -> tuple[torch
 
 def set_dropout(cfg: Config, model: torch.nn.Module) -> str | None:
     """Apply ``model.disable_dropout`` (:meth:`scale.config.schema.Config.dropout_off`: null is true under a preference
-    objective, false under sft) to ``model`` in place (:func:`scale.modeling.build.disable_dropout`), and return the
+    objective, false under sft) to ``model`` in place (:func:`scale.modeling.dropout.disable_dropout`), and return the
     start-up line that says what draws dropout masks in training: always under a preference objective or when
     dropout is turned off; under sft only when the model itself has dropout (``lora.dropout`` is the run's own key).
     """
