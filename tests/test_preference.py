@@ -17,8 +17,9 @@ from scale.config.schema import DataConfig, LoraConfig, LossConfig, ModelConfig
 from scale.data import Collator, DataError, PaddingFreeCollator, load_rows, removed_lines, tokenize_rows
 from scale.data.tasks.preference import PairCollator, PairedExamples
 from scale.modeling.build import add_lora, build_model, load_adapter, load_base
-from scale.objectives.preference import (PreferenceObjective, add_reference_adapter, dpo_loss, orpo_loss,
-                                         reference_forward, reference_logps, simpo_loss, tail_logps)
+from scale.objectives.pair_losses import dpo_loss, orpo_loss, simpo_loss
+from scale.objectives.preference import (PreferenceObjective, add_reference_adapter, reference_forward,
+                                         reference_logps, tail_logps)
 from tests.conftest import ROOT
 
 CHATML = ROOT / "configs" / "chat" / "chatml.jinja"

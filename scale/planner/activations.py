@@ -28,7 +28,8 @@ from scale.config.schema import Config
 from scale.loss import chunked
 from scale.loss import tail as scale_loss
 from scale.modeling.moe import static_experts
-from scale.objectives.preference import reference_mode, side_logps
+from scale.objectives.pair_losses import side_logps
+from scale.objectives.preference import reference_mode
 from scale.planner.census import DTYPES, ParamInfo, PlanError
 
 
@@ -364,7 +365,7 @@ def count_reference_peak(cfg: Config, model: torch.nn.Module, params: list[Param
                          cast: torch.dtype | None = None, rows: int | None = None) -> int:
     """Peak bytes of the DPO reference's forward over one micro-batch: the model with its LoRA adapter disabled
     (:func:`scale.objectives.preference.reference_mode`), under ``no_grad``, then each row's summed tail logps
-    (:func:`scale.objectives.preference.side_logps`): the ``[rows, N, V]`` fp32 tail logits, the log-softmax's
+    (:func:`scale.objectives.pair_losses.side_logps`): the ``[rows, N, V]`` fp32 tail logits, the log-softmax's
     temporaries and one layer's intermediates, all freed when the forward returns. Counted on fake tensors as
     :func:`count_activations` counts (``rows`` x ``data.max_length``, ``N`` = ``loss.threshold``), every storage
     an op creates followed until it is freed (:class:`PeakBytes`), plus the one buffer no dispatch mode sees:

@@ -18,7 +18,7 @@ from scale.utils.flops import flops_per_token, model_shape, reference_flops_per_
 def pair_rows(cfg: Config) -> Config:
     """A preference job as the planner counts it: a micro-batch of ``P`` pairs (``train.micro_batch_size``) is
     ``2P`` rows of prompt + completion (:class:`scale.data.tasks.preference.PairCollator`: rows ``2p``, ``2p + 1``),
-    and the preference losses run unchunked (``loss.chunk_size`` 0: :func:`scale.objectives.preference.side_logps`
+    and the preference losses run unchunked (``loss.chunk_size`` 0: :func:`scale.objectives.pair_losses.side_logps`
     over the ``[2P, N, V]`` tail logits)."""
     return replace(cfg, train=replace(cfg.train, micro_batch_size=2 * cfg.train.micro_batch_size),
                    loss=replace(cfg.loss, chunk_size=0))
