@@ -216,8 +216,8 @@ def cli() -> None:
     """Console entry point. The planner counts 4-bit weights itself (:func:`scale.planner.census.nf4_bytes`) on meta
     tensors, so bitsandbytes, which peft and transformers import whenever it is installed (~3 s of CPU: it wraps its
     kernels in ``torch.compile``), is kept out of the process as in :func:`scale.cli.start_fast`; peft's call of
-    transformers' deprecated ``is_gradient_checkpointing`` is not reported (:func:`scale.utils.logs.ignore_known_warnings`,
-    as every command drops it)."""
+    transformers' deprecated ``is_gradient_checkpointing`` is not reported
+    (:func:`scale.utils.logs.ignore_known_warnings`, as every command drops it)."""
     sys.modules.setdefault("bitsandbytes", None)
     ignore_known_warnings()
     sys.exit(main())

@@ -254,7 +254,8 @@ def sync_on_last_micro_batch(acc: Accelerator, n_micro: int) -> None:
 def epoch_loader(job: Job) -> tuple[Iterable[dict[str, torch.Tensor]], dict[str, torch.Tensor] | None]:
     """This rank's train micro-batches of ``state.epoch`` and the one trained before them (:func:`windows`'
     ``last``): mid-epoch after a resume, without the ``windows_in_epoch * GA`` already trained, the last of which
-    is a rank's stand-in if its shard holds no batch for the next window (:func:`scale.training.windows.skip_trained`)."""
+    is a rank's stand-in if its shard holds no batch for the next window
+    (:func:`scale.training.windows.skip_trained`)."""
     trained = job.state.windows_in_epoch * job.cfg.train.gradient_accumulation_steps
     return skip_trained(job.acc, job.train_dl, job.state.epoch, trained)
 

@@ -77,8 +77,8 @@ def test_loop_host_reads_and_ops_against_a_bare_loop():
     the harness's scalar reads (every ``_local_scalar_dense``, a host copy's too, as ``torch.profiler`` counts them)
     equal the bare loop's, and its one extra read of a device value is a copy: the window vote's gather (``.cpu()``
     of the ``[world, 6]`` table, then Python numbers by ``.tolist()``), which also carries the previous step's
-    non-finite flag (the step is held until then: scale.training.commit.StepCommit). Its aten ops per step are within 10% of
-    the bare loop's (measured: 2,116 vs 1,993 on this shape, +6%)."""
+    non-finite flag (the step is held until then: scale.training.commit.StepCommit). Its aten ops per step are within
+    10% of the bare loop's (measured: 2,116 vs 1,993 on this shape, +6%)."""
     ours, bare = counted()
     assert ours["copy"] == 1, ours
     assert ours["reads"] - bare["reads"] == 1, (ours, bare)

@@ -239,9 +239,9 @@ def test_portable_state_alone_resumes_bit_exact(reference, tmp_path, monkeypatch
 
 
 class World:
-    """``size`` data-parallel ranks as threads of this process, each running the real :func:`scale.training.windows.windows`:
-    ``acc.gather`` joins every rank's vote in rank order, as the all-gather of a process group does, and
-    ``acc.skip_first_batches`` is accelerate's."""
+    """``size`` data-parallel ranks as threads of this process, each running the real
+    :func:`scale.training.windows.windows`: ``acc.gather`` joins every rank's vote in rank order, as the all-gather of a
+    process group does, and ``acc.skip_first_batches`` is accelerate's."""
 
     def __init__(self, size: int) -> None:
         import threading
@@ -291,8 +291,8 @@ class World:
 
 def _epoch_windows(world: World, loaders: list, ga: int, objective, trained_windows: int) -> list:
     """Every rank's windows of epoch 1 after ``trained_windows`` windows were trained (0: the whole epoch), as the
-    loop takes them (:func:`scale.train.epoch_loader`'s :func:`scale.training.windows.skip_trained`, then ``windows``): per
-    window ``(den, [(input_ids, weights, real) per micro-batch])``."""
+    loop takes them (:func:`scale.train.epoch_loader`'s :func:`scale.training.windows.skip_trained`, then ``windows``):
+    per window ``(den, [(input_ids, weights, real) per micro-batch])``."""
     from scale.training.windows import skip_trained, windows
 
     def rank_windows(rank):
@@ -306,8 +306,8 @@ def _epoch_windows(world: World, loaders: list, ga: int, objective, trained_wind
 
 def _sharded(make_loader, world: int) -> list:
     """The loader ``make_loader()`` builds as each of ``world`` ranks gets it from ``Accelerator.prepare``
-    (scale.distributed.launch's settings). One loader per rank, as each process builds its own: the ranks' threads must not
-    share a sampler's generator."""
+    (scale.distributed.launch's settings). One loader per rank, as each process builds its own: the ranks' threads must
+    not share a sampler's generator."""
     from accelerate.data_loader import prepare_data_loader
 
     return [prepare_data_loader(make_loader(), num_processes=world, process_index=r, even_batches=False,
