@@ -610,7 +610,7 @@ def test_first_run_equals_later_runs_whatever_the_asset_cache_holds(tmp_path, mo
     import numpy as np
 
     import scale.utils.assets
-    import scale.modeling
+    import scale.modeling.build
 
     def losses(name):
         run(tiny_cfg(tmp_path / name, "train.max_steps=4", "train.log_every=1", "lora.dropout=0.1",
@@ -636,7 +636,7 @@ def test_first_run_equals_later_runs_whatever_the_asset_cache_holds(tmp_path, mo
         draws()
         return real_resolve(name)
 
-    monkeypatch.setattr(scale.modeling, "resolve_model", leaky_resolve)
+    monkeypatch.setattr(scale.modeling.build, "resolve_model", leaky_resolve)
     assert losses("leaky") != warm
 
 
