@@ -218,8 +218,7 @@ def test_a_checkpoint_of_two_processes_resumes_on_one(reference, tmp_path, caplo
     assert f"[RANK 0] resumed from {ckpt} at step 4 (epoch 1, {saved['windows_in_epoch']} windows into it): portable state: " \
            f"written by ddp on 2 process(es), resumed as single on 1" in caplog.messages
     assert "[RANK 0] resume RNG: 2 process(es) wrote it, this run has 1: each rank's Python/NumPy/torch RNG is seeded from " \
-           "(train.seed, step, rank); dropout masks differ from an uninterrupted run's from here on (lora.dropout=0: " \
-           "nothing else draws)" in caplog.messages
+           "(train.seed, step, rank); no dropout is active, so training draws nothing from it" in caplog.messages
     # the recomputed accumulation is logged once (above), not warned about again
     assert not [m for m in caplog.messages if "resume: train.gradient_accumulation_steps" in m]
     lines = log_file_lines(caplog.records)  # as a log file holds them (docs/outputs.md: none over 300 characters)
@@ -336,3 +335,36 @@ def test_scale_plan_resume_prints_the_accumulation_that_keeps_the_global_batch(r
     assert main(["--resume", str(reference), "--gpus", "1"]) == 2
     assert capsys.readouterr().err.startswith(f"scale-plan: error: PlanError: --resume {reference}: not a "
                                               f"checkpoint (FileNotFoundError")
+
+
+def test_a_reseeded_resume_names_the_dropout_of_a_model_whose_config_has_it(tmp_path, caplog):
+    """A model directory whose config has dropout (a Llama with attention_dropout=0.3, passed to
+    F.scaled_dot_product_attention while training) trains with it under sft even with lora.dropout=0: a resume on
+    another number of processes says that those masks, named, differ from the uninterrupted run's from there on."""
+    import transformers
+
+    from scale.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_cfg(tmp_path / "t").model)
+    model_dir = tmp_path / "llama-dropout"
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, attention_dropout=0.3,
+                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    job = [*JOB, f"model.name_or_path={model_dir}", "model.tokenizer=smollm2-135m"]
+    run(tiny_cfg(tmp_path / "ref", *job, "train.gradient_accumulation_steps=4"))
+    _reset()
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tmp_path / "ref" / "checkpoints" / "step_000004", ckpt)
+    (ckpt / "optimizer.bin").unlink()
+    shutil.copy(ckpt / "random_states_0.pkl", ckpt / "random_states_1.pkl")
+    _edit_state(ckpt, mode="ddp", world_size=2, data_parallel_size=2, ga=2)
+    with caplog.at_level(logging.INFO):
+        run(tiny_cfg(tmp_path / "out", *job, "train.gradient_accumulation_steps=2",
+                     f"train.resume_from={ckpt}"))
+    assert "[RANK 0] resume RNG: 2 process(es) wrote it, this run has 1: each rank's Python/NumPy/torch RNG is seeded " \
+           "from (train.seed, step, rank); dropout masks (the model's attention_dropout=0.3 (2 functional rates in " \
+           "layers)) differ from an uninterrupted run's from here on" in caplog.messages

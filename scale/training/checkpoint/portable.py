@@ -276,10 +276,12 @@ def set_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
 
 
-def restore_rng(acc: Accelerator, directory: Path, saved_world: int, seed: int, step: int) -> str:
+def restore_rng(acc: Accelerator, directory: Path, saved_world: int, seed: int, step: int, draws: str = "") -> str:
     """Restore this rank's Python, NumPy and torch RNG states from ``random_states_<rank>.pkl`` when the checkpoint
     was written by as many processes as this run has; else seed them by :func:`derived_seed`. Returns the rule used,
-    in words, for the log."""
+    in words, for the log: ``draws`` says what in the model draws dropout masks
+    (:meth:`scale.modeling.dropout.Dropouts.text`; ``""`` when nothing does, and then the reseeding changes no number
+    of training)."""
     if saved_world == acc.num_processes:
         from accelerate.utils.other import load
 
@@ -289,6 +291,7 @@ def restore_rng(acc: Accelerator, directory: Path, saved_world: int, seed: int, 
     random.seed(value)
     np.random.seed(value)
     torch.manual_seed(value)  # all devices
+    effect = (f"dropout masks ({draws}) differ from an uninterrupted run's from here on" if draws else
+              "no dropout is active, so training draws nothing from it")
     return (f"{saved_world} process(es) wrote it, this run has {acc.num_processes}: each rank's Python/NumPy/torch RNG "
-            f"is seeded from (train.seed, step, rank); dropout masks differ from an uninterrupted run's from here on "
-            f"(lora.dropout=0: nothing else draws)")
+            f"is seeded from (train.seed, step, rank); {effect}")

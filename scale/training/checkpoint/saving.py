@@ -21,6 +21,7 @@ from scale.config.load import to_dict
 from scale.config.schema import Config
 from scale.distributed.launch import ModePlan
 from scale.modeling.build import restore_inference_config
+from scale.modeling.dropout import dropout_census
 from scale.training.checkpoint.portable import (ADAPTER_FILE, PortableStateError, load_portable, restore_rng,
                                                 write_portable)
 from scale.training.checkpoint.rules import check_same_tokens, native
@@ -138,7 +139,8 @@ def load_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path, s
             load_portable(acc, plan, model, optimizer, scheduler, path)  # collective
         except PortableStateError as e:
             raise CheckpointError(str(e)) from e
-        rng = restore_rng(acc, path, state.world_size, cfg.train.seed, state.step)
+        draws = dropout_census(acc.unwrap_model(model)).text()
+        rng = restore_rng(acc, path, state.world_size, cfg.train.seed, state.step, draws)
         how = (f"portable state: written by {state.mode or 'an older version'} on {state.world_size} process(es), "
                f"resumed as {plan.mode} on {acc.num_processes}")
     for line in resume_lines(path, state, how, rng):
