@@ -1,12 +1,14 @@
 """Preference pairs and the DPO family: the ``preference`` format (TRL's explicit- and implicit-prompt conventions,
 text and messages, its errors), each objective against the formula computed by hand in float64, the reference
 without a second copy (adapter disabled, a starting adapter frozen) against separately built models, precomputed
-references against in-step ones, padding-free and packed pairs against padded ones, and one TRL ``DPOTrainer`` run step
-by step.
+references against in-step ones, padding-free and packed pairs against padded ones, one TRL ``DPOTrainer`` run step
+by step, and ``data.pair_conventions: trl`` on real text and chat pairs against TRL 1.16's DPO, CPO (SimPO) and ORPO
+trainers' own tokens and ``evaluate()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -17,9 +19,9 @@ from scale.config.schema import DataConfig, LoraConfig, LossConfig, ModelConfig
 from scale.data import Collator, DataError, PaddingFreeCollator, load_rows, removed_lines, tokenize_rows
 from scale.data.tasks.preference import PairCollator, PairedExamples
 from scale.modeling.build import add_lora, build_model, load_adapter, load_base
-from scale.objectives.pair_losses import dpo_loss, orpo_loss, simpo_loss
-from scale.objectives.preference import (PreferenceObjective, add_reference_adapter, reference_forward,
-                                         reference_logps, tail_logps)
+from scale.objectives.pair_losses import METRICS, dpo_loss, orpo_loss, simpo_loss
+from scale.objectives.preference import (PreferenceObjective, add_reference_adapter, orpo_trl_terms,
+                                         reference_forward, reference_logps, reference_mode, tail_logps)
 from tests.conftest import ROOT
 
 CHATML = ROOT / "configs" / "chat" / "chatml.jinja"
@@ -253,6 +255,30 @@ def test_objective_that_does_not_fit_the_format_is_refused_before_tokenizing(tmp
     with pytest.raises(ConfigError) as e:
         run(cfg)
     assert str(e.value) == message and sorted(f for f in cache.iterdir() if f.is_dir()) == entries
+
+
+def test_pair_conventions_key_the_token_cache_and_need_pairs(tmp_path, tokenizer):
+    """data.pair_conventions=trl makes the objective's TRL trainer's tokens (DPOTrainer's differ from CPO/ORPO's),
+    so the token cache keys on loss.objective under it (a cached DPO split is never read by a SimPO run); under
+    scale the three objectives share one entry. An objective without pairs refuses the key in one line."""
+    from scale.config.load import load_config
+    from scale.config.validation import ConfigError
+    from scale.data.cache import fingerprint
+
+    path = _write(tmp_path / "p.jsonl", TEXT_PAIRS)
+
+    def key(objective, conventions):
+        cfg = load_config(None, [f"data.path={path}", "data.format=preference", f"loss.objective={objective}",
+                                 f"data.pair_conventions={conventions}"])
+        return fingerprint(cfg, tokenizer, path)[0]
+
+    assert key("dpo", "scale") == key("simpo", "scale") == key("orpo", "scale")
+    assert len({key("dpo", "trl"), key("simpo", "trl"), key("orpo", "trl"), key("dpo", "scale")}) == 4
+    with pytest.raises(ConfigError, match=r"^data.pair_conventions=trl sets the tokens of preference pairs .*"
+                                          r"loss.objective=sft trains none: remove it$"):
+        load_config(None, ["data.pair_conventions=trl"])
+    with pytest.raises(ConfigError, match="data.pair_conventions"):
+        load_config(None, ["loss.objective=dpo", "data.format=preference", "data.pair_conventions=hf"])
 
 
 def test_pair_collator_keeps_sides_adjacent(tmp_path, tokenizer):
@@ -525,6 +551,33 @@ def test_side_logps_equal_a_full_logits_reference(tokenizer, pair_examples):
         assert abs(ours[b].item() - want.item()) <= 16 * EPS64 * abs(want.item()) + 1e-12
 
 
+def test_orpo_trl_nll_pools_every_chosen_token(tokenizer, pair_examples):
+    """ORPO under data.pair_conventions=trl: the NLL term is one mean over every token but the first of the
+    micro-batch's chosen rows (TRL's nn.CrossEntropyLoss over the chosen half), the same for each pair, computed
+    here from full logits; the odds-ratio term reads the answers' logps as tail_logps does. Equal (float64 model,
+    64 eps64) in left- and right-padded and padding-free batches; the objective picks it under conventions=trl."""
+    policy = _model(tokenizer, adapter_seed=6)
+    pairs = list(PairedExamples(pair_examples))
+    with torch.no_grad():
+        token_logps = [torch.log_softmax(policy(input_ids=torch.tensor([e.input_ids])).logits[0, :-1], -1)
+                       .gather(-1, torch.tensor(e.input_ids[1:])[:, None])[:, 0] for e in pair_examples[0::2]]
+    nll = -sum(t.sum() for t in token_logps) / sum(len(t) for t in token_logps)
+    for collator, side in ((Collator(tokenizer.pad_token_id), "left"),
+                           (Collator(tokenizer.pad_token_id, padding_side="right"), "right"),
+                           (PaddingFreeCollator(), "left")):
+        batch = PairCollator(collator)(pairs)
+        with torch.no_grad():
+            got = orpo_trl_terms(policy, batch, beta=0.1, padding_side=side)
+            lp, n = tail_logps(policy, batch, side)
+        want = orpo_loss(lp[0::2], lp[1::2], n[0::2], n[1::2], 0.1, nll=nll)
+        _close(got.losses, want.losses.tolist())
+        _close(got.chosen_logps, want.chosen_logps.tolist())
+        spec = PreferenceObjective("orpo", beta=0.1, padding_side=side, conventions="trl")
+        with torch.no_grad():
+            _close(spec.terms(policy, batch).losses, want.losses.tolist())
+    assert float(nll) != pytest.approx(float(-(lp[0::2] / n[0::2]).mean()), rel=1e-3)  # not scale's answer NLL
+
+
 # ------------------------------------------------------------------------------------------------- TRL
 
 
@@ -734,3 +787,230 @@ def test_pair_errors_name_the_file_the_line_the_side_and_the_fix(tmp_path, token
     assert str(e.value) == (f"row 0 (line 1) of {path}: the rejected side ('rejected') is missing or empty; every "
                             f"preference pair needs a chosen and a rejected answer: add the rejected answer to the "
                             f"row, or remove the row")
+
+
+# --------------------------------------------------- TRL's conventions: real text and chats, both tokenizers
+
+
+def _real_pairs(kind):
+    """Pairs of real text, as a TRL user's file holds them. ``text``: ChatterBot questions as ``Question: ...\\n
+    Answer: `` (a prompt ending in a space; one answer a year) with the corpus answer chosen and another
+    conversation's rejected, and rotten-tomatoes reviews as ``Review: ...\\nSentiment:`` (`` positive``/
+    `` negative``, the true label chosen; one prompt ending in a space). ``chat``: ChatterBot pairs as message
+    lists (one exchange), and two multi-turn conversations of the English corpus whose last answer is chosen
+    against another conversation's."""
+    from scale.utils.assets import resolve_data
+
+    def lines(name):
+        with open(resolve_data(name), encoding="utf-8") as f:
+            return [json.loads(line) for line in f]
+
+    bot = lines("chatterbot-preference")
+    bot = [r for r in bot if len(r["chosen"][0]["content"]) < 120 and len(r["rejected"][0]["content"]) < 120]
+    if kind == "chat":
+        talks = [r["messages"] for r in lines("chatterbot-english")]
+        long = [m for m in talks if len(m) >= 4 and sum(len(x["content"]) for x in m) < 300][:2]
+        multi = [{"prompt": m[:-1], "chosen": m[-1:], "rejected": bot[20 + k]["chosen"]} for k, m in enumerate(long)]
+        return bot[:4] + multi
+    reviews = lines("rotten-tomatoes")
+    reviews = [r for r in reviews if len(r["text"]) < 90][:3]
+    other = {"positive": "negative", "negative": "positive"}
+    # a year answer: "Answer: 1963" keeps the space as its own token, "Answer: What" does not, so the two sides'
+    # encodings leave the prompt at different tokens (DPOTrainer: one shared prompt; CPO/ORPO: each side's own)
+    year = next(r for r in bot if r["chosen"][0]["content"][:1].isdigit() and r["rejected"][0]["content"][:1].isalpha())
+    return ([{"prompt": f"Question: {r['prompt'][0]['content']}\nAnswer: ", "chosen": r["chosen"][0]["content"],
+              "rejected": r["rejected"][0]["content"]} for r in bot[:4] + [year]]
+            + [{"prompt": f"Review: {r['text']}\nSentiment:", "chosen": f" {r['label']}",
+                "rejected": f" {other[r['label']]}"} for r in reviews[:2]]
+            + [{"prompt": f"Review: {r['text']}\nSentiment: ", "chosen": r["label"], "rejected": other[r["label"]]}
+               for r in reviews[2:3]])
+
+
+def _trl_trainer(trl, objective, loss_type, model, tokenizer, rows, out, beta, batch):
+    """TRL 1.16's trainer of ``objective`` (DPOTrainer; CPOTrainer with loss_type=simpo, cpo_alpha=0; ORPOTrainer),
+    tokenizing ``rows`` itself. DPO's reference is a separately built base model (ours: the adapter disabled,
+    bit-equal to it: test_disabled_adapter_reference_equals_the_base_model); a PeftModel given alone would get a
+    copy of its adapter as the reference, equal to the policy before training."""
+    from datasets import Dataset
+
+    common = {"output_dir": str(out), "per_device_eval_batch_size": batch, "report_to": [], "use_cpu": True,
+              "bf16": False, "fp16": False, "beta": beta, "max_length": 512, "seed": 0}
+    data = Dataset.from_list(rows)
+    if objective == "dpo":
+        ref = load_base(ModelConfig(name_or_path="tiny-llama"), vocab_size=len(tokenizer), seed=3).float()
+        return trl.DPOTrainer(model=model, ref_model=ref, args=trl.DPOConfig(**common, loss_type=[loss_type]),
+                              processing_class=tokenizer, train_dataset=data, eval_dataset=data)
+    if objective == "simpo":
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+        return CPOTrainer(model=model, args=CPOConfig(**common, loss_type="simpo", cpo_alpha=0.0, simpo_gamma=0.5),
+                          processing_class=tokenizer, train_dataset=data, eval_dataset=data)
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    return ORPOTrainer(model=model, args=ORPOConfig(**common), processing_class=tokenizer, train_dataset=data,
+                       eval_dataset=data)
+
+
+def _trl_rows(trainer, objective):
+    """The token rows TRL's trainer made of its eval split, chosen then rejected per pair, with each row's
+    trained length (DPOTrainer: ``prompt_ids`` + ``chosen_ids``; CPO/ORPO: ``chosen_input_ids``, ``chosen_labels``)."""
+    rows = []
+    for r in trainer.eval_dataset:
+        for side in ("chosen", "rejected"):
+            if objective == "dpo":
+                rows.append((r["prompt_ids"] + r[f"{side}_ids"], len(r[f"{side}_ids"])))
+            else:
+                rows.append((r[f"{side}_input_ids"], sum(t != -100 for t in r[f"{side}_labels"])))
+    return rows
+
+
+def _float64_sides(model64, examples, reference=False):
+    """Each example's float64 logps under ``model64`` (the float32 model cast; ``reference``: its adapter disabled),
+    one row at a time, with the bound on a float32 evaluation's error in each:
+    ``(tail logps, its bound, whole-row logps (every token but the first), its bound, whole-row tokens)``.
+
+    Per predicted token (float64 logits ``z`` over the vocabulary ``V``, hidden widths up to ``D``): each logit is
+    within ``r |z|_max`` of its float64 value, ``r = 4 eps sqrt(V) + 4 eps D`` (tests/bounds.py ``rel_bound`` +
+    ``dot_rel``: the vocabulary reduction and the cancelling dot products, relative to the largest logit); the log
+    of the softmax's sum of ``V`` positive terms adds ``4 eps sqrt(V)`` and its rounding ``eps |lse|``, so a token's
+    log-probability ``z_t - lse`` is within ``e_t = 2 r |z|_max + 4 eps sqrt(V) + eps |lse|``. A sum of ``n`` of
+    them adds ``4 eps sqrt(n) sum |logp|``."""
+    from tests.bounds import EPS32, dot_rel, rel_bound
+
+    cfg = model64.config
+    V, D = cfg.vocab_size, max(cfg.hidden_size, cfg.intermediate_size)
+    r = rel_bound(V) + dot_rel(D)
+    out = []
+    with torch.no_grad(), (reference_mode(model64) if reference else contextlib.nullcontext()):
+        for e in examples:
+            ids = torch.tensor([e.input_ids])
+            z = model64(input_ids=ids).logits[0, :-1].double()                     # [n - 1, V]
+            lse = torch.logsumexp(z, -1)
+            logp = z.gather(-1, ids[0, 1:, None])[:, 0] - lse
+            err = 2 * r * z.abs().amax(-1) + rel_bound(V) + EPS32 * lse.abs()
+            n = e.tail_len
+            out.append((float(logp[-n:].sum()), float(err[-n:].sum() + rel_bound(n) * logp[-n:].abs().sum()),
+                        float(logp.sum()), float(err.sum() + rel_bound(len(logp)) * logp.abs().sum()), len(logp)))
+    return out
+
+
+def _exact_metrics(objective, loss_type, beta, examples, policy, reference, batch):
+    """The float64 eval metrics (``eval/*``, means over pairs as :func:`scale.training.evaluate.evaluate` reports them) of
+    the pairs, from :func:`_float64_sides` (``policy``, ``reference``: ``None`` without one), with each metric's
+    float32 bound: the per-side bounds propagated to first order (the derivatives at the float64 logps), plus the
+    metric's own float32 rounding (4 eps per operand's magnitude, and the mean's sum); and each pair's margin with
+    its bound (``rewards/accuracies`` is a step: equal where every margin is farther from 0 than its bound).
+    ORPO's NLL is TRL's: every chosen-row token but the first, pooled over each eval batch of ``batch`` pairs."""
+    from tests.bounds import EPS32, rel_bound
+
+    def column(rows, k, side, grad=False):
+        return torch.tensor([x[k] for x in rows[side::2]], dtype=torch.float64, requires_grad=grad)
+
+    lc, lr = column(policy, 0, 0, True), column(policy, 0, 1, True)
+    ec, er = column(policy, 1, 0), column(policy, 1, 1)
+    nc, nr = (torch.tensor([e.tail_len for e in examples[s::2]], dtype=torch.float64) for s in (0, 1))
+    P = len(lc)
+    if objective == "dpo":
+        rc, rr = column(reference, 0, 0, True), column(reference, 0, 1, True)
+        erc, err = column(reference, 1, 0), column(reference, 1, 1)
+        terms = dpo_loss(lc, lr, rc, rr, nc, nr, beta, loss_type)
+        inputs = ((lc, ec), (lr, er), (rc, erc), (rr, err))
+        per = {"rewards/chosen": beta * (ec + erc + 4 * EPS32 * (lc.abs() + rc.abs())),
+               "rewards/rejected": beta * (er + err + 4 * EPS32 * (lr.abs() + rr.abs())),
+               "logps/chosen": ec + 4 * EPS32 * lc.abs(), "logps/rejected": er + 4 * EPS32 * lr.abs()}
+    else:
+        if objective == "simpo":
+            terms = simpo_loss(lc, lr, nc, nr, beta, 0.5)
+            inputs = ((lc, ec), (lr, er))
+        else:
+            row, count = column(policy, 2, 0, True), column(policy, 4, 0)
+            nll = torch.cat([(-row[k:k + batch].sum() / count[k:k + batch].sum()).expand(len(row[k:k + batch]))
+                             for k in range(0, P, batch)])
+            terms = orpo_loss(lc, lr, nc, nr, beta, nll=nll)
+            inputs = ((lc, ec), (lr, er), (row, column(policy, 3, 0)))
+        per = {"rewards/chosen": beta * (ec + 4 * EPS32 * lc.abs()) / nc,
+               "rewards/rejected": beta * (er + 4 * EPS32 * lr.abs()) / nr,
+               "logps/chosen": (ec + 4 * EPS32 * lc.abs()) / nc, "logps/rejected": (er + 4 * EPS32 * lr.abs()) / nr}
+    grads = torch.autograd.grad(terms.losses.sum(), [x for x, _ in inputs])
+    per["rewards/margins"] = per["rewards/chosen"] + per["rewards/rejected"]
+    # d(sum of pair losses)/d(input) x the input's bound, each input once (ORPO's rows feed a batch's pooled NLL)
+    per["loss"] = sum((g.abs() * (e + 4 * EPS32 * x.detach().abs())).sum() for g, (x, e) in zip(grads, inputs)) / P \
+        + 4 * EPS32 * terms.losses.detach().abs()
+    columns = terms.columns().detach()                                   # [P, 7]: loss, then METRICS
+    exact = PreferenceObjective.eval_summary(columns.sum(0).tolist(), P)
+    # the mean over P pairs: its own float32 sum adds 4 eps sqrt(P) x the mean of |values|
+    size = dict(zip(("loss", *METRICS), columns.abs().mean(0).tolist()))
+    bounds = {k: float(v.detach().sum()) / P + rel_bound(P) * size[k] for k, v in per.items()}
+    # rewards/accuracies: 0/1 per pair, equal where no margin is within its bound; TRL's float32 means (of each eval
+    # batch, then of the batches) round within 2 x 4 eps sqrt(pairs) of the exact share
+    bounds["rewards/accuracies"] = 2 * rel_bound(P)
+    return exact, bounds, columns[:, 4], per["rewards/margins"]
+
+
+TRL_LOSSES = {"dpo": ("sigmoid", "ipo", "hinge"), "simpo": ("simpo",), "orpo": ("orpo",)}
+EVAL_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+             "logps/rejected")
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+@pytest.mark.parametrize("objective", ["dpo", "simpo", "orpo"])
+def test_trl_conventions_reproduce_trl_evaluate(tmp_path, tokenizer, objective, kind):
+    """``data.pair_conventions: trl`` on real pairs: our tokenizer path and TRL 1.16's trainer of the objective
+    (DPOTrainer: sigmoid, ipo, hinge; CPOTrainer loss_type=simpo; ORPOTrainer, both from trl.experimental), each
+    tokenizing the same rows itself, make the same token rows with the same trained answers (a prompt ending in a
+    space, BOS, EOS, ChatML's newline after <|im_end|>: every convention TRL has), and our evaluation (two eval
+    micro-batches, as TRL's two eval batches) gives TRL's ``evaluate()`` metrics within the float32 bound of
+    :func:`_exact_metrics` of the float64 values, on the tiny model with SmolLM2's tokenizer and chat template."""
+    import copy
+
+    from torch.utils.data import DataLoader
+
+    from scale.training.evaluate import evaluate
+
+    trl = pytest.importorskip("trl")
+    from accelerate import Accelerator
+
+    rows, beta = _real_pairs(kind), 0.1
+    batch = len(rows) // 2
+    path = _write(tmp_path / "pairs.jsonl", rows)
+    cfg = DataConfig(max_length=512, pair_conventions="trl")
+    examples = tokenize_rows(load_rows(cfg, path), tokenizer, cfg, LossConfig(objective=objective))
+    policy = _model(tokenizer, adapter_seed=7, dtype=torch.float32)
+    policy64 = copy.deepcopy(policy).double()
+
+    # What TRL's conventions make of real text, checked on the tokens themselves.
+    trainer = _trl_trainer(trl, objective, TRL_LOSSES[objective][0], copy.deepcopy(policy), tokenizer, rows,
+                           tmp_path / "trl", beta, batch)
+    assert [(e.input_ids, e.tail_len) for e in examples] == _trl_rows(trainer, objective)
+    if kind == "text":
+        words = tokenizer.convert_ids_to_tokens(examples[0].input_ids[-examples[0].tail_len:])
+        assert words[0].startswith("Ġ")  # the prompt's trailing space is the answer's first token's, as TRL's
+        prompts = [len(e.input_ids) - e.tail_len for e in examples]
+        split = [prompts[p] != prompts[p + 1] for p in range(0, len(prompts), 2)]
+        assert any(split) == (objective != "dpo")  # the year pair: CPO/ORPO cut each side on its own
+    else:
+        eot, newline = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer("\n")["input_ids"]
+        end = [eot] + newline + ([eot] if objective != "dpo" else [])  # CPO/ORPO append EOS after the newline
+        assert examples[0].input_ids[-len(end):] == end  # the newline after <|im_end|> is trained too
+    if objective != "dpo":
+        assert all(e.input_ids[0] == tokenizer.bos_token_id for e in examples)  # CPO/ORPO's BOS
+
+    policy_sides = _float64_sides(policy64, examples)
+    reference_sides = _float64_sides(policy64, examples, reference=True) if objective == "dpo" else None
+    loader = DataLoader(PairedExamples(examples), batch_size=batch,
+                        collate_fn=PairCollator(Collator(tokenizer.pad_token_id)))
+    task = load_rows(cfg, path).task
+    for loss_type in TRL_LOSSES[objective]:
+        if objective == "dpo":  # one DPOTrainer, its loss as DPOConfig(loss_type=[...]) sets it
+            trainer.loss_types = [loss_type]
+        theirs = trainer.evaluate()
+        dpo_kind = loss_type if objective == "dpo" else "sigmoid"
+        spec = PreferenceObjective(objective, beta=beta, dpo_loss=dpo_kind, conventions="trl")
+        ours = evaluate(Accelerator(cpu=True), policy, loader, spec, task=task)
+        exact, bounds, margins, margin_bounds = _exact_metrics(objective, dpo_kind, beta, examples, policy_sides,
+                                                               reference_sides, batch)
+        assert bool((margins.abs() > margin_bounds).all()), (margins, margin_bounds)  # no accuracy near a tie
+        for key in EVAL_KEYS:
+            b, x = bounds[key], exact[f"eval/{key}"]
+            assert abs(theirs[f"eval_{key}"] - x) <= b and abs(ours[f"eval/{key}"] - x) <= b, \
+                (loss_type, key, ours[f"eval/{key}"], theirs[f"eval_{key}"], x, b)

@@ -132,6 +132,11 @@ class DataConfig:
     completion_column: str = _f("completion", "Column with the completion that is trained (prompt_completion).")
     chosen_column: str = _f("chosen", "preference: column with the preferred answer (text, or messages).")
     rejected_column: str = _f("rejected", "preference: column with the dispreferred answer (text, or messages).")
+    pair_conventions: str = _f("scale", "preference: which tokens a pair trains. scale: the prompt encoded on its "
+                                        "own, BOS as the tokenizer adds it, a chat's answer through its end-of-turn "
+                                        "marker, ORPO's NLL over each pair's answer | trl: TRL 1.16's trainers "
+                                        "exactly (dpo: DPOTrainer, simpo: CPOTrainer, orpo: ORPOTrainer), to "
+                                        "reproduce their numbers (docs/preference.md).")
     messages_column: str = _f("messages", "Column with a list of {role, content} messages (messages); every other "
                                           "key of a message (tool_calls, name, reasoning_content...) reaches the "
                                           "chat template.")

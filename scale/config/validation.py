@@ -30,6 +30,7 @@ _CHOICES = {
     "data.padding_side": ("left", "right"),
     "data.train_on": ("all_assistant", "all_assistant_as_last", "last_assistant"),
     "data.truncation": ("keep_end", "drop"),
+    "data.pair_conventions": ("scale", "trl"),
     "model.gradient_checkpointing": (True, False, "every_n", "offload"),
     "model.attn_implementation": (None, "sdpa", "eager", "flash_attention_2", "flex_attention"),
     "model.kernels": (None, "liger"),
@@ -257,6 +258,10 @@ def _validate_preference(cfg: Any) -> None:
     """The preference objectives' numbers, and their data format."""
     loss = cfg.loss
     if not loss.trains_pairs():
+        if cfg.data.pair_conventions != "scale":
+            raise ConfigError(f"data.pair_conventions={cfg.data.pair_conventions} sets the tokens of preference pairs "
+                              f"(loss.objective dpo, simpo or orpo); loss.objective={loss.objective} trains none: "
+                              f"remove it")
         return
     if not loss.beta > 0:
         raise ConfigError(f"loss.beta={loss.beta} must be > 0 (DPO's usual 0.1; SimPO's 2 to 2.5)")

@@ -14,7 +14,8 @@ record (fingerprint inputs, host, pid, rank, seconds, rows, tokens, size and sha
 - **Fingerprint** (:func:`fingerprint`): the sha256 of each source (a file's bytes, a directory's file hashes, a
   hub id's revision), the tokenizer (serialized ``tokenizer.json``, special tokens, chat template, ids of a probe),
   the ``data.chat_template`` file, every ``data.*`` key that shapes tokens or the split (``chat_template_kwargs``,
-  ``train_on``...), ``loss.threshold``, ``train.seed``, the source of the modules that shape tokens
+  ``train_on``...), ``loss.threshold``, ``train.seed`` (and ``loss.objective`` under ``data.pair_conventions:
+  trl``, whose tokens are the objective's TRL trainer's), the source of the modules that shape tokens
   (:data:`TOKEN_MODULES`: every stage of :mod:`scale.data` up to this one, the format modules included).
 - **One builder**: the entry is built under an exclusive ``flock`` on ``<fingerprint>.lock`` (one process per
   node builds; the others wait, then memory-map; on a shared filesystem one node builds for all), in
@@ -113,6 +114,8 @@ def fingerprint(cfg: Any, tokenizer: Any, path: str) -> tuple[str, dict[str, Any
         "data": {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in RUNTIME_KEYS},
         "loss.threshold": cfg.loss.threshold,
         "train.seed": cfg.train.seed,
+        # data.pair_conventions=trl: the tokens are the objective's TRL trainer's (DPOTrainer's or CPO/ORPO's)
+        **({"loss.objective": cfg.loss.objective} if cfg.data.pair_conventions == "trl" else {}),
     }
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
     return key, inputs

@@ -28,8 +28,9 @@ rejected reward, ``rewards/margins`` = their difference, ``logps/chosen``, ``log
 ORPO: per token, as TRL logs them). TRL's ``DPOTrainer`` today applies ``label_smoothing`` to its ``robust``,
 ``exo_pair`` and ``aot*`` losses only; here it smooths ``sigmoid`` as the DPO paper's conservative variant and TRL's
 ``CPOTrainer`` do (the default 0 is TRL's ``sigmoid`` exactly). ORPO's NLL term is each pair's per-token chosen NLL
-(the paper's ``L_SFT``, eq. 6), where TRL averages tokens over the micro-batch: equal when the chosen tails have
-one length.
+(the paper's ``L_SFT``, eq. 6); TRL's ``ORPOTrainer`` averages every token of the micro-batch's chosen rows but the
+first, prompt included, which ``data.pair_conventions: trl`` reproduces
+(:func:`scale.objectives.preference.orpo_trl_terms`, one forward over whole rows).
 """
 
 from __future__ import annotations
@@ -165,13 +166,15 @@ def log1mexp(x: Tensor) -> Tensor:
     return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 def orpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, chosen_lengths: Tensor, rejected_lengths: Tensor,
-              beta: float = 0.1) -> PairTerms:
+              beta: float = 0.1, nll: Tensor | None = None) -> PairTerms:
     """ORPO: the chosen answer's NLL plus ``beta`` times the odds-ratio loss, reference-free (module docstring).
 
     Args:
         chosen_logps, rejected_logps: ``[P]`` the policy's summed tail logps.
         chosen_lengths, rejected_lengths: ``[P]`` tail tokens of each side.
         beta: ``loss.beta``: ORPO's ``lambda`` (TRL's ``beta``, default 0.1).
+        nll: ``[]`` or ``[P]``, the NLL term in place of each pair's per-token chosen NLL (``data.pair_conventions:
+            trl``: TRL's, every token of the micro-batch's chosen rows but the first, pooled); ``None``: the pair's.
 
     Returns:
         :class:`PairTerms`; rewards ``beta x`` per-token logps, ``logps/*`` per token.
@@ -180,5 +183,5 @@ def orpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, chosen_lengths: Tens
     rejected = rejected_logps / rejected_lengths.clamp(min=1)
     # log odds(y) = log p - log(1 - p); TRL odds_ratio_loss
     log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
-    losses = -chosen - beta * F.logsigmoid(log_odds)
+    losses = (-chosen if nll is None else nll.expand_as(chosen)) - beta * F.logsigmoid(log_odds)
     return PairTerms(losses, beta * chosen.detach(), beta * rejected.detach(), chosen.detach(), rejected.detach())

@@ -1,6 +1,7 @@
 """Preference objectives on the training loop: DPO (sigmoid, IPO, hinge), SimPO and ORPO on pairs of tails
 (:class:`PreferenceObjective`), with their reference model. The per-pair losses, their formulas and sources
-are :mod:`scale.objectives.pair_losses`. Plain tensors, no accelerate.
+are :mod:`scale.objectives.pair_losses`. Plain tensors, no accelerate. ORPO under ``data.pair_conventions: trl``
+takes TRL's NLL term over whole rows (:func:`orpo_trl_terms`, one forward: :func:`whole_row_logps`).
 
 **Dropout.** A policy forward that draws dropout masks scores each side with noise, and a reference under other
 masks than the policy's makes a step's rewards noise even where the policy still equals its reference (TRL:
@@ -101,6 +102,59 @@ def add_reference_adapter(model: torch.nn.Module) -> None:
     peft_model.set_adapter("default")
 
 
+def whole_row_mask(batch: dict[str, Tensor]) -> Tensor:
+    """``[B, W]`` right-aligned 1s on every token of each row but its first (every token a causal LM predicts),
+    ``W`` the longest row's length - 1: a ``tail_mask`` that scores whole rows.
+
+    ``W`` is the padded width - 1 for a padded batch; a padding-free batch (``seq_lens``) reads its longest row on
+    the host (one read per micro-batch)."""
+    if "seq_lens" in batch:
+        lengths = batch["seq_lens"]
+        W = int(lengths.max()) - 1  # host read: a packed row has no padded width
+    else:
+        lengths = batch["attention_mask"].sum(-1)
+        W = batch["input_ids"].shape[1] - 1
+    cols = torch.arange(W, device=lengths.device)
+    return (cols[None, :] >= W - (lengths[:, None] - 1)).to(batch["tail_mask"].dtype)
+
+
+def whole_row_logps(model: torch.nn.Module, batch: dict[str, Tensor],
+                    padding_side: str = "left") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One forward scoring every token of a pair batch's rows (TRL's ORPO NLL needs the prompt's too).
+
+    Returns:
+        ``(logps [2P], lengths [2P], row_logps [2P], row_tokens [2P])``: :func:`tail_logps`'s summed tail logps and
+        tail lengths, and each row's summed logps of all its tokens but the first and their count (float).
+    """
+    wide = whole_row_mask(batch)
+    logits, targets = forward_tail(model, {**batch, "tail_mask": wide}, padding_side=padding_side, check=False)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    token = logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, -1)     # [2P, W]
+    W, N = wide.shape[1], batch["tail_mask"].shape[1]
+    tail, rows = batch["tail_mask"].bool(), wide.bool()
+    return (token[:, W - N:].masked_fill(~tail, 0.0).sum(-1), tail.sum(-1).to(token.dtype),
+            token.masked_fill(~rows, 0.0).sum(-1), rows.sum(-1).to(token.dtype))
+
+
+def orpo_trl_terms(model: torch.nn.Module, batch: dict[str, Tensor], beta: float = 0.1,
+                   padding_side: str = "left") -> PairTerms:
+    """ORPO as TRL 1.16's ``ORPOTrainer`` computes it (``data.pair_conventions: trl``): its NLL term is the
+    cross-entropy of *every* token of the micro-batch's chosen rows but the first (prompt included), averaged over
+    all of them at once (``concatenated_forward``: ``nn.CrossEntropyLoss`` over the chosen half), the same for each
+    pair; the odds-ratio term is :func:`scale.objectives.pair_losses.orpo_loss`'s. Summed over the pairs, a
+    micro-batch of ``P`` pairs adds ``P`` times its pooled NLL: the step's loss is TRL's (the mean of its
+    micro-batches' losses) when the micro-batches hold as many pairs each, and depends on how the pairs are grouped
+    into micro-batches, as TRL's does.
+
+    Returns:
+        :class:`PairTerms` (``losses[p]`` = pooled NLL - ``beta log s(log odds ratio_p)``).
+    """
+    logps, lengths, row_logps, row_tokens = whole_row_logps(model, batch, padding_side)
+    (lc, lr), (nc, nr) = pairs_of(logps), pairs_of(lengths)
+    nll = -row_logps[0::2].sum() / row_tokens[0::2].sum().clamp(min=1)
+    return orpo_loss(lc, lr, nc, nr, beta, nll=nll)
+
+
 def tail_logps(model: torch.nn.Module, batch: dict[str, Tensor], padding_side: str = "left") -> tuple[Tensor, Tensor]:
     """``(logps [2P], lengths [2P])`` of a pair batch's rows under ``model`` (:func:`side_logps` of
     :func:`scale.loss.tail.forward_tail`): padded, padding-free or packed."""
@@ -161,6 +215,7 @@ class PreferenceObjective:
         simpo_gamma: ``loss.simpo_gamma``.
         reference: ``loss.reference``: ``adapter`` (in the step) | ``precomputed`` (``dpo`` only).
         padding_side: ``data.padding_side``.
+        conventions: ``data.pair_conventions``: ``trl`` gives ORPO TRL's NLL term (:func:`orpo_trl_terms`).
     """
 
     name: str = "dpo"
@@ -170,6 +225,7 @@ class PreferenceObjective:
     simpo_gamma: float = 0.5
     reference: str = "adapter"
     padding_side: str = "left"
+    conventions: str = "scale"
 
     #: what :meth:`metrics` returns, in order (the meter logs ``train/<name>``)
     metric_names: ClassVar[tuple[str, ...]] = METRICS
@@ -179,7 +235,8 @@ class PreferenceObjective:
         """From the ``loss`` section (``loss.objective`` one of :data:`OBJECTIVES`) and ``data.padding_side``."""
         loss = cfg.loss
         return cls(name=loss.objective, beta=loss.beta, dpo_loss=loss.dpo_loss, label_smoothing=loss.label_smoothing,
-                   simpo_gamma=loss.simpo_gamma, reference=loss.reference, padding_side=cfg.data.padding_side)
+                   simpo_gamma=loss.simpo_gamma, reference=loss.reference, padding_side=cfg.data.padding_side,
+                   conventions=cfg.data.pair_conventions)
 
     @property
     def batch_keys(self) -> tuple[str, ...]:
@@ -203,6 +260,8 @@ class PreferenceObjective:
     def terms(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> PairTerms:
         """The micro-batch's :class:`PairTerms`: one policy forward over its ``2P`` rows (and, for DPO with the
         in-step reference, one forward of the reference under ``no_grad``)."""
+        if self.name == "orpo" and self.conventions == "trl":
+            return orpo_trl_terms(model, batch, self.beta, self.padding_side)
         logps, lengths = tail_logps(model, batch, self.padding_side)
         (lc, lr), (nc, nr) = pairs_of(logps), pairs_of(lengths)
         if self.name == "simpo":

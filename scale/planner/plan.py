@@ -183,19 +183,25 @@ def data_tail(cfg: Config, counts: dict[str, int] | None = None) -> tuple[int, s
     :func:`scale.data.tokenize.build_splits`): the ``text`` format's is ``loss.threshold`` tokens, or the whole row
     but its first token with ``loss.threshold: all``; classification, prompt/completion and chat tails vary. ``N``
     is the longest trained span of the train split, since a micro-batch's tail is padded to its longest row and the
-    peak step is the one holding it. When the data cannot be read, ``loss.threshold`` (``all``:
+    peak step is the one holding it (ORPO under ``data.pair_conventions: trl``: the longest row but one, its NLL
+    scoring whole rows). When the data cannot be read, ``loss.threshold`` (``all``:
     ``data.max_length - 1``) with a note saying so. ``counts``, when given, receives the examples of each split
     (``train``, ``eval``; a preference pair is two).
     """
+    whole_rows = cfg.loss.objective == "orpo" and cfg.data.pair_conventions == "trl"  # TRL's NLL: every token
     try:
         tok = load_tokenizer(cfg.model)
         splits = build_splits(cfg.data, cfg.loss, tok, resolve_data(cfg.data.path), cfg.train.seed)
     except Exception as e:  # noqa: BLE001 - a plan without the data still answers, and says so
-        n = cfg.data.max_length - 1 if cfg.loss.threshold == "all" else cfg.loss.threshold  # all: the whole row
+        n = cfg.data.max_length - 1 if cfg.loss.threshold == "all" or whole_rows else cfg.loss.threshold
         return n, (f"tail: loss.threshold={cfg.loss.threshold}: {n} positions per row (the data could not be read "
                    f"for its tail lengths: {type(e).__name__}: {str(e)[:160]})")
     if counts is not None:  # examples per split (a preference pair is two)
         counts.update(train=len(splits.train), eval=len(splits.eval))
+    if whole_rows:
+        n = max((len(e.input_ids) for e in splits.train), default=2) - 1
+        return n, (f"tail: N = {n} positions per row: loss.objective=orpo with data.pair_conventions=trl scores "
+                   f"every token of a row but its first (TRL's NLL term), and the longest train row holds {n + 1}")
     tails = sorted(e.tail_len for e in splits.train) or [1]
     return tails[-1], (f"tail: N = {tails[-1]} positions per row, the longest trained span of the {splits.format} "
                        f"train split ({len(tails)} rows, median {tails[len(tails) // 2]}): every micro-batch's tail "

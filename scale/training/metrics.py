@@ -279,15 +279,18 @@ def model_flops(cfg: Config, model_config: Any, trainable: int) -> Callable[...,
         trainable: trainable (LoRA) parameter count.
 
     Returns:
-        ``flops_fn`` (:mod:`scale.utils.flops`: LoRA count, only the tail's logits, padding positions counted; with
-        DPO's in-step reference (``loss.reference: adapter``) its forward too,
-        :func:`scale.utils.flops.reference_flops_per_token`).
+        ``flops_fn`` (:mod:`scale.utils.flops`: LoRA count, only the tail's logits (ORPO under
+        ``data.pair_conventions: trl``: every position's), padding positions counted; with DPO's in-step reference
+        (``loss.reference: adapter``) its forward too, :func:`scale.utils.flops.reference_flops_per_token`).
     """
     in_step_reference = cfg.loss.objective == "dpo" and cfg.loss.reference == "adapter"
+    whole_rows = cfg.loss.objective == "orpo" and cfg.data.pair_conventions == "trl"  # TRL's NLL: every position
 
     def flops_fn(rows: int, seq_len: int, kept: int | None = None) -> float:
-        if kept is None:  # loss.threshold: all keeps every position
-            kept = seq_len if cfg.loss.threshold == "all" else cfg.loss.threshold
+        if whole_rows or kept is None and cfg.loss.threshold == "all":  # loss.threshold: all keeps every position
+            kept = seq_len
+        elif kept is None:
+            kept = cfg.loss.threshold
         fraction = min(1.0, kept / seq_len)
         per_position = flops_per_token(model_config, seq_len, lora_params=trainable, logits_fraction=fraction)
         if in_step_reference:  # DPO's reference forward runs in the same step over the same rows

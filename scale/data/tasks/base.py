@@ -90,7 +90,7 @@ class Builder:
         self.tokenizer = tokenizer
         self.cfg = data_cfg
         self.eos = tokenizer.eos_token_id
-        self.prefix, _ = special_affixes(tokenizer)
+        self.prefix, self.suffix = special_affixes(tokenizer)
         self.dropped: list[int] = []
         # per dropped row, in the order of :attr:`dropped`: (its rendered length in tokens, the setting that dropped
         # it: "data.truncation=drop" or "data.drop_long_completions=true")

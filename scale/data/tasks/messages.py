@@ -59,6 +59,7 @@ from scale.data.tasks.chat_rows import (LINKING_KEYS, LINKING_KEYS_OF_TOOL_MESSA
                                         TOOLS_TEMPLATE, read_messages, read_tools)
 from scale.data.tasks.chat_spans import content_ranges, find_all, first_difference, spans
 from scale.data.tasks.chat_template import ClockError, chat_template, render, special_strings, template_name
+from scale.data.tasks.trl_pairs import CPO, prepend_bos
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class Messages(CompletionTask):
 
     name = "messages"
     counted = CompletionTask.counted + COUNTS
+    pair_rule: str | None = None  # see prepare()
 
     def columns(self, cfg: DataConfig) -> list[str]:
         return [cfg.messages_column]
@@ -101,10 +103,14 @@ class Messages(CompletionTask):
         self.kwargs = dict(data_cfg.chat_template_kwargs or {})
         self.train_on = data_cfg.train_on
         self.specials = special_strings(tokenizer)
+        # A preference pair's TRL tokens (data.pair_conventions=trl; set by scale.data.tasks.preference):
+        # trl_pairs.DPO or trl_pairs.CPO trains the rendering to its end, every completion message, and (CPO) puts
+        # BOS in front and EOS at the end as TRL's trainers do; None: as a chat trains.
+        self.pair_rule: str | None = None
 
     def fingerprint(self) -> str:
-        return json.dumps({"template": self.template, "kwargs": self.kwargs, "train_on": self.train_on},
-                          sort_keys=True, default=str)
+        return json.dumps({"template": self.template, "kwargs": self.kwargs, "train_on": self.train_on,
+                           **({"pair_rule": self.pair_rule} if self.pair_rule else {})}, sort_keys=True, default=str)
 
     def check(self, tokenizer: Any, rows: list[dict[str, Any]]) -> None:
         if rows:
@@ -229,7 +235,10 @@ class Messages(CompletionTask):
                    for s in self.specials for p in find_all(full, s, a, z)]
         if protect:
             notes["special_spellings_as_text"] = notes.get("special_spellings_as_text", 0) + len(protect)
-        return full, [0] + [x for s in cut for x in s], add_eos, protect
+        bounds = [0] + [x for s in cut for x in s]
+        if self.pair_rule:  # TRL: the answer runs to the rendering's end (ChatML: the newline after <|im_end|>)
+            bounds[-1], add_eos = len(full), self.pair_rule == CPO
+        return full, bounds, add_eos, protect
 
     def _pieces(self, full: str, bounds: list[int], add_eos: bool, protect: list[tuple[int, int]],
                 b: Builder) -> list[list[int]]:
@@ -238,6 +247,8 @@ class Messages(CompletionTask):
                   for j in range(len(bounds) - 1)]
         if add_eos:
             pieces[-1] = b.with_eos(pieces[-1])
+        if self.pair_rule == CPO:  # TRL's CPO/ORPOTrainer: BOS in front unless the rendering starts with it
+            pieces[0] = prepend_bos(b.tokenizer, pieces[0])
         return pieces
 
     def _text_of(self, tokenizer: Any, row: dict[str, Any], messages: list[dict[str, Any]], u: int,
@@ -382,7 +393,7 @@ class Messages(CompletionTask):
         out = []
         for p in pieces:
             tail = [t for q in p[1:] for t in q]
-            flags = [int(j % 2 == 1) for j, q in enumerate(p) for _ in q][len(p[0]):]
+            flags = [int(j % 2 == 1 or bool(self.pair_rule)) for j, q in enumerate(p) for _ in q][len(p[0]):]
             out.append(Example(p[0] + tail, len(tail), int(row.get("type", 0)), 0, -1, i,
                                None if all(flags) else flags))
         return out

@@ -14,6 +14,10 @@ A row is a *pair*: ``prompt`` (optional), ``chosen`` and ``rejected`` (``data.pr
   (``trl.extract_prompt``: messages compared one by one; a text compared character by character, a space before
   the first difference going to the completions).
 
+**Tokens** (``data.pair_conventions``): ``scale`` (default) as above; ``trl``: the tokens TRL 1.16's trainer of the
+objective makes (DPOTrainer for ``dpo``, CPO/ORPOTrainer for ``simpo``/``orpo``; :mod:`scale.data.tasks.trl_pairs`:
+prompt and answer encoded as one text, their BOS and EOS, a chat's rendering trained to its end).
+
 Each pair becomes **two examples**, chosen then rejected, adjacent and in that order, each with the pair's row
 index: the trained tail of each side is its completion, end-of-turn included; the prompt is shared. Every later
 stage keeps them together: :class:`PairedExamples` shows a split as pairs (what samplers, packers and the
@@ -45,9 +49,10 @@ from torch import Tensor
 
 from scale.config.schema import DataConfig, LossConfig
 from scale.data.read import DataError
-from scale.data.tasks.base import Builder, Example, Task, encode
+from scale.data.tasks.base import BY_LONG_COMPLETIONS, Builder, Example, Task, encode
 from scale.data.tasks.chat_rows import read_messages, read_tools
 from scale.data.tasks.messages import COUNTS, Messages
+from scale.data.tasks.trl_pairs import text_pair, trainer_rule, trl_texts
 
 SIDES = ("chosen", "rejected")
 
@@ -92,6 +97,8 @@ class Preference(Task):
     def __init__(self) -> None:
         super().__init__()
         self.chat: Messages | None = None
+        self.rule: str | None = None  # data.pair_conventions=trl: the TRL trainer whose tokens (trl_pairs.DPO/CPO)
+        self.eos_text = ""
 
     def columns(self, cfg: DataConfig) -> list[str]:
         return [cfg.chosen_column, cfg.rejected_column]
@@ -164,10 +171,14 @@ class Preference(Task):
 
     def prepare(self, tokenizer: Any, data_cfg: DataConfig, loss_cfg: LossConfig) -> None:
         """Prepare the chat task that renders conversational pairs, when there is a chat template (its text enters
-        the fingerprint, as for chats); text pairs need none."""
+        the fingerprint, as for chats); text pairs need none. ``data.pair_conventions: trl`` picks the TRL trainer
+        whose tokens the pairs get (:mod:`scale.data.tasks.trl_pairs`, by ``loss.objective``)."""
+        self.rule = trainer_rule(loss_cfg.objective) if data_cfg.pair_conventions == "trl" else None
+        self.eos_text = tokenizer.eos_token or ""
         self.chat, self._missing = Messages(), None
         try:
             self.chat.prepare(tokenizer, data_cfg, loss_cfg)
+            self.chat.pair_rule = self.rule
         except DataError as e:
             self.chat, self._missing = None, e
 
@@ -196,7 +207,11 @@ class Preference(Task):
         return self.chat.fingerprint() if self.chat is not None else ""
 
     def texts(self, row: dict[str, Any], cfg: DataConfig) -> list[str]:
-        return [row["prompt"], row["chosen"], row["rejected"]] if isinstance(row["chosen"], str) else []
+        if not isinstance(row["chosen"], str):
+            return []
+        if self.rule:
+            return trl_texts(self.rule, row["prompt"], row["chosen"], row["rejected"], self.eos_text)
+        return [row["prompt"], row["chosen"], row["rejected"]]
 
     def encode(self, row: dict[str, Any], b: Builder, loss_cfg: LossConfig) -> list[Example] | None:
         """The pair as ``[chosen, rejected]`` (each with the pair's row index), or ``None`` when it is dropped
@@ -208,17 +223,29 @@ class Preference(Task):
         if isinstance(row["chosen"], list):
             return self._encode_chat(row, b)
         i = row.get("row", -1)
-        tails = [b.with_eos(encode(b.tokenizer, row[s])) for s in SIDES]
-        prefix, prompt = b.front(encode(b.tokenizer, row["prompt"]))
-        side = max(range(len(SIDES)), key=lambda s: len(tails[s]))
-        longest = tails[side]
-        # The longer side decides how much prompt both keep: one shared prompt, and the pair counts once.
-        ids = b.assemble(prefix, prompt, longest, i, f"the {SIDES[side]} answer (its completion + EOS)", "pair")
+        if self.rule:  # TRL's tokens: per side (front, prompt, answer); DPOTrainer's prompt is shared
+            sides = text_pair(b, self.rule, row["prompt"], (row["chosen"], row["rejected"]))
+        else:
+            prefix, prompt = b.front(encode(b.tokenizer, row["prompt"]))
+            sides = [(prefix, prompt, b.with_eos(encode(b.tokenizer, row[s]))) for s in SIDES]
+        # The longer side decides how many prompt tokens both lose: one prompt, and the pair counts once.
+        longest = max(range(len(SIDES)), key=lambda s: sum(map(len, sides[s])))
+        front, prompt, tail = sides[longest]
+        ids = b.assemble(front, prompt, tail, i, f"the {SIDES[longest]} answer (its completion + EOS)", "pair")
         if ids is None:
             return None
-        kept = ids[:len(ids) - len(longest)]
+        cut = len(front) + len(prompt) + len(tail) - len(ids)
         t = int(row.get("type", 0))
-        return [Example(kept + tail, len(tail), t, 0, -1, i) for tail in tails]
+        out = [Example(f + p[cut:] + a, len(a), t, 0, -1, i) for f, p, a in sides]
+        bare = [s for s, e in zip(SIDES, out) if len(e.input_ids) == e.tail_len]  # a TRL side's prompt, 1 shorter
+        if bare:
+            if b.cfg.drop_long_completions:
+                b.drop(i, max(len(f) + len(p) + len(a) for f, p, a in sides), BY_LONG_COMPLETIONS)
+                return None
+            raise DataError(f"row {i}: cut to data.max_length={b.cfg.max_length}, the {bare[0]} answer keeps no prompt "
+                            f"token before it; raise data.max_length, or set data.drop_long_completions=true to drop "
+                            f"such pairs (counted in the log)")
+        return out
 
     def _encode_chat(self, row: dict[str, Any], b: Builder) -> list[Example] | None:
         """A conversational pair: both sides cut as one (:meth:`scale.data.tasks.messages.Messages.encode_sides`):
