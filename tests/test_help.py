@@ -152,6 +152,11 @@ def test_a_trl_sft_config_of_12_fields_translates_with_the_table():
     assert any(d.startswith(tail) for d in differences_from_trl(cfg, 0))
     dpo = load_config(TINY_YAML, ["loss.objective=dpo"])
     assert not any(d.startswith(tail) for d in differences_from_trl(dpo, 0))
+    tokens = "a pair's tokens follow scale's conventions"  # pairs: TRL's trainers tokenize otherwise
+    assert any(d.startswith(tokens) for d in differences_from_trl(dpo, 0))
+    assert not any(d.startswith(tokens) for d in differences_from_trl(cfg, 0))
+    assert not any(d.startswith(tokens) for d in differences_from_trl(
+        load_config(TINY_YAML, ["loss.objective=dpo", "data.pair_conventions=trl"]), 0))
 
 
 def test_suggestions_stay_quiet_when_nothing_is_close():

@@ -260,7 +260,8 @@ def test_objective_that_does_not_fit_the_format_is_refused_before_tokenizing(tmp
 def test_pair_conventions_key_the_token_cache_and_need_pairs(tmp_path, tokenizer):
     """data.pair_conventions=trl makes the objective's TRL trainer's tokens (DPOTrainer's differ from CPO/ORPO's),
     so the token cache keys on loss.objective under it (a cached DPO split is never read by a SimPO run); under
-    scale the three objectives share one entry. An objective without pairs refuses the key in one line."""
+    scale the three objectives share one entry. The run's objective reads the key; an objective without pairs
+    refuses it in one line."""
     from scale.config.load import load_config
     from scale.config.validation import ConfigError
     from scale.data.cache import fingerprint
@@ -273,6 +274,8 @@ def test_pair_conventions_key_the_token_cache_and_need_pairs(tmp_path, tokenizer
         return fingerprint(cfg, tokenizer, path)[0]
 
     assert key("dpo", "scale") == key("simpo", "scale") == key("orpo", "scale")
+    run = load_config(None, [f"data.path={path}", "loss.objective=orpo", "data.pair_conventions=trl"])
+    assert PreferenceObjective.from_config(run).conventions == "trl"  # the loop's ORPO takes TRL's NLL term
     assert len({key("dpo", "trl"), key("simpo", "trl"), key("orpo", "trl"), key("dpo", "scale")}) == 4
     with pytest.raises(ConfigError, match=r"^data.pair_conventions=trl sets the tokens of preference pairs .*"
                                           r"loss.objective=sft trains none: remove it$"):
