@@ -236,10 +236,9 @@ def differences_from_trl(cfg: Config, warmup: int) -> list[str]:
         out.append("a row trains only its tail, the tokens between [[ and ]] in the row shown above (TRL: every token "
                    "of a text or chat row unless assistant_only_loss=true; a prompt-completion row's completion)")
     if cfg.loss.trains_pairs() and d.pair_conventions == "scale":
-        out.append("a pair's tokens follow scale's conventions: a text prompt encoded on its own, BOS as the tokenizer "
-                   "adds it, a chat answer ending at its end-of-turn marker, ORPO's NLL over each answer (TRL's "
-                   "trainers differ in each; data.pair_conventions=trl gives their tokens and numbers, "
-                   "docs/preference.md)")
+        out.append("a pair's tokens follow scale's conventions (a text prompt encoded alone, the tokenizer's BOS, a "
+                   "chat answer ending at its end-of-turn marker, ORPO's NLL per answer); data.pair_conventions=trl "
+                   "gives TRL's (docs/preference.md)")
     if t.save_total_limit is not None:
         out.append(f"only the newest train.save_total_limit={t.save_total_limit} checkpoints are kept (TRL: all)")
     return out
