@@ -63,7 +63,7 @@ def test_checkpoint_layout_is_safetensors_and_state(reference):
     ckpts = list_checkpoints(reference)
     assert [p.name for p in ckpts] == ["step_000007", "step_000014"]
     files = sorted(p.name for p in ckpts[0].iterdir())
-    assert files == ["adapter_model.safetensors", "custom_checkpoint_0.pkl", "optimizer.bin",
+    assert files == ["adapter_config.json", "adapter_model.safetensors", "custom_checkpoint_0.pkl", "optimizer.bin",
                      "optimizer_state.safetensors", "random_states_0.pkl", STATE_FILE]
     state = json.loads((ckpts[0] / STATE_FILE).read_text())
     assert (state["step"], state["epoch"], state["windows_in_epoch"], state["world_size"]) == (7, 1, 2, 1)
@@ -78,6 +78,36 @@ def test_checkpoint_layout_is_safetensors_and_state(reference):
     # Only the trainable tensors: LoRA A/B of 7 linear layers x 2 decoder layers.
     tensors = load_file(ckpts[0] / "adapter_model.safetensors")
     assert len(tensors) == 28 and all("lora_" in k for k in tensors)
+
+
+@pytest.mark.parametrize("how", ["peft", "transformers"])
+def test_a_checkpoint_directory_is_a_peft_adapter(reference, how):
+    """The last checkpoint (the final step) loads with plain peft and with transformers' load_adapter and gives the
+    run's final evaluation (two float32 paths: TINY_JOB_REL); its tensors are the final adapter's, bit for bit."""
+    from tests.bounds import TINY_JOB_REL
+    from tests.reload import reload_eval
+
+    final = [r for r in read_jsonl(reference / "metrics.jsonl") if "eval/loss" in r][-1]
+    again = reload_eval(reference, reference / "checkpoints" / f"step_{2 * K:06d}", how)
+    assert abs(again["eval/loss"] / final["eval/loss"] - 1) <= TINY_JOB_REL and final["step"] == 2 * K
+    assert again["eval/accuracy"] == final["eval/accuracy"]
+    saved = load_file(reference / "checkpoints" / f"step_{2 * K:06d}" / "adapter_model.safetensors")
+    assert saved.keys() == _adapter(reference).keys()
+    assert all(torch.equal(saved[k], _adapter(reference)[k]) for k in saved)
+
+
+def test_parameter_names_read_both_checkpoint_namings():
+    """A checkpoint names its tensors as peft saves them; one written before (the model's parameter names, with the
+    adapter name ``.default.``) reads the same."""
+    from scale.modeling.build import add_lora, load_base
+    from scale.training.checkpoint.portable import parameter_names
+
+    cfg = tiny_cfg("unused")
+    model = add_lora(load_base(cfg.model, 128, 0), cfg.model, cfg.lora)
+    trainable = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    peft_named = {n.replace(".default.", "."): t for n, t in trainable.items()}
+    assert parameter_names(model, trainable) == trainable
+    assert parameter_names(model, peft_named) == trainable
 
 
 def test_resume_mid_epoch_is_bit_exact(reference, tmp_path):

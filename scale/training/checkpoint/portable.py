@@ -1,21 +1,25 @@
 """The part of a checkpoint any launch mode loads: every trainable tensor and its optimizer state, whole, by name.
 
-    adapter_model.safetensors     {name: tensor}: the trainable (LoRA) tensors, whole; under DeepSpeed the fp32
-                                  master copy (``deepspeed.utils.safe_get_full_fp32_param``)
+    adapter_model.safetensors     the trainable (LoRA) tensors, whole, as peft saves an adapter (next to its
+                                  ``adapter_config.json``); under DeepSpeed the fp32 master copy
+                                  (``deepspeed.utils.safe_get_full_fp32_param``)
     optimizer_state.safetensors   {"<name>::<key>": tensor}: the optimizer's state of each trainable tensor, whole
                                   (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step``; SGD without momentum: none);
                                   metadata ``param_groups``: the hyper-parameters (JSON), ``lr`` as at this step
     custom_checkpoint_0.pkl       the LR scheduler's ``state_dict`` (accelerate writes it in every mode)
 
-``name`` is the parameter's name in the PEFT model (``base_model.model.model.layers.0...lora_A.default.weight``),
-the same in every mode. The shards are gathered at save with each library's own tools: torch's
-``get_optimizer_state_dict(full_state_dict=True)`` for one device, DDP and FSDP2 (``DTensor`` shards gathered), and
-DeepSpeed's ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` for ZeRO-1/2/3 (the fp32 partitions
-gathered); LoRA states are small, so every rank briefly holds them whole. At load they are put back with the same
-tools (``set_model_state_dict``/``set_optimizer_state_dict``; ``safe_set_full_fp32_param``/
-``safe_set_full_optimizer_state`` under DeepSpeed), so a checkpoint written by ZeRO-3 on 2 processes resumes under
-DDP on 4, FSDP2, or one device (:func:`load_portable`). A resume in the same mode on the same number of processes
-reads the mode's own files instead (``accelerate.load_state``: bit-exact, as before).
+``name`` is the parameter's name in the PEFT model (``base_model.model.model.layers.0...lora_A.default.weight``), the
+same in every mode. The adapter file names them as peft's ``save_pretrained`` does (without the adapter name,
+``...lora_A.weight``), so a checkpoint directory is a peft adapter: ``PeftModel.from_pretrained(base, ckpt)`` and
+transformers' ``model.load_adapter(ckpt)`` load it (:func:`write_adapter`); :func:`parameter_names` maps the names back,
+and reads a checkpoint written before (parameter names) as it is. The shards are gathered at save with each library's
+own tools: torch's ``get_optimizer_state_dict(full_state_dict=True)`` for one device, DDP and FSDP2 (``DTensor`` shards
+gathered), and DeepSpeed's ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` for ZeRO-1/2/3 (the fp32
+partitions gathered); LoRA states are small, so every rank briefly holds them whole. At load they are put back with the
+same tools (``set_model_state_dict``/``set_optimizer_state_dict``; ``safe_set_full_fp32_param``/
+``safe_set_full_optimizer_state`` under DeepSpeed), so a checkpoint written by ZeRO-3 on 2 processes resumes under DDP
+on 4, FSDP2, or one device (:func:`load_portable`). A resume in the same mode on the same number of processes reads the
+mode's own files instead (``accelerate.load_state``: bit-exact, as before).
 
 RNG: with the same number of processes each rank restores its own ``random_states_<rank>.pkl``; with another
 number the ranks' streams cannot be carried over (there is no rank 3 to take the state of), so each rank seeds
@@ -42,6 +46,7 @@ from scale.distributed.launch import ModePlan
 logger = get_logger(__name__)
 
 ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 OPTIMIZER_FILE = "optimizer_state.safetensors"
 SCHEDULER_FILE = "custom_checkpoint_0.pkl"  # accelerate's name for the first registered object: the LR scheduler
 PORTABLE_FILES = (ADAPTER_FILE, OPTIMIZER_FILE, SCHEDULER_FILE)
@@ -124,8 +129,40 @@ def write_portable(acc: Accelerator, plan: ModePlan, model: torch.nn.Module, opt
     ``optimizer_state.safetensors`` into ``directory``. Collective."""
     weights, tensors, meta = gather_portable(acc, plan, model, optimizer)
     if writer:
-        save_file(weights, str(directory / ADAPTER_FILE))
+        write_adapter(_module(acc, plan, model), weights, directory)
         save_file(tensors, str(directory / OPTIMIZER_FILE), metadata=meta)
+
+
+def write_adapter(peft_model: torch.nn.Module, weights: dict[str, torch.Tensor], directory: Path) -> None:
+    """Write ``weights`` (``{parameter name: whole tensor}``, the trainable LoRA tensors) into ``directory`` as peft
+    saves an adapter: ``adapter_config.json`` and ``adapter_model.safetensors`` keyed without the adapter name
+    (peft's ``save_pretrained(state_dict=...)``, the ``default`` adapter only; no model card). Plain peft and
+    transformers then load the checkpoint as they load the final ``adapter/``. Not a collective: the tensors are
+    whole already.
+    """
+    peft_model.save_pretrained(str(directory), state_dict=weights, selected_adapters=["default"],
+                               safe_serialization=True, save_embedding_layers=False)
+    (directory / "README.md").unlink(missing_ok=True)  # peft's model card: not part of a checkpoint
+
+
+def parameter_names(peft_model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's adapter tensors keyed by ``peft_model``'s parameter names.
+
+    The file names them as peft saves them (:func:`write_adapter`); peft's ``get_peft_model_state_dict`` applied to
+    the model's own trainable parameters gives the same keys for the same tensors, which maps each key back to its
+    parameter. A checkpoint written with parameter names (before adapters were saved as peft's) passes unchanged; a
+    key that names no trainable parameter is kept, for the caller's check to report.
+    """
+    trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    if set(weights) <= set(trainable):
+        return weights
+    from peft import get_peft_model_state_dict
+
+    saved = get_peft_model_state_dict(peft_model, state_dict=dict(trainable), adapter_name="default",
+                                      save_embedding_layers=False)
+    by_id = {id(p): n for n, p in trainable.items()}
+    names = {key: by_id[id(t)] for key, t in saved.items() if id(t) in by_id}
+    return {names.get(key, key): t for key, t in weights.items()}
 
 
 def read_portable(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]],
@@ -151,6 +188,7 @@ def load_portable(acc: Accelerator, plan: ModePlan, model: torch.nn.Module, opti
     """
     weights, state, groups = read_portable(directory)
     module = _module(acc, plan, model)
+    weights = parameter_names(module, weights)
     trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
     shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in trainable.items()}
     if set(weights) != set(trainable) or any(tuple(weights[n].shape) != shapes[n] for n in weights):

@@ -22,8 +22,8 @@ from scale.config.schema import Config
 from scale.distributed.launch import ModePlan
 from scale.modeling.build import restore_inference_config
 from scale.modeling.dropout import dropout_census
-from scale.training.checkpoint.portable import (ADAPTER_FILE, PortableStateError, load_portable, restore_rng,
-                                                write_portable)
+from scale.training.checkpoint.portable import (ADAPTER_FILE, PortableStateError, load_portable, parameter_names,
+                                                restore_rng, write_portable)
 from scale.training.checkpoint.rules import check_same_tokens, native
 from scale.training.checkpoint.store import CheckpointError, _is_writer, checkpoint_root, record_files, rotate
 from scale.training.state import STATE_FILE, TrainerState
@@ -65,7 +65,7 @@ def register_hooks(acc: Accelerator) -> None:
     def load_hook(models: list[torch.nn.Module], input_dir: str) -> None:
         for model in models:
             unwrapped = unwrap(acc, model)
-            state = load_file(os.path.join(input_dir, ADAPTER_FILE))  # on CPU; load_state_dict copies
+            state = parameter_names(unwrapped, load_file(os.path.join(input_dir, ADAPTER_FILE)))  # on CPU
             expected = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
             if set(state) != expected:
                 raise CheckpointError(f"{input_dir}/{ADAPTER_FILE} holds other tensors than this model trains: "
