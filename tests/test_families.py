@@ -1,5 +1,6 @@
 """Model families beyond Llama (issue 11, item 7): each trains two steps from a saved directory with the SmolLM2
-tokenizer, gives the same numbers under left and right padding, and gets a FLOPs count from its own layers.
+tokenizer, gives the same numbers under left and right padding, gets a FLOPs count from its own layers, and its
+adapter loads with plain peft and with transformers' load_adapter to the run's final evaluation.
 
 The models are tiny (hidden 64, 2 layers), built from configs and saved to a temporary directory: no download.
 """
@@ -16,7 +17,9 @@ from scale.config.validation import ConfigError
 from scale.train import run
 from scale.training.metrics import read_jsonl
 from scale.utils.flops import model_shape, shape_from_config
+from tests.bounds import TINY_JOB_REL
 from tests.conftest import tiny_cfg
+from tests.reload import reload_eval
 
 V = 49152  # the SmolLM2 tokenizer's vocabulary
 SMALL = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -78,6 +81,11 @@ def test_family_trains_and_left_equals_right_padding(name, saved, tmp_path, capl
         rows = read_jsonl(out / "metrics.jsonl")
         train = [r for r in rows if "train/loss" in r]
         results[side] = (final, train, load_file(out / "adapter" / "adapter_model.safetensors"))
+        if side == "left":  # the adapter as its user loads it: plain peft, transformers' load_adapter
+            for how in ("peft", "transformers"):
+                again = reload_eval(out, out / "adapter", how)
+                assert _rel(final["eval/loss"], again["eval/loss"]) <= TINY_JOB_REL, (how, again, final)
+                assert again["eval/accuracy"] == final["eval/accuracy"], how
     (final_l, train_l, ad_l), (final_r, train_r, ad_r) = results["left"], results["right"]
     assert [r["step"] for r in train_l] == [r["step"] for r in train_r] == [1, 2]
     for a, b in zip(train_l, train_r):

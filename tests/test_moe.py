@@ -30,12 +30,15 @@ pytestmark = pytest.mark.skipif(not peft_adapts_parameters(), reason="peft witho
 E, K, H, I, V = 8, 2, 32, 16, 64  # experts, experts per token, hidden, expert width, vocabulary
 
 
-def tiny_moe(family: str, seed: int = 0) -> torch.nn.Module:
-    """A 2-layer random model of ``family`` (8 experts, top-2) in float32."""
+def tiny_moe(family: str, seed: int = 0, vocab: int = V) -> torch.nn.Module:
+    """A 2-layer random model of ``family`` (8 experts, top-2) in float32; ``vocab=49152`` fits the SmolLM2
+    tokenizer of the tiny job (its bos/eos/pad ids set)."""
     import transformers as tf
 
-    common = dict(vocab_size=V, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    common = dict(vocab_size=vocab, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64, tie_word_embeddings=False)
+    if vocab != V:
+        common.update(bos_token_id=1, eos_token_id=2, pad_token_id=2, max_position_embeddings=256)
     torch.manual_seed(seed)
     if family == "qwen3_moe":
         cfg = tf.Qwen3MoeConfig(**common, intermediate_size=64, moe_intermediate_size=I, num_experts=E,
@@ -44,8 +47,8 @@ def tiny_moe(family: str, seed: int = 0) -> torch.nn.Module:
     if family == "mixtral":
         return tf.MixtralForCausalLM(tf.MixtralConfig(**common, intermediate_size=I, num_local_experts=E,
                                                       num_experts_per_tok=K))
-    if family == "deepseek_v3":
-        cfg = tf.DeepseekV3Config(**common, intermediate_size=64, moe_intermediate_size=I, n_routed_experts=E,
+    if family == "deepseek_v3":  # multi-head latent attention: as many key/value heads as query heads
+        cfg = tf.DeepseekV3Config(**(common | {"num_key_value_heads": 4}), intermediate_size=64, moe_intermediate_size=I, n_routed_experts=E,
                                   num_experts_per_tok=K, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
                                   topk_group=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
                                   qk_nope_head_dim=8, v_head_dim=16)
@@ -453,6 +456,71 @@ def test_resume_of_a_moe_run_is_bit_exact(tmp_path):
     for s in got_rows:
         keys = ["train/loss", "train/grad_norm"] + [k for k in ref_rows[s] if k.startswith("train/expert_load/")]
         assert {k: got_rows[s][k] for k in keys} == {k: ref_rows[s][k] for k in keys}, s
+
+
+def test_the_saved_adapters_need_no_rewrite_by_peft_and_a_v4_style_one_is_named():
+    """peft's transformers-4 conversion leaves the adapter config of every family as saved (full names; peft 0.18-0.21
+    rewrote DeepSeek's shared experts, huggingface/peft#3945); a transformers-4 style config (bare
+    gate_proj/up_proj/down_proj) is rewritten by any peft with the conversion, and the warning names what moves."""
+    from peft import LoraConfig, get_peft_model
+
+    from scale.modeling.moe import load_rewrites
+
+    pytest.importorskip("peft.utils.transformers_weight_conversion")
+    from packaging.version import Version
+
+    from scale.utils.compat import installed
+
+    fixed = Version(installed("peft")) >= Version("0.22")
+    for family in FAMILIES:
+        for train_router in (False, True):
+            line = load_rewrites(lora(tiny_moe(family), dropout=0.0, train_router=train_router))
+            if family == "deepseek_v3" and not fixed:  # its dense layer's and shared expert's gate/up/down_proj
+                assert line is not None and "6 linear targets (down_proj, gate_proj, up_proj) moved" in line
+            else:
+                assert line is None, (family, line)
+    v4 = get_peft_model(tiny_moe("deepseek_v3"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    v4.peft_config["default"].target_modules = ["gate_proj", "up_proj", "down_proj"]
+    line = load_rewrites(v4)
+    assert line is not None and "gate_up_proj at rank 8" in line and line.endswith(
+        "load it with peft >= 0.22 (huggingface/peft#3945), or scale-generate")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_adapter_and_checkpoint_load_with_plain_peft_and_transformers(family, tmp_path, caplog):
+    """A run on a saved model of each family: its adapter/ and its last checkpoint directory load with plain peft
+    (PeftModel.from_pretrained) and with transformers' model.load_adapter, no scale code around them, and give the
+    run's final eval/loss within two float32 paths' bound (a 49,152-token softmax, widths <= 128) and its accuracy."""
+    import logging
+
+    from scale.modeling.moe import explicit_targets
+    from scale.train import run
+    from tests.bounds import TINY_JOB_REL
+    from tests.conftest import tiny_cfg
+    from tests.reload import reload_eval
+
+    tiny_moe(family, vocab=49152).save_pretrained(tmp_path / "m")
+    caplog.set_level(logging.WARNING)
+    out = tmp_path / "run"
+    final = run(tiny_cfg(out, f"model.name_or_path={tmp_path / 'm'}", "model.tokenizer=smollm2-135m",
+                         "train.max_steps=2", "train.eval_every=0", "train.save_every=2", "data.eval_size=16",
+                         "data.max_train_examples=32", "log.peak_flops=1e12"))
+    # peft 0.18-0.21 rewrite DeepSeek's shared-expert targets on load (the start-up says so, and a plain load then
+    # fails); from peft 0.22 (huggingface/peft#3945) every family's adapter loads as saved
+    rewritten = [r.getMessage() for r in caplog.records if "rewrites this adapter" in r.getMessage()]
+    for adapter in (out / "adapter", out / "checkpoints" / "step_000002"):
+        for how in ("peft", "transformers"):
+            if rewritten:
+                with pytest.raises(RuntimeError, match="size mismatch|ignore_mismatched_sizes"):
+                    reload_eval(out, adapter, how)
+                with explicit_targets():  # as scale-generate and scale-export load it
+                    again = reload_eval(out, adapter, how)
+            else:
+                again = reload_eval(out, adapter, how)
+            assert again["eval/examples"] == final["eval/examples"] == 16
+            assert abs(again["eval/loss"] / final["eval/loss"] - 1) <= TINY_JOB_REL, (adapter.name, how, again, final)
+            assert again["eval/accuracy"] == final["eval/accuracy"], (adapter.name, how)
 
 
 def test_a_saved_adapter_with_shared_experts_reloads_to_the_same_model(tmp_path):

@@ -208,6 +208,57 @@ def explicit_targets() -> Iterator[None]:
         conversion.convert_peft_config_for_transformers = original
 
 
+def load_rewrites(model: torch.nn.Module, adapter: str = "default") -> str | None:
+    """What the installed peft would change in this adapter's saved config when plain peft
+    (``PeftModel.from_pretrained``) or transformers (``model.load_adapter``) loads it; None when nothing.
+
+    Both run peft's transformers-4 compatibility conversion (:func:`explicit_targets`) on the saved config. peft
+    0.22 keeps a listed linear layer a linear target (huggingface/peft#3945); peft 0.18-0.21 move every listed name
+    ending ``.gate_proj``/``.up_proj``/``.down_proj`` (DeepSeek's shared experts and dense first layers, Qwen3-MoE's
+    ``mlp_only_layers``) onto the routed experts' fused weights with twice the rank, so such an adapter loads there
+    with a size mismatch. The conversion is run here on a copy of the config against the base model built on the
+    meta device from its config (what a user loads: no LoRA layers in it), and the targets, ranks and alphas are
+    compared.
+
+    Returns:
+        The start-up warning (under 240 characters): what moves, and the fix; None when the saved config loads as
+        it is.
+
+    Args:
+        model: the peft model (its ``peft_config[adapter]`` is what ``save_pretrained`` writes).
+    """
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except Exception:  # noqa: BLE001 - a peft without the conversion (< 0.18) or transformers 4: nothing is rewritten
+        return None
+    import copy
+
+    config = copy.deepcopy(model.peft_config[adapter])
+    base = model.get_base_model()
+
+    def seen(c: Any) -> tuple:
+        names = lambda v: sorted(v) if isinstance(v, (list, set, tuple)) else v
+        return (names(c.target_modules), names(getattr(c, "target_parameters", None) or []),
+                dict(c.rank_pattern or {}), dict(c.alpha_pattern or {}))
+
+    before = seen(config)
+    with torch.device("meta"):  # the class itself, not from_config: no DeepSpeed ZeRO-3 init around it
+        fresh = type(base)(copy.deepcopy(base.config))
+    convert_peft_config_for_transformers(config, model=fresh, conversions=None)
+    after = seen(config)
+    if after == before:
+        return None
+    moved = sorted(set(before[0]) - set(after[0])) if isinstance(before[0], list) else [before[0]]
+    added = sorted(set(after[1]) - set(before[1]))
+    ranks = {k: v for k, v in after[2].items() if before[2].get(k) != v}
+    leaves = ", ".join(sorted({m.rsplit(".", 1)[-1] for m in moved}))
+    changes = ([f"{len(moved)} linear targets ({leaves}) moved"] if moved else []) + (
+        [f"{', '.join(added)} added"] if added and not moved else []) + [
+        f"{k.rsplit('.', 1)[-1]} at rank {v}" for k, v in ranks.items()]
+    return (f"peft {installed('peft')} rewrites this adapter's targets in PeftModel.from_pretrained/load_adapter "
+            f"({'; '.join(changes)}): load it with peft >= 0.22 (huggingface/peft#3945), or scale-generate")
+
+
 def set_linear_dropout(model: torch.nn.Module, p: float) -> int:
     """Give the LoRA adapters of linear layers dropout ``p`` on their input (peft's ``lora_dropout``), leaving the
     parameter adapters (``ParamWrapper``) without; return how many layers got it.

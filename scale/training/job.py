@@ -108,7 +108,7 @@ def setup(cfg: Config) -> Job:
                           [train_dl, eval_dl])  # collective; loss.reference=precomputed only
     counts = parameter_counts(model)  # (trainable, total)
     report_start(launch, cfg, data, loaders, model, cpu_paths, max_steps, counts)
-    report_experts(experts.lines if experts else [], acc)
+    report_experts(experts.lines if experts else [], acc, experts.warnings if experts else [])
     state = resume_or_start(launch, cfg, data, model, optimizer, scheduler)  # collective
     log = build_log(launch, cfg, data.splits, state)
     report_precision(launch.precision, acc)

@@ -157,12 +157,15 @@ def report_start(launch: Launch, cfg: Config, data: Data, loaders: Loaders, mode
         logger.info(line)
 
 
-def report_experts(lines: list[str], acc: Accelerator) -> None:
-    """The lines of a mixture-of-experts model (:mod:`scale.training.parts.experts`): what LoRA trains in it (attention,
-    experts, router), its dropout and 4-bit notes, the load-balancing loss' weight; nothing for a dense model."""
+def report_experts(lines: list[str], acc: Accelerator, warnings: list[str] = ()) -> None:
+    """The lines of a mixture-of-experts model (:mod:`scale.training.parts.experts`): what LoRA trains in it
+    (attention, experts, router), its dropout and 4-bit notes, the load-balancing loss' weight; nothing for a dense
+    model. ``warnings`` (the saved adapter would not load with the installed peft alone) are logged as warnings."""
     if lines and acc.is_main_process:
         for line in lines_within("", lines):
             logger.info(line)
+        for line in warnings:
+            logger.warning(line)
 
 
 def report_precision(precision: PrecisionChoice | None, acc: Accelerator) -> None:

@@ -8,14 +8,14 @@ collective: :meth:`ExpertLoad.flush` and :meth:`RouterAux.flush` take the reduct
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from scale.config.schema import Config
 from scale.config.validation import ConfigError
-from scale.modeling.moe import MoeLayout, moe_layout, targets_line, text_config
+from scale.modeling.moe import MoeLayout, load_rewrites, moe_layout, targets_line, text_config
 
 
 class ExpertLoad:
@@ -199,12 +199,15 @@ class Experts:
         lines: the start-up lines' parts (what trains; the aux loss' weight).
         load: the tokens-per-expert counter (its :meth:`ExpertLoad.flush` at each log step).
         aux: the load-balancing loss while the routers train, else None.
+        warnings: start-up warnings: the installed peft would rewrite the saved adapter's targets on a plain load
+            (:func:`scale.modeling.moe.load_rewrites`).
     """
 
     layout: MoeLayout
     lines: list[str]
     load: ExpertLoad
     aux: RouterAux | None
+    warnings: list[str] = field(default_factory=list)
 
 
 def build_experts(cfg: Config, model: torch.nn.Module, device: torch.device) -> Experts | None:
@@ -221,4 +224,5 @@ def build_experts(cfg: Config, model: torch.nn.Module, device: torch.device) -> 
     lines = targets_line(model, layout, cfg.lora.dropout, cfg.model.quantize_4bit)
     if aux is not None:
         lines.append(f"loss.router_aux_coef={aux.coef:g} (the model's load-balancing loss, added to the loss)")
-    return Experts(layout, lines, ExpertLoad(model, layout, device), aux)
+    rewrites = load_rewrites(model)
+    return Experts(layout, lines, ExpertLoad(model, layout, device), aux, [rewrites] if rewrites else [])
