@@ -30,9 +30,11 @@ How each number is obtained:
   the output.
 
 Architectures: any causal LM transformers builds from a config (checked: llama, mistral, qwen2, qwen3, gemma2,
-phi3, olmo2, granite, gpt2). Mixture-of-experts models (mixtral) plan their parameters exactly; their
-activations depend on the routing, which fake tensors cannot know (in fp32 their CPU expert matmul refuses to run
-and the plan stops with a one-line error).
+phi3, olmo2, granite, gpt2). Mixture-of-experts models (Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss) plan their
+parameters exactly and count their activations in any dtype (transformers' grouped expert kernel runs through its
+own fallback on fake tensors; a token's ``k`` experts hold ``n x k`` token-expert pairs whatever the routing); a
+line gives the base model's parameters and those a token uses, what the LoRA adapter adds, and the FLOPs per token
+(docs/models.md).
 
 Shapes: ``B`` = ``train.micro_batch_size``, ``T`` = ``data.max_length``, ``N`` = ``loss.threshold``, ``V`` vocab.
 ``--resume CKPT`` plans the run that wrote a checkpoint (its config, plus any overrides) on ``--gpus``: it prints the

@@ -123,11 +123,45 @@ def test_qwen3_30b_a3b_plan_counts_its_published_sizes():
     attention = d * 32 * 128 * 2 + 2 * d * 4 * 128 + 2 * 128  # q, o; k, v; q_norm, k_norm
     per_layer = attention + e * 3 * d * i + e * d + 2 * d    # experts, router, two norms
     assert base == L * per_layer + 2 * hf["vocab_size"] * d + d == 30_532_122_624
-    assert "128 routed experts, top-8, in 48 layers" in plan.experts
-    active = int(plan.experts.split(" active per token")[0].rsplit(", ", 1)[1].replace(",", ""))
     k, r = hf["num_experts_per_tok"], cfg.lora.r
     base_active = L * (attention + k * 3 * d * i + e * d + 2 * d) + 2 * hf["vocab_size"] * d + d
     assert 3.3e9 < base_active < 3.4e9  # "3.3B activated"
     expert_lora = L * r * e * (2 * d + 3 * i)  # gate_up: A [r e, d], B [2i, r e]; down: A [r e, i], B [d, r e]
-    assert active == base_active + plan.trainable_parameters - expert_lora * (e - k) // e
+    adapter_active = plan.trainable_parameters - expert_lora * (e - k) // e
+    # the base model's counts, as its model card gives them, then the adapter's
+    assert plan.experts.startswith(
+        f"mixture of experts: 128 routed experts, top-8, in 48 layers: 30,532,122,624 base parameters, "
+        f"{base_active:,} active per token ({base_active / base:.1%}); the LoRA adapter adds "
+        f"{plan.trainable_parameters:,} ({adapter_active:,} active); training FLOPs per token ")
     assert plan.recommended == "zero3_offload"
+    # docs/models.md quotes the line of a LoRA r=16 plan of 4 x 2,048 tokens: the counts before the FLOPs do not
+    # depend on the tokens, and the adapter's are r times a rank-1 adapter's
+    quoted = next(line for line in (ROOT / "docs" / "models.md").read_text().splitlines()
+                  if line.startswith("mixture of experts: 128 routed experts"))
+    ours, at_16 = f"{plan.trainable_parameters:,} ({adapter_active:,} active)", \
+        f"{plan.trainable_parameters * 16 // r:,} ({adapter_active * 16 // r:,} active)"
+    assert quoted.split("; training FLOPs")[0] == plan.experts.split("; training FLOPs")[0].replace(ours, at_16)
+
+
+def test_the_docs_size_of_qwen3_30b_a3b_experts_and_the_plan_help():
+    """docs/models.md: Qwen3-30B-A3B's bf16 experts are 48 x 128 x 3 x 2048 x 768 x 2 bytes = 54.00 GiB; scale-plan
+    --help says a mixture-of-experts plan counts its activations (it once said the count stopped in fp32)."""
+    import contextlib
+    import io
+
+    from scale.plan import main as plan_command
+
+    hf = json.loads((ROOT / "configs" / "models" / "qwen3-30b-a3b.json").read_text())
+    experts = (hf["num_hidden_layers"] * hf["num_experts"] * 3 * hf["hidden_size"] * hf["moe_intermediate_size"]
+               * 2)
+    assert (hf["num_hidden_layers"], hf["num_experts"], hf["hidden_size"], hf["moe_intermediate_size"]) == (
+        48, 128, 2048, 768)
+    docs = " ".join((ROOT / "docs" / "models.md").read_text().split())
+    assert f"the bf16 experts alone are {experts / 2**30:.2f} GiB" in docs and experts == 54 * 2**30
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        plan_command(["--help"])
+    text = " ".join(out.getvalue().split())
+    assert ("Mixture-of-experts models (Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss) plan their parameters exactly and "
+            "count their activations in any dtype") in text
+    assert "refuses to run" not in text and "cannot know" not in text

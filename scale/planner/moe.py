@@ -1,5 +1,6 @@
-"""What the plan says of a mixture-of-experts model: total and active parameters, the training FLOPs per token
-from the active ones, and the expert stack one layer holds (:func:`moe_text`).
+"""What the plan says of a mixture-of-experts model: the base model's parameters and those a token uses, what the
+LoRA adapter adds, the training FLOPs per token from the active ones, and the expert stack one layer holds
+(:func:`moe_text`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from scale.planner.census import GIB, nbytes
 from scale.utils.flops import flops_per_token
 
 def moe_text(model: torch.nn.Module, params: list[Any], max_length: int, threshold: int) -> str:
-    """The plan's line for a mixture-of-experts model (``""`` for a dense one): total and active parameters (a token
-    runs through ``k`` of the ``E`` routed experts, :func:`scale.modeling.moe.active_counts`), the training FLOPs per
-    token from the active ones (:func:`scale.modeling.moe.model_shape`, the ``train/mfu`` count) against every expert
-    running, and the expert stack one MoE layer holds in its training dtype: LoRA on fused experts (peft's
+    """The plan's line for a mixture-of-experts model (``""`` for a dense one): the base model's parameters and those
+    a token uses (it runs through ``k`` of the ``E`` routed experts, :func:`scale.modeling.moe.active_counts`: the
+    counts a model card gives), what the LoRA adapter adds (all of it, and the part a token uses), the training FLOPs
+    per token from the active ones (:func:`scale.modeling.moe.model_shape`, the ``train/mfu`` count) against every
+    expert running, and the expert stack one MoE layer holds in its training dtype: LoRA on fused experts (peft's
     ``ParamWrapper``) computes ``W + B A`` for the whole stack in each forward, which backward keeps (counted in the
     saved activations; checkpointing keeps one layer's)."""
     layout = moe_layout(model)
@@ -35,9 +37,12 @@ def moe_text(model: torch.nn.Module, params: list[Any], max_length: int, thresho
     by_name = {p.name.removeprefix("base_model.model.").replace(".base_layer", ""): p for p in params}
     stack = max((sum(by_name[n].numel * nbytes(by_name[n].dtype) for n in layout.expert_params
                      if n.startswith(f"{e}.") and n in by_name) for e in layout.experts), default=0)
+    base = counts.total - trainable
+    base_active = base - counts.experts * (layout.num_experts - layout.top_k) // layout.num_experts
     return (f"mixture of experts: {layout.num_experts} routed experts, top-{layout.top_k}, in {len(layout.experts)} "
-            f"layers: {counts.total:,} parameters, {counts.active:,} active per token "
-            f"({counts.active / counts.total:.1%}); training FLOPs per token {active:.3g} from the active ones (train/mfu counts these; {every:.3g} if "
-            f"every expert ran); one layer's expert stack {stack / GIB:.2f} GiB, computed as W + B A in each forward "
-            f"(LoRA on fused experts) and kept for backward")
+            f"layers: {base:,} base parameters, {base_active:,} active per token ({base_active / base:.1%}); the "
+            f"LoRA adapter adds {trainable:,} ({counts.active - base_active:,} active); training FLOPs per token "
+            f"{active:.3g} from the active ones (train/mfu counts these; {every:.3g} if every expert ran); one "
+            f"layer's expert stack {stack / GIB:.2f} GiB, computed as W + B A in each forward (LoRA on fused experts) "
+            f"and kept for backward")
 
