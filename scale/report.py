@@ -205,10 +205,28 @@ def plot(runs: dict[str, Rows], out: Path, run_dirs: dict[str, Path] | None = No
         FigureCanvasAgg(fig)
         for ax, panel in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
             draw_panel(ax, panel, runs, run_dirs or {})
-        fig.suptitle(textwrap.fill(title, 90))  # a long title wraps instead of running off the figure
+        fit_title(fig, title)
         fig.savefig(out / filename)
         written.append(out / filename)
     return written
+
+
+def fit_title(fig: Any, title: str, margin: float = 0.96) -> Any:
+    """Set ``title`` as ``fig``'s suptitle, wrapped at word boundaries into as many lines as it takes for each to
+    fit ``margin`` of the figure's width, as the renderer measures the text (a fixed character count clipped the
+    loss figure's title at both edges: centred, it ran off the 7-inch figure on either side). Returns the text."""
+    text = fig.suptitle(title)
+    renderer = fig.canvas.get_renderer()
+    width = text.get_window_extent(renderer).width
+    room = margin * fig.bbox.width
+    if width > room:
+        chars = max(20, int(len(title) * room / width))
+        while True:
+            text.set_text(textwrap.fill(title, chars))
+            if text.get_window_extent(renderer).width <= room or chars <= 20:
+                break
+            chars -= 4
+    return text
 
 
 def draw_panel(ax: Any, panel: Panel, runs: dict[str, Rows], run_dirs: dict[str, Path]) -> None:

@@ -213,3 +213,25 @@ def test_memory_from_zero_with_headroom_and_lr_schedule_at_every_step(runs, tmp_
     schedule, logged = ax.get_lines()
     assert list(schedule.get_xdata()) == steps and list(logged.get_xdata()) == [2, 4, 6]
     assert R.clip_threshold(runs[0]) == cfg.optim.max_grad_norm
+
+
+def test_every_figure_title_fits_within_its_figure(tmp_path, monkeypatch):
+    """Each figure's title, as saved, lies inside the figure (the loss title, centred and too long for the 7-inch
+    figure, ran off both edges; now it wraps at the width the renderer measures)."""
+    from matplotlib.figure import Figure
+
+    keys = [k for _, _, panels in R.FIGURES for p in panels for k, _ in p.keys]
+    rows = [{"step": s, **{k: 1.0 + s for k in keys}} for s in range(4)]
+    seen = {}
+    save = Figure.savefig
+
+    def check(fig, path, *args, **kwargs):
+        save(fig, path, *args, **kwargs)
+        box = fig._suptitle.get_window_extent(fig.canvas.get_renderer())
+        seen[Path(path).name] = (box.x0, box.x1, fig.bbox.width)
+
+    monkeypatch.setattr(Figure, "savefig", check)
+    written = R.plot({"run": rows}, tmp_path)
+    assert sorted(seen) == sorted(p.name for p in written) and "loss.png" in seen
+    for name, (left, right, width) in seen.items():
+        assert 0 <= left and right <= width, (name, left, right, width)
