@@ -90,9 +90,9 @@ def test_two_identical_runs_divide_by_the_same_peak_on_a_busier_machine(tmp_path
     """resolve_peak_flops (log.peak_flops: null) on an idle machine, then on one where every GEMM takes twice as
     long: the same peak both times, and the start-up line says it was measured once and cached. log.peak_flops=measure
     still measures now."""
+    import torch
     from accelerate import Accelerator
 
-    import torch
     from scale.training import precision
     from scale.training.precision import resolve_peak_flops
     from tests.conftest import tiny_cfg
@@ -112,3 +112,39 @@ def test_two_identical_runs_divide_by_the_same_peak_on_a_busier_machine(tmp_path
     assert "; bfloat16 measures 2.1 TFLOP/s (faster on this CPU)" in second.source
     now = resolve_peak_flops(tiny_cfg(tmp_path, "log.peak_flops=measure"), acc)
     assert now.flops == 150e9 and "measured now" in now.source
+
+
+def test_the_dtype_probe_line_says_its_figures_are_not_the_mfu_peak(tmp_path, monkeypatch, caplog):
+    """Two fp32 figures in consecutive start-up lines: the dtype probe of this start (a busy machine: half the rate)
+    and the machine's cached best, which train/mfu divides by. The first line says which is which."""
+    import logging
+
+    import torch
+    from accelerate import Accelerator
+
+    from scale.training import precision
+    from scale.training.precision import peak_cache_path, resolve_mixed_precision, resolve_peak_flops
+    from scale.training.startup import report_peak, report_precision
+    from tests.conftest import tiny_cfg
+
+    monkeypatch.setenv("SCALE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(precision, "_MEASURED", {})
+    rate = {"fp32": 182e9}
+    monkeypatch.setattr(precision, "_time_gemm", lambda device, dtype, seconds, n, reps=3:
+                        rate["fp32"] * (0.5 if dtype == torch.bfloat16 else 1))
+    acc = Accelerator(cpu=True)
+    resolve_peak_flops(tiny_cfg(tmp_path), acc)  # an idle start: the machine's best is cached
+    rate["fp32"] = 93.1e9                        # this start: a busy machine
+    monkeypatch.setattr(precision, "_MEASURED", {})
+    cfg = tiny_cfg(tmp_path, "train.mixed_precision=auto")
+    choice = resolve_mixed_precision(cfg, torch.device("cpu"))
+    peak = resolve_peak_flops(cfg, acc)
+    caplog.set_level(logging.INFO, logger="scale.training.startup")
+    report_precision(choice, acc)
+    report_peak(peak, acc)
+    lines = [r.getMessage().removeprefix("[RANK 0] ") for r in caplog.records if r.name == "scale.training.startup"]
+    assert lines[0] == ("train.mixed_precision=auto -> no: bf16 GEMMs measure 0.50x fp32 on this cpu (< 1.3x) "
+                        "(this start's probes, one short GEMM each, for their ratio only: fp32 93.1 GFLOP/s, bf16 "
+                        "46.5 GFLOP/s; train/mfu divides by the MFU peak below)")
+    assert lines[1].startswith("MFU peak: 182 GFLOP/s per device (measured: float32 GEMM ")
+    assert "best of 3 probes of 20" in lines[1] and peak.flops == 182e9 and peak_cache_path().is_file()

@@ -169,11 +169,16 @@ def report_experts(lines: list[str], acc: Accelerator, warnings: list[str] = ())
 
 
 def report_precision(precision: PrecisionChoice | None, acc: Accelerator) -> None:
-    """The line of ``train.mixed_precision=auto``: what it chose, why, and the GEMM rates it measured."""
+    """The line of ``train.mixed_precision=auto``: what it chose, why, and the GEMM rates it measured. Those are
+    this start's probes (one short GEMM per dtype, :func:`scale.training.precision.measure_peak_flops`), read for
+    their ratio only; the next line's MFU peak is another figure (the machine's best,
+    :func:`scale.training.precision.machine_peak`), and the line says so, since a busy start probes well below it."""
     if precision is not None and acc.is_main_process:
         logger.info("train.mixed_precision=auto -> %s: %s%s", precision.choice, precision.reason,
                     "" if precision.fp32_flops is None else
-                    f" (fp32 {precision.fp32_flops / 1e9:.3g} GFLOP/s, bf16 {precision.bf16_flops / 1e9:.3g} GFLOP/s)")
+                    f" (this start's probes, one short GEMM each, for their ratio only: fp32 "
+                    f"{precision.fp32_flops / 1e9:.3g} GFLOP/s, bf16 {precision.bf16_flops / 1e9:.3g} GFLOP/s; "
+                    f"train/mfu divides by the MFU peak below)")
 
 
 def report_peak(peak: PeakFlops, acc: Accelerator) -> None:
