@@ -338,7 +338,7 @@ def largest_plan_total(cfg, b: int, memory_gib: float) -> float:
 
 
 def header(dry: bool) -> str:
-    import scale
+    from scale.utils.compat import installed
 
     if torch.cuda.is_available() and not dry:
         p = torch.cuda.get_device_properties(0)
@@ -348,7 +348,7 @@ def header(dry: bool) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return "\n".join(["# scale GPU check", "",
                       f"- date (UTC): {time.strftime('%Y-%m-%d %H:%M', time.gmtime())}",
-                      f"- commit: {commit.stdout.strip() or 'unknown'}; scale {getattr(scale, '__version__', '?')}",
+                      f"- commit: {commit.stdout.strip() or 'unknown'}; scale {installed('scale') or 'not installed'}",
                       f"- device: {device}", f"- {machine_line()}", f"- python {platform.python_version()}"])
 
 
@@ -363,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if not a.dry_run and not torch.cuda.is_available():
         sys.stderr.write("benchmarks/gpu_check.py needs a CUDA GPU (torch.cuda.is_available() is False); pass "
-                         "--dry-run to run the same sections on the CPU at tiny shapes.\n")
+                         "--dry-run (make gpu-check ARGS=\"--dry-run\") to run the same sections on the CPU at tiny "
+                         "shapes.\n")
         return 2
     device = "cpu" if a.dry_run else "cuda"
     memory = a.memory_gib if a.memory_gib is not None else (1.2 if a.dry_run else None)

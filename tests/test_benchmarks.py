@@ -5,7 +5,9 @@ Timings are not asserted (they are the benchmarks' job); what is asserted is wha
 
 from __future__ import annotations
 
+import argparse
 import math
+import re
 import subprocess
 import sys
 
@@ -162,9 +164,39 @@ def test_gpu_script_dry_run_and_no_cuda_message(capsys):
     qlora = out.split("QLoRA nf4/bf16: parameter elements by dtype")[1]
     assert "'uint8/frozen'" in qlora and " 0 Linear4bit" not in qlora
     assert "| tiny | LoRA bf16 | 0.0" in out and "| n/a (no CUDA) | n/a |" in out   # scale-plan's prediction row
+    mfus = [float(m) for m in re.findall(r"\n\| tiny \| [^|]+ \| [^|]+ \| [^|]+ \| ([\d.]+)% \|", out)]
+    assert len(mfus) == 2 and all(0 <= m <= 100 for m in mfus), mfus
+    assert "the faster of this CPU's bf16 and fp32 GEMM figures (dry run)" in out
     if not torch.cuda.is_available():
         assert gpu.main([]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_dry_run_divides_by_the_faster_gemm_and_names_the_version(tmp_path, monkeypatch, capsys):
+    """On a CPU whose bf16 GEMM probe measures a tenth of fp32 (AVX2), the dry run's MFU peak is the fp32 figure
+    (against the bf16 one the tiny bf16 model's MFU came out above 100%); the report's header names scale's
+    version; without a GPU the refusal gives the make form of --dry-run."""
+    from accelerate import Accelerator
+
+    from benchmarks import gpu, gpu_check
+    from scale.training import precision
+    from scale.utils.compat import installed
+
+    monkeypatch.setenv("SCALE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(precision, "_MEASURED", {})
+    monkeypatch.setattr(precision, "_time_gemm", lambda device, dtype, seconds, n, reps=3:
+                        10e9 if dtype == torch.bfloat16 else 100e9)
+    cfg = gpu.contestants("tiny", argparse.Namespace(seq=32, batch=2, ga=1, steps=3, warmup=1, threshold=2, lora_r=16,
+                                                     checkpointing=False))["LoRA bf16"].config(str(tmp_path))
+    peak = gpu.dry_run_peak(cfg, Accelerator(cpu=True))
+    assert peak.flops == 100e9 and peak.source.startswith("100 GFLOP/s per device (measured: float32 GEMM")
+    assert "- commit: " in gpu_check.header(True) and f"; scale {installed('scale')}\n" in gpu_check.header(True)
+    assert installed("scale") == "0.1.0"
+    if not torch.cuda.is_available():
+        assert gpu_check.main([]) == 2
+        assert capsys.readouterr().err == (
+            'benchmarks/gpu_check.py needs a CUDA GPU (torch.cuda.is_available() is False); pass --dry-run (make '
+            'gpu-check ARGS="--dry-run") to run the same sections on the CPU at tiny shapes.\n')
 
 
 def test_speedup_throughput_and_profile_categories():
@@ -210,7 +242,6 @@ def test_gpu_check_dry_run_report(tmp_path):
     LoRA and QLoRA with the mixed-precision paths off and on (fewer with them, the Liger rows refused on CPU). The
     ``bench`` section is benchmarks/gpu.py's dry run, asserted by test_gpu_script_dry_run_and_no_cuda_message; skipped
     here for time."""
-    import re
 
     from benchmarks import gpu_check
     from scale.config.load import load_config
