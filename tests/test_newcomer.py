@@ -148,3 +148,29 @@ def test_the_dtype_probe_line_says_its_figures_are_not_the_mfu_peak(tmp_path, mo
                         "46.5 GFLOP/s; train/mfu divides by the MFU peak below)")
     assert lines[1].startswith("MFU peak: 182 GFLOP/s per device (measured: float32 GEMM ")
     assert "best of 3 probes of 20" in lines[1] and peak.flops == 182e9 and peak_cache_path().is_file()
+
+
+def test_the_main_jobs_first_warning_is_the_line_the_readme_quotes(caplog):
+    """The main job's split holds 2 of its 400 eval rows among the training rows too: the warning it logs at start-up
+    is quoted in the README, word for word, with what it means for the figures."""
+    import logging
+
+    from accelerate import PartialState
+
+    from scale.data.mixing import read_rows
+    from scale.data.split import count_copies
+    from scale.training.startup import log_data_stats
+    from scale.utils.assets import resolve_data
+
+    cfg = load_config(None)
+    mix = read_rows(cfg.data, resolve_data(cfg.data.path), cfg.train.seed)
+    stats = {"data/eval_rows": len(mix.eval), "data/eval_rows_in_train": count_copies(mix.eval, mix.train)}
+    assert (stats["data/eval_rows_in_train"], stats["data/eval_rows"]) == (2, 400)
+    PartialState()  # accelerate's logger needs its state
+    caplog.set_level(logging.WARNING, logger="scale.training.startup")
+    log_data_stats(stats, None, "rows")
+    [line] = [r.getMessage().removeprefix("[RANK 0] ") for r in caplog.records if r.levelno == logging.WARNING]
+    assert line == ("2 of 400 eval rows are exact copies of training rows: eval figures are not fully held out. Set "
+                    "data.deduplicate=true to drop duplicates before the split.")
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert f"the job's first WARNING is its own: `{line}`" in readme

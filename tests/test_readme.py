@@ -118,3 +118,19 @@ def test_make_train_example_has_its_own_output_dir():
 
     example = re.search(r'make train ARGS="([^"]+)"', (ROOT / "README.md").read_text(encoding="utf-8")).group(1)
     assert load_config(None, example.split()).output_dir != load_config(None).output_dir
+
+
+def test_every_run_the_readme_loads_is_one_its_commands_make():
+    """scale-generate, scale-export, scale-lm-eval and transformers serve/chat name a run directory: each is the
+    output_dir of the main job (make train) or of a config the README trains (`scale-train --config ...`); the
+    generate example named only runs/sft, which the two commands never make."""
+    from scale.config.load import load_config
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    made = {Path(load_config(None).output_dir)} | {
+        Path(load_config(ROOT / c).output_dir) for c in re.findall(r"scale-train --config (configs/train/\w+\.yaml)", text)}
+    loads = [w for c in COMMANDS for w in _words(c)[1:] if w.startswith("runs/")
+             and _words(c)[0] in ("scale-generate", "scale-export", "scale-lm-eval", "transformers")]
+    assert loads and all(Path(w.removesuffix("/merged")) in made for w in loads), (loads, made)
+    assert Path(load_config(None).output_dir) in {Path(w) for c in COMMANDS if _words(c)[0] == "scale-generate"
+                                                  for w in _words(c)[1:]}
