@@ -26,6 +26,10 @@ the bound, 1.13 |
 | peft | ``save_pretrained(state_dict=)``, ``target_modules="all-linear"`` | < 0.15 | the bound |
 | peft | ``LoraConfig(target_parameters=)`` (LoRA on the fused 3-D experts of transformers 5 MoE models) | 0.17.0 \
 | :func:`peft_adapts_parameters`: a MoE model on an older peft is refused in one line |
+| peft | the transformers-4 conversion keeps a listed linear layer a linear target (huggingface/peft#3945): the \
+adapter of a MoE model with shared experts or dense layers (DeepSeek-V3) loads with plain \
+``PeftModel.from_pretrained`` | 0.22.0 | :func:`scale.modeling.moe.load_rewrites`: a start-up warning on peft \
+0.18-0.21 (training, scale-generate and scale-export are unaffected) |
 
 (A trailing backslash continues a row.) "the bound" means ``pyproject.toml``'s lower bound already includes the
 change, so no branch is needed here; the lowest-versions tier proves it.
