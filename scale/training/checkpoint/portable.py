@@ -149,19 +149,21 @@ def parameter_names(peft_model: torch.nn.Module, weights: dict[str, torch.Tensor
     """A checkpoint's adapter tensors keyed by ``peft_model``'s parameter names.
 
     The file names them as peft saves them (:func:`write_adapter`); peft's ``get_peft_model_state_dict`` applied to
-    the model's own trainable parameters gives the same keys for the same tensors, which maps each key back to its
-    parameter. A checkpoint written with parameter names (before adapters were saved as peft's) passes unchanged; a
-    key that names no trainable parameter is kept, for the caller's check to report.
+    the model's trainable parameter names (each holding its index, not the parameter: no FSDP2 gather) gives the
+    same keys, which maps each key back to its parameter. A checkpoint written with parameter names (before adapters
+    were saved as peft's) passes unchanged; a key that names no trainable parameter is kept, for the caller's check to
+    report.
     """
-    trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
     if set(weights) <= set(trainable):
         return weights
     from peft import get_peft_model_state_dict
 
-    saved = get_peft_model_state_dict(peft_model, state_dict=dict(trainable), adapter_name="default",
+    # each name's index as its tensor: peft renames the keys only (a sharded parameter itself would be gathered)
+    marks = {n: torch.tensor(i) for i, n in enumerate(trainable)}
+    saved = get_peft_model_state_dict(peft_model, state_dict=marks, adapter_name="default",
                                       save_embedding_layers=False)
-    by_id = {id(p): n for n, p in trainable.items()}
-    names = {key: by_id[id(t)] for key, t in saved.items() if id(t) in by_id}
+    names = {key: trainable[int(t)] for key, t in saved.items()}
     return {names.get(key, key): t for key, t in weights.items()}
 
 
