@@ -137,7 +137,7 @@ ALLOWED: dict[str, set[str]] = {
     "training.windows": {"loss.tail", "objectives", "training.state", "utils.signals"},  # one all-gather per step
     # the package training/checkpoint/: store, resume rules, save/load, the portable state any launch mode loads
     "training.checkpoint": {"config.load", "config.schema", "config.validation", "distributed.launch",
-                            "modeling.build", "training.state", "utils.fileio"},
+                            "modeling.build", "modeling.dropout", "training.state", "utils.fileio"},
     "training.samples": {"training.checkpoint", "training.tracking", "utils.signals"},  # generation at each eval
     # training/parts/: each part of a run builds itself (launch, data, model, loaders, ...)
     "training.parts": {"config.schema", "config.validation", "data.cache", "data.collate", "data.mixing", "data.order",
