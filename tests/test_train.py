@@ -74,7 +74,7 @@ def test_adapter_reloads_and_reproduces_final_eval(tiny_run, tokenizer):
 
 def test_no_full_logits_in_a_training_step(tmp_path, monkeypatch):
     """Hook every LM-head call: it must never see all T positions of a batch."""
-    import scale.modeling as modeling
+    import scale.modeling.build as modeling
 
     seen = []
     original = modeling.add_lora
@@ -96,7 +96,7 @@ def test_no_full_logits_in_a_training_step(tmp_path, monkeypatch):
         T_seen.append(batch["input_ids"].shape[1])
         return real_forward_tail(model, batch, *a, **k)
 
-    monkeypatch.setattr(scale.loss, "forward_tail", spy)   # training (loss_step)
+    monkeypatch.setattr(scale.loss.tail, "forward_tail", spy)   # training (loss_step)
     monkeypatch.setattr(scale.training.evaluate, "forward_tail", spy)   # evaluation
     monkeypatch.setattr(scale.training.parts.model, "build_model", lambda *a, **k: modeling.build_model(*a, **k))
     # eval.generate_samples=0: model.generate's own forwards keep one position ([1, 1, V]) but skip forward_tail
