@@ -88,7 +88,9 @@ ALLOWED: dict[str, set[str]] = {
     "modeling.attention": {"config.schema", "config.validation"},  # which attention: kernel, packing, SP
     "modeling.mixed_paths": {"utils.wrapped"},  # mixed-precision paths with fewer casts (bf16 autocast where it pays)
     "modeling.kernels": {"config.validation", "utils.wrapped"},  # model.kernels: Liger-Kernel's patches, by family
-    "modeling.build": {"config.schema", "config.validation", "modeling.moe", "utils.assets", "utils.compat"},
+    "modeling.finetune": {"config.schema", "utils.compat"},  # what trains (lora | full) and in which dtypes
+    "modeling.build": {"config.schema", "config.validation", "modeling.finetune", "modeling.moe", "utils.assets",
+                       "utils.compat"},
     # packed rows' attention one example at a time where no varlen kernel runs
     "modeling.varlen": {"loss.tail", "modeling.mixed_paths", "utils.wrapped"},
     "modeling.dropout": set(),  # the dropout a model trains with; model.disable_dropout
@@ -143,8 +145,9 @@ ALLOWED: dict[str, set[str]] = {
     "training.parts": {"config.schema", "config.validation", "data.cache", "data.collate", "data.mixing", "data.order",
                        "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize",
                        "distributed.collective", "distributed.launch", "distributed.ulysses", "generation.export",
-                       "modeling.attention", "modeling.build", "modeling.dropout", "modeling.kernels",
-                       "modeling.mixed_paths", "modeling.moe", "modeling.varlen", "objectives", "planner",
+                       "modeling.attention", "modeling.build", "modeling.dropout", "modeling.finetune",
+                       "modeling.kernels", "modeling.mixed_paths", "modeling.moe", "modeling.varlen", "objectives",
+                       "planner",
                        "training.best", "training.checkpoint", "training.evaluate", "training.metrics",
                        "training.precision", "training.samples", "training.schedule", "training.state",
                        "training.tracking", "utils.assets"},
@@ -196,7 +199,7 @@ LAYERS: dict[str, list[set[str]]] = {
     "data": [{"data.read"}, {"data.sources"}, {"data.tasks"}, {"data.split"}, {"data.mixing"}, {"data.tokenize"},
              {"data.token_table", "data.cache"}, {"data.collate", "data.order", "data.sequence"}, {"data"}],
     "modeling": [{"modeling.moe", "modeling.attention", "modeling.mixed_paths", "modeling.kernels",
-                  "modeling.dropout"},
+                  "modeling.dropout", "modeling.finetune"},
                  {"modeling.build", "modeling.varlen"}, {"modeling"}],
     "objectives": [{"objectives"}],
     "planner": [{"planner.census"}, {"planner.activations", "planner.moe"}, {"planner.pairs", "planner.layouts"},

@@ -197,6 +197,28 @@ def unknown_keys_message(path: Path, keys: list[str]) -> str:
     return f"{path}: {len(keys)} unknown config keys: " + "; ".join(f"{k}: {h}" for k, h in zip(keys, hints))
 
 
+# Other tools' names for a key, read as the key itself (never written back: config.yaml holds the key).
+ALIASES = {"model.finetuning_type": "model.finetune"}  # LLaMA-Factory's finetuning_type: lora | full
+
+
+def _apply_aliases(tree: dict[str, Any]) -> None:
+    """Rename every :data:`ALIASES` key found in ``tree`` to its key, in place.
+
+    Raises:
+        ConfigError: both the alias and the key are set to different values.
+    """
+    for alias, key in ALIASES.items():
+        section, _, name = alias.partition(".")
+        node = tree.get(section)
+        if not isinstance(node, dict) or name not in node:
+            continue
+        value, own = node.pop(name), key.partition(".")[2]
+        if own in node and node[own] != value:
+            raise ConfigError(f"{alias}={value!r} and {key}={node[own]!r} disagree ({alias} is another name for "
+                              f"{key}); set only {key}")
+        node[own] = value
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     """``tree[a][b] = value`` for ``a.b``; a number indexes a list (``data.datasets.1.weight=2``)."""
     parts = dotted.split(".")
@@ -242,6 +264,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         tree = yaml_load(fh) or {}
     if not isinstance(tree, dict):
         raise ConfigError(f"{path} must hold a mapping of config sections")
+    _apply_aliases(tree)
     unknown = _unknown_keys(Config, tree)
     if unknown:  # every one, naming the file (an override's unknown key is named when the config is built)
         raise ConfigError(unknown_keys_message(path, unknown))
@@ -262,6 +285,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, raw = item.split("=", 1)
         for dotted, value in _key_by_key(key.strip(), _parse_value(raw)):
             _set_dotted(tree, dotted, value)
+        _apply_aliases(tree)
     ds = tree.get("train", {}).get("deepspeed_config") if isinstance(tree.get("train"), dict) else None
     if isinstance(ds, str) and not Path(ds).exists() and (configs_dir() / "deepspeed" / f"{ds}.json").is_file():
         tree["train"]["deepspeed_config"] = str(configs_dir() / "deepspeed" / f"{ds}.json")  # a shipped name

@@ -118,6 +118,8 @@ TRL_NAMES: tuple[OtherName, ...] = (
     OtherName("disable_dropout", "True (DPOConfig, CPOConfig, ORPOConfig; SFTConfig has none)",
               ("model.disable_dropout",), "null: true under dpo/simpo/orpo, false under sft; also zeroes the float "
               "rates attention passes to functional dropout (attention_dropout), which TRL's leaves on"),
+    OtherName("finetuning_type", "'lora' (LLaMA-Factory)", ("model.finetune",),
+              "accepted as model.finetuning_type: lora | full (LLaMA-Factory's freeze is not offered)"),
     OtherName("r", "8 (peft LoraConfig)", ("lora.r",)),
     OtherName("lora_alpha", "8 (peft)", ("lora.alpha",)),
     OtherName("lora_dropout", "0.0 (peft)", ("lora.dropout",)),

@@ -32,7 +32,11 @@ class ModelConfig:
     )
     tokenizer: str | None = _f(None, "Tokenizer location; null means the same as `name_or_path` ('tiny-llama' "
                                      "uses the SmolLM2 tokenizer).")
-    dtype: str = _f("float32", "Dtype of the unquantized weights: float32 | bfloat16 | float16.")
+    finetune: str = _f("lora", "What trains: lora (an adapter over the frozen base, `lora.*`) | full (every weight of "
+                               "the base, fp32 masters and fp32 optimizer state; docs/full.md). LLaMA-Factory's "
+                               "name `model.finetuning_type` is read as this key.")
+    dtype: str = _f("float32", "Dtype of the unquantized weights: float32 | bfloat16 | float16 (model.finetune=full: "
+                               "float32, the weights the optimizer steps; bf16 compute is train.mixed_precision=bf16).")
     quantize_4bit: bool = _f(False, "QLoRA: load the base as bitsandbytes NF4 4-bit weights.")
     bnb_4bit_quant_type: str = _f("nf4", "4-bit data type: nf4 | fp4.")
     bnb_4bit_use_double_quant: bool = _f(True, "Quantize the quantization constants too (~0.4 bit/param saved).")

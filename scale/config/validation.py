@@ -23,6 +23,7 @@ def get_key(cfg: Any, dotted: str) -> Any:
 
 
 _CHOICES = {
+    "model.finetune": ("lora", "full"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.bnb_4bit_quant_type": ("nf4", "fp4"),
     "model.bnb_4bit_compute_dtype": ("float32", "bfloat16", "float16", "auto"),
@@ -89,6 +90,7 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"data.num_proc={cfg.data.num_proc} must be >= 1, or null for the CPUs this process may use")
     _validate_datasets(cfg.data)
     _validate_preference(cfg)
+    _validate_finetune(cfg)
     if cfg.train.eval_every < 0:
         raise ConfigError("train.eval_every must be >= 0 (0 evaluates only at step 0 and the end)")
     if cfg.train.save_every < 0:
@@ -252,6 +254,32 @@ def _validate_length(t: Any) -> None:  # a TrainConfig
     for key, value in (("train.max_steps", t.max_steps), ("train.num_epochs", t.num_epochs)):
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+
+
+def _validate_finetune(cfg: Any) -> None:  # a Config
+    """``model.finetune=full`` with keys that only make sense for an adapter over a frozen base, or that would step
+    16-bit weights: each refused in one line naming both keys and the fix."""
+    m = cfg.model
+    if m.finetune != "full":
+        return
+    full = "model.finetune=full"
+    if m.quantize_4bit:
+        raise ConfigError(f"{full} with model.quantize_4bit=true: QLoRA trains an adapter over a frozen 4-bit base, "
+                          f"4-bit weights cannot be trained; set model.quantize_4bit=false or model.finetune=lora")
+    if m.adapter is not None:
+        raise ConfigError(f"{full} with model.adapter={m.adapter}: a full run starts from a model directory; merge the "
+                          f"adapter (scale-export RUN) and set model.name_or_path=RUN/merged, model.adapter=null")
+    if m.dtype != "float32":
+        raise ConfigError(f"{full} with model.dtype={m.dtype}: the optimizer would step {m.dtype} weights (updates "
+                          f"below |w|/256 vanish in bfloat16); set model.dtype=float32 (the fp32 masters) and "
+                          f"train.mixed_precision=bf16 for bf16 compute")
+    if cfg.train.mixed_precision == "fp16":
+        raise ConfigError(f"{full} with train.mixed_precision=fp16: the loss scaler's state is not kept for full "
+                          f"weights; set train.mixed_precision=bf16 (or no)")
+    if cfg.loss.objective == "dpo" and cfg.loss.reference == "adapter":
+        raise ConfigError(f"{full} with loss.objective=dpo and loss.reference=adapter: the in-step reference is the "
+                          f"model with its LoRA adapter disabled, and a full run has none; set "
+                          f"loss.reference=precomputed (one pass of the starting weights before training)")
 
 
 def _validate_preference(cfg: Any) -> None:

@@ -1,7 +1,8 @@
 """Load the base model (full precision or 4-bit), add LoRA, enable gradient checkpointing. No Accelerator.
 
 ``build_model(cfg.model, cfg.lora, ...)`` returns a ``peft.PeftModel`` whose only trainable parameters are
-the LoRA matrices. Workarounds carry their reason and link:
+the LoRA matrices, or, under ``model.finetune=full``, the base with every weight trainable
+(:mod:`scale.modeling.finetune`). Workarounds carry their reason and link:
 
 - Gradient checkpointing goes through the model's own API with ``use_reentrant=False`` by default:
   re-entrant checkpointing breaks DDP + LoRA ("marked ready twice", peft#313, trl#921).
@@ -24,6 +25,7 @@ import torch
 from scale.config.schema import LoraConfig, ModelConfig
 from scale.config.validation import ConfigError
 from scale.modeling import moe
+from scale.modeling.finetune import make_full
 from scale.utils.assets import EMBEDDED_MODEL, resolve_model
 from scale.utils.compat import enable_checkpointing
 
@@ -341,19 +343,22 @@ def check_lora_targets(model: torch.nn.Module, targets: list[str] | str) -> None
 
 def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, vocab_size: int, seed: int,
                 device_map: Any = None) -> torch.nn.Module:
-    """Base model + LoRA, ready for training. LoRA weights are initialised from ``seed``.
+    """The model ready for training, as ``model.finetune`` says: ``lora``: base + LoRA (weights initialised from
+    ``seed``); ``full``: the base with every weight trainable (:func:`scale.modeling.finetune.make_full`).
 
     Args:
         model_cfg: the model section.
-        lora_cfg: the lora section.
+        lora_cfg: the lora section (unread under ``full``).
         vocab_size: tokenizer size (``tiny-llama`` only).
         seed: RNG seed for tiny weights and LoRA init.
         device_map: per-rank device for 4-bit loading.
 
     Returns:
-        The PEFT model in train mode.
+        The PEFT model (``lora``) or the transformers model (``full``), in train mode.
     """
     base = load_base(model_cfg, vocab_size, seed, device_map)
+    if model_cfg.finetune == "full":
+        return make_full(base, checkpointing_kwargs(model_cfg) if model_cfg.gradient_checkpointing else None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = add_lora(base, model_cfg, lora_cfg)

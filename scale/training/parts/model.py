@@ -1,6 +1,7 @@
-"""The model part: the base model with LoRA, loaded on the ranks in the order the launch mode needs, checked against
-the packing and sequence-parallel settings, with ``model.kernels`` and the mixed-precision paths (fewer casts) where
-they pay; its matmul shape for the FLOPs count. Collective.
+"""The model part: the base model with LoRA (or every weight trainable, ``model.finetune=full``), loaded on the
+ranks in the order the launch mode needs, checked against the packing and sequence-parallel settings, with
+``model.kernels`` and the mixed-precision paths (fewer casts) where they pay; its matmul shape for the FLOPs count.
+Collective.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from scale.distributed.launch import ModePlan
 from scale.modeling.attention import check_packing, check_sequence_parallel
 from scale.modeling.build import build_model
 from scale.modeling.dropout import disable_dropout, dropout_census
+from scale.modeling.finetune import ignored_lora_line, weights_plan
 from scale.modeling.kernels import apply_kernels
 from scale.modeling.mixed_paths import paths_for, use_mixed_paths
 from scale.modeling.moe import model_shape
@@ -54,6 +56,11 @@ def build_run_model(launch: Launch, cfg: Config, vocab_size: int) -> tuple[torch
         model = (on_every_rank if on_this_machine(cfg.model.name_or_path) else main_process_first)(
             acc, prepare_model)  # collective
     check_sequence_parallel(model, cfg.model, sp, cfg.data.packing or cfg.data.padding_free, cfg.data.max_length)
+    ignored = ignored_lora_line(cfg)
+    if ignored:
+        logger.warning(ignored, main_process_only=True)
+    for line in weights_plan(cfg, plan.mode).notes:
+        logger.info(line, main_process_only=True)
     line = set_dropout(cfg, model)
     if line:
         logger.info(line, main_process_only=True)

@@ -45,7 +45,8 @@ def precompute_references(acc: Accelerator, cfg: Config, model: torch.nn.Module,
     if not (isinstance(objective, PreferenceObjective) and objective.needs_reference_pass):
         return
     key = hashlib.sha256(repr((splits.fingerprint, cfg.model.name_or_path, cfg.model.adapter, cfg.model.dtype,
-                               cfg.model.quantize_4bit, cfg.train.seed)).encode()).hexdigest()
+                               cfg.model.quantize_4bit, cfg.train.seed)
+                              + ((cfg.model.finetune,) if cfg.model.finetune != "lora" else ())).encode()).hexdigest()
     path = Path(cfg.output_dir) / "reference_logps.pt"
     stored = torch.load(path) if path.is_file() else None
     if stored is None or stored.get("key") != key:
@@ -53,8 +54,9 @@ def precompute_references(acc: Accelerator, cfg: Config, model: torch.nn.Module,
         refs = {}
         for name, split in (("train", splits.train), ("eval", splits.eval)):
             dl = DataLoader(PairedExamples(split), batch_size=cfg.train.eval_micro_batch_size, collate_fn=collate)
+            as_is = cfg.model.adapter is not None or cfg.model.finetune == "full"  # the starting weights themselves
             refs[name] = reference_logps(model, ({k: v.to(acc.device) for k, v in b.items()} for b in dl),
-                                         cfg.data.padding_side, starting_adapter=cfg.model.adapter is not None)
+                                         cfg.data.padding_side, starting_adapter=as_is)
         stored = {"key": key, **refs}
         if acc.is_main_process:
             Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
