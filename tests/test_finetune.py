@@ -95,3 +95,45 @@ def test_weights_plan_keeps_fp32_masters_in_every_mode(tmp_path, mode, precision
     assert len(plan.notes) == 1 and "fp32 gradient accumulation, fp32 adamw state" in plan.notes[0]
     lora = weights_plan(tiny_cfg(tmp_path, f"train.mixed_precision={precision}"), mode)
     assert (lora.trains, lora.grad_accum_dtype, lora.notes) == ("lora", module, ())  # as LoRA always ran
+
+
+def test_deepspeed_accumulates_full_weight_gradients_in_fp32(tmp_path):
+    from scale.distributed.launch import LaunchError, reconcile_deepspeed
+
+    full = tiny_cfg(tmp_path, "model.finetune=full", "train.mixed_precision=bf16")
+    ds = {"bf16": {"enabled": "auto"}}
+    reconcile_deepspeed(full, ds)
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    ds = {"data_types": {"grad_accum_dtype": "fp32"}}
+    reconcile_deepspeed(full, ds)  # said already: kept
+    with pytest.raises(LaunchError) as e:
+        reconcile_deepspeed(full, {"data_types": {"grad_accum_dtype": "bf16"}})
+    assert str(e.value) == ("the DeepSpeed config sets data_types.grad_accum_dtype=bf16 and the run has "
+                            "model.finetune=full with train.mixed_precision=bf16: full weights accumulate gradients "
+                            "in fp32; set it to \"fp32\" or remove it from the JSON")
+    for cfg in (tiny_cfg(tmp_path, "train.mixed_precision=bf16"), tiny_cfg(tmp_path, "model.finetune=full")):
+        ds = {}
+        reconcile_deepspeed(cfg, ds)  # LoRA, and fp32 full weights: DeepSpeed's default, as before
+        assert "data_types" not in ds
+
+
+def test_start_up_check_reads_the_real_optimizer(tmp_path):
+    """The check passes on what a full run builds (one device: the fp32 parameters are the masters) and fails,
+    naming the mode, when the optimizer would step bf16 weights."""
+    from scale.distributed.launch import LaunchError
+    from scale.training.precision import check_full_precision
+
+    cfg = tiny_cfg(tmp_path, "model.finetune=full", "train.mixed_precision=bf16")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    line = check_full_precision(cfg, "ddp", model, torch.optim.AdamW(model.parameters()))
+    assert line == ("precision: full weights under ddp: forward weights float32, the optimizer steps 4 float32 "
+                    "tensor(s) of 23 elements on this rank (the masters), gradients accumulate in float32, adamw "
+                    "state float32")
+    assert check_full_precision(tiny_cfg(tmp_path), "ddp", model, None) is None  # LoRA: nothing to check
+    model.to(torch.bfloat16)
+    with pytest.raises(LaunchError) as e:
+        check_full_precision(cfg, "ddp", model, torch.optim.AdamW(model.parameters()))
+    assert str(e.value) == ("model.finetune=full under ddp: optimizer steps bfloat16 (expected float32); gradients "
+                            "accumulate in bfloat16 (expected float32); forward weights bfloat16 (expected float32): "
+                            "this library version changed what the mode does with full weights; report it with "
+                            "scale-env's output")

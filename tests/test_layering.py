@@ -130,7 +130,8 @@ ALLOWED: dict[str, set[str]] = {
     # training: may import accelerate / torch.distributed
     "training.state": {"config.validation"},  # TrainerState, SaveTimer, a resume's global batch
     "training.schedule": {"config.schema"},
-    "training.precision": {"config.schema", "utils.fileio", "utils.flops"},  # mixed_precision=auto, peak FLOP/s
+    "training.precision": {"config.schema", "distributed.launch", "modeling.finetune", "utils.fileio",
+                           "utils.flops"},  # mixed_precision=auto, peak FLOP/s
     "training.metrics": {"config.schema", "utils.fileio", "utils.flops"},
     "training.checks": {"modeling.build"},
     "training.best": {"config.validation", "training.state", "utils.fileio"},  # train.keep_best, early stopping

@@ -289,10 +289,12 @@ def reconcile_deepspeed(cfg: Config, ds: dict[str, Any]) -> None:
     """Make the DeepSpeed JSON agree with the training config; a contradiction is an error.
 
     DeepSpeed's ``gradient_accumulation_steps`` silently wins over ours (accelerate only warns), and an
-    unset ``gradient_clipping: "auto"`` becomes 1.0; both would change the maths without a word.
+    unset ``gradient_clipping: "auto"`` becomes 1.0; both would change the maths without a word. A full fine-tune
+    under bf16 gets ``data_types.grad_accum_dtype: fp32`` (DeepSpeed's default is the module's bf16).
 
     Raises:
-        LaunchError: the JSON sets one of these keys to another value than the training config.
+        LaunchError: the JSON sets one of these keys to another value than the training config, or a
+            ``grad_accum_dtype`` other than fp32 for a full fine-tune under bf16.
     """
     ours = {"gradient_accumulation_steps": cfg.train.gradient_accumulation_steps,
             "gradient_clipping": cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else 0.0,
@@ -306,6 +308,17 @@ def reconcile_deepspeed(cfg: Config, ds: dict[str, Any]) -> None:
                               f"(train.*/optim.*); set it to \"auto\" in the JSON so the training config owns it")
     if ds.get("train_batch_size", "auto") == "auto":
         ds.pop("train_batch_size", None)  # DeepSpeed derives it from micro-batch x GA x world size
+    if cfg.model.finetune == "full" and cfg.train.mixed_precision == "bf16":
+        # DeepSpeed accumulates gradients in the module's dtype by default (engine.get_data_types): bf16 sums of
+        # every weight's micro-batch gradients. fp32 accumulation (ZeRO-1 then steps with DeepSpeed's BF16_Optimizer).
+        types = ds.setdefault("data_types", {})
+        theirs = types.get("grad_accum_dtype")
+        if theirs is None:
+            types["grad_accum_dtype"] = "fp32"
+        elif theirs != "fp32":
+            raise LaunchError(f"the DeepSpeed config sets data_types.grad_accum_dtype={theirs} and the run has "
+                              f"model.finetune=full with train.mixed_precision=bf16: full weights accumulate "
+                              f"gradients in fp32; set it to \"fp32\" or remove it from the JSON")
 
 
 @dataclass

@@ -40,7 +40,7 @@ from scale.training.parts.model import build_run_model, flops_shape
 from scale.training.parts.optimizer import make_optimizer
 from scale.training.parts.preference import keep_reference, precompute_references
 from scale.training.parts.resume import resume_or_start
-from scale.training.precision import resolve_peak_flops
+from scale.training.precision import check_full_precision, resolve_peak_flops
 from scale.training.samples import Generation
 from scale.training.startup import launch_comment, report_experts, report_peak, report_precision, report_start
 from scale.training.state import TrainerState
@@ -107,11 +107,12 @@ def setup(cfg: Config) -> Job:
     precompute_references(acc, cfg, model, base, data.splits, data.tokenizer.pad_token_id,
                           [train_dl, eval_dl])  # collective; loss.reference=precomputed only
     counts = parameter_counts(model)  # (trainable, total)
+    masters = check_full_precision(cfg, launch.plan.mode, model, optimizer)  # model.finetune=full: fp32 masters
     report_start(launch, cfg, data, loaders, model, cpu_paths, max_steps, counts)
     report_experts(experts.lines if experts else [], acc, experts.warnings if experts else [])
     state = resume_or_start(launch, cfg, data, model, optimizer, scheduler)  # collective
     log = build_log(launch, cfg, data.splits, state)
-    report_precision(launch.precision, acc)
+    report_precision(launch.precision, acc, masters)
     peak = resolve_peak_flops(cfg, acc)  # collective when measured on several ranks
     report_peak(peak, acc)
     flops_fn = model_flops(cfg, shape, counts[0]) if shape is not None else None

@@ -1,5 +1,6 @@
 """The run's precision and one device's peak FLOP/s: ``train.mixed_precision: auto`` decided from a GEMM probe
-(bf16 against fp32 on this device), the compute dtype, and the peak that ``train/mfu`` divides by.
+(bf16 against fp32 on this device), the compute dtype, the peak that ``train/mfu`` divides by, and the check that a
+full fine-tune's optimizer steps fp32 masters (:func:`check_full_precision`).
 
 The probe times square matrix products (:func:`measure_peak_flops`); the same measurement serves the ``auto``
 choice and ``log.peak_flops: measure``.
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from scale.distributed.launch import LaunchError
+from scale.modeling.finetune import weights_plan
 from scale.utils.fileio import write_text_atomic
 from scale.utils.flops import peak_flops
 
@@ -320,6 +323,44 @@ def resolve_peak_flops(cfg: Config, acc: Accelerator) -> PeakFlops:
         faster = "faster" if flops[1] > flops[0] else "slower"
         source += f"; {other_name} measures {_fmt_flops(flops[1])} ({faster} on this CPU)"
     return PeakFlops(flops[0], source)
+
+
+def check_full_precision(cfg: Config, mode: str, model: torch.nn.Module, optimizer: Any) -> str | None:
+    """For ``model.finetune=full``, after ``prepare``: check on the real objects what
+    :func:`scale.modeling.finetune.weights_plan` says for ``mode``, and return the start-up line that states it
+    (None for a LoRA run).
+
+    Checked: every tensor the torch optimizer steps is float32 (one device, DDP, FSDP2: the parameters themselves;
+    ZeRO-1/2/3: DeepSpeed's fp32 partitions, ZeRO-1 under bf16 ``BF16_Optimizer``'s), so its state, created like
+    them (``torch.zeros_like``), is float32 too; gradients accumulate in float32 (DeepSpeed:
+    ``engine.get_data_types()``; elsewhere the ``.grad`` of float32 parameters); the forward's weights have the
+    plan's ``module_dtype`` (bfloat16 where DeepSpeed's bf16 casts the module).
+
+    Raises:
+        LaunchError: a library stepped, accumulated or cast otherwise (the mode and what was found).
+    """
+    if cfg.model.finetune != "full":
+        return None
+    plan = weights_plan(cfg, mode)
+    inner = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer / DeepSpeed's wrapper
+    inner = getattr(inner, "optimizer", inner)  # DeepSpeed's ZeRO / BF16 optimizer -> the torch optimizer
+    stepped = [p for g in inner.param_groups for p in g["params"]]
+    masters = sorted({str(p.dtype).replace("torch.", "") for p in stepped})
+    module = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
+    accum = (model.get_data_types()[1] if hasattr(model, "get_data_types") else
+             next(iter({p.dtype for p in model.parameters() if p.requires_grad}), None))
+    accum = str(accum).replace("torch.", "")
+    found = {"optimizer steps": masters, "gradients accumulate in": [accum], "forward weights": module}
+    wanted = {"optimizer steps": [plan.master_dtype], "gradients accumulate in": [plan.grad_accum_dtype],
+              "forward weights": [plan.module_dtype]}
+    wrong = [f"{k} {'/'.join(found[k])} (expected {wanted[k][0]})" for k in found if found[k] != wanted[k]]
+    if wrong:
+        raise LaunchError(f"model.finetune=full under {mode}: {'; '.join(wrong)}: this library version changed what "
+                          f"the mode does with full weights; report it with scale-env's output")
+    elements = sum(p.numel() for p in stepped)
+    return (f"precision: full weights under {mode}: forward weights {module[0]}, the optimizer steps {len(stepped)} "
+            f"float32 tensor(s) of {elements} elements on this rank (the masters), gradients accumulate in float32, "
+            f"{cfg.optim.name} state float32")
 
 
 def _fmt_flops(flops: float) -> str:

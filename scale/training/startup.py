@@ -168,11 +168,15 @@ def report_experts(lines: list[str], acc: Accelerator, warnings: list[str] = ())
             logger.warning(line)
 
 
-def report_precision(precision: PrecisionChoice | None, acc: Accelerator) -> None:
+def report_precision(precision: PrecisionChoice | None, acc: Accelerator, masters: str | None = None) -> None:
     """The line of ``train.mixed_precision=auto``: what it chose, why, and the GEMM rates it measured. Those are
     this start's probes (one short GEMM per dtype, :func:`scale.training.precision.measure_peak_flops`), read for
     their ratio only; the next line's MFU peak is another figure (the machine's best,
-    :func:`scale.training.precision.machine_peak`), and the line says so, since a busy start probes well below it."""
+    :func:`scale.training.precision.machine_peak`), and the line says so, since a busy start probes well below it.
+    Before it, ``masters``: a full fine-tune's checked precision (:func:`scale.training.precision.check_full_precision`).
+    """
+    if masters is not None and acc.is_main_process:
+        logger.info(masters)
     if precision is not None and acc.is_main_process:
         logger.info("train.mixed_precision=auto -> %s: %s%s", precision.choice, precision.reason,
                     "" if precision.fp32_flops is None else
