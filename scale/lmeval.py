@@ -202,9 +202,17 @@ def last_eval(run_dir: Path) -> dict[str, Any]:
     return found
 
 
+def default_model_dir(run_dir: Path) -> Path:
+    """The directory the harness loads when none is given: ``<run_dir>/merged`` (scale-export's LoRA merge), or
+    ``<run_dir>/model`` for a ``model.finetune=full`` run (already a plain transformers directory)."""
+    config = run_dir / "config.yaml"
+    full = config.is_file() and load_config(config).model.finetune == "full"
+    return run_dir / ("model" if full else "merged")
+
+
 def evaluate(run_dir: str | Path, model_dir: str | Path | None = None, extra_tasks: list[str] | None = None,
              batch_size: int = 8, limit: int | None = None, device: str = "cpu") -> dict[str, Any]:
-    """Write the run's task and evaluate ``model_dir`` (default ``<run_dir>/merged``) on it (and ``extra_tasks``)
+    """Write the run's task and evaluate ``model_dir`` (default :func:`default_model_dir`) on it (and ``extra_tasks``)
     with ``lm_eval.simple_evaluate``; write ``<run_dir>/lm_eval/results.json``.
 
     Args:
@@ -224,7 +232,7 @@ def evaluate(run_dir: str | Path, model_dir: str | Path | None = None, extra_tas
         LmEvalError: no model directory, lm-eval not installed, or see :func:`write_task`.
     """
     run_dir = Path(run_dir)
-    model_dir = Path(model_dir) if model_dir is not None else run_dir / "merged"
+    model_dir = Path(model_dir) if model_dir is not None else default_model_dir(run_dir)
     if not (model_dir / "config.json").is_file():
         raise LmEvalError(f"{model_dir} is not a model directory: run `scale-export {run_dir}` first (or pass "
                           f"--model DIR)")
@@ -254,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scale-lm-eval", description=help_text(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", help="a trained run (config.yaml, metrics.jsonl; merged/ from scale-export)")
-    parser.add_argument("--model", default=None, help="the model directory to evaluate (default: RUN_DIR/merged)")
+    parser.add_argument("--model", default=None, help="the model directory to evaluate (default: RUN_DIR/merged; "
+                                                      "RUN_DIR/model for a model.finetune=full run)")
     parser.add_argument("--tasks", default="", help="harness tasks to run as well, comma-separated (their data may "
                                                     "need the hub)")
     parser.add_argument("--batch-size", type=int, default=8, help="documents per forward")
@@ -264,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging(dict(os.environ))  # scale-train's line format and third-party notice handling
     run_dir = Path(args.run_dir)
-    model_dir = Path(args.model) if args.model else run_dir / "merged"
+    model_dir = Path(args.model) if args.model else default_model_dir(run_dir)
 
     try:
         if args.write_only:

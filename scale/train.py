@@ -35,7 +35,8 @@ from scale.config.schema import Config
 from scale.distributed.ulysses import sharded
 from scale.generation.export import save_serving_files, serving_tokenizer
 from scale.training.best import observe, out_of_patience, write_best
-from scale.training.checkpoint import ADAPTER_FILE, rng_states, save_adapter, save_checkpoint, set_rng_states
+from scale.training.checkpoint import (ADAPTER_FILE, rng_states, save_adapter, save_checkpoint, save_model,
+                                      set_rng_states)
 from scale.training.checks import check_invariants, fingerprints
 from scale.training.commit import HeldWindow, StepCommit, nonfinite_flag, where_text
 from scale.training.evaluate import evaluate
@@ -330,16 +331,20 @@ def run(cfg: Config, preemption: Preemption | None = None) -> dict[str, float]:
         acc.end_training()
         raise
     if cfg.train.check_invariants:  # on every rank: under ZeRO-3 only rank 0 gets a `before`
-        checks = check_invariants(acc, job.model, before)
+        checks = check_invariants(acc, job.model, before, full=cfg.model.finetune == "full")
         job.log.sink.write(job.max_steps, checks)
         if acc.is_main_process:
             logger.info("invariants: %s", checks)
     if cfg.train.save_adapter:
-        save_adapter(acc, job.plan, job.model, Path(cfg.output_dir) / "adapter")  # collective
+        what = "model" if cfg.model.finetune == "full" else "adapter"
+        if what == "model":  # every weight: the fp32 masters as a plain transformers directory
+            save_model(acc, job.plan, job.model, Path(cfg.output_dir) / what, cfg.train.max_shard_size)  # collective
+        else:
+            save_adapter(acc, job.plan, job.model, Path(cfg.output_dir) / what)  # collective
         if acc.is_main_process:  # the tokenizer as trained (its chat template, or none) and where generation stops
-            save_serving_files(*serving_tokenizer(cfg, chat=job.chat)[:2], Path(cfg.output_dir) / "adapter")
+            save_serving_files(*serving_tokenizer(cfg, chat=job.chat)[:2], Path(cfg.output_dir) / what)
         if cfg.log.wandb_log_model:
-            log_model(acc, cfg, Path(cfg.output_dir) / "adapter", "adapter", job.max_steps, ["final", "latest"])
+            log_model(acc, cfg, Path(cfg.output_dir) / what, what, job.max_steps, ["final", "latest"])
     finish_trackers(acc, final)  # the W&B summary is the final evaluation
     main = acc.is_main_process
     if main:

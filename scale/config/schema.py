@@ -322,7 +322,10 @@ class TrainConfig:
                                             "launcher, torchrun); null: the accelerate config decides.")
     check_invariants: bool = _f(False, "After training, check base weights bit-identical, LoRA weights equal on "
                                        "every rank, every lora_B non-zero; written to metrics.jsonl as check/*.")
-    save_adapter: bool = _f(True, "Write the final PEFT adapter to `<output_dir>/adapter/`.")
+    save_adapter: bool = _f(True, "Write the final PEFT adapter to `<output_dir>/adapter/` (model.finetune=full: the "
+                                  "final model, every weight in float32, to `<output_dir>/model/`).")
+    max_shard_size: str = _f("5GB", "model.finetune=full: `<output_dir>/model/` is written in safetensors files of at "
+                                    "most this size (transformers' save_pretrained max_shard_size: 5GB, 500MB).")
     save_every: int = _f(500, "Write a resumable checkpoint (`save_state`) to `<output_dir>/checkpoints/step_XXXXXX/` "
                               "every this many optimizer steps (or `save_every_minutes`, whichever comes first) "
                               "and at the end; 0: no step interval. Also written when pre-empted (SIGTERM).")

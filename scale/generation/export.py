@@ -59,7 +59,8 @@ def serving_tokenizer(cfg: Config, run_dir: str | Path | None = None, chat: bool
 
     Args:
         cfg: the run's config.
-        run_dir: the run directory, whose ``adapter/`` holds the saved tokenizer; None: build it from ``cfg``.
+        run_dir: the run directory, whose ``adapter/`` (``model/`` for ``model.finetune=full``) holds the saved
+            tokenizer; None: build it from ``cfg``.
         chat: without a saved tokenizer: whether the run's rows were rendered by a chat template (its prepared
             task's answer: :attr:`scale.data.tokenize.Splits.template_sha256` is not empty).
 
@@ -68,7 +69,7 @@ def serving_tokenizer(cfg: Config, run_dir: str | Path | None = None, chat: bool
     """
     from transformers import AutoTokenizer
 
-    saved = Path(run_dir) / "adapter" if run_dir is not None else None
+    saved = run_model_dir(Path(run_dir), cfg) if run_dir is not None else None
     if saved is not None and (saved / "tokenizer_config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(saved)
         note = (f"the tokenizer and chat template saved in {saved}" if getattr(tokenizer, "chat_template", None)
@@ -102,12 +103,45 @@ def save_serving_files(tokenizer: Any, stops: list[int], out: Path, generation_c
     gen.save_pretrained(out)
 
 
+def run_model_dir(run_dir: Path, cfg: Config) -> Path:
+    """Where a run saved what it trained: ``<run_dir>/adapter`` (LoRA) or ``<run_dir>/model`` (``model.finetune=full``,
+    a plain transformers directory)."""
+    return run_dir / ("model" if cfg.model.finetune == "full" else "adapter")
+
+
+def copy_model(run_dir: Path, out_dir: str | Path | None) -> Path:
+    """A full fine-tune's export: ``<run_dir>/model`` is already a plain transformers directory (the fp32 weights,
+    the tokenizer as trained, ``generation_config.json``), so it is returned as it is, or copied to ``out_dir``
+    (built in a temporary directory, then renamed).
+
+    Raises:
+        FileNotFoundError: the run has no ``model/config.json``.
+    """
+    import shutil
+
+    model = run_dir / "model"
+    if not (model / "config.json").exists():
+        raise FileNotFoundError(f"{model} has no config.json: a model.finetune=full run writes it at the end with "
+                                f"train.save_adapter=true")
+    if out_dir is None:
+        logger.info("%s: already a plain transformers directory (model.finetune=full); nothing to merge", model)
+        return model
+    out = Path(out_dir)
+    tmp = temp_dir_for(out)
+    shutil.copytree(model, tmp, dirs_exist_ok=True)
+    replace_dir(tmp, out)
+    logger.info("%s: copied from %s (model.finetune=full: nothing to merge)", out, model)
+    return out
+
+
 def merge_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
-    """Fold ``<run_dir>/adapter`` into the run's base and save a plain HF model + tokenizer.
+    """Fold ``<run_dir>/adapter`` into the run's base and save a plain HF model + tokenizer; a full fine-tune's
+    ``model/`` is already one (:func:`copy_model`).
 
     Args:
         run_dir: a finished run (``config.yaml`` and ``adapter/``).
-        out_dir: where to write; default ``<run_dir>/merged``. Written to a temp dir, then renamed.
+        out_dir: where to write; default ``<run_dir>/merged`` (a full fine-tune: ``<run_dir>/model`` itself). Written
+            to a temp dir, then renamed.
 
     Returns:
         The output directory.
@@ -118,8 +152,10 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     from peft import PeftModel
 
     run_dir = Path(run_dir)
-    out = Path(out_dir) if out_dir is not None else run_dir / "merged"
     cfg = load_config(run_dir / "config.yaml")
+    if cfg.model.finetune == "full":
+        return copy_model(run_dir, out_dir)
+    out = Path(out_dir) if out_dir is not None else run_dir / "merged"
     if not (run_dir / "adapter" / "adapter_config.json").exists():
         raise FileNotFoundError(f"{run_dir}/adapter has no adapter_config.json: train with train.save_adapter=true")
     tokenizer, stops, note = serving_tokenizer(cfg, run_dir)

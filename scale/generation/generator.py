@@ -102,6 +102,15 @@ def run_config_near(path: Path) -> Path | None:
     return None
 
 
+def _trained_dir(path: Path) -> Path:
+    """``path``, or the ``model/`` of a full fine-tune's run directory (``config.yaml`` and ``model/config.json``, no
+    ``adapter/``): the plain transformers directory that run trained."""
+    if (path / "config.yaml").is_file() and (path / "model" / "config.json").is_file() \
+            and not (path / "adapter" / "adapter_config.json").exists():
+        return path / "model"
+    return path
+
+
 def _run_dir(path: Path) -> Path | None:
     """The run directory ``path`` names (itself, or ``adapter/``'s parent); None for a model directory.
 
@@ -127,7 +136,7 @@ def load_serving(path: str | Path) -> tuple[Any, list[int]]:
     """
     from transformers import AutoTokenizer, GenerationConfig
 
-    path = Path(path)
+    path = _trained_dir(Path(path))
     run_dir = _run_dir(path)
     if run_dir is not None:
         tokenizer, stops, _ = serving_tokenizer(load_config(run_dir / "config.yaml"), run_dir)
@@ -144,7 +153,8 @@ def model_config(path: str | Path) -> ModelConfig:
     Raises:
         FileNotFoundError: ``path`` is neither a model directory, a run directory nor a run's ``adapter/``.
     """
-    run_dir = _run_dir(Path(path))
+    path = _trained_dir(Path(path))
+    run_dir = _run_dir(path)
     if run_dir is None:
         return ModelConfig(name_or_path=str(path), quantize_4bit=False)
     return load_config(run_dir / "config.yaml").model
@@ -159,7 +169,7 @@ def load_model(path: str | Path) -> torch.nn.Module:
     """
     from transformers import AutoModelForCausalLM
 
-    path = Path(path)
+    path = _trained_dir(Path(path))
     run_dir = _run_dir(path)
     if run_dir is None:
         return AutoModelForCausalLM.from_pretrained(path).eval()

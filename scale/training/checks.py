@@ -5,6 +5,9 @@
 - the frozen base is bit-identical to what was loaded (sha256 over every base tensor);
 - every rank that holds a full copy has the same LoRA weights (ranks did not fork);
 - every ``lora_B`` is non-zero (an adapter that never moved, or was saved empty under ZeRO-3, shows here).
+
+A full fine-tune (``model.finetune=full``) checks instead that its weights moved and are equal on every rank that
+holds a full copy.
 """
 
 from __future__ import annotations
@@ -49,14 +52,17 @@ def fingerprints(acc: Accelerator, model: torch.nn.Module) -> dict[str, Any] | N
             "lora_B": len(lora_b), "lora_B_nonzero": sum(lora_b)}
 
 
-def check_invariants(acc: Accelerator, model: torch.nn.Module, before: dict[str, Any] | None) -> dict[str, Any]:
+def check_invariants(acc: Accelerator, model: torch.nn.Module, before: dict[str, Any] | None,
+                     full: bool = False) -> dict[str, Any]:
     """After training: base weights bit-identical to ``before``; LoRA weights equal on every rank that holds
-    a full copy; every ``lora_B`` non-zero.
+    a full copy; every ``lora_B`` non-zero. A full fine-tune (``full``) trains the base itself: its weights moved
+    from ``before`` and are equal on every rank that holds a full copy.
 
     Args:
         acc: the run's Accelerator.
         model: the prepared model after training.
         before: :func:`fingerprints` taken before training (``None`` on ranks without a full copy).
+        full: ``model.finetune=full``.
 
     Returns:
         ``check/*`` metrics, the same on every rank.
@@ -67,9 +73,14 @@ def check_invariants(acc: Accelerator, model: torch.nn.Module, before: dict[str,
     pairs = [p for p in gather_object([(before, after)]) if p[1] is not None]  # collective: every rank
     local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.to_local().numel() if hasattr(p, "to_local")
                 else p.numel() for p in model.parameters())  # ZeRO-3's partition; FSDP2's DTensor shard
-    full = sum(full_numel(p) for p in model.parameters())
+    whole = sum(full_numel(p) for p in model.parameters())
+    if full:
+        return {"check/weights_moved": all(b is not None and b["base"] != a["base"] for b, a in pairs),
+                "check/param_elements_local_fraction": local / whole,
+                "check/ranks_agree": len({a["base"] for _, a in pairs}) == 1,
+                "check/ranks_compared": len(pairs)}
     return {"check/base_unchanged": all(b is not None and b["base"] == a["base"] for b, a in pairs),
-            "check/param_elements_local_fraction": local / full,  # < 1 where ZeRO-3/FSDP2 partition weights
+            "check/param_elements_local_fraction": local / whole,  # < 1 where ZeRO-3/FSDP2 partition weights
             "check/ranks_agree": len({a["lora"] for _, a in pairs}) == 1,
             "check/ranks_compared": len(pairs),
             "check/lora_B_nonzero": all(a["lora_B_nonzero"] == a["lora_B"] for _, a in pairs),

@@ -7,11 +7,12 @@ launch mode. One file per concern: :mod:`~scale.training.checkpoint.store` (layo
 from scale.training.checkpoint.portable import ADAPTER_FILE, derived_seed, rng_states, set_rng_states
 from scale.training.checkpoint.rules import (adapt_to_checkpoint, check_fresh_start, check_resume, compare_configs,
                                              saved_precision)
-from scale.training.checkpoint.saving import load_checkpoint, register_hooks, save_adapter, save_checkpoint, unwrap
+from scale.training.checkpoint.saving import (load_checkpoint, register_hooks, save_adapter, save_checkpoint,
+                                             save_model, unwrap)
 from scale.training.checkpoint.store import (CheckpointError, clear_previous_run, list_checkpoints, pick_resume,
                                              record_files, resolve_resume, rotate, verify)
 
 __all__ = ["ADAPTER_FILE", "CheckpointError", "adapt_to_checkpoint", "check_fresh_start", "check_resume",
            "clear_previous_run", "compare_configs", "derived_seed", "list_checkpoints", "load_checkpoint",
            "pick_resume", "record_files", "register_hooks", "resolve_resume", "rng_states", "rotate", "save_adapter",
-           "save_checkpoint", "saved_precision", "set_rng_states", "unwrap", "verify"]
+           "save_checkpoint", "save_model", "saved_precision", "set_rng_states", "unwrap", "verify"]

@@ -28,7 +28,8 @@ logger = get_logger(__name__)
 # Config keys whose change does not alter the training maths (everything else does, and is an error).
 HARMLESS = ("output_dir", "log.", "train.log_every", "train.eval_every", "train.eval_micro_batch_size",
             "train.save_every", "train.save_total_limit", "train.save_on_each_node",
-            "train.check_invariants", "train.save_adapter", "train.collective_timeout_s", "data.num_workers",
+            "train.check_invariants", "train.save_adapter", "train.max_shard_size", "train.collective_timeout_s",
+            "data.num_workers",
             "train.on_nonfinite", "train.save_every_minutes", "train.overwrite_output_dir", "train.rendezvous_",
             "data.cache", "data.num_proc",  # data.cache*: where the same tokens are kept (scale.data.cache)
             "eval.", "train.keep_best", "train.early_stopping_patience",  # what is evaluated/kept, not trained
@@ -37,7 +38,7 @@ HARMLESS = ("output_dir", "log.", "train.log_every", "train.eval_every", "train.
 
 # Keys added after checkpoints were first written, with the value every run had before: a checkpoint without
 # the key compares as if it held it.
-ADDED_KEYS = {"loss.objective": "sft"}
+ADDED_KEYS = {"loss.objective": "sft", "model.finetune": "lora", "train.max_shard_size": "5GB"}
 # Keys that may change on a resume when the global batch stays the same (another number of processes).
 BATCH_KEYS = ("train.micro_batch_size", "train.gradient_accumulation_steps")
 

@@ -1,6 +1,6 @@
 """Save and load: a checkpoint written atomically in the launch mode's own files plus the portable state, read
 back in the same mode (``accelerate.load_state``) or in any other (:mod:`scale.training.checkpoint.portable`); the final
-adapter.
+adapter, or a full fine-tune's final model (:func:`save_model`).
 """
 
 from __future__ import annotations
@@ -171,5 +171,49 @@ def save_adapter(acc: Accelerator, plan: ModePlan, model: torch.nn.Module, out: 
         restore_inference_config(unwrapped)
         tmp = temp_dir_for(out)
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        replace_dir(tmp, out)
+    acc.wait_for_everyone()  # collective: every rank must reach this
+
+
+def _master_weights(acc: Accelerator, plan: ModePlan, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight of a full fine-tune as the optimizer steps it (the fp32 masters), whole, on CPU, by the names of
+    the transformers model. Collective: every rank calls, in the same order.
+
+    ZeRO-1/2/3: DeepSpeed's ``safe_get_full_fp32_param`` (the fp32 partitions gathered; under bf16 the module's own
+    weights are the bf16 copies); FSDP2: ``DTensor.full_tensor()``; one device and DDP: the parameters themselves.
+    """
+    module = model.module if plan.deepspeed else unwrap(acc, model)
+    out = {}
+    for name, p in module.named_parameters():
+        if plan.deepspeed:
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            t = safe_get_full_fp32_param(p).reshape(tuple(getattr(p, "ds_shape", p.shape)))
+        else:
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().cpu().contiguous()
+    return out
+
+
+def save_model(acc: Accelerator, plan: ModePlan, model: torch.nn.Module, out: Path, max_shard_size: str) -> None:
+    """Write a full fine-tune's final model to ``out`` as a plain transformers directory (``config.json``,
+    ``model.safetensors`` or shards of at most ``max_shard_size`` with ``model.safetensors.index.json``,
+    ``generation_config.json``), loadable by ``AutoModelForCausalLM.from_pretrained`` with no scale import.
+    The weights are the fp32 masters (:func:`_master_weights`), not a bf16 module's copies, and the config says
+    float32; transformers' ``save_pretrained(state_dict=...)`` shards and drops tied copies. Atomic: built in
+    ``<out>.tmp`` on the main process, then renamed. Collective: every rank calls.
+    """
+    state_dict = _master_weights(acc, plan, model)  # collective under DeepSpeed and FSDP2
+    if acc.is_main_process:
+        unwrapped = model.module if plan.deepspeed else unwrap(acc, model)
+        restore_inference_config(unwrapped)
+        dtype = unwrapped.config.dtype
+        unwrapped.config.dtype = torch.float32  # the masters' dtype, whatever the module computed in
+        tmp = temp_dir_for(out)
+        try:
+            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True,
+                                      max_shard_size=max_shard_size)
+        finally:
+            unwrapped.config.dtype = dtype
         replace_dir(tmp, out)
     acc.wait_for_everyone()  # collective: every rank must reach this

@@ -1,0 +1,141 @@
+"""A full fine-tune in one process: every weight moves, the checkpoint resumes bit-exactly, and the final
+``model/`` is a plain transformers directory (sharded, fp32) that transformers loads without scale and that
+scale-generate, scale-export and scale-lm-eval take as a run's merged model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from scale.config.validation import ConfigError
+from scale.train import run
+from scale.training.metrics import read_jsonl
+from tests.bounds import TINY_JOB_REL
+from tests.conftest import tiny_cfg
+
+# 20 rows, micro-batch 2, GA 2: 5 windows per epoch; AdamW (tiny_cpu.yaml), so the resume carries its moments.
+# max_shard_size 5MB: the 12.9 MB of fp32 weights (3.2M parameters) in 2 files: the 12.6 MB embedding (tied to the
+# head) alone, as transformers never splits a tensor, and the rest.
+JOB = ["model.finetune=full", "data.max_train_examples=20", "train.micro_batch_size=2",
+       "train.gradient_accumulation_steps=2", "train.max_steps=8", "train.log_every=1", "train.eval_every=0",
+       "model.gradient_checkpointing=false", "train.max_shard_size=5MB", "eval.generate_samples=0"]
+K = 4
+
+
+def _reset():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _weights(model_dir):
+    out = {}
+    for f in sorted(model_dir.glob("model*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _losses(out):
+    return {r["step"]: r["train/loss"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """2K steps without interruption, a checkpoint at K and 2K, the invariants checked."""
+    out = tmp_path_factory.mktemp("full")
+    run(tiny_cfg(out, *JOB, f"train.save_every={K}", "train.check_invariants=true"))
+    _reset()
+    return out
+
+
+def test_every_weight_moves_and_the_model_dir_holds_the_masters(full_run):
+    checks = [r for r in read_jsonl(full_run / "metrics.jsonl") if "check/weights_moved" in r]
+    assert checks == [{"step": 8, "check/weights_moved": True, "check/param_elements_local_fraction": 1.0,
+                       "check/ranks_agree": True, "check/ranks_compared": 1}]
+    model = full_run / "model"
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in model.glob("model-*.safetensors"))
+    assert shards == sorted(set(index["weight_map"].values())) and len(shards) == 2
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"} <= {
+        p.name for p in model.iterdir()}
+    config = json.loads((model / "config.json").read_text())
+    assert config["use_cache"] is True and config["dtype"] == "float32"
+    # the final weights are the last checkpoint's (every weight, whole, fp32), the tied head saved once
+    saved = _weights(model)
+    last = load_file(full_run / "checkpoints" / "step_000008" / "adapter_model.safetensors")
+    assert saved.keys() == last.keys() and len(saved) == 20 and "lm_head.weight" not in saved
+    assert all(saved[k].dtype == torch.float32 and torch.equal(saved[k], last[k]) for k in saved)
+
+
+def test_full_checkpoint_resumes_bit_exact(full_run, tmp_path):
+    run(tiny_cfg(tmp_path, *JOB, f"train.resume_from={full_run}/checkpoints/step_{K:06d}"))
+    ref, got = _weights(full_run / "model"), _weights(tmp_path / "model")
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    ref_losses, got_losses = _losses(full_run), _losses(tmp_path)
+    assert sorted(got_losses) == list(range(K + 1, 2 * K + 1))
+    assert all(got_losses[s] == ref_losses[s] for s in got_losses)  # identical, not close
+    moments = load_file(full_run / "checkpoints" / f"step_{K:06d}" / "optimizer_state.safetensors")
+    assert len(moments) == 3 * 20  # AdamW's exp_avg, exp_avg_sq and step of every weight
+
+
+def test_a_full_checkpoint_does_not_resume_as_lora(full_run, tmp_path):
+    lora = [o for o in JOB if o != "model.finetune=full"]
+    with pytest.raises(ConfigError, match=r"model.finetune: checkpoint 'full' -> now 'lora'"):
+        run(tiny_cfg(tmp_path, *lora, f"train.resume_from={full_run}/checkpoints/step_{K:06d}"))
+
+
+def test_plain_transformers_loads_model_dir_and_evaluates_as_the_run(full_run, tmp_path):
+    """Loaded in a process that never imports scale, the weights are the saved ones; evaluated here, the model
+    gives the run's final evaluation (accuracy exactly, loss within the tiny job's fp32 bound)."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+
+    from scale.config.load import load_config
+    from scale.data import Collator, build_splits
+    from scale.modeling.build import load_tokenizer
+    from scale.objectives.tail import LossSpec
+    from scale.training.evaluate import evaluate
+
+    dump = tmp_path / "loaded.safetensors"
+    code = ("import sys, torch\nfrom transformers import AutoModelForCausalLM\n"
+            "from safetensors.torch import save_file\n"
+            f"m = AutoModelForCausalLM.from_pretrained({str(full_run / 'model')!r})\n"
+            "assert not any(k == 'scale' or k.startswith('scale.') for k in sys.modules)\n"
+            "assert {p.dtype for p in m.parameters()} == {torch.float32}\n"
+            f"save_file({{k: v.contiguous() for k, v in m.state_dict().items() if k != 'lm_head.weight'}}, "
+            f"{str(dump)!r})\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, timeout=300)
+    saved, loaded = _weights(full_run / "model"), load_file(dump)
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+    final = [r for r in read_jsonl(full_run / "metrics.jsonl") if "eval/loss" in r][-1]
+    cfg = load_config(full_run / "config.yaml")
+    tokenizer = load_tokenizer(cfg.model)
+    model = AutoModelForCausalLM.from_pretrained(full_run / "model")
+    splits = build_splits(cfg.data, cfg.loss, tokenizer, cfg.data.path, cfg.train.seed)
+    dl = DataLoader(splits.eval, batch_size=16, collate_fn=Collator(tokenizer.pad_token_id, "left"))
+    again = evaluate(Accelerator(cpu=True), model, dl, LossSpec.from_config(cfg))
+    assert again["eval/accuracy"] == final["eval/accuracy"]
+    assert abs(again["eval/loss"] / final["eval/loss"] - 1) <= TINY_JOB_REL, (again, final)
+
+
+def test_commands_take_a_full_run(full_run, tmp_path):
+    from scale.generation.export import merge_run
+    from scale.generation.generator import load_for_generation
+    from scale.lmeval import default_model_dir
+
+    model, tokenizer, stops = load_for_generation(full_run)  # scale-generate RUN
+    assert not hasattr(model, "peft_config") and stops == [tokenizer.eos_token_id]
+    saved = _weights(full_run / "model")
+    assert all(torch.equal(p, saved[n]) for n, p in model.named_parameters())
+    assert merge_run(full_run) == full_run / "model"  # scale-export RUN: nothing to merge
+    out = merge_run(full_run, tmp_path / "exported")  # scale-export RUN --out DIR: a copy
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (full_run / "model").iterdir())
+    assert default_model_dir(full_run) == full_run / "model"  # scale-lm-eval RUN
