@@ -22,7 +22,10 @@ modes that load a directory (not the ``from a directory`` row, which loads the t
 it runs when ``--jobs`` names it. The ``dpo``, ``simpo`` and ``orpo`` jobs train preference pairs
 (configs/data/tiny_pairs.jsonl, 20 pairs: windows of 8, 8 and 4 pairs; DPO with its in-step reference, the adapter
 disabled, SimPO and ORPO without one; ``loss.beta=0.5``): every row but the Ulysses ones, which pairs refuse; they
-run when ``--jobs`` names them.
+run when ``--jobs`` names them. The ``full`` job (opt-in) is the reviews job with ``model.finetune=full``: every
+weight trains, the weights compared are the final ``model/`` directory's; its derived bounds
+(:data:`tests.bounds.FULL_STEP_REL`, :func:`tests.bounds.full_loss_bounds`, :func:`tests.bounds.full_drift`) and the
+rows' weight differences in L2 print under its table.
 
 ``--modes`` takes items separated by commas outside parentheses (names hold commas inside them, as ``4x(2,2)``): an
 item equal to a mode name selects that row only, any other item the rows whose names contain it (``ulysses``);
@@ -44,12 +47,14 @@ import yaml
 if __package__ in (None, ""):  # `python benchmarks/parity.py`: make `tests.launching` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.bounds import FULL_STEP_REL, full_drift, full_loss_bounds, full_norm_rel, l2_dev  # noqa: E402
 from tests.launching import (CHATS, COMPLETIONS, LATE_TAILS, PAIRS, ROOT, modes, rel_dev,  # noqa: E402
                              run_mode, save_tiny_directory, save_tiny_moe_directory, weight_dev)
 
 JOBS = {"reviews": [], "completions": COMPLETIONS, "chats": CHATS, "late_tails": LATE_TAILS, "moe": [],
-        "dpo": PAIRS, "simpo": [*PAIRS, "loss.objective=simpo"], "orpo": [*PAIRS, "loss.objective=orpo"]}
-OPT_IN = ("moe", "dpo", "simpo", "orpo")  # run when --jobs names them
+        "dpo": PAIRS, "simpo": [*PAIRS, "loss.objective=simpo"], "orpo": [*PAIRS, "loss.objective=orpo"],
+        "full": ["model.finetune=full"]}
+OPT_IN = ("moe", "dpo", "simpo", "orpo", "full")  # run when --jobs names them
 # rows a job cannot run as the others do (see the module docstring)
 SKIP = {"moe": ("from a directory", "ulysses"), "dpo": ("ulysses",), "simpo": ("ulysses",), "orpo": ("ulysses",)}
 
@@ -165,6 +170,16 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(lines[-1] + "\n")
             sys.stdout.flush()
         report += [*lines, "", f"{job}: steps {ref['steps']}, losses {[round(x, 6) for x in ref['loss']]}", ""]
+        if job == "full":  # the bounds the arithmetic allows (docs/full.md), beside the tolerance asked for
+            n = sum(t.numel() for t in ref["weights"].values())
+            loss = full_loss_bounds(ref["loss"], ref["lr"], ref["grad_norm"], 1.0, n)  # tiny_cpu.yaml clips at 1.0
+            drift = full_drift(ref["lr"], ref["grad_norm"], 1.0, n)[-1]
+            l2 = ", ".join(f"{name} {l2_dev(ref['weights'], r['weights']):.2e}" for name, r in results.items())
+            report += [f"full: derived bounds (tests/bounds.py, first order): loss {FULL_STEP_REL:.2e} at step 1 "
+                       f"(the same weights), {max(loss):.2e} by step {len(loss)}; grad_norm {full_norm_rel(n):.2e} at "
+                       f"step 1; final weights ||dW||_2 {drift:.2e} (||W||_2 "
+                       f"{l2_dev(ref['weights'], {k: 0 * v for k, v in ref['weights'].items()}):.1f}); measured "
+                       f"||dW||_2: {l2}; tolerance {args.tolerance:.0e}", ""]
     sys.stdout.write("\n" + "\n".join(report) + "\n(windows of 8, 8, 4 examples, or pairs, per epoch)\n")
     skipped = [name for name, why in problems.items() if why]
     if skipped:

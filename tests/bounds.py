@@ -100,3 +100,50 @@ def ce_sum_bounds(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
 # The tiny-llama jobs (configs/train/tiny_cpu.yaml: SmolLM2's tokenizer, V = 49,152; MLP width 128): two fp32
 # computations of one evaluation or one step's loss and gradients, relative: 2 (4 eps sqrt(49152) + 4 eps 128) = 3.3e-4.
 TINY_JOB_REL = fp32_paths_rel(49152, 128)
+
+
+# Full fine-tune of the tiny job in two launch modes (benchmarks/parity.py's `full` rows, tests/test_full_launch.py,
+# docs/full.md). Every mode runs the same per-row forward and differs only in how sums are grouped (micro-batches,
+# ranks, accumulation, the flat buffers DeepSpeed reduces and takes the norm of); an fp32 sum of n terms regrouped
+# moves by at most C u sqrt(n) sum|terms| (u = 2^-24, the unit round-off).
+UNIT_ROUNDOFF = 2.0 ** -24
+# Step 1 (the same weights in both modes): the loss, a sum of positive terms over a window of at most 8 rows x 64
+# positions = 512, is within C u sqrt(512) of the float64 value, relative; two modes within twice that: 1.08e-5.
+FULL_STEP_REL = 2 * C * UNIT_ROUNDOFF * math.sqrt(512)
+
+
+def full_norm_rel(n_params: int) -> float:
+    """Two modes' global gradient norms of the same gradient, relative: the squared norm is a sum of ``n_params``
+    positive terms (each mode within ``C u sqrt(n)`` of the float64 value, relative), the square root halves that,
+    two modes within twice: ``C u sqrt(n_params)`` (4.3e-4 for the tiny Llama's 3.23M weights)."""
+    return C * UNIT_ROUNDOFF * math.sqrt(n_params)
+
+
+def full_drift(lrs: list[float], grad_norms: list[float], max_grad_norm: float, n_params: int) -> list[float]:
+    """First-order bounds on ``||W_a - W_b||_2`` (all weights) of two modes after each SGD step with the global norm
+    clipped to ``max_grad_norm``: step t moves the weights by ``lr_t min(||g_t||, max_grad_norm)`` in L2, with the
+    norm (hence the clip factor) within :func:`full_norm_rel` and the gradient's direction within as much (its
+    elements are sums over <= 512 positions, ``C u sqrt(512)`` far below it), so the two modes' steps differ by at most
+    ``2 full_norm_rel lr_t min(||g_t||, c)``, summed over the steps. First order: an early difference's growth through
+    later gradients (``(1 + lr_t L)`` per step for the loss's curvature L) is not in it."""
+    rel, out, drift = full_norm_rel(n_params), [], 0.0
+    for lr, g in zip(lrs, grad_norms):
+        drift += 2 * rel * lr * min(g, max_grad_norm)
+        out.append(drift)
+    return out
+
+
+def full_loss_bounds(losses: list[float], lrs: list[float], grad_norms: list[float], max_grad_norm: float,
+                     n_params: int) -> list[float]:
+    """First-order bounds on two modes' loss at each step, relative to it: the step's own regrouping
+    (:data:`FULL_STEP_REL`) plus ``||g_t||_2 ||W_a - W_b||_2`` with the weights' difference before the step
+    (:func:`full_drift`), divided by the loss."""
+    drift = [0.0, *full_drift(lrs, grad_norms, max_grad_norm, n_params)[:-1]]
+    return [FULL_STEP_REL + g * d / loss for loss, g, d in zip(losses, grad_norms, drift)]
+
+
+def l2_dev(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """``||a - b||_2`` over every tensor of two state dicts with the same names (inf when the names differ)."""
+    if a.keys() != b.keys():
+        return math.inf
+    return math.sqrt(sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a))

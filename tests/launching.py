@@ -192,8 +192,6 @@ def run_in_process(overrides: list[str], out: Path) -> dict:
 
 def read_run(out: Path) -> dict:
     """The numbers a run wrote to ``out`` (see :func:`run_mode`)."""
-    from safetensors.torch import load_file
-
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "train/loss" in r]
     samples = out / "samples.jsonl"  # eval.generate_samples (issue 20): (step, row, completion) of each sample
@@ -201,8 +199,21 @@ def read_run(out: Path) -> dict:
                  ] if samples.exists() else []
     return {"loss": [r["train/loss"] for r in train], "grad_norm": [r["train/grad_norm"] for r in train],
             "lr": [r["train/lr"] for r in train], "steps": [r["step"] for r in train],
-            "weights": load_file(out / "adapter" / "adapter_model.safetensors"), "samples": generated,
-            "checks": [r for r in rows if "check/base_unchanged" in r]}  # train.check_invariants=true
+            "weights": trained_weights(out), "samples": generated,
+            "checks": [r for r in rows if "check/base_unchanged" in r or "check/weights_moved" in r]}
+
+
+def trained_weights(out: Path) -> dict:
+    """What a run trained, by name: its adapter's tensors, or, for ``model.finetune=full``, every weight of its
+    ``model/`` directory (all its safetensors shards)."""
+    from safetensors.torch import load_file
+
+    if (out / "model" / "config.json").is_file():
+        weights = {}
+        for shard in sorted((out / "model").glob("model*.safetensors")):
+            weights.update(load_file(shard))
+        return weights
+    return load_file(out / "adapter" / "adapter_model.safetensors")
 
 
 def assert_invariants(checks: list[dict], mode: str, step: int) -> None:

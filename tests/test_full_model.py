@@ -65,7 +65,7 @@ def test_every_weight_moves_and_the_model_dir_holds_the_masters(full_run):
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"} <= {
         p.name for p in model.iterdir()}
     config = json.loads((model / "config.json").read_text())
-    assert config["use_cache"] is True and config["dtype"] == "float32"
+    assert config["use_cache"] is True and config.get("dtype", config.get("torch_dtype")) == "float32"
     # the final weights are the last checkpoint's (every weight, whole, fp32), the tied head saved once
     saved = _weights(model)
     last = load_file(full_run / "checkpoints" / "step_000008" / "adapter_model.safetensors")

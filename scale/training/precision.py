@@ -331,7 +331,8 @@ def check_full_precision(cfg: Config, mode: str, model: torch.nn.Module, optimiz
     (None for a LoRA run).
 
     Checked: every tensor the torch optimizer steps is float32 (one device, DDP, FSDP2: the parameters themselves;
-    ZeRO-1/2/3: DeepSpeed's fp32 partitions, ZeRO-1 under bf16 ``BF16_Optimizer``'s), so its state, created like
+    ZeRO-1/2/3: DeepSpeed's fp32 partitions, ZeRO-1 under bf16 ``BF16_Optimizer``'s, read from DeepSpeed's optimizer
+    as ZeRO-3 lists them in the torch optimizer only while it steps), so its state, created like
     them (``torch.zeros_like``), is float32 too; gradients accumulate in float32 (DeepSpeed:
     ``engine.get_data_types()``; elsewhere the ``.grad`` of float32 parameters); the forward's weights have the
     plan's ``module_dtype`` (bfloat16 where DeepSpeed's bf16 casts the module).
@@ -342,9 +343,12 @@ def check_full_precision(cfg: Config, mode: str, model: torch.nn.Module, optimiz
     if cfg.model.finetune != "full":
         return None
     plan = weights_plan(cfg, mode)
-    inner = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer / DeepSpeed's wrapper
-    inner = getattr(inner, "optimizer", inner)  # DeepSpeed's ZeRO / BF16 optimizer -> the torch optimizer
-    stepped = [p for g in inner.param_groups for p in g["params"]]
+    zero = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer / DeepSpeed's wrapper
+    inner = getattr(zero, "optimizer", zero)  # DeepSpeed's ZeRO / BF16 optimizer -> the torch optimizer
+    # DeepSpeed's fp32 partitions: ZeRO-3 hands them to the torch optimizer only while it steps, ZeRO-1/2 always
+    flat = next((getattr(zero, a) for a in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups",
+                                            "fp32_groups_flat_partition") if getattr(zero, a, None)), None)
+    stepped = list(flat) if flat else [p for g in inner.param_groups for p in g["params"]]
     masters = sorted({str(p.dtype).replace("torch.", "") for p in stepped})
     module = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
     accum = (model.get_data_types()[1] if hasattr(model, "get_data_types") else
