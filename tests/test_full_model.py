@@ -139,3 +139,31 @@ def test_commands_take_a_full_run(full_run, tmp_path):
     out = merge_run(full_run, tmp_path / "exported")  # scale-export RUN --out DIR: a copy
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (full_run / "model").iterdir())
     assert default_model_dir(full_run) == full_run / "model"  # scale-lm-eval RUN
+
+
+def test_model_dir_of_a_bf16_module_holds_and_says_float32(tmp_path, monkeypatch):
+    """Under DeepSpeed bf16 the module's weights are bf16 copies and the masters fp32 partitions: model/ gets the
+    masters (through DeepSpeed's safe_get_full_fp32_param, stood in for here by an fp32 copy) and a config.json that
+    says float32, so from_pretrained's dtype="auto" loads them as they were trained (save_pretrained alone writes the
+    module's bfloat16)."""
+    from types import SimpleNamespace
+
+    import deepspeed.utils
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from scale.modeling.build import load_base
+    from scale.training.checkpoint import save_model
+
+    cfg = tiny_cfg(tmp_path)
+    base = load_base(cfg.model, 49152, cfg.train.seed)
+    masters = {id(p): p.detach().clone() for p in base.parameters()}  # fp32
+    base.to(torch.bfloat16)
+    monkeypatch.setattr(deepspeed.utils, "safe_get_full_fp32_param", lambda p: masters[id(p)])
+    save_model(Accelerator(cpu=True), SimpleNamespace(deepspeed=True), SimpleNamespace(module=base),
+               tmp_path / "model", "5GB")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "float32"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype="auto")
+    own = {n: masters[id(p)] for n, p in base.named_parameters()}
+    assert all(p.dtype == torch.float32 and torch.equal(p, own[n]) for n, p in loaded.named_parameters())

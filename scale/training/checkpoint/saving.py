@@ -199,21 +199,20 @@ def save_model(acc: Accelerator, plan: ModePlan, model: torch.nn.Module, out: Pa
     """Write a full fine-tune's final model to ``out`` as a plain transformers directory (``config.json``,
     ``model.safetensors`` or shards of at most ``max_shard_size`` with ``model.safetensors.index.json``,
     ``generation_config.json``), loadable by ``AutoModelForCausalLM.from_pretrained`` with no scale import.
-    The weights are the fp32 masters (:func:`_master_weights`), not a bf16 module's copies, and the config says
-    float32; transformers' ``save_pretrained(state_dict=...)`` shards and drops tied copies. Atomic: built in
+    The weights are the fp32 masters (:func:`_master_weights`), not a bf16 module's copies, and ``config.json``
+    says float32; transformers' ``save_pretrained(state_dict=...)`` shards and drops tied copies. Atomic: built in
     ``<out>.tmp`` on the main process, then renamed. Collective: every rank calls.
     """
     state_dict = _master_weights(acc, plan, model)  # collective under DeepSpeed and FSDP2
     if acc.is_main_process:
         unwrapped = model.module if plan.deepspeed else unwrap(acc, model)
         restore_inference_config(unwrapped)
-        dtype = unwrapped.config.dtype
-        unwrapped.config.dtype = torch.float32  # the masters' dtype, whatever the module computed in
         tmp = temp_dir_for(out)
-        try:
-            unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True,
-                                      max_shard_size=max_shard_size)
-        finally:
-            unwrapped.config.dtype = dtype
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
+        # save_pretrained writes the module's dtype (bf16 under DeepSpeed bf16); the files hold the fp32 masters, and
+        # from_pretrained's dtype="auto" must load them as such
+        config = json.loads((tmp / "config.json").read_text(encoding="utf-8"))
+        config.update({k: "float32" for k in ("dtype", "torch_dtype") if k in config} or {"dtype": "float32"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         replace_dir(tmp, out)
     acc.wait_for_everyone()  # collective: every rank must reach this
