@@ -167,3 +167,20 @@ def test_model_dir_of_a_bf16_module_holds_and_says_float32(tmp_path, monkeypatch
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype="auto")
     own = {n: masters[id(p)] for n, p in base.named_parameters()}
     assert all(p.dtype == torch.float32 and torch.equal(p, own[n]) for n, p in loaded.named_parameters())
+
+
+def test_dpo_full_weights_with_a_precomputed_reference(tmp_path):
+    """loss.reference=precomputed on full weights: the pass before training scores the pairs with the starting
+    weights themselves (a full model has no adapter to switch off), so step 1's policy is its reference: rewards 0 up
+    to two fp32 computations of the same log-probabilities (TINY_JOB_REL, other batches' padding), loss ln 2."""
+    import math
+
+    from tests.launching import PAIRS
+
+    run(tiny_cfg(tmp_path, "model.finetune=full", "loss.reference=precomputed", "train.max_steps=1",
+                 "train.eval_every=0", "data.max_train_examples=16", "train.save_adapter=false", *PAIRS))
+    first = next(r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r)
+    for side in ("chosen", "rejected"):
+        assert abs(first[f"train/rewards/{side}"]) <= 0.5 * TINY_JOB_REL * abs(first[f"train/logps/{side}"])
+    assert abs(first["train/loss"] - math.log(2)) <= 0.5 * TINY_JOB_REL * (abs(first["train/logps/chosen"])
+                                                                         + abs(first["train/logps/rejected"]))
