@@ -173,7 +173,8 @@ def report_precision(precision: PrecisionChoice | None, acc: Accelerator, master
     this start's probes (one short GEMM per dtype, :func:`scale.training.precision.measure_peak_flops`), read for
     their ratio only; the next line's MFU peak is another figure (the machine's best,
     :func:`scale.training.precision.machine_peak`), and the line says so, since a busy start probes well below it.
-    Before it, ``masters``: a full fine-tune's checked precision (:func:`scale.training.precision.check_full_precision`).
+    Before it, ``masters``: a full fine-tune's checked precision
+    (:func:`scale.training.precision.check_full_precision`).
     """
     if masters is not None and acc.is_main_process:
         logger.info(masters)
