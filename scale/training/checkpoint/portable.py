@@ -125,11 +125,16 @@ def gather_portable(acc: Accelerator, plan: ModePlan, model: torch.nn.Module, op
 
 def write_portable(acc: Accelerator, plan: ModePlan, model: torch.nn.Module, optimizer: Any, directory: Path,
                    writer: bool) -> None:
-    """Gather (:func:`gather_portable`) and, on ``writer``, write ``adapter_model.safetensors`` and
+    """Gather (:func:`gather_portable`) and, on ``writer``, write ``adapter_model.safetensors`` (as peft saves an
+    adapter, :func:`write_adapter`; a full fine-tune's every weight by parameter name) and
     ``optimizer_state.safetensors`` into ``directory``. Collective."""
     weights, tensors, meta = gather_portable(acc, plan, model, optimizer)
     if writer:
-        write_adapter(_module(acc, plan, model), weights, directory)
+        module = _module(acc, plan, model)
+        if hasattr(module, "peft_config"):
+            write_adapter(module, weights, directory)
+        else:  # model.finetune=full: every weight by its parameter name (no adapter for peft to name)
+            save_file(weights, str(directory / ADAPTER_FILE))
         save_file(tensors, str(directory / OPTIMIZER_FILE), metadata=meta)
 
 
