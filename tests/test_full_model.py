@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from scale.config.validation import ConfigError
 from scale.train import run
+from scale.training.checkpoint import CheckpointError
+from scale.training.checkpoint.sharded import ShardReader
 from scale.training.metrics import read_jsonl
 from tests.bounds import TINY_JOB_REL
 from tests.conftest import tiny_cfg
@@ -68,7 +69,9 @@ def test_every_weight_moves_and_the_model_dir_holds_the_masters(full_run):
     assert config["use_cache"] is True and config.get("dtype", config.get("torch_dtype")) == "float32"
     # the final weights are the last checkpoint's (every weight, whole, fp32), the tied head saved once
     saved = _weights(model)
-    last = load_file(full_run / "checkpoints" / "step_000008" / "adapter_model.safetensors")
+    reader = ShardReader(full_run / "checkpoints" / "step_000008")
+    last = {name: reader.tensor(name) for name in reader.shapes}
+    reader.close()
     assert saved.keys() == last.keys() and len(saved) == 20 and "lm_head.weight" not in saved
     assert all(saved[k].dtype == torch.float32 and torch.equal(saved[k], last[k]) for k in saved)
 
@@ -80,13 +83,16 @@ def test_full_checkpoint_resumes_bit_exact(full_run, tmp_path):
     ref_losses, got_losses = _losses(full_run), _losses(tmp_path)
     assert sorted(got_losses) == list(range(K + 1, 2 * K + 1))
     assert all(got_losses[s] == ref_losses[s] for s in got_losses)  # identical, not close
-    moments = load_file(full_run / "checkpoints" / f"step_{K:06d}" / "optimizer_state.safetensors")
-    assert len(moments) == 3 * 20  # AdamW's exp_avg, exp_avg_sq and step of every weight
+    reader = ShardReader(full_run / "checkpoints" / f"step_{K:06d}")
+    # AdamW's exp_avg, exp_avg_sq of every weight, and its step count
+    assert len(reader.shapes) == 20 and reader.whats == ["exp_avg", "exp_avg_sq"] and reader.step == K
+    reader.close()
 
 
 def test_a_full_checkpoint_does_not_resume_as_lora(full_run, tmp_path):
     lora = [o for o in JOB if o != "model.finetune=full"]
-    with pytest.raises(ConfigError, match=r"model.finetune: checkpoint 'full' -> now 'lora'"):
+    with pytest.raises(CheckpointError, match=r"trained every weight \(model.finetune=full\); this run has "
+                                              r"model.finetune=lora"):
         run(tiny_cfg(tmp_path, *lora, f"train.resume_from={full_run}/checkpoints/step_{K:06d}"))
 
 

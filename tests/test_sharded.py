@@ -16,6 +16,7 @@ from scale.training.checkpoint import sharded
 from scale.training.checkpoint.sharded import (MODES, WEIGHT, Piece, ShardedStateError, ShardReader, even_share,
                                                layout_ranges, load_pieces, local_pieces, shard_files, shard_name,
                                                write_shard)
+from tests.conftest import TINY_DATA, tiny_cfg
 
 # Shapes that make every layout cut inside and across tensors: rows that do not divide by 2 or 3, a tensor smaller
 # than the world, a 1-D tensor, a tensor of one row.
@@ -214,3 +215,184 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path):
         load_pieces("single", None, other, torch.optim.AdamW(other.parameters()), ShardReader(tmp_path), 0)
     assert str(e.value) == ("the checkpoint holds other tensors than this model trains: ['2.bias', '2.weight'] "
                             "differ (missing, unexpected or of another shape)")
+
+
+# ---- whole runs of full weights, in this process ----
+
+# 20 rows, micro-batch 2 x GA 2 (G = 4): 5 optimizer steps per epoch, the step-4 checkpoint 4 windows into the
+# first. AdamW: the moments and step count must come back too.
+FULL = ["model.finetune=full", "data.max_train_examples=20", "train.micro_batch_size=2",
+        "train.gradient_accumulation_steps=2", "train.max_steps=8", "train.save_every=4", "train.log_every=1",
+        "train.eval_every=0", "eval.generate_samples=0", "optim.name=adamw", "optim.lr=1e-3",
+        "model.gradient_checkpointing=false", "log.peak_flops=false", "train.save_adapter=false"]
+
+
+def _reset():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _run(out, *overrides):
+    from scale.train import run
+
+    try:
+        run(tiny_cfg(out, *FULL, *overrides))
+    finally:
+        _reset()
+
+
+def _losses(out):
+    from scale.training.metrics import read_jsonl
+
+    return {r["step"]: r["train/loss"] for r in read_jsonl(out / "metrics.jsonl") if "train/loss" in r}
+
+
+def _shard_state(ckpt):
+    """Every tensor's weight and optimizer state of a checkpoint, whole (whatever cut wrote it)."""
+    reader = ShardReader(ckpt)
+    try:
+        return {(n, w): reader.tensor(n, w) for n in reader.shapes for w in (WEIGHT, *reader.whats)}, reader.step
+    finally:
+        reader.close()
+
+
+def _edit_state(ckpt, **fields):
+    from scale.training.checkpoint import record_files
+    from scale.training.state import STATE_FILE
+
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    for key, value in fields.items():
+        if key == "ga":
+            state["config"]["train"]["gradient_accumulation_steps"] = value
+        else:
+            state[key] = value
+    state["files"] = record_files(ckpt)
+    (ckpt / STATE_FILE).write_text(json.dumps(state))
+
+
+@pytest.fixture(scope="module")
+def full_reference(tmp_path_factory):
+    """8 steps of full weights on one process, checkpoints at 4 and 8."""
+    out = tmp_path_factory.mktemp("full")
+    _run(out)
+    return out
+
+
+def test_a_full_checkpoint_holds_the_shards_and_no_adapter(full_reference):
+    from scale.training.checkpoint import list_checkpoints, verify
+    from scale.training.state import STATE_FILE
+
+    ckpt = list_checkpoints(full_reference)[0]
+    files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
+    assert files == ["custom_checkpoint_0.pkl", "random_states_0.pkl", STATE_FILE,
+                     "weights/shard-00000-of-00001.safetensors"]
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    assert sorted(state["files"]) == [f for f in files if f != STATE_FILE] and verify(ckpt) is None
+    tensors, step = _shard_state(ckpt)
+    assert step == 4.0
+    reader = ShardReader(ckpt)
+    # every weight of the model, whole, fp32, with AdamW's two moments
+    assert reader.mode == "single" and reader.world_size == 1 and reader.whats == ["exp_avg", "exp_avg_sq"]
+    assert sum(math.prod(s) for s in reader.shapes.values()) == sum(t.numel() for (n, w), t in tensors.items()
+                                                                    if w == WEIGHT)
+    assert all(t.dtype == torch.float32 for t in tensors.values())
+    reader.close()
+
+
+def test_a_full_checkpoint_of_two_processes_resumes_on_one(full_reference, tmp_path, caplog):
+    """The step-4 checkpoint rewritten as 2 DDP processes write it (micro-batch 2 x GA 1 x 2 ranks; each rank's
+    even share of every tensor in its own shard), resumed by one process: accumulation 2, the shards read across
+    the cut, RNG re-derived, and steps 5-8 and the step-8 weights, moments and step count bit for bit the
+    uninterrupted run's. (The same resume unrewritten: tests/test_full_model.py.)"""
+    import logging
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(full_reference / "checkpoints" / "step_000004", ckpt)
+    whole, step = _shard_state(ckpt)
+    reader = ShardReader(ckpt)
+    shapes, groups = reader.shapes, reader.param_groups
+    reader.close()
+    (ckpt / "weights" / shard_name(0, 1)).unlink()
+    meta = {"shapes": json.dumps({n: list(s) for n, s in shapes.items()}), "step": json.dumps(step),
+            "param_groups": json.dumps(groups), "world_size": "2", "mode": "ddp"}
+    for rank in range(2):
+        pieces = [Piece(n, w, a, whole[(n, w)].reshape(-1)[a:b]) for n, (a, b) in
+                  layout_ranges("ddp", shapes, rank, 2).items() for w in (WEIGHT, "exp_avg", "exp_avg_sq")]
+        write_shard(ckpt, pieces, meta, rank, 2)
+    shutil.copy(ckpt / "random_states_0.pkl", ckpt / "random_states_1.pkl")
+    _edit_state(ckpt, mode="ddp", world_size=2, data_parallel_size=2, ga=1)
+    with caplog.at_level(logging.INFO):
+        _run(tmp_path / "out", "train.gradient_accumulation_steps=1", f"train.resume_from={ckpt}")
+    assert "train.gradient_accumulation_steps 1 -> 2 keeps global_batch_size=4" in caplog.text
+    assert any(m.endswith("full weights' shards: written by ddp on 2 process(es), resumed as single on 1")
+               for m in caplog.messages), caplog.messages
+    assert _losses(tmp_path / "out") == {s: v for s, v in _losses(full_reference).items() if s > 4}
+    ref, got = (_shard_state(out / "checkpoints" / "step_000008") for out in (full_reference, tmp_path / "out"))
+    assert ref[1] == got[1] == 8.0 and ref[0].keys() == got[0].keys()
+    assert all(torch.equal(ref[0][k], got[0][k]) for k in ref[0])
+
+
+def _cli(out, capsys, *overrides):
+    from scale.cli import main
+    from tests.conftest import TINY_YAML
+
+    code = main(["--config", str(TINY_YAML), f"output_dir={out}", f"data.path={TINY_DATA}", *overrides])
+    _reset()
+    return code, capsys.readouterr().err
+
+
+def test_lora_and_full_checkpoints_do_not_cross(full_reference, tmp_path, capsys):
+    """A full checkpoint into a LoRA run, and a LoRA checkpoint into a full run: one line, exit 2, nothing
+    written."""
+    ckpt = full_reference / "checkpoints" / "step_000004"
+    lora = [o for o in FULL if o != "model.finetune=full"]
+    code, err = _cli(tmp_path / "a", capsys, *lora, f"train.resume_from={ckpt}")
+    assert code == 2 and err == (f"scale-train: error: CheckpointError: checkpoint {ckpt} trained every weight "
+                                 f"(model.finetune=full); this run has model.finetune=lora: resume with "
+                                 f"model.finetune=full, or start a new run in another output_dir "
+                                 f"(train.resume_from=null)\n")
+    assert not (tmp_path / "a" / "config.yaml").exists()
+    _run(tmp_path / "lora", "model.finetune=lora", "train.max_steps=1", "train.save_every=1")
+    ckpt = tmp_path / "lora" / "checkpoints" / "step_000001"
+    code, err = _cli(tmp_path / "b", capsys, *FULL, f"train.resume_from={ckpt}")
+    assert code == 2 and err == (f"scale-train: error: CheckpointError: checkpoint {ckpt} trained a LoRA adapter "
+                                 f"(model.finetune=lora); this run has model.finetune=full: resume with "
+                                 f"model.finetune=lora, or start a new run in another output_dir "
+                                 f"(train.resume_from=null)\n")
+
+
+def test_a_disk_that_fills_during_a_save_keeps_the_previous_checkpoint(full_reference, tmp_path, capsys,
+                                                                         monkeypatch):
+    """Resumed from step 4, the shard write of the step-8 checkpoint fails with ENOSPC after writing part of the
+    file: one line naming the rank, the error and the checkpoint a resume takes, exit 2; step 4 stays complete and
+    intact, no .tmp is left, and ``latest`` takes step 4 (whose resume is bit-exact: the test above)."""
+    import shutil
+
+    from scale.training.checkpoint import list_checkpoints, resolve_resume, verify
+
+    out = tmp_path / "run"
+    root = out / "checkpoints"
+    shutil.copytree(full_reference / "checkpoints" / "step_000004", root / "step_000004")
+    def fills(tensors, path, metadata=None):
+        with open(path, "wb") as fh:  # part of the file, then the disk is full
+            fh.write(b"\0" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sharded, "save_file", fills)
+    code, err = _cli(out, capsys, *FULL, "train.resume_from=latest")
+    assert code == 2 and err == ("scale-train: error: CheckpointError: checkpoint step_000008 not written: rank 0: "
+                                 "[Errno 28] No space left on device; the newest complete checkpoint is still "
+                                 "step_000004 (nothing was replaced): free space and resume with "
+                                 "train.resume_from=latest\n")
+    assert sorted(p.name for p in root.iterdir()) == ["step_000004"]
+    assert list_checkpoints(out) == [root / "step_000004"] and verify(root / "step_000004") is None
+    assert resolve_resume("latest", out) == root / "step_000004"
+    # the first checkpoint of a run: nothing to fall back on, said so
+    code, err = _cli(tmp_path / "fresh", capsys, *FULL)
+    assert code == 2 and err == ("scale-train: error: CheckpointError: checkpoint step_000004 not written: rank 0: "
+                                 "[Errno 28] No space left on device; no complete checkpoint exists yet: free space "
+                                 "and start again\n")
+    assert list((tmp_path / "fresh" / "checkpoints").iterdir()) == []

@@ -19,6 +19,7 @@ from scale.config.schema import Config
 from scale.config.validation import ConfigError
 from scale.distributed.launch import ModePlan
 from scale.training.checkpoint.portable import ADAPTER_FILE, OPTIMIZER_FILE, SCHEDULER_FILE
+from scale.training.checkpoint.sharded import shard_files
 from scale.training.checkpoint.store import (RUN_ARTEFACTS, CheckpointError, check_intact, list_checkpoints,
                                              resolve_resume)
 from scale.training.state import STATE_FILE, TrainerState, read_state, resume_accumulation, saved_global_batch
@@ -160,12 +161,34 @@ def native(state: TrainerState, plan: ModePlan, acc: Accelerator) -> bool:
         plan.mode, acc.num_processes, plan.data_parallel_size)
 
 
+def trains_full(state: TrainerState) -> bool:
+    """Whether the checkpoint of ``state`` trained every weight (``model.finetune=full`` in its config; a checkpoint
+    written before the key existed trained a LoRA adapter)."""
+    return (state.config.get("model") or {}).get("finetune", ADDED_KEYS["model.finetune"]) == "full"
+
+
+def check_same_finetune(cfg: Config, path: Path, state: TrainerState) -> None:
+    """A LoRA checkpoint resumes only into a LoRA run, a full one only into a full run.
+
+    Raises:
+        CheckpointError: ``model.finetune`` differs from the checkpoint's (one line: what each trained, the fix).
+    """
+    saved = "full" if trains_full(state) else "lora"
+    if saved != cfg.model.finetune:
+        what = {"lora": "a LoRA adapter", "full": "every weight"}
+        raise CheckpointError(f"checkpoint {path} trained {what[saved]} (model.finetune={saved}); this run has "
+                              f"model.finetune={cfg.model.finetune}: resume with model.finetune={saved}, or start a "
+                              f"new run in another output_dir (train.resume_from=null)")
+
+
 def _needed_files(acc: Accelerator, plan: ModePlan, path: Path, state: TrainerState | None) -> list[Path]:
-    """The files this rank reads to resume from ``path``: the mode's own (:func:`native`) or the portable state,
-    and this rank's RNG state when the process count is the checkpoint's."""
+    """The files this rank reads to resume from ``path``: the mode's own (:func:`native`) or the portable state
+    (full weights: every rank's shard), and this rank's RNG state when the process count is the checkpoint's."""
     files = [path / STATE_FILE, path / SCHEDULER_FILE]
     if state is None or state.world_size == acc.num_processes:
         files.append(path / f"random_states_{acc.process_index}.pkl")
+    if state is not None and trains_full(state):
+        return files + shard_files(path, state.world_size)
     if state is not None and not native(state, plan, acc):
         return files + [path / ADAPTER_FILE, path / OPTIMIZER_FILE]
     if plan.deepspeed:
@@ -190,11 +213,12 @@ def check_resume(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path | Non
         The checkpoint's :class:`TrainerState`, or ``None`` for a fresh start.
 
     Raises:
-        CheckpointError: ranks resolved different checkpoints (``latest`` without shared storage); some rank
-            cannot read the checkpoint (set ``train.save_on_each_node=true`` or copy it to every node); a file of
-            it differs from what was recorded at save (names the newest intact one); it was written before
-            portable state existed and this run has another mode or number of processes; or a fresh run would
-            reuse an ``output_dir`` that holds another run's checkpoints.
+        CheckpointError: the checkpoint trained LoRA and this run full weights, or back
+            (:func:`check_same_finetune`); ranks resolved different checkpoints (``latest`` without shared
+            storage); some rank cannot read the checkpoint (set ``train.save_on_each_node=true`` or copy it to
+            every node); a file of it differs from what was recorded at save (names the newest intact one); it
+            was written before portable state existed and this run has another mode or number of processes; or a
+            fresh run would reuse an ``output_dir`` that holds another run's checkpoints.
         ConfigError: the config differs from the checkpoint's in a key that changes the maths, or the global
             batch cannot be kept (:func:`scale.training.state.resume_accumulation`).
     """
@@ -212,6 +236,8 @@ def check_resume(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path | Non
     if path is None:
         check_fresh_start(cfg)
         return None
+    if here is not None:
+        check_same_finetune(cfg, path, here)
     bad = [r for r in report if r[3]]
     shared = [f for f in (bad[0][3] if bad else []) if "random_states_" not in f]  # files every rank reads
     if shared and len(bad) == len(report) and len({h for _, h, _, _ in report}) == 1:  # damaged, not unshared
@@ -246,7 +272,7 @@ def check_resume(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path | Non
     for line in warnings:
         if not (regrouped and line.startswith("train.gradient_accumulation_steps:")):
             logger.warning("resume: %s (does not change the maths)", line, main_process_only=True)
-    if not native(state, plan, acc) and not (path / OPTIMIZER_FILE).is_file():
+    if not native(state, plan, acc) and not trains_full(state) and not (path / OPTIMIZER_FILE).is_file():
         raise CheckpointError(f"checkpoint {path} was written by {state.world_size} process(es) before checkpoints "
                               f"held a portable state: it resumes only as it was written. Launch with "
                               f"num_processes={state.world_size}.")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, gather_object
 from safetensors.torch import load_file
 
 from scale.config.load import to_dict
@@ -24,8 +25,10 @@ from scale.modeling.build import restore_inference_config
 from scale.modeling.dropout import dropout_census
 from scale.training.checkpoint.portable import (ADAPTER_FILE, PortableStateError, load_portable, parameter_names,
                                                 restore_rng, write_portable)
-from scale.training.checkpoint.rules import check_same_tokens, native
-from scale.training.checkpoint.store import CheckpointError, _is_writer, checkpoint_root, record_files, rotate
+from scale.training.checkpoint.rules import check_same_tokens, native, trains_full
+from scale.training.checkpoint.sharded import load_sharded, write_sharded
+from scale.training.checkpoint.store import (CheckpointError, _complete_in, _is_writer, checkpoint_root, record_files,
+                                             rotate)
 from scale.training.state import STATE_FILE, TrainerState
 from scale.utils.fileio import replace_dir, temp_dir_for
 
@@ -82,12 +85,23 @@ def save_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, state: Traine
                     optimizer: Any) -> Path:
     """Write a complete checkpoint for ``state.step`` atomically and prune old ones. Collective.
 
-    The launch mode's own files (``accelerate.save_state``), then the portable state
-    (:mod:`scale.training.checkpoint.portable`), then, once every rank's files are in, each file's size and sha256 and
-    the counters in ``trainer_state.json``, then the rename.
+    LoRA: the launch mode's own files (``accelerate.save_state``), then the portable state
+    (:mod:`scale.training.checkpoint.portable`). Full weights (``model.finetune=full``): every rank writes its shard
+    of the fp32 weights and optimizer state, its RNG states and (the writer) the LR scheduler
+    (:func:`scale.training.checkpoint.sharded.write_sharded`), no collective while writing. Then, once every rank's
+    files are in, each file's size and sha256 and the counters in ``trainer_state.json``, then the rename.
+
+    A write that fails on any rank (a full disk: ``ENOSPC``; full weights' shards, or the writer's records in both
+    forms) is agreed on by every rank before anyone waits on another: each raises the same
+    :class:`CheckpointError`, ``<checkpoint>.tmp`` is removed, and the newest complete checkpoint stays the one a
+    resume takes (nothing was replaced or rotated).
 
     Returns:
         The checkpoint directory.
+
+    Raises:
+        CheckpointError: a rank could not write its files (the message names the rank, the error and the newest
+            complete checkpoint).
     """
     final = checkpoint_root(cfg.output_dir) / f"step_{state.step:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -95,28 +109,75 @@ def save_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, state: Traine
     if writer:
         temp_dir_for(final)  # removes debris of an interrupted save
     acc.wait_for_everyone()  # collective: the directory exists before anyone writes into it
-    acc.save_state(str(tmp), **plan.save_state_kwargs)  # collective under DeepSpeed (ZeRO shards)
-    write_portable(acc, plan, model, optimizer, tmp, writer)  # collective: shards gathered
-    acc.wait_for_everyone()  # collective: every rank's files are in tmp
+    if cfg.model.finetune == "full":
+        problem = _attempt(lambda: write_sharded(acc, plan, model, optimizer, tmp))
+        _agree(acc, final, problem)  # collective: every rank's shard is in tmp, or every rank raises
+    else:
+        acc.save_state(str(tmp), **plan.save_state_kwargs)  # collective under DeepSpeed (ZeRO shards)
+        write_portable(acc, plan, model, optimizer, tmp, writer)  # collective: shards gathered
+        acc.wait_for_everyone()  # collective: every rank's files are in tmp
+    problem = None
     if writer:
-        state.config, state.saved_at = to_dict(cfg), time.time()
-        state.mode, state.world_size, state.data_parallel_size = plan.mode, acc.num_processes, plan.data_parallel_size
-        state.global_batch_size = cfg.train.global_batch_size(plan.data_parallel_size)
-        state.files = record_files(tmp)
-        # written last: a directory with trainer_state.json is whole
-        (tmp / STATE_FILE).write_text(json.dumps(state.state_dict(), indent=1), encoding="utf-8")
-        replace_dir(tmp, final)  # the same step may be saved again (pre-empted right after an interval save)
-        rotate(cfg.output_dir, cfg.train.save_total_limit, keep=state.best_step, upto=state.step)
-    acc.wait_for_everyone()  # collective: nobody runs ahead of the rename
+        def finish() -> None:
+            state.config, state.saved_at = to_dict(cfg), time.time()
+            state.mode, state.world_size, state.data_parallel_size = (plan.mode, acc.num_processes,
+                                                                      plan.data_parallel_size)
+            state.global_batch_size = cfg.train.global_batch_size(plan.data_parallel_size)
+            state.files = record_files(tmp)
+            # written last: a directory with trainer_state.json is whole
+            (tmp / STATE_FILE).write_text(json.dumps(state.state_dict(), indent=1), encoding="utf-8")
+            replace_dir(tmp, final)  # the same step may be saved again (pre-empted right after an interval save)
+
+        problem = _attempt(finish)
+        if problem is None:
+            rotate(cfg.output_dir, cfg.train.save_total_limit, keep=state.best_step, upto=state.step)
+    _agree(acc, final, problem)  # collective: nobody runs ahead of the rename
     logger.info("checkpoint %s written (%s)", final, state.reason, main_process_only=True)
     return final
+
+
+def _attempt(write: Any) -> str | None:
+    """Run ``write()``; the OSError it raised (a full disk, a lost mount), in words, or None."""
+    try:
+        write()
+    except OSError as e:
+        return f"{type(e).__name__}: {e}" if e.errno is None else str(e)
+    return None
+
+
+def _agree(acc: Accelerator, final: Path, problem: str | None) -> None:
+    """Every rank learns whether any rank failed to write its part of checkpoint ``final`` (one gather, in place of
+    a barrier that a failed rank would otherwise leave the others waiting on); if one did, the writer removes
+    ``<final>.tmp`` (best effort; :func:`scale.training.checkpoint.store.list_checkpoints` never takes a ``.tmp``)
+    and every rank raises the same error. Collective.
+
+    Raises:
+        CheckpointError: ``checkpoint step_N not written: rank r: <error>; the newest complete checkpoint is still
+            step_M (nothing was replaced): free space and resume with train.resume_from=latest``.
+    """
+    report = gather_object([(acc.process_index, problem)]) if acc.num_processes > 1 else [(acc.process_index, problem)]
+    failed = [(rank, why) for rank, why in report if why]
+    if not failed:
+        return
+    if _is_writer(acc):
+        shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)
+    newest = [p for p in _complete_in(final.parent) if p != final]
+    rank, why = failed[0]
+    more = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+    then = (f"the newest complete checkpoint is still {newest[-1].name} (nothing was replaced): free space and resume "
+            f"with train.resume_from=latest" if newest else "no complete checkpoint exists yet: free space and start "
+            "again")
+    raise CheckpointError(f"checkpoint {final.name} not written: rank {rank}{more}: {why}; {then}")
 
 
 def load_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path, state: TrainerState,
                     model: torch.nn.Module, optimizer: Any, scheduler: Any, progress: TrainerState) -> TrainerState:
     """Restore model (trainable tensors), optimizer, scheduler and RNG states from ``path`` (already checked
-    by :func:`scale.training.checkpoint.rules.check_resume`): the mode's own files when it was written in this mode on
-    these processes, else the portable state, in any mode (:func:`scale.training.checkpoint.rules.native`). Collective.
+    by :func:`scale.training.checkpoint.rules.check_resume`). LoRA: the mode's own files when it was written in this
+    mode on these processes, else the portable state, in any mode (:func:`scale.training.checkpoint.rules.native`).
+    Full weights: the shards, in any mode on any number of processes
+    (:func:`scale.training.checkpoint.sharded.load_sharded`), each rank its own RNG states when the process count is
+    the checkpoint's. Collective.
 
     Args:
         state: the checkpoint's progress (its ``trainer_state.json``).
@@ -128,10 +189,18 @@ def load_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path, s
 
     Raises:
         ConfigError: what :func:`scale.training.checkpoint.rules.check_same_tokens` raises.
-        CheckpointError: the portable state does not fit this model.
+        CheckpointError: the portable state or the shards do not fit this model (the shards: a range uncovered, named).
     """
     check_same_tokens(path, state, progress)
-    if native(state, plan, acc):
+    if trains_full(state):
+        load_sharded(acc, plan, model, optimizer, scheduler, path)
+        draws = dropout_census(acc.unwrap_model(model)).text()
+        rng = restore_rng(acc, path, state.world_size, cfg.train.seed, state.step, draws)
+        how = (f"full weights' shards: written by {state.mode} on {state.world_size} process(es), resumed as "
+               f"{plan.mode} on {acc.num_processes}")
+        if (state.mode, state.world_size) == (plan.mode, acc.num_processes):
+            rng = None  # each rank's own RNG states, as written
+    elif native(state, plan, acc):
         acc.load_state(str(path), **plan.load_state_kwargs)  # collective under DeepSpeed
         how, rng = f"{plan.mode} on {acc.num_processes} process(es), as written", None
     else:
