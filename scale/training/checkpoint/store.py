@@ -15,6 +15,11 @@ Layout of one checkpoint ``<output_dir>/checkpoints/step_000040/``:
     pytorch_model/              DeepSpeed only: its own files (frozen parameters excluded), read by DeepSpeed
     pytorch_model_fsdp_0/ optimizer_0/   FSDP2 only: accelerate's sharded DCP files (the whole model; read back)
 
+A full fine-tune's checkpoint (``model.finetune=full``) holds ``trainer_state.json``, ``custom_checkpoint_0.pkl``,
+``random_states_<rank>.pkl`` and ``weights/shard-<rank>-of-<world>.safetensors`` (every rank's ranges of the fp32
+weights and optimizer state, :mod:`scale.training.checkpoint.sharded`) and nothing else: any launch mode on any
+number of processes reads them.
+
 The first four files are the portable state (:mod:`scale.training.checkpoint.portable`): any launch mode on any number
 of processes loads them, as long as the global batch ``G`` is the same (:func:`scale.training.state.resume_accumulation`
 recomputes ``gradient_accumulation_steps``). A resume in the same mode on the same processes reads the mode's own files
