@@ -1,6 +1,6 @@
 """A full fine-tune under ZeRO-2 on 2 CPU processes (gloo) through the real ``accelerate launch``: DeepSpeed's fp32
 partitions checked at start-up, the numbers of one device within the derived bounds, every weight moved and equal on
-both ranks, the final ``model/`` whole, and its checkpoint resumed on one device (the portable state: ZeRO-2 x 2 ->
+both ranks, the final ``model/`` whole, and its checkpoint resumed on one device (the shards: ZeRO-2 x 2 ->
 one process) to one device's final weights. One launch (~30 s on 2 cores); the other modes are benchmarks/parity.py's
 ``full`` rows."""
 
