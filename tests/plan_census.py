@@ -218,6 +218,10 @@ def count(cfg, out: str, before: set[int]) -> None:
             add(t, "master")
         for t in getattr(ds_opt, "fp32_partitioned_groups_flat", []):
             add(t, "master")
+        for t in getattr(ds_opt, "fp32_groups_flat_partition", []):  # BF16_Optimizer (ZeRO-1, fp32 accumulation)
+            add(t, "master")
+        for t in getattr(ds_opt, "fp32_groups_gradients_flat", []):
+            add(t, "gradients")
         for t in getattr(ds_opt, "averaged_gradients", {}).values():
             for g in (t if isinstance(t, list) else [t]):
                 add(g, "gradients")

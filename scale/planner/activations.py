@@ -30,7 +30,7 @@ from scale.loss import tail as scale_loss
 from scale.modeling.moe import static_experts
 from scale.objectives.pair_losses import side_logps
 from scale.objectives.preference import reference_mode
-from scale.planner.census import DTYPES, ParamInfo, PlanError
+from scale.planner.census import DTYPES, ParamInfo, PlanError, base_of
 
 
 @dataclass
@@ -234,7 +234,7 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
         padded = packed = False
     mode = FakeTensorMode()
     layers = _decoder_layers(model)
-    head_module = model.get_base_model().get_output_embeddings()
+    head_module = base_of(model).get_output_embeddings()
     V = head_module.weight.shape[0] if head_module is not None else 0
     chunk = (chunked.resolve_chunk_size(cfg.loss.chunk_size, B * N, V)
              if head_module is not None and not cfg.loss.trains_pairs() else 0)  # preference losses: unchunked

@@ -22,7 +22,8 @@ import torch
 
 from scale.config.load import configs_dir
 from scale.config.schema import Config, ModelConfig
-from scale.modeling.build import TINY, add_lora, tiny_llama_config
+from scale.modeling.build import TINY, add_lora, checkpointing_kwargs, tiny_llama_config
+from scale.utils.compat import enable_checkpointing
 from scale.modeling.moe import moe_layout
 
 GIB = 2**30
@@ -140,8 +141,15 @@ class ParamInfo:
         return math.prod(self.shape)
 
 
+def trains_full(cfg: Config) -> bool:
+    """True when the run trains every weight of the base (``model.finetune: full``), False for a LoRA adapter."""
+    return getattr(cfg.model, "finetune", "lora") == "full"
+
+
 def build_meta_model(cfg: Config, hf_config: Any, checkpointing: bool | None = None) -> torch.nn.Module:
-    """The harness's model (base + LoRA, :func:`scale.modeling.build.add_lora`) on the ``meta`` device: no memory.
+    """The harness's model on the ``meta`` device (no memory): base + LoRA (:func:`scale.modeling.build.add_lora`),
+    or with ``model.finetune: full`` the base alone with every parameter trainable and non-reentrant checkpointing
+    as configured.
 
     4-bit quantization is not applied (bitsandbytes cannot quantize meta tensors): see :func:`census`.
     """
@@ -153,9 +161,21 @@ def build_meta_model(cfg: Config, hf_config: Any, checkpointing: bool | None = N
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, trust_remote_code=m.trust_remote_code)
         base.config.use_cache = False
-        model = add_lora(base, replace(m, quantize_4bit=False, gradient_checkpointing=gc), cfg.lora)
+        if trains_full(cfg):
+            base.requires_grad_(True)
+            if gc:
+                enable_checkpointing(base, **checkpointing_kwargs(replace(m, gradient_checkpointing=gc,
+                                                                          use_reentrant=False)))
+            model = base
+        else:
+            model = add_lora(base, replace(m, quantize_4bit=False, gradient_checkpointing=gc), cfg.lora)
     model.train()
     return model
+
+
+def base_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a peft wrapper; ``model`` itself when it has none (full weights)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def quantized_linear_names(base: torch.nn.Module) -> set[str]:
@@ -179,7 +199,7 @@ def census(cfg: Config, model: torch.nn.Module) -> list[ParamInfo]:
     the fused expert weights of a mixture-of-experts model, which bitsandbytes does not quantize and the harness
     keeps in ``model.dtype`` (:func:`scale.modeling.moe.restore_expert_dtype`).
     """
-    base = model.get_base_model()
+    base = base_of(model)
     quantized: set[int] = set()
     if cfg.model.quantize_4bit:
         names = quantized_linear_names(base)

@@ -27,7 +27,7 @@ from scale.config.load import configs_dir
 from scale.config.schema import Config
 from scale.modeling.attention import sequence_parallel_problem
 from scale.planner.activations import Activations
-from scale.planner.census import DTYPES, GIB, ParamInfo, nbytes, nf4_bytes
+from scale.planner.census import DTYPES, GIB, ParamInfo, nbytes, nf4_bytes, trains_full
 
 # Launch modes, cheapest first: bytes moved between ranks per optimizer step (W = all weights, G = trainable
 # gradients): single 0; DDP all-reduce of G; ZeRO-1/2 reduce-scatter of G + all-gather of the updated trainable
@@ -124,6 +124,49 @@ def deepspeed_settings(mode: str, hf_config: Any, root: Path | None = None) -> d
     return zero
 
 
+# The ZeRO paper's model states per rank for mixed-precision Adam (Rajbhandari et al. 2020, arXiv:1910.02054,
+# Figure 1): 2 bytes of 16-bit weights + 2 of 16-bit gradients + K = 12 of fp32 master, momentum and variance per
+# parameter, of which each stage partitions more over the N ranks: (bytes whole, bytes divided by N).
+ZERO_PAPER = {"ddp": (16, 0), "zero1": (4, 12), "zero2": (2, 14), "zero3": (0, 16), "fsdp2": (0, 16)}
+ZERO_PAPER_TEXT = {"ddp": "16Ψ", "zero1": "4Ψ + 12Ψ/N", "zero2": "2Ψ + 14Ψ/N", "zero3": "16Ψ/N", "fsdp2": "16Ψ/N"}
+
+
+def zero_paper_bytes(mode: str, psi: int, world: int) -> int | None:
+    """Model-state bytes per rank the ZeRO paper gives for ``mode`` (Figure 1, 16-bit weights and gradients + Adam):
+    DDP 16Ψ, ZeRO-1 4Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N, ZeRO-3 (and FSDP2, the same partitioning) 16Ψ/N, for ``psi`` = Ψ
+    parameters on ``world`` = N ranks; None for a mode the paper does not cover (single, offload)."""
+    if mode not in ZERO_PAPER:
+        return None
+    whole, divided = ZERO_PAPER[mode]
+    return whole * psi + divided * psi // world
+
+
+def full_weights_note(r: Rank, cfg: Config, psi: int, world: int, cast: torch.dtype | None) -> str | None:
+    """One line for a full fine-tune: the paper's figure for ``r.mode`` beside what the harness keeps, and why they
+    differ (fp32 parameters under autocast, DeepSpeed's fp32 gradient accumulation, DDP's bucket copy)."""
+    paper = zero_paper_bytes(r.mode, psi, world)
+    if paper is None:
+        return None
+    deepspeed = r.mode in DEEPSPEED_JSON
+    if cfg.train.mixed_precision == "no":
+        why = "fp32 training: 4-byte weights and gradients where the paper counts 2" + (
+            ", and DeepSpeed's fp32 master is a second copy" if deepspeed else "")
+    elif not deepspeed:
+        why = ("accelerate's autocast keeps fp32 parameters and fp32 gradients (4 + 4 bytes where the paper counts "
+               "2 + 2; the fp32 parameters are the masters)")
+    elif r.mode == "zero1":
+        why = (f"fp32 gradient accumulation is DeepSpeed's BF16_Optimizer: whole {cast} gradients and a whole fp32 "
+               f"gradient buffer (2 + 4 bytes whole where the paper counts 2)")
+    else:
+        why = "gradients accumulate in fp32 (data_types.grad_accum_dtype): a 4-byte partition where the paper has 2"
+    if r.mode == "ddp":
+        why += "; DDP keeps a bucket copy of the gradients (+4 bytes)"
+    if r.mode in ("zero3", "fsdp2"):
+        why += "; small parameters stay whole" if r.mode == "zero3" else "; dim-0 shards padded to equal rows"
+    return (f"ZeRO paper (Figure 1, 16-bit + Adam) {ZERO_PAPER_TEXT[r.mode]} = {paper / GIB:.2f} GiB for Ψ = "
+            f"{psi:,}, N = {world}; the harness keeps {r.model_states / GIB:.2f} GiB: {why}")
+
+
 def _weight_bytes(p: ParamInfo, cfg: Config, cast: torch.dtype | None) -> tuple[int, int, torch.dtype]:
     """(shardable bytes, unshardable bytes, dtype held) of one parameter."""
     if p.quantized:
@@ -210,6 +253,10 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
     if deepspeed and cast is not None:
         r.notes.append(f"DeepSpeed casts every floating parameter to {cast} (LoRA too); fp32 master partition")
     adam = cfg.optim.name == "adamw"
+    full = trains_full(cfg)
+    # Every weight trained: DeepSpeed accumulates gradients in fp32 (data_types.grad_accum_dtype, which the harness
+    # sets for full weights); a LoRA run keeps DeepSpeed's default, the module's dtype.
+    accum = torch.float32 if full else None
     trainable = [p for p in params if p.trainable]
     frozen = [p for p in params if not p.trainable]
     w = world if mode != "single" else 1
@@ -223,6 +270,8 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
                      f"(now {m.bnb_4bit_quant_storage})")
     if cfg.train.on_nonfinite == "skip" and deepspeed:
         r.refused = "train.on_nonfinite=skip cannot work under DeepSpeed"
+    if full and cfg.train.mixed_precision == "fp16":
+        r.refused = "model.finetune=full with train.mixed_precision=fp16 (use bf16)"
 
     act = acts[cast is not None]
     r.activations, r.logits = act.decoder, act.head
@@ -251,13 +300,22 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
         part = aligned // w
         r.trainable = aligned * nbytes(tdtype)
         r.master = part * 4
-        if mode == "zero1":  # gradients are not partitioned: every parameter's gradient lives until the epilogue
+        if mode == "zero1" and full and cast is not None:
+            # fp32 accumulation under ZeRO-1 is DeepSpeed's BF16_Optimizer (engine._do_optimizer_sanity_check): the
+            # module's gradients in its dtype plus one whole flat fp32 gradient buffer (fp32_groups_gradients_flat)
+            r.gradients = n * nbytes(tdtype) + aligned * 4
+            r.notes.append(f"BF16_Optimizer (fp32 gradient accumulation): whole {cast} gradients + a whole fp32 "
+                           f"gradient buffer, fp32 master partition")
+        elif mode == "zero1":  # gradients are not partitioned: every parameter's gradient lives until the epilogue
             r.gradients = n * nbytes(tdtype)
             r.notes.append("whole gradients until the end of backward, then the partition")
+        elif full and cast is not None:  # the fp32 accumulation partition; the module's gradients are freed into it
+            r.gradients = part * 4
+            r.notes.append("gradients accumulated in an fp32 partition (data_types.grad_accum_dtype=fp32)")
         else:
             r.gradients = zero12_gradient_elems(trainable, aligned, part, rank) * nbytes(tdtype)
         r.optimizer = 2 * part * 4 if adam else 0
-        if ds["contiguous_gradients"]:
+        if ds["contiguous_gradients"] and not (mode == "zero1" and full and cast is not None):  # BF16_Optimizer: none
             bucket = ds["reduce_bucket_size"] * nbytes(tdtype) * (2 if ds["overlap_comm"] else 1)
             transient += bucket
             r.notes.append(f"reduce bucket {ds['reduce_bucket_size']:,} elements allocated at each backward "
@@ -277,8 +335,8 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
                           and persisted + elems <= ds["stage3_model_persistence_threshold"])
             persisted += elems if persistent else 0
             part = _shard_elems(elems, w) * nbytes(dtype)
-            if persistent:  # kept whole (gathered at the padded size) on every rank besides its partition
-                held = part + _shard_elems(elems, w) * w * nbytes(dtype)
+            if persistent:  # kept whole (gathered at the padded size) on every rank besides its partition; on one
+                held = part + (_shard_elems(elems, w) * w * nbytes(dtype) if w > 1 else 0)  # rank they are one
                 device_part = held
             else:
                 held = part
@@ -289,8 +347,8 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
             else:
                 r.weights += device_part + unshardable
         tpart = sum(_shard_elems(p.numel, w) for p in trainable)
-        gdtype = cast or trainable[0].dtype
-        master, grads, opt = tpart * 4, tpart * nbytes(gdtype), (2 * tpart * 4 if adam else 0)
+        gdtype = cast or trainable[0].dtype  # the reduce bucket's; the partition is fp32 for full weights
+        master, grads, opt = tpart * 4, tpart * nbytes(accum or gdtype), (2 * tpart * 4 if adam else 0)
         bucket = ds["reduce_bucket_size"] * nbytes(gdtype) if ds["contiguous_gradients"] else 0
         if offload_opt:
             host += master + grads + opt
@@ -330,6 +388,8 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
         r.notes.append("dim-0 shards of every parameter (padded to equal rows; optimizer state unpadded)")
     r.transient = transient
     r.overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * r.allocated)
+    if full and (note := full_weights_note(r, cfg, sum(p.numel for p in params), w, cast)):
+        r.notes.append(note)
     return r
 
 
