@@ -82,7 +82,7 @@ def format_plan(plan: Plan) -> str:
     a = plan.activations
     head = [
         (f"scale-plan: {plan.model} ({plan.model_type}), {plan.parameters:,} parameters, "
-        f"{plan.trainable_parameters:,} trainable; {plan.gpus} GPU(s) x {plan.gpu_mem_gib:g} GiB on "
+        f"{plan.trainable_parameters:,} trainable ({'every weight' if plan.finetune == 'full' else 'LoRA'}); {plan.gpus} GPU(s) x {plan.gpu_mem_gib:g} GiB on "
         f"{plan.nodes} node(s); micro-batch {plan.micro_batch_size} x {plan.max_length} tokens, checkpointing "
         f"{plan.checkpointing if isinstance(plan.checkpointing, str) else 'on' if plan.checkpointing else 'off'}"),
         (f"saved activations per micro-batch: checkpointing off {_gib(a['checkpointing_off'])} GiB, on "
@@ -96,6 +96,7 @@ def format_plan(plan: Plan) -> str:
     width = max(12, *(len(x) + 2 for x in labels))
     lines = [f"{'GiB per rank':<22}" + "".join(f"{x:>{width}}" for x in labels)]
     for title, attr in ROWS:
+        title = "trained weights (all)" if attr == "trainable" and plan.finetune == "full" else title
         lines.append(f"{title:<22}" + "".join(f"{_gib(getattr(r, attr)):>{width}}" for r in plan.ranks))
     fit_cells = []
     for r in plan.ranks:

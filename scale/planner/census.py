@@ -23,7 +23,7 @@ import torch
 from scale.config.load import configs_dir
 from scale.config.schema import Config, ModelConfig
 from scale.modeling.build import TINY, add_lora, checkpointing_kwargs, tiny_llama_config
-from scale.utils.compat import enable_checkpointing
+from scale.modeling.finetune import make_full
 from scale.modeling.moe import moe_layout
 
 GIB = 2**30
@@ -141,15 +141,10 @@ class ParamInfo:
         return math.prod(self.shape)
 
 
-def trains_full(cfg: Config) -> bool:
-    """True when the run trains every weight of the base (``model.finetune: full``), False for a LoRA adapter."""
-    return getattr(cfg.model, "finetune", "lora") == "full"
-
-
 def build_meta_model(cfg: Config, hf_config: Any, checkpointing: bool | None = None) -> torch.nn.Module:
     """The harness's model on the ``meta`` device (no memory): base + LoRA (:func:`scale.modeling.build.add_lora`),
-    or with ``model.finetune: full`` the base alone with every parameter trainable and non-reentrant checkpointing
-    as configured.
+    or with ``model.finetune: full`` the base alone with every parameter trainable
+    (:func:`scale.modeling.finetune.make_full`).
 
     4-bit quantization is not applied (bitsandbytes cannot quantize meta tensors): see :func:`census`.
     """
@@ -161,12 +156,8 @@ def build_meta_model(cfg: Config, hf_config: Any, checkpointing: bool | None = N
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, trust_remote_code=m.trust_remote_code)
         base.config.use_cache = False
-        if trains_full(cfg):
-            base.requires_grad_(True)
-            if gc:
-                enable_checkpointing(base, **checkpointing_kwargs(replace(m, gradient_checkpointing=gc,
-                                                                          use_reentrant=False)))
-            model = base
+        if m.finetune == "full":  # as scale.modeling.build.build_model builds it
+            model = make_full(base, checkpointing_kwargs(replace(m, gradient_checkpointing=gc)) if gc else None)
         else:
             model = add_lora(base, replace(m, quantize_4bit=False, gradient_checkpointing=gc), cfg.lora)
     model.train()

@@ -27,7 +27,8 @@ from scale.config.load import configs_dir
 from scale.config.schema import Config
 from scale.modeling.attention import sequence_parallel_problem
 from scale.planner.activations import Activations
-from scale.planner.census import DTYPES, GIB, ParamInfo, nbytes, nf4_bytes, trains_full
+from scale.modeling.finetune import weights_plan
+from scale.planner.census import DTYPES, GIB, ParamInfo, nbytes, nf4_bytes
 
 # Launch modes, cheapest first: bytes moved between ranks per optimizer step (W = all weights, G = trainable
 # gradients): single 0; DDP all-reduce of G; ZeRO-1/2 reduce-scatter of G + all-gather of the updated trainable
@@ -161,8 +162,10 @@ def full_weights_note(r: Rank, cfg: Config, psi: int, world: int, cast: torch.dt
         why = "gradients accumulate in fp32 (data_types.grad_accum_dtype): a 4-byte partition where the paper has 2"
     if r.mode == "ddp":
         why += "; DDP keeps a bucket copy of the gradients (+4 bytes)"
-    if r.mode in ("zero3", "fsdp2"):
-        why += "; small parameters stay whole" if r.mode == "zero3" else "; dim-0 shards padded to equal rows"
+    if r.mode == "zero3":
+        why += "; parameters under the persistence threshold stay whole, and the reduce bucket is held throughout"
+    elif r.mode == "fsdp2":
+        why += "; dim-0 shards padded to equal rows"
     return (f"ZeRO paper (Figure 1, 16-bit + Adam) {ZERO_PAPER_TEXT[r.mode]} = {paper / GIB:.2f} GiB for Ψ = "
             f"{psi:,}, N = {world}; the harness keeps {r.model_states / GIB:.2f} GiB: {why}")
 
@@ -249,14 +252,17 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
     r = Rank(mode)
     m = cfg.model
     deepspeed = mode in DEEPSPEED_JSON
+    # What trains and in which dtypes (scale.modeling.finetune): with every weight trained, DeepSpeed accumulates
+    # gradients in fp32 (data_types.grad_accum_dtype, set by the harness); a LoRA run keeps DeepSpeed's default, the
+    # module's dtype.
+    weights = weights_plan(cfg, "fsdp" if mode == "fsdp2" else mode)
+    full = weights.trains == "full"
+    accum = DTYPES[weights.grad_accum_dtype] if full else None
     cast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.mixed_precision) if deepspeed else None
     if deepspeed and cast is not None:
-        r.notes.append(f"DeepSpeed casts every floating parameter to {cast} (LoRA too); fp32 master partition")
+        r.notes.append(f"DeepSpeed casts every floating parameter to {cast} ({'every weight' if full else 'LoRA too'}); "
+                       f"fp32 master partition")
     adam = cfg.optim.name == "adamw"
-    full = trains_full(cfg)
-    # Every weight trained: DeepSpeed accumulates gradients in fp32 (data_types.grad_accum_dtype, which the harness
-    # sets for full weights); a LoRA run keeps DeepSpeed's default, the module's dtype.
-    accum = torch.float32 if full else None
     trainable = [p for p in params if p.trainable]
     frozen = [p for p in params if not p.trainable]
     w = world if mode != "single" else 1
@@ -270,8 +276,6 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
                      f"(now {m.bnb_4bit_quant_storage})")
     if cfg.train.on_nonfinite == "skip" and deepspeed:
         r.refused = "train.on_nonfinite=skip cannot work under DeepSpeed"
-    if full and cfg.train.mixed_precision == "fp16":
-        r.refused = "model.finetune=full with train.mixed_precision=fp16 (use bf16)"
 
     act = acts[cast is not None]
     r.activations, r.logits = act.decoder, act.head

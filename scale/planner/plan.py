@@ -60,6 +60,7 @@ class Plan:
     # a mixture-of-experts model: total vs active parameters and FLOPs per token (:func:`scale.planner.moe.moe_text`)
     experts: str = ""
     preference: dict[str, Any] = field(default_factory=dict)  # pairs: scale.planner.pairs.plan_pairs; else empty
+    finetune: str = "lora"  # model.finetune: what the trainable parameters are (a LoRA adapter, or every weight)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -163,7 +164,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         activations={"checkpointing_off": a_off.decoder, "checkpointing_on": a_on.decoder, "lm_head_and_loss": a_on.head},
         logits_tail_bytes=cfg.train.micro_batch_size * N * a_on.vocab * 4,
         logits_full_bytes=cfg.train.micro_batch_size * T * a_on.vocab * 4, ranks=ranks, fits=fits,
-        recommended=recommended, advice=advice, experts=experts, preference=preference,
+        recommended=recommended, advice=advice, experts=experts, preference=preference, finetune=cfg.model.finetune,
         assumptions=[tail_note, *assumptions(replace(user_cfg, train=cfg.train), gpus, nodes, padded),
                      loss_note(cfg, a_on)])
 
@@ -305,7 +306,9 @@ def _core_assumptions(cfg: Config, gpus: int, nodes: int, rows: str) -> list[str
                                    if m.qlora_residual_dtype == "float32"
                                    else f"weights {m.dtype} (model.qlora_residual_dtype=compute)")
                                 if m.quantize_4bit else "")
-        + f"; LoRA r={cfg.lora.r} on {cfg.lora.target_modules} in fp32 (peft); optimizer {cfg.optim.name}"
+        + (f"; every weight trained (model.finetune=full): fp32 masters, fp32 gradient accumulation, fp32 optimizer "
+           f"state in every mode (scale.modeling.finetune.weights_plan)" if m.finetune == "full" else
+           f"; LoRA r={cfg.lora.r} on {cfg.lora.target_modules} in fp32 (peft)") + f"; optimizer {cfg.optim.name}"
         + f"; mixed precision {t.mixed_precision}",
         (f"framework overhead = {OVERHEAD_FIXED_BYTES / GIB:.0f} GiB per process (CUDA context, cuBLAS/NCCL "
         f"workspaces) + {OVERHEAD_FRACTION:.0%} of the counted bytes (allocator fragmentation): an assumption; a mode "

@@ -1,0 +1,154 @@
+"""``scale-plan`` for full-parameter fine-tuning (``model.finetune=full``): per-rank model states in each launch mode,
+every figure derived here by hand from the tiny model's sizes (not read off the planner), beside the ZeRO paper's
+(Rajbhandari et al. 2020, arXiv:1910.02054, Figure 1), and which mode fits Llama-3.1-8B / 70B on 8 x 80 GB.
+
+The planned bytes against what each rank really holds on 2 CPU processes: ``benchmarks/full_memory.py`` (and the
+LoRA path's counts in ``tests/test_plan.py``, which share :mod:`scale.planner.layouts`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from scale.config.load import load_config
+from scale.planner import census as C
+from scale.planner import layouts as LY
+from scale.planner.plan import make_plan
+from tests.conftest import TINY_YAML
+from tests.test_plan import NO_ACTS
+
+BASE = ["log.trackers=[]", "train.gradient_accumulation_steps=1", "model.finetune=full"]
+# tiny_cpu.yaml's Llama: vocab (SmolLM2's tokenizer), hidden, MLP width, layers; the head is tied to the embeddings,
+# key/value heads = heads, so q, k, v, o are all [H, H]
+V, H, I, L = 49152, 64, 128, 2
+PSI = V * H + L * (4 * H * H + 3 * H * I + 2 * H) + H  # embeddings + per layer (attention, MLP, 2 norms) + final norm
+THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold (configs/deepspeed/zero3.json leaves it out)
+BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default (the shipped JSONs leave it out)
+
+
+def tiny(precision: str, *extra: str):
+    cfg = load_config(TINY_YAML, [*BASE, f"train.mixed_precision={precision}", *extra])
+    hf = C.load_model_config(cfg.model)
+    return cfg, hf, C.census(cfg, C.build_meta_model(cfg, hf))
+
+
+def states(mode: str, precision: str, world: int, rank: int = 0) -> dict[str, int]:
+    cfg, hf, params = tiny(precision)
+    r = LY.predict_mode(cfg, params, NO_ACTS, mode, world, hf, rank=rank)
+    return {k: getattr(r, k) for k in ("weights", "trainable", "master", "gradients", "optimizer")}
+
+
+def test_full_census_trains_every_weight_once():
+    _, _, params = tiny("no")
+    assert all(p.trainable for p in params)
+    assert sum(p.numel for p in params) == PSI == 3_227_968  # the tied head counted once
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_single_and_ddp_keep_fp32_weights_gradients_and_moments(precision):
+    # accelerate's autocast leaves the parameters fp32 (they are the masters): 4 weights + 4 gradients + 8 Adam
+    assert states("single", precision, 1) == dict(weights=0, trainable=4 * PSI, master=0, gradients=4 * PSI,
+                                                  optimizer=8 * PSI)
+    # DDP also keeps its bucket copy of every gradient (gradient_as_bucket_view=False): 20 bytes per parameter
+    assert states("ddp", precision, 2) == dict(weights=0, trainable=4 * PSI, master=0, gradients=8 * PSI,
+                                               optimizer=8 * PSI)
+
+
+def aligned(world: int) -> int:
+    """ZeRO-1/2's flat buffer: Ψ padded to a multiple of 2 x world (nccl_start_alignment_factor 2)."""
+    return math.ceil(PSI / (2 * world)) * 2 * world
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero12_bf16_full_weights(world):
+    part = aligned(world) // world
+    # ZeRO-1 with fp32 accumulation is DeepSpeed's BF16_Optimizer: bf16 module and its bf16 gradients, a whole
+    # fp32 gradient buffer, the fp32 master partition and the Adam moments' partitions
+    assert states("zero1", "bf16", world) == dict(weights=0, trainable=2 * aligned(world), master=4 * part,
+                                                  gradients=2 * PSI + 4 * aligned(world), optimizer=8 * part)
+    # ZeRO-2: the gradients accumulate in an fp32 partition
+    assert states("zero2", "bf16", world) == dict(weights=0, trainable=2 * aligned(world), master=4 * part,
+                                                  gradients=4 * part, optimizer=8 * part)
+
+
+def test_zero12_fp32_full_weights_two_ranks():
+    part = aligned(2) // 2
+    # fp32: no cast; DeepSpeed still keeps its own fp32 master partition. ZeRO-1 holds every gradient whole until
+    # the end of backward; ZeRO-2's rank 0 keeps the whole gradient of each parameter that overlaps its partition:
+    # the partition (Ψ/2 elements) lies inside the embedding (V x H > Ψ/2), whose gradient is kept whole
+    assert part < V * H
+    z1 = states("zero1", "no", 2)
+    assert z1 == dict(weights=0, trainable=4 * aligned(2), master=4 * part, gradients=4 * PSI, optimizer=8 * part)
+    z2 = states("zero2", "no", 2)
+    assert z2 == dict(weights=0, trainable=4 * aligned(2), master=4 * part, gradients=4 * V * H, optimizer=8 * part)
+    # rank 1's partition begins inside the embedding too: it keeps the embedding's gradient and every later one
+    assert states("zero2", "no", 2, rank=1)["gradients"] == 4 * PSI
+
+
+@pytest.mark.parametrize("precision,wbytes", [("no", 4), ("bf16", 2)])
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero3_full_weights(precision, wbytes, world):
+    _, _, params = tiny(precision)
+    shard = sum(math.ceil(p.numel / world) for p in params)  # every parameter padded to a multiple of N
+    small = [p for p in params if p.numel <= THRESHOLD]  # every tensor but the embedding: kept whole as well
+    assert [p.numel for p in params if p.numel > THRESHOLD] == [V * H]
+    whole = sum(math.ceil(p.numel / world) * world for p in small) if world > 1 else 0
+    assert states("zero3", precision, world) == dict(
+        weights=0, trainable=wbytes * (shard + whole), master=4 * shard,
+        gradients=4 * shard + wbytes * BUCKET,  # fp32 partition + the reduce bucket in the module's dtype
+        optimizer=8 * shard)
+
+
+def test_sharded_parts_fall_as_one_over_n():
+    """Master and Adam moments (ZeRO-1/2/3) and the gradient partition (ZeRO-2/3) halve from 1 to 2 ranks (padding
+    aside: at most 2 x world elements per flat group, 1 per parameter and rank under ZeRO-3)."""
+    for mode in ("zero1", "zero2", "zero3"):
+        one, two = states(mode, "bf16", 1), states(mode, "bf16", 2)
+        for key in ("master", "optimizer") + (("gradients",) if mode == "zero2" else ()):
+            assert abs(2 * two[key] - one[key]) <= 2 * 4 * 2 * 21 * 2, (mode, key, one[key], two[key])
+
+
+def test_zero_paper_figures_and_what_the_harness_adds():
+    psi, n = 1000, 8
+    assert [LY.zero_paper_bytes(m, psi, n) for m in ("ddp", "zero1", "zero2", "zero3")] == [
+        16 * psi, 4 * psi + 12 * psi // n, 2 * psi + 14 * psi // n, 16 * psi // n]
+    assert LY.zero_paper_bytes("single", psi, n) is None
+    # bf16 on 2 ranks: what differs from the paper, term by term (padding of the flat buffer aside)
+    pad = aligned(2) - PSI
+    z2 = sum(states("zero2", "bf16", 2).values())
+    assert z2 == LY.zero_paper_bytes("zero2", PSI, 2) + 2 * PSI // 2 + 2 * pad + 16 * pad // 2  # fp32 grad partition
+    z1 = sum(states("zero1", "bf16", 2).values())
+    assert z1 == LY.zero_paper_bytes("zero1", PSI, 2) + 4 * PSI + 6 * pad + 12 * pad // 2  # + whole fp32 gradients
+    ddp = sum(states("ddp", "bf16", 2).values())
+    assert ddp == LY.zero_paper_bytes("ddp", PSI, 2) + 4 * PSI  # fp32 weights and grads (+4) and DDP's copy (+4)
+    cfg, hf, params = tiny("bf16")
+    r = LY.predict_mode(cfg, params, NO_ACTS, "zero2", 2, hf)
+    assert any(n.startswith("ZeRO paper (Figure 1, 16-bit + Adam) 2Ψ + 14Ψ/N") for n in r.notes), r.notes
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.1-70b"])
+def test_which_mode_fits_llama_on_8_x_80_gb(name):
+    cfg = load_config(None, ["model.finetune=full", "model.quantize_4bit=false", "model.dtype=float32",
+                             "train.mixed_precision=bf16", "model.gradient_checkpointing=true",
+                             "train.micro_batch_size=1", "data.max_length=2048", "log.trackers=[]"])
+    plan = make_plan(cfg, gpus=8, gpu_mem_gib=80, model_config=name)
+    psi, gib = plan.parameters, 2**30
+    assert plan.trainable_parameters == psi
+    by = {r.mode: r for r in plan.ranks}
+    # model states by hand (bf16: DeepSpeed's bf16 module; autocast keeps fp32 parameters under DDP/FSDP2)
+    assert by["ddp"].model_states == 20 * psi  # fp32 weights 4 + gradients 4 + bucket copy 4 + Adam 8
+    assert by["fsdp2"].optimizer >= 8 * psi // 8
+    part = math.ceil(psi / 16) * 16 // 8
+    assert by["zero2"].model_states == 2 * 8 * part + 16 * part  # bf16 module (8 partitions) + fp32 master, grads, Adam
+    zero3_floor = (2 + 4 + 4 + 8) * psi // 8  # bf16 weights, fp32 master, fp32 gradients, Adam, each 1/8
+    assert by["zero3"].model_states >= zero3_floor
+    assert not plan.fits["ddp"] and 20 * psi > 80 * gib
+    if name == "llama-3.1-8b":  # ZeRO-2's states are 4Ψ = 30 GiB: it fits; DDP's 20Ψ = 150 GiB does not
+        assert 4 * psi < 40 * gib and plan.fits["zero2"]
+        assert plan.recommended in ("zero1", "zero2")
+    else:  # 70B: ZeRO-3's states alone, 18Ψ/8 = 147 GiB, are over 80 GiB; only offloading fits
+        assert zero3_floor > 80 * gib and not plan.fits["zero3"] and not plan.fits["fsdp2"]
+        assert plan.recommended == "zero3_offload"
+        assert by["zero3_offload"].host >= (4 + 4 + 8) * psi // 8  # master, gradients, Adam in host memory
