@@ -47,6 +47,11 @@ def _build(cfg, device_map):
         torch.manual_seed(cfg.train.seed)
         base = AutoModelForCausalLM.from_config(hf, dtype=_DTYPES[cfg.model.dtype])
         base.config.use_cache = False
+        if cfg.model.finetune == "full":  # as build_model does it
+            from scale.modeling.build import checkpointing_kwargs
+            from scale.modeling.finetune import make_full
+
+            return make_full(base, checkpointing_kwargs(cfg.model) if cfg.model.gradient_checkpointing else None)
         model = add_lora(base, cfg.model, cfg.lora)
     model.train()
     return model

@@ -98,13 +98,14 @@ ALLOWED: dict[str, set[str]] = {
     # objectives: one file per objective; loss.objective picks one
     "objectives": {"config.schema", "config.validation", "loss.chunked", "loss.tail"},
     # planner: scale-plan's counts, meta/fake tensors, no process group
-    "planner.census": {"config.load", "config.schema", "modeling.build", "modeling.moe"},  # parameters
+    "planner.census": {"config.load", "config.schema", "modeling.build", "modeling.finetune", "modeling.moe"},  # params
     "planner.activations": {"config.schema", "loss.chunked", "loss.tail", "modeling.moe", "objectives",
                             "planner.census"},  # saved activations; objectives: the pairs' loss
     "planner.moe": {"modeling.moe", "planner.census", "utils.flops"},  # the plan's line for a MoE model
     "planner.pairs": {"config.schema", "objectives", "planner.activations", "utils.flops"},  # a preference job's
     # where each launch mode keeps the bytes; modeling: the sequence-parallel guard, for the SP columns
-    "planner.layouts": {"config.load", "config.schema", "modeling.attention", "planner.activations", "planner.census"},
+    "planner.layouts": {"config.load", "config.schema", "modeling.attention", "modeling.finetune", "planner.activations",
+                        "planner.census"},  # finetune: what trains and in which dtypes (WeightsPlan)
     "planner.plan": {"config.schema", "data.tokenize", "modeling.build", "planner.activations", "planner.census",
                      "planner.layouts", "planner.moe", "planner.pairs", "utils.assets"},  # data: the tails
     "planner.autobatch": {"config.schema", "config.validation", "planner.census", "planner.layouts",

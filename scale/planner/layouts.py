@@ -26,8 +26,8 @@ import torch
 from scale.config.load import configs_dir
 from scale.config.schema import Config
 from scale.modeling.attention import sequence_parallel_problem
-from scale.planner.activations import Activations
 from scale.modeling.finetune import weights_plan
+from scale.planner.activations import Activations
 from scale.planner.census import DTYPES, GIB, ParamInfo, nbytes, nf4_bytes
 
 # Launch modes, cheapest first: bytes moved between ranks per optimizer step (W = all weights, G = trainable
@@ -196,6 +196,15 @@ def zero12_gradient_elems(trainable: list[ParamInfo], aligned: int, part: int, r
     return held + max(0, hi - max(lo, offset)) if aligned > offset else held
 
 
+def zero12_extra_bytes(trainable: list[ParamInfo], dtype: torch.dtype) -> int:
+    """A measured term of a full fine-tune under DeepSpeed's ZeRO-1/2 optimizer (``DeepSpeedZeroOptimizer``, not
+    ``BF16_Optimizer``): each rank holds, at the optimizer step, one tensor beyond its parameters, master, gradient
+    partition and buckets, of the largest trained parameter's shape (the input embeddings, tied to the head or not)
+    in the module's dtype. Seen by ``benchmarks/full_memory.py`` (DeepSpeed 0.19.8, CPU, fp32 and bf16, 1 and 2
+    ranks); which DeepSpeed structure keeps it was not identified, so it is counted as measured, in ``transient``."""
+    return max((p.numel for p in trainable), default=0) * nbytes(dtype)
+
+
 def sequence_parallel_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activations], mode: str,
                            world: int, hf_config: Any, root: Path | None = None, rank: int = 0) -> Rank:
     """Bytes one rank holds in ``zero2_sp``/``zero3_sp``: ZeRO-2/3 with ``train.sequence_parallel_size = N``.
@@ -324,6 +333,11 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
             transient += bucket
             r.notes.append(f"reduce bucket {ds['reduce_bucket_size']:,} elements allocated at each backward "
                            f"({ds['source']}); set zero_optimization.reduce_bucket_size to shrink it")
+        if full and not (mode == "zero1" and cast is not None):
+            extra = zero12_extra_bytes(trainable, tdtype)
+            transient += extra
+            r.notes.append(f"+ {extra / 2**20:,.1f} MiB: one more tensor the size of the largest trained parameter "
+                           f"in {tdtype}, held at the step (measured, benchmarks/full_memory.py)")
     elif mode in ("zero3", "zero3_offload"):
         ds = deepspeed_settings(mode, hf_config, root)
         offload_param = ds.get("offload_param", {}).get("device", "none") == "cpu"
