@@ -131,11 +131,33 @@ def test_zero_paper_figures_and_what_the_harness_adds():
     assert any(n.startswith("ZeRO paper (Figure 1, 16-bit + Adam) 2Ψ + 14Ψ/N") for n in r.notes), r.notes
 
 
+LLAMA = ["model.finetune=full", "model.quantize_4bit=false", "model.dtype=float32", "train.mixed_precision=bf16",
+         "model.gradient_checkpointing=true", "train.micro_batch_size=1", "data.max_length=2048", "log.trackers=[]"]
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.1-70b"])
+def test_llama_model_states_on_8_ranks(name):
+    """The model states alone (no activations: seconds, where the whole plan below takes a minute), by hand."""
+    cfg = load_config(None, LLAMA)
+    hf = C.load_model_config(cfg.model, name)
+    params = C.census(cfg, C.build_meta_model(cfg, hf, checkpointing=True))
+    psi, gib = sum(p.numel for p in params), 2**30
+    assert all(p.trainable for p in params)
+    by = {m: LY.predict_mode(cfg, params, NO_ACTS, m, 8, hf) for m in ("ddp", "zero2", "zero3")}
+    assert by["ddp"].model_states == 20 * psi
+    part = math.ceil(psi / 16) * 16 // 8
+    assert by["zero2"].model_states == 2 * 8 * part + 16 * part
+    assert by["zero3"].model_states >= 18 * psi // 8
+    if name == "llama-3.1-70b":  # ZeRO-3's states alone (18 bytes / 8 per parameter) are over 80 GiB
+        assert by["zero3"].model_states > 80 * gib
+    else:
+        assert by["zero2"].model_states < 40 * gib
+
+
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.1-70b"])
 def test_which_mode_fits_llama_on_8_x_80_gb(name):
-    cfg = load_config(None, ["model.finetune=full", "model.quantize_4bit=false", "model.dtype=float32",
-                             "train.mixed_precision=bf16", "model.gradient_checkpointing=true",
-                             "train.micro_batch_size=1", "data.max_length=2048", "log.trackers=[]"])
+    cfg = load_config(None, LLAMA)
     plan = make_plan(cfg, gpus=8, gpu_mem_gib=80, model_config=name)
     psi, gib = plan.parameters, 2**30
     assert plan.trainable_parameters == psi
