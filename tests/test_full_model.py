@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from scale.train import run
 from scale.training.checkpoint import CheckpointError
-from scale.training.checkpoint.sharded import ShardReader
+from scale.training.checkpoint.sharded_read import ShardReader
 from scale.training.metrics import read_jsonl
 from tests.bounds import TINY_JOB_REL
 from tests.conftest import tiny_cfg

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from scale.training.checkpoint import sharded
-from scale.training.checkpoint.sharded import (MODES, WEIGHT, Piece, ShardedStateError, ShardReader, even_share,
-                                               layout_ranges, load_pieces, local_pieces, shard_files, shard_name,
-                                               write_shard)
+from scale.training.checkpoint.sharded import (MODES, WEIGHT, Piece, ShardedStateError, even_share, layout_ranges,
+                                               local_pieces, shard_files, shard_name, write_shard)
+from scale.training.checkpoint.sharded_read import ShardReader, load_pieces
 from tests.conftest import TINY_DATA, tiny_cfg
 
 # Shapes that make every layout cut inside and across tensors: rows that do not divide by 2 or 3, a tensor smaller

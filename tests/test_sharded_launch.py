@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from scale.training.checkpoint.sharded import WEIGHT, ShardReader, layout_ranges
+from scale.training.checkpoint.sharded import WEIGHT, layout_ranges
+from scale.training.checkpoint.sharded_read import ShardReader
 from tests.launching import JOB, ROOT, TINY, modes
 
 # The tiny job (tests/launching.py) with every weight trained by AdamW (moments and step count in the shards),

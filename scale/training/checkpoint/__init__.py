@@ -2,8 +2,8 @@
 launch mode. One file per concern: :mod:`~scale.training.checkpoint.store` (layout, list, verify, rotate, pick),
 :mod:`~scale.training.checkpoint.rules` (the resume rules), :mod:`~scale.training.checkpoint.saving` (save and load),
 :mod:`~scale.training.checkpoint.portable` (the state any launch mode loads),
-:mod:`~scale.training.checkpoint.sharded` (full weights: every rank's ranges, read back by any layout). Import from
-here.
+:mod:`~scale.training.checkpoint.sharded` (full weights: every rank's ranges) and
+:mod:`~scale.training.checkpoint.sharded_read` (read back by any layout). Import from here.
 """
 
 from scale.training.checkpoint.portable import ADAPTER_FILE, derived_seed, rng_states, set_rng_states

@@ -26,7 +26,8 @@ from scale.modeling.dropout import dropout_census
 from scale.training.checkpoint.portable import (ADAPTER_FILE, PortableStateError, load_portable, parameter_names,
                                                 restore_rng, write_portable)
 from scale.training.checkpoint.rules import check_same_tokens, native, trains_full
-from scale.training.checkpoint.sharded import load_sharded, write_sharded
+from scale.training.checkpoint.sharded import write_sharded
+from scale.training.checkpoint.sharded_read import load_sharded
 from scale.training.checkpoint.store import (CheckpointError, _complete_in, _is_writer, checkpoint_root, record_files,
                                              rotate)
 from scale.training.state import STATE_FILE, TrainerState
@@ -176,7 +177,7 @@ def load_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path, s
     by :func:`scale.training.checkpoint.rules.check_resume`). LoRA: the mode's own files when it was written in this
     mode on these processes, else the portable state, in any mode (:func:`scale.training.checkpoint.rules.native`).
     Full weights: the shards, in any mode on any number of processes
-    (:func:`scale.training.checkpoint.sharded.load_sharded`), each rank its own RNG states when the process count is
+    (:func:`scale.training.checkpoint.sharded_read.load_sharded`), each rank its own RNG states when the process count is
     the checkpoint's. Collective.
 
     Args:
