@@ -127,6 +127,8 @@ ALLOWED: dict[str, set[str]] = {
                           "utils.fileio"},  # serving files, the merged model
     "generation.generator": {"config.load", "config.schema", "data.tasks", "generation.export", "modeling.build",
                              "modeling.moe"},  # answering as the run trained
+    "generation.rollout": set(),  # rl.generator: the rollout interface and the transformers engine (seeded sampling)
+    "generation.vllm": {"generation.rollout"},  # rl.generator=vllm: a colocated vLLM engine, the adapter synced
     "generation": set(),  # the face: hands nothing on
     # training: may import accelerate / torch.distributed
     "training.state": {"config.validation"},  # TrainerState, SaveTimer, a resume's global batch
@@ -143,6 +145,8 @@ ALLOWED: dict[str, set[str]] = {
     "training.checkpoint": {"config.load", "config.schema", "config.validation", "distributed.launch",
                             "modeling.build", "modeling.dropout", "training.state", "utils.fileio"},
     "training.samples": {"training.checkpoint", "training.tracking", "utils.signals"},  # generation at each eval
+    # online RL: one round of rollouts (sampled, scored, batched) for loss.objective=grpo
+    "training.rollouts": {"data.collate", "data.tasks", "generation.rollout", "objectives"},
     # training/parts/: each part of a run builds itself (launch, data, model, loaders, ...)
     "training.parts": {"config.schema", "config.validation", "data.cache", "data.collate", "data.mixing", "data.order",
                        "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize",
@@ -208,10 +212,11 @@ LAYERS: dict[str, list[set[str]]] = {
                 {"planner.plan"}, {"planner.autobatch"}, {"planner"}],
     "distributed": [{"distributed.topology", "distributed.rendezvous", "distributed.collective", "distributed.inputs",
                      "distributed.ulysses"}, {"distributed.launch", "distributed.launcher"}, {"distributed"}],
-    "generation": [{"generation.export"}, {"generation.generator"}, {"generation"}],
+    "generation": [{"generation.export", "generation.rollout"}, {"generation.generator", "generation.vllm"},
+                   {"generation"}],
     "training": [{"training.state", "training.schedule", "training.precision", "training.metrics", "training.checks"},
                  {"training.best", "training.tracking", "training.evaluate", "training.windows",
-                  "training.checkpoint"},
+                  "training.checkpoint", "training.rollouts"},
                  {"training.samples"}, {"training.parts"}, {"training.startup"}, {"training.job"},
                  {"training.commit"}, {"training"}],
     "root": [{"train", "plan", "export", "generate", "lmeval", "prepare", "report", "env"}, {"cli"},
