@@ -42,7 +42,7 @@ from scale.training.commit import HeldWindow, StepCommit, nonfinite_flag, where_
 from scale.training.evaluate import evaluate
 from scale.training.job import Job, setup
 from scale.training.metrics import Progress, StepMeter, duration_text
-from scale.training.samples import generate_samples, sample_metrics, write_samples
+from scale.training.samples import SAMPLES_FILE, generate_samples, sample_metrics, write_samples
 from scale.training.state import STATE_FILE, SaveTimer
 from scale.training.tracking import finish_trackers, log_model
 from scale.training.windows import Window, skip_trained, windows
@@ -86,8 +86,10 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
         batches, last = epoch_loader(job)
         for window in windows(acc, batches, t.gradient_accumulation_steps, job.objective, preemption, timer, commit,
                               last):
-            # host time waiting for batches (and the gather), not the previous step's optimizer step it applied
-            meter.data_s += time.perf_counter() - ready - commit.take_spent()
+            # host time waiting for batches (and the gather), not the previous step's optimizer step it applied nor
+            # the sampling of a round of rollouts (grpo: compute, reported as train/rollout_s)
+            sampled = job.rl.source.meter.take_pending() if job.rl is not None else 0.0
+            meter.data_s += time.perf_counter() - ready - commit.take_spent() - sampled
             if window.stop:
                 preempted(job, pbar)
             train_window(job, window, meter, commit)
@@ -104,6 +106,8 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
                     for watcher in (job.experts.load, job.experts.aux):
                         if watcher is not None:
                             metrics.update(watcher.flush(lambda t: acc.reduce(t, reduction="sum")))
+                if job.rl is not None:  # grpo: the interval's rounds of rollouts, and some of the latest's completions
+                    metrics.update(rollout_metrics(job, metrics))
                 if t.on_nonfinite == "skip":
                     metrics["train/skipped_steps"] = state.skipped_steps
                 if 0.0 in (cfg.loss.type_weights or ()):
@@ -124,8 +128,7 @@ def fit(job: Job, preemption: Preemption | None = None) -> dict[str, float]:
     commit.flush()  # already applied wherever the loop ends (the last step logs); kept for any later exit
     pbar.close()
     # Resumed from the last step's checkpoint: nothing was trained, the figures are already logged.
-    return last_eval or evaluate(acc, job.model, job.eval_dl, job.objective, task=job.task,
-                                    sequence=job.sequence)
+    return last_eval or run_evaluation(job, None)[0]
 
 
 def conclude_step(job: Job, pbar: Any, preemption: Preemption | None, timer: SaveTimer, evaluate_now: bool,
@@ -162,7 +165,8 @@ def conclude_step(job: Job, pbar: Any, preemption: Preemption | None, timer: Sav
     if interval or save_due or best or stopping or (done and (t.save_every or t.save_every_minutes)):
         why = "end" if done else "early_stopped" if stopping else "best" if best else "interval"
         commit.flush()
-        path = save_checkpoint(acc, cfg, job.plan, state.with_reason(why), job.model, job.optimizer)
+        path = save_checkpoint(acc, cfg, job.plan, state.with_reason(why), job.model, job.optimizer,
+                               extra=job.rl.source.save if job.rl is not None else None)
         if best and acc.is_main_process:
             write_best(cfg.output_dir, state, t.keep_best)  # after the checkpoint it names is whole
         if cfg.log.wandb_log_model == "checkpoint":
@@ -177,8 +181,8 @@ def preempted(job: Job, pbar: Any) -> None:
     Raises:
         Preempted: always.
     """
-    save_checkpoint(job.acc, job.cfg, job.plan, job.state.with_reason("preempted"), job.model,
-                    job.optimizer)  # collective
+    save_checkpoint(job.acc, job.cfg, job.plan, job.state.with_reason("preempted"), job.model, job.optimizer,
+                    extra=job.rl.source.save if job.rl is not None else None)  # collective
     pbar.close()
     raise Preempted(f"pre-empted at step {job.state.step}: checkpoint written; rerun with "
                     f"train.resume_from=latest to continue")
@@ -256,8 +260,13 @@ def epoch_loader(job: Job) -> tuple[Iterable[dict[str, torch.Tensor]], dict[str,
     """This rank's train micro-batches of ``state.epoch`` and the one trained before them (:func:`windows`'
     ``last``): mid-epoch after a resume, without the ``windows_in_epoch * GA`` already trained, the last of which
     is a rank's stand-in if its shard holds no batch for the next window
-    (:func:`scale.training.windows.skip_trained`)."""
+    (:func:`scale.training.windows.skip_trained`). Under ``grpo`` the rounds already trained are skipped and a round
+    cut mid-way is restored (:meth:`scale.training.parts.rl.RolloutSource.resume_at`); every rank holds the same
+    number of micro-batches, so no stand-in is needed."""
     trained = job.state.windows_in_epoch * job.cfg.train.gradient_accumulation_steps
+    if job.rl is not None:
+        job.rl.source.set_epoch(job.state.epoch)
+        return job.rl.source.resume_at(trained), None
     return skip_trained(job.acc, job.train_dl, job.state.epoch, trained)
 
 
@@ -286,8 +295,10 @@ def evaluate_and_log(job: Job, preemption: Preemption | None = None) -> dict[str
         unit = job.task.unit if job.task is not None else "rows"
         logger.info("eval step %d: evaluating %s held-out %s%s", job.state.step,
                     len(getattr(job.eval_dl, "dataset", ())), unit, generating)
-    metrics = evaluate(job.acc, job.model, job.eval_dl, job.objective, stop=stop, task=job.task,
-                       sequence=job.sequence)
+    metrics, records = run_evaluation(job, stop)
+    if records:  # grpo: greedy completions of the first held-out prompts, with their rewards
+        write_samples(job.acc, Path(job.cfg.output_dir) / SAMPLES_FILE, job.state.step,
+                      [{"split": "eval", **r} for r in records], job.state.step >= job.log.skip_below)
     if job.gen is not None and job.gen.samples:
         records = generate_samples(job.acc, job.model, job.gen, stop)  # collective
         metrics |= sample_metrics(records)
@@ -298,6 +309,33 @@ def evaluate_and_log(job: Job, preemption: Preemption | None = None) -> dict[str
             f"{k.removeprefix('eval/')} {v:.4f}" if isinstance(v, float) else f"{k.removeprefix('eval/')} {v}"
             for k, v in metrics.items()))
     return metrics
+
+
+def run_evaluation(job: Job, stop: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """``(metrics, records)`` of one evaluation: :func:`evaluate` (no records), or under ``loss.objective: grpo`` the
+    rewards of greedy completions of the held-out prompts (:func:`scale.training.rollouts.evaluate_prompts`).
+    Collective."""
+    if job.rl is not None:
+        return job.rl.evaluate(stop)
+    return evaluate(job.acc, job.model, job.eval_dl, job.objective, stop=stop, task=job.task,
+                    sequence=job.sequence), []
+
+
+def rollout_metrics(job: Job, metrics: dict[str, float]) -> dict[str, float]:
+    """The log interval's rounds of rollouts (:class:`scale.training.parts.rl.RoundMeter`) and the share of its wall
+    time spent sampling (``train/rollout_fraction``); the latest round's first ``rl.log_completions`` completions on
+    this rank go to ``samples.jsonl`` and the W&B table ``train/rollouts``."""
+    out = job.rl.source.meter.flush()
+    wall = metrics.get("train/data_s", 0.0) + metrics.get("train/compute_s", 0.0)
+    if out and wall > 0:
+        out["train/rollout_fraction"] = out["train/rollout_s"] / wall
+    keep = job.rl.source.last_records[:job.cfg.rl.log_completions]
+    if keep:
+        write_samples(job.acc, Path(job.cfg.output_dir) / SAMPLES_FILE, job.state.step,
+                      [{"split": "train", **r} for r in keep], job.state.step >= job.log.skip_below,
+                      table="train/rollouts")
+        job.rl.source.last_records = []
+    return out
 
 
 def outputs_text(output_dir: str | Path) -> str:

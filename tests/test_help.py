@@ -71,7 +71,7 @@ def test_help_of_an_unknown_topic_is_one_line_and_exit_2(capsys):
     ("neftune_noise_alpha=5", "unknown config key neftune_noise_alpha: TRL/transformers' neftune_noise_alpha has no "
                               "scale setting (not offered)"),
     ("nope.x=1", "unknown config key nope; known keys in the top level: ['data', 'eval', 'log', 'lora', 'loss', "
-                 "'model', 'optim', 'output_dir', 'train']; scale-train --help lists them"),
+                 "'model', 'optim', 'output_dir', 'rl', 'train']; scale-train --help lists them"),
 ])
 def test_unknown_keys_get_the_closest_keys_or_the_scale_key_of_a_trl_name(override, message):
     with pytest.raises(ConfigError) as e:
@@ -115,7 +115,7 @@ def test_help_and_overrides_suggest_the_same_key(capsys, typo, hint):
     optim.lr on both paths (the help suggested lora), ``optim.lrr`` optim.lr (the help suggested optim)."""
     assert main(["--help", typo]) == 2
     assert capsys.readouterr().err == (f"scale-train: error: ConfigError: --help {typo}: no such section or key: "
-                                       f"{hint} (sections: data, eval, log, lora, loss, model, optim, train; --help "
+                                       f"{hint} (sections: data, eval, log, lora, loss, model, optim, rl, train; --help "
                                        f"trl lists TRL/transformers names)\n")
     if "." in typo or typo == "lr":
         with pytest.raises(ConfigError) as e:

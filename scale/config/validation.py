@@ -36,10 +36,14 @@ _CHOICES = {
     "model.attn_implementation": (None, "sdpa", "eager", "flash_attention_2", "flex_attention"),
     "model.kernels": (None, "liger"),
     "model.qlora_residual_dtype": ("float32", "compute"),
-    "loss.objective": ("sft", "dpo", "simpo", "orpo"),  # what scale.objectives.build_objective builds
+    "loss.objective": ("sft", "dpo", "simpo", "orpo", "grpo"),  # what scale.objectives.build_objective builds
     "loss.dpo_loss": ("sigmoid", "ipo", "hinge"),
     "loss.reference": ("adapter", "precomputed"),
-    "data.format": ("auto", "text", "classification", "prompt_completion", "messages", "preference"),
+    "data.format": ("auto", "text", "classification", "prompt_completion", "prompts", "messages", "preference"),
+    "rl.scale_rewards": ("group", "batch", "none"),
+    "rl.loss_type": ("grpo", "dr_grpo", "dapo", "bnpo"),
+    "rl.importance_sampling_level": ("token", "sequence"),
+    "rl.generator": ("transformers", "vllm"),
     "data.stopping_strategy": ("first_exhausted", "all_exhausted"),
     "loss.criterion_mode": ("plain", "input"),
     "loss.fused": (None, "liger"),
@@ -91,6 +95,7 @@ def validate(cfg: Any) -> None:
     _validate_datasets(cfg.data)
     _validate_preference(cfg)
     _validate_finetune(cfg)
+    _validate_rl(cfg)
     if cfg.train.eval_every < 0:
         raise ConfigError("train.eval_every must be >= 0 (0 evaluates only at step 0 and the end)")
     if cfg.train.save_every < 0:
@@ -299,3 +304,56 @@ def _validate_preference(cfg: Any) -> None:
     if cfg.data.format not in ("auto", "preference"):
         raise ConfigError(f"loss.objective={loss.objective} trains preference pairs; data.format={cfg.data.format} "
                           f"has none: set data.format=preference (or auto)")
+
+
+def _validate_rl(cfg: Any) -> None:  # a Config
+    """``loss.objective: grpo`` and the ``rl`` section: the numbers, whole groups per rank, rounds of whole
+    optimizer steps, room for a prompt, and the batch layouts rollouts come in (padded rows, one rank per row)."""
+    if not cfg.loss.samples_online():
+        return
+    rl, t, d = cfg.rl, cfg.train, cfg.data
+    if d.format not in ("auto", "prompts"):
+        raise ConfigError(f"loss.objective=grpo samples completions of prompts; data.format={d.format} has none: set "
+                          f"data.format=prompts (a prompt column, or data.prompt_template over the columns)")
+    for key, ok, rule in (("rl.num_generations", rl.num_generations >= 2, "must be >= 2 (a group's advantages)"),
+                          ("rl.max_completion_length", rl.max_completion_length >= 1, "must be >= 1"),
+                          ("rl.temperature", 0 < rl.temperature < math.inf, "must be > 0 and finite"),
+                          ("rl.top_p", 0 < rl.top_p <= 1, "must lie in (0, 1] (1: off)"),
+                          ("rl.top_k", rl.top_k >= 0, "must be >= 0 (0: off)"),
+                          ("rl.epsilon", 0 <= rl.epsilon < 1, "must lie in [0, 1)"),
+                          ("rl.epsilon_high", rl.epsilon_high is None or rl.epsilon_high >= 0, "must be >= 0, or null"),
+                          ("rl.beta", 0 <= rl.beta < math.inf, "must be >= 0 and finite (0: no reference)"),
+                          ("rl.num_iterations", rl.num_iterations >= 1, "must be >= 1"),
+                          ("rl.log_completions", rl.log_completions >= 0, "must be >= 0 (0: none)"),
+                          ("rl.vllm_gpu_memory_utilization", 0 < rl.vllm_gpu_memory_utilization < 1,
+                           "must lie in (0, 1)")):
+        if not ok:
+            raise ConfigError(f"{key}={get_key(cfg, key)} {rule}")
+    if rl.max_completion_length >= d.max_length:
+        raise ConfigError(f"rl.max_completion_length={rl.max_completion_length} leaves no room for a prompt in "
+                          f"data.max_length={d.max_length} (prompt + completion); raise data.max_length or lower "
+                          f"rl.max_completion_length")
+    if t.micro_batch_size == "auto":
+        raise ConfigError("train.micro_batch_size=auto is not planned for loss.objective=grpo yet (the rollout's KV "
+                          "cache is not in the search); set a number of completions per micro-batch")
+    ga = t.gradient_accumulation_steps
+    spg = ga if rl.steps_per_generation is None else rl.steps_per_generation
+    if spg < 1 or spg % ga:
+        raise ConfigError(f"rl.steps_per_generation={rl.steps_per_generation} must be a multiple of "
+                          f"train.gradient_accumulation_steps={ga} (a round of rollouts trains whole optimizer "
+                          f"steps), or null for one step's micro-batches")
+    if (t.micro_batch_size * spg) % rl.num_generations:
+        raise ConfigError(f"rl.num_generations={rl.num_generations} does not divide the completions of a round on "
+                          f"one rank (train.micro_batch_size={t.micro_batch_size} x rl.steps_per_generation={spg}): "
+                          f"a prompt's group never spans two ranks; make train.micro_batch_size (or "
+                          f"rl.steps_per_generation) a multiple of rl.num_generations / their common factors")
+    if not rl.rewards:
+        raise ConfigError("rl.rewards is empty: loss.objective=grpo needs a reward function, e.g. "
+                          "rl.rewards=[{fn: exact_match, column: answer}] or ['my_rewards:exact_answer']")
+    for key, on in (("data.packing", d.packing), ("data.padding_free", d.padding_free),
+                    ("data.group_by_length", d.group_by_length)):
+        if on:
+            raise ConfigError(f"{key}=true does not apply to loss.objective=grpo: rollouts are padded rows of "
+                              f"prompt + completion built each round; set {key}=false")
+    if t.sequence_parallel_size != 1:
+        raise ConfigError("loss.objective=grpo does not run under train.sequence_parallel_size > 1 yet; set it to 1")

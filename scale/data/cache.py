@@ -55,7 +55,7 @@ from scale.data.read import DataError
 from scale.data.tasks import get
 from scale.data.tasks.base import Builder
 from scale.data.tasks.chat_template import chat_template_path
-from scale.data.token_table import LISTS, SCALARS, TokenTable
+from scale.data.token_table import LISTS, SCALARS, TEXTS, TokenTable
 from scale.data.tokenize import BatchEncoded, Splits, _tokenize, build_splits, fingerprint_bytes, with_task
 from scale.utils.fileio import sha256_file, temp_dir_for, write_text_atomic
 
@@ -147,6 +147,7 @@ def _tokenize_span(span: tuple[int, int]) -> tuple[dict[str, np.ndarray], tuple[
     cols["trained_length"] = np.fromiter(map(len, flags), dtype=np.int32, count=len(examples))
     cols["trained"] = np.fromiter(itertools.chain.from_iterable(flags), dtype=np.uint8,
                                   count=int(cols["trained_length"].sum()))
+    cols["extra"] = [e.extra or "" for e in examples]  # text columns: a Python list (pa.array reads it as is)
     cols["fingerprint"] = b"".join(map(fingerprint_bytes, examples))  # hashed in row order by the writer
     return cols, (builder.dropped, builder.drop_info), builder.notes
 
@@ -166,8 +167,9 @@ def _list_array(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
 def _record_batch(cols: dict[str, np.ndarray]) -> pa.RecordBatch:
     ids = _list_array(cols["length"], cols["values"])
     lists = [_list_array(cols[f"{c}_length"], cols[c]) for c in LISTS]
-    return pa.RecordBatch.from_arrays([ids, *(_arrow(cols[c]) for c in SCALARS), *lists],
-                                      ["input_ids", *SCALARS, *LISTS])
+    texts = [pa.array(list(cols[c]), type=pa.large_string()) for c in TEXTS]
+    return pa.RecordBatch.from_arrays([ids, *(_arrow(cols[c]) for c in SCALARS), *lists, *texts],
+                                      ["input_ids", *SCALARS, *LISTS, *TEXTS])
 
 
 def write_table(path: Path, rows: list[dict[str, Any]], task: Any, builder: Builder, loss_cfg: Any, num_proc: int,
@@ -187,7 +189,8 @@ def write_table(path: Path, rows: list[dict[str, Any]], task: Any, builder: Buil
     schema = _record_batch({"values": np.zeros(0, dtype), "length": np.zeros(0, np.int32),
                             **{c: np.zeros(0, np.int64) for c in SCALARS if c != "length"},
                             **{c: np.zeros(0, np.uint8) for c in LISTS}, **{f"{c}_length": np.zeros(0, np.int32)
-                                                                           for c in LISTS}}).schema
+                                                                           for c in LISTS},
+                            **{c: [] for c in TEXTS}}).schema
     written = tokens = done = 0
     pool = multiprocessing.get_context("fork").Pool(num_proc) if num_proc > 1 and len(spans) > 1 else None
     try:

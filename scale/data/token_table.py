@@ -20,6 +20,8 @@ from scale.data.tasks.base import Example
 SCALARS = ("length", "tail_len", "type_indicator", "target_token", "label", "row")
 # Example fields stored as lists beside input_ids: ``trained`` (the tail's 0/1 flags; an empty list is ``None``)
 LISTS = ("trained",)
+# Example fields stored as text: ``extra`` (a format's JSON of the row; an empty string is ``None``)
+TEXTS = ("extra",)
 
 
 class TokenTable(Sequence):
@@ -45,6 +47,7 @@ class TokenTable(Sequence):
             batch = self._reader.get_batch(k)
             ids = batch.column("input_ids")
             lists = {c: (_numpy(batch.column(c).offsets), _numpy(batch.column(c).values)) for c in LISTS}
+            lists |= {c: batch.column(c) for c in TEXTS if c in batch.schema.names}  # a cache built before: none
             self._chunks.append((_numpy(ids.offsets), _numpy(ids.values), {c: _numpy(batch.column(c)) for c in SCALARS},
                                  lists))
             starts.append(starts[-1] + batch.num_rows)
@@ -73,8 +76,9 @@ class TokenTable(Sequence):
         j = i - self._starts[k]
         flag_offsets, flags = lists["trained"]
         trained = flags[flag_offsets[j]:flag_offsets[j + 1]].tolist() or None
+        extra = lists["extra"][j].as_py() or None if "extra" in lists else None
         return Example(values[offsets[j]:offsets[j + 1]].tolist(), int(s["tail_len"][j]), int(s["type_indicator"][j]),
-                       int(s["target_token"][j]), int(s["label"][j]), int(s["row"][j]), trained)
+                       int(s["target_token"][j]), int(s["label"][j]), int(s["row"][j]), trained, extra)
 
     def column(self, name: str) -> np.ndarray:
         """One per-row column over the whole split (``length``, ``tail_len``, ``type_indicator``, ...): ``[N]``."""

@@ -179,7 +179,7 @@ def token_fingerprint(examples: Iterable[Example]) -> str:
 
 def fingerprint_bytes(e: Example) -> bytes:
     """What :func:`token_fingerprint` hashes of one example (:mod:`scale.data.cache`'s workers make it per chunk)."""
-    return repr((e.input_ids, e.tail_len, e.trained)).encode()
+    return repr((e.input_ids, e.tail_len, e.trained) + ((e.extra,) if e.extra is not None else ())).encode()
 
 
 def check_objective_fits(loss_cfg: LossConfig, task: Task) -> None:
@@ -194,6 +194,11 @@ def check_objective_fits(loss_cfg: LossConfig, task: Task) -> None:
     Raises:
         ConfigError: the objective and the data format do not go together.
     """
+    if loss_cfg.samples_online() != (task.name == "prompts"):
+        raise ConfigError(f"loss.objective={loss_cfg.objective} with data.format={task.name}: "
+                          + ("prompts are sampled from under loss.objective=grpo" if task.name == "prompts" else
+                             "loss.objective=grpo samples completions of prompts (data.format=prompts: a prompt "
+                             "column, or data.prompt_template over the columns)"))
     pairs = bool(task.sides)
     if loss_cfg.trains_pairs() != pairs:
         raise ConfigError(f"loss.objective={loss_cfg.objective} with data.format={task.name}: "

@@ -51,7 +51,7 @@ class Sampling:
     """How completions are sampled (``rl.*``).
 
     Attributes:
-        temperature: > 0; the logits are divided by it.
+        temperature: > 0; the logits are divided by it. 0: greedy (the evaluation's completions; no log-probs).
         top_p: nucleus mass in (0, 1]; 1 = off.
         top_k: keep the ``top_k`` most likely tokens; 0 = off.
         max_completion_length: the most tokens a completion gets, its stop token included.
@@ -174,7 +174,7 @@ class TransformersGenerator:
         for b, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
             ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[b, P - len(p):] = 1
-        sampler = SeededSampler(seeds, s, device)
+        sampler = SeededSampler(seeds, s, device) if s.temperature > 0 else None
         config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=s.max_completion_length,
                                   min_new_tokens=0, eos_token_id=list(s.stop_ids), pad_token_id=s.pad_id,
                                   use_cache=True)
@@ -182,19 +182,23 @@ class TransformersGenerator:
         model.eval()
         try:
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
-                                 logits_processor=LogitsProcessorList([sampler]), synced_gpus=synced)
+                                 logits_processor=LogitsProcessorList([sampler] if sampler else []),
+                                 synced_gpus=synced)
         finally:
             model.train(was_training)
         new = out[:, P:].tolist()  # host sync (once per round)
-        logps = torch.stack(sampler.logps, 1).float().cpu() if sampler.logps else torch.zeros(len(prompts), 0)
+        logps = (torch.stack(sampler.logps, 1).float().cpu() if sampler.logps else torch.zeros(len(prompts), 0)) \
+            if sampler is not None else None
         stops = set(s.stop_ids)
         completions, truncated, sampler_logps = [], [], []
         for b, row in enumerate(new):
             c, cut = cut_at_stop(row, stops)
             completions.append(c)
             truncated.append(cut)
-            sampler_logps.append(logps[b, :len(c)].clone())
-        return Rollouts(completions, sampler_logps, truncated, sum(len(c) for c in completions))
+            if logps is not None:
+                sampler_logps.append(logps[b, :len(c)].clone())
+        return Rollouts(completions, sampler_logps if logps is not None else None, truncated,
+                        sum(len(c) for c in completions))
 
 
 def check_generator(name: str, cuda: bool) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from scale.config.schema import Config
 from scale.config.validation import ConfigError
 from scale.objectives.base import Objective
+from scale.objectives.grpo import GrpoObjective
 from scale.objectives.preference import PreferenceObjective
 from scale.objectives.tail import LossSpec
 
@@ -22,6 +23,7 @@ OBJECTIVES: dict[str, Callable[[Config], Objective]] = {
     "dpo": PreferenceObjective.from_config,  # preference pairs (scale.objectives.preference): sigmoid | ipo | hinge
     "simpo": PreferenceObjective.from_config,  # reference-free, per-token logps with a target margin
     "orpo": PreferenceObjective.from_config,  # the chosen NLL + the odds-ratio term, reference-free
+    "grpo": GrpoObjective.from_config,  # online RL on sampled completions (scale.objectives.grpo): grpo | dr_grpo | ...
 }
 
 

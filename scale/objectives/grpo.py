@@ -281,6 +281,8 @@ def metric_sums(terms: TokenTerms, advantages: Tensor, mask: Tensor, epsilon: fl
     if sampler_logps is not None:
         diff = (sampler_logps.to(trainer_logps.dtype) - trainer_logps.detach()).abs()
         out["logprob_mismatch"], out["logprob_mismatch/n"] = diff.masked_fill(mask == 0, 0.0).sum(), tokens
+    else:  # a generator that gives no log-probs: nothing to compare (counted 0)
+        out["logprob_mismatch"] = out["logprob_mismatch/n"] = torch.zeros((), dtype=mask.dtype, device=mask.device)
     return {k: v.detach().double() for k, v in out.items()}
 
 
@@ -323,8 +325,10 @@ class GrpoObjective:
 
     @property
     def metric_names(self) -> tuple[str, ...]:
-        """What :meth:`metrics` reports (the meter logs ``train/<name>``), each with its count ``<name>/n``."""
-        return tuple(m for m in METRICS if m != "kl" or self.beta != 0.0)
+        """What :meth:`metrics` returns: each metric's sum and its count ``<name>/n`` (the meter logs
+        ``train/<name>`` as their ratio over the log interval)."""
+        names = [m for m in METRICS if m != "kl" or self.beta != 0.0]
+        return tuple(names + [f"{m}/n" for m in names])
 
     @property
     def batch_keys(self) -> tuple[str, ...]:

@@ -49,6 +49,11 @@ def _peft_model(model: torch.nn.Module) -> Any:
     return None
 
 
+def has_adapter(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (unwrapped or not) holds a peft adapter that :func:`reference_mode` can switch off."""
+    return _peft_model(model) is not None
+
+
 @contextlib.contextmanager
 def reference_mode(model: torch.nn.Module) -> Iterator[None]:
     """Run ``model`` as the DPO reference inside the block: the frozen :data:`REFERENCE_ADAPTER` when the model has

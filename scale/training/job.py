@@ -40,6 +40,7 @@ from scale.training.parts.model import build_run_model, flops_shape
 from scale.training.parts.optimizer import make_optimizer
 from scale.training.parts.preference import keep_reference, precompute_references
 from scale.training.parts.resume import resume_or_start
+from scale.training.parts.rl import Rl, build_rl, check_rl, pick_rl_metrics, rl_loaders
 from scale.training.precision import check_full_precision, resolve_peak_flops
 from scale.training.samples import Generation
 from scale.training.startup import launch_comment, report_experts, report_peak, report_precision, report_start
@@ -69,6 +70,7 @@ class Job:
     chat: bool = True  # the rows were rendered by a chat template (Splits.template_sha256): adapter/ carries it
     sequence: SequenceParallel | None = None  # train.sequence_parallel_size > 1 (scale.distributed.ulysses)
     experts: Experts | None = None  # a mixture-of-experts model (scale.training.parts.experts); None for a dense one
+    rl: Rl | None = None  # loss.objective=grpo: the rollouts the loop trains and their evaluation (parts/rl.py)
 
     def __post_init__(self) -> None:
         if self.max_steps is None:
@@ -85,14 +87,17 @@ def setup(cfg: Config) -> Job:
     launch = build_launch(cfg)  # collective: accelerator, mode plan, precision; the resume picked and checked
     acc = launch.acc
     data = build_data(launch, cfg)  # collective: the tokenizer and the token cache's splits
+    rewards = check_rl(launch, cfg) if cfg.loss.samples_online() else None  # grpo: rewards and generator, first
     model, cpu_paths = build_run_model(launch, cfg, len(data.tokenizer))  # collective
     experts = build_experts(cfg, model, acc.device)  # a mixture of experts: its hooks, before anything is written
-    loaders = build_loaders(launch, cfg, data.splits, data.tokenizer.pad_token_id)
+    loaders = (rl_loaders(launch, cfg, data.splits) if rewards is not None else
+               build_loaders(launch, cfg, data.splits, data.tokenizer.pad_token_id))
     check_type_weights(cfg, data.splits)
     base = build_objective(cfg)  # loss.objective
     keep_reference(cfg, model, base)  # model.adapter under DPO: its frozen copy is the reference
     objective = with_router_aux(base, experts.aux if experts else None)  # + the routers' load-balancing loss
-    samples = pick_eval_samples(cfg, data.splits, objective)  # checks train.keep_best before step 1
+    samples = (pick_rl_metrics(cfg, rewards) if rewards is not None else
+               pick_eval_samples(cfg, data.splits, objective))  # checks train.keep_best before step 1
     warn_larger_than_split(launch, cfg, loaders)
     clear_previous_run(acc, cfg, launch.resume)  # collective; train.overwrite_output_dir=true: the old run goes
     max_steps = loaders.max_steps(cfg)
@@ -118,6 +123,8 @@ def setup(cfg: Config) -> Job:
     flops_fn = model_flops(cfg, shape, counts[0]) if shape is not None else None
     chat = bool(data.splits.template_sha256)  # a chat template rendered the rows (classification, text: none did)
     gen = build_generation(launch, cfg, samples, chat, state, base)
-    return Job(cfg, acc, launch.plan, model, optimizer, scheduler, train_dl, eval_dl, objective, log, state,
-               flops_fn, peak.flops, max_steps, gen, data.splits.task, sequence=launch.sequence, chat=chat,
-               experts=experts)
+    rl = build_rl(launch, cfg, data.splits, model, base, state, rewards, loaders.plan, chat) \
+        if rewards is not None else None  # grpo: the loop trains its rollouts instead of the train loader
+    return Job(cfg, acc, launch.plan, model, optimizer, scheduler, rl.source if rl else train_dl, eval_dl, objective,
+               log, state, flops_fn, peak.flops, max_steps, gen, data.splits.task, sequence=launch.sequence, chat=chat,
+               experts=experts, rl=rl)

@@ -86,7 +86,8 @@ class StepMeter:
                   terms: dict[str, torch.Tensor] | None = None, threshold: int | None = None) -> None:
         """Add one micro-batch: its loss numerator/denominator, its token/sample/FLOP counts and an objective's
         metric sums (``terms``: ``[]`` each, under the same weights as the loss: :meth:`flush` reports
-        ``train/<name>`` as their sum over the interval divided by the loss denominator's).
+        ``train/<name>`` as their sum over the interval divided by the loss denominator's, or by the sum of the
+        term ``<name>/n`` when the objective counts one: GRPO's per-token means).
 
         Tail tokens are counted from ``batch["tail_mask"]`` (tails differ per row); ``threshold`` only for a
         batch without one.
@@ -156,8 +157,15 @@ class StepMeter:
             out["train/mfu"] = flops / elapsed / (self.peak_flops * acc.num_processes)
         if acc.scaler is not None:  # fp16 loss scaling
             out["train/loss_scale"] = float(acc.scaler.get_scale())
-        if loss_den > 0:
-            out.update({f"train/{k}": v / loss_den for k, v in zip(self.term_names, terms)})
+        named = dict(zip(self.term_names, terms))
+        for k, v in named.items():  # a term with a count of its own (<name>/n) is its mean over that count
+            if k.endswith("/n"):
+                continue
+            if f"{k}/n" in named:
+                if named[f"{k}/n"] > 0:
+                    out[f"train/{k}"] = v / named[f"{k}/n"]
+            elif loss_den > 0:
+                out[f"train/{k}"] = v / loss_den
         if out["train/loss"] is None:
             del out["train/loss"]
         self.sums.zero_()

@@ -273,9 +273,11 @@ def start_samples_file(path: Path, enabled: bool, keep_until: int | None) -> Non
 
 
 def write_samples(acc: Accelerator, path: Path, step: int, records: list[dict[str, Any]],
-                  to_trackers: bool = True) -> None:
+                  to_trackers: bool = True, table: str = "eval/samples") -> None:
     """Append one evaluation's ``records`` to ``path`` in one write (then fsync), and log them as the W&B table
-    ``eval/samples`` at ``step`` (``to_trackers``). Main process; a tracker failure costs one warning."""
+    ``table`` at ``step`` (``to_trackers``). Main process; a tracker failure costs one warning. Records with
+    ``rewards`` (``loss.objective: grpo``: held-out completions, or a round's ``train/rollouts``) get the columns
+    ``step, split, row, prompt, completion, reward, advantage, rewards`` (the last as JSON)."""
     if not acc.is_main_process or not records:
         return
     text = "".join(json.dumps({"step": step, **{k: v for k, v in r.items() if k != "sample"}}) + "\n"
@@ -293,10 +295,14 @@ def write_samples(acc: Accelerator, path: Path, step: int, records: list[dict[st
         import wandb
 
         columns = ["step", "row", "prompt", "reference", "completion", "exact"]
-        if "chosen" in records[0]:  # preference pairs: the answer beside chosen and rejected, and the margin
+        if "rewards" in records[0]:  # grpo: a completion, its rewards and (training) its advantage
+            columns = ["step", "split", "row", "prompt", "completion", "reward", "advantage", "rewards"]
+            records = [{**r, "prompt": r["prompt"] if isinstance(r["prompt"], str) else json.dumps(r["prompt"]),
+                        "advantage": r.get("advantage"), "rewards": json.dumps(r["rewards"])} for r in records]
+        elif "chosen" in records[0]:  # preference pairs: the answer beside chosen and rejected, and the margin
             columns = ["step", "row", "prompt", "completion", "chosen", "rejected", "exact", "margin"]
             records = [{**r, "margin": r.get("rewards", {}).get("margin")} for r in records]
-        table = wandb.Table(columns=columns, data=[[step, *(r[c] for c in columns[1:])] for r in records])
-        run.log({"eval/samples": table}, step=step)
+        data = wandb.Table(columns=columns, data=[[step, *(r[c] for c in columns[1:])] for r in records])
+        run.log({table: data}, step=step)
     except Exception as e:  # noqa: BLE001 - a tracker must not stop training
         logger.warning("W&B: could not log the samples table (%s: %s); samples.jsonl has them", type(e).__name__, e)

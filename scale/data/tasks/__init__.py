@@ -5,6 +5,7 @@
 | ``text`` | ``text``, optional ``type``, optional ``target`` | the last ``loss.threshold`` tokens of each row |
 | ``classification`` | ``text``, ``label`` (one of ``data.labels``) | the label's tokens + EOS |
 | ``prompt_completion`` | ``prompt``, ``completion`` (text; lists of messages: a chat) | the completion's tokens + EOS |
+| ``prompts`` | ``prompt`` (text or messages; or ``data.prompt_template`` over any columns), any others | nothing: the completions ``loss.objective: grpo`` samples |
 | ``messages`` | ``messages`` (list of ``{role, content, ...}``), optional ``tools`` | every assistant turn (``data.train_on``) |
 | ``preference`` | ``chosen``, ``rejected`` (text; lists of messages), optional ``prompt``, ``tools`` | each side's completion + end-of-turn: a pair is two examples |
 
@@ -21,7 +22,7 @@ from typing import Any
 from scale.config.schema import DataConfig
 from scale.data.read import DataError, integer_cell, with_line
 from scale.data.sources import read_source
-from scale.data.tasks import classification, messages, preference, prompt_completion, text
+from scale.data.tasks import classification, messages, preference, prompt_completion, prompts, text
 from scale.data.tasks.base import Rows, Task
 
 # Detection order: the first whose columns the file has; the last is the fallback.
@@ -29,6 +30,7 @@ TASKS: dict[str, type[Task]] = {
     "preference": preference.Preference,
     "messages": messages.Messages,
     "prompt_completion": prompt_completion.PromptCompletion,
+    "prompts": prompts.Prompts,
     "classification": classification.Classification,
     "text": text.Text,
 }

@@ -31,7 +31,7 @@ class Example:
     Attributes:
         input_ids: the row's tokens, no padding.
         tail_len: how many of the last tokens form the tail (``1 <= tail_len < len(input_ids)``); the tail's first
-            token is trained.
+            token is trained. 0 for a prompt to sample from (``prompts``: nothing of the row itself is trained).
         type_indicator: the row's type (selects its weight in ``loss.type_weights``).
         target_token: a single-token label's id, or the ``target`` column's token; 0 when none.
         label: index of the label in ``data.labels``; -1 outside classification.
@@ -39,6 +39,8 @@ class Example:
         trained: ``tail_len`` 0/1 flags, 1 where a tail token is trained (a chat's user/tool turns between two
             assistant turns are 0); ``None``: every tail token is trained (the compact form; :meth:`tail_flags` is
             every example's per-token mask, which every collator copies).
+        extra: what a format keeps of the row besides its tokens, as JSON text (a prompt's other columns, which
+            reward functions read: :mod:`scale.data.tasks.prompts`); ``None`` for none. The token cache stores it.
     """
 
     input_ids: list[int]
@@ -48,6 +50,7 @@ class Example:
     label: int = -1
     row: int = -1
     trained: list[int] | None = None
+    extra: str | None = None
 
     def tail_flags(self) -> list[int]:
         """``tail_len`` 0/1 flags: which tail tokens are trained."""

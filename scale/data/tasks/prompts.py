@@ -1,23 +1,27 @@
 """``prompts``: what online RL (``loss.objective: grpo``) samples completions of. A row is a ``prompt``
 (``data.prompt_column``), as text or as a list of messages (TRL's conversational prompt: rendered by the chat
-template with its generation prompt), plus any other columns, which reach the reward functions by name
-(:mod:`scale.objectives.rewards`). Nothing is trained from the row itself: its example is the prompt's tokens.
+template with its generation prompt), or text built from the row's columns by ``data.prompt_template``
+(``"Review: {text}\nSentiment:"``); every other column reaches the reward functions by name
+(:mod:`scale.objectives.rewards`). Nothing of the row itself is trained: its example is the prompt's tokens
+(``tail_len`` 0) and the row's prompt and columns as JSON (``Example.extra``, kept by the token cache).
 
 Text is tokenized as TRL's ``GRPOTrainer`` does (the tokenizer's own special tokens, e.g. a BOS, in front); a
 conversation is rendered by ``data.chat_template`` (or the tokenizer's) with ``add_generation_prompt``, special-token
-spellings inside message text encoded as text (as :mod:`scale.data.tasks.messages` does). A prompt longer than its
-budget (``data.max_length - rl.max_completion_length`` tokens) loses its oldest tokens after the BOS
-(``data.truncation: keep_end``) or is dropped (``drop``), counted in the log as other formats' rows are.
+spellings inside message text encoded as text (as :mod:`scale.data.tasks.messages` does). A prompt over
+``data.max_length`` tokens loses its oldest tokens after the BOS (``data.truncation: keep_end``, counted) or is
+dropped (``drop``); at sampling time a prompt longer than ``data.max_length - rl.max_completion_length`` is cut the
+same way (:func:`fit_prompt`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from scale.config.schema import DataConfig, LossConfig
 from scale.data.read import DataError
-from scale.data.tasks.base import Builder, Task, encode, encode_literal
+from scale.data.tasks.base import Builder, Example, Task, encode, encode_literal
 from scale.data.tasks.chat_rows import ROLES, read_tools
 from scale.data.tasks.chat_spans import content_ranges
 from scale.data.tasks.chat_template import chat_template, render
@@ -52,32 +56,84 @@ def read_prompt(value: Any, column: str, i: int, path: str) -> str | list[dict[s
     return [dict(m) for m in value]
 
 
+_FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def template_columns(template: str) -> list[str]:
+    """The columns ``data.prompt_template`` names (``{name}``), in order, once each."""
+    return list(dict.fromkeys(_FIELD.findall(template)))
+
+
+def render_prompt(template: str, raw: dict[str, Any], i: int, path: str) -> str:
+    """``template`` with each ``{name}`` replaced by the row's column ``name`` (its text); other braces literal.
+
+    Raises:
+        DataError: a named column is missing or empty in the row.
+    """
+    def cell(m: re.Match) -> str:
+        value = raw.get(m.group(1))
+        if value is None or isinstance(value, (dict, list)) or not str(value).strip():
+            raise DataError(f"row {i} of {path}: data.prompt_template names {{{m.group(1)}}} and the row's "
+                            f"{m.group(1)!r} is empty or not text")
+        return str(value)
+
+    return _FIELD.sub(cell, template)
+
+
 class Prompts(Task):
     """The ``prompts`` format (module docstring)."""
 
     name = "prompts"
 
     def columns(self, cfg: DataConfig) -> list[str]:
-        return [cfg.prompt_column]
+        return template_columns(cfg.prompt_template) if cfg.prompt_template else [cfg.prompt_column]
 
     def read(self, raw: dict[str, Any], cfg: DataConfig, i: int, path: str) -> dict[str, Any]:
-        prompt = read_prompt(raw.get(cfg.prompt_column), cfg.prompt_column, i, path)
-        columns = {k: v for k, v in raw.items() if k not in (cfg.prompt_column, cfg.tools_column)}
+        if cfg.prompt_template:
+            prompt: str | list[dict[str, Any]] = render_prompt(cfg.prompt_template, raw, i, path)
+            columns = dict(raw)
+        else:
+            prompt = read_prompt(raw.get(cfg.prompt_column), cfg.prompt_column, i, path)
+            columns = {k: v for k, v in raw.items() if k not in (cfg.prompt_column, cfg.tools_column)}
         return {"prompt": prompt, "columns": columns, **(read_tools(raw, cfg, i, path) if isinstance(prompt, list)
                                                          else {})}
+
+    def encode(self, row: dict[str, Any], b: Builder, loss_cfg: LossConfig) -> Example | None:
+        ids = self.prompt_ids(row, b)
+        i = row.get("row", -1)
+        if len(ids) > b.cfg.max_length:
+            if b.cfg.truncation == "drop":
+                b.drop(i, len(ids), "data.truncation=drop")
+                return None
+            b.count("rows_truncated")
+            ids = fit_prompt(ids, len(b.prefix) if ids[:len(b.prefix)] == b.prefix else 0, b.cfg.max_length, "keep_end")
+        extra = json.dumps({"prompt": row["prompt"], "columns": row["columns"]}, ensure_ascii=False, default=str)
+        return Example(ids, 0, int(row.get("type", 0)), 0, -1, i, None, extra)
 
     def prepare(self, tokenizer: Any, data_cfg: DataConfig, loss_cfg: LossConfig) -> None:
         self.data_cfg = data_cfg
         self.template: str | None = None
         self.kwargs = dict(data_cfg.chat_template_kwargs or {})
 
+    def check(self, tokenizer: Any, rows: list[dict[str, Any]]) -> None:
+        """Find the chat template when some prompt is a conversation (a file of text prompts needs none).
+
+        Raises:
+            DataError: conversations and no chat template.
+        """
+        if any(isinstance(r["prompt"], list) for r in rows):
+            self.chat(tokenizer)
+
     def chat(self, tokenizer: Any) -> str:
-        """The chat template, found on first use (a file of text prompts needs none)."""
+        """The chat template (found by :meth:`check`, or on first use)."""
         if self.template is None:
             self.template = chat_template(tokenizer, self.data_cfg)
         return self.template
 
     def fingerprint(self) -> str:
+        """The chat template and its variables when conversations are rendered; '' for text prompts."""
+        if self.template is None:
+            return ""
         return json.dumps({"template": self.template, "kwargs": self.kwargs}, sort_keys=True, default=str)
 
     def prompt_ids(self, row: dict[str, Any], b: Builder) -> list[int]:

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +84,16 @@ def register_hooks(acc: Accelerator) -> None:
 
 
 def save_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, state: TrainerState, model: torch.nn.Module,
-                    optimizer: Any) -> Path:
+                    optimizer: Any, extra: Callable[[Path, int], None] | None = None) -> Path:
     """Write a complete checkpoint for ``state.step`` atomically and prune old ones. Collective.
 
     LoRA: the launch mode's own files (``accelerate.save_state``), then the portable state
     (:mod:`scale.training.checkpoint.portable`). Full weights (``model.finetune=full``): every rank writes its shard
     of the fp32 weights and optimizer state, its RNG states and (the writer) the LR scheduler
-    (:func:`scale.training.checkpoint.sharded.write_sharded`), no collective while writing. Then, once every rank's
-    files are in, each file's size and sha256 and the counters in ``trainer_state.json``, then the rename.
+    (:func:`scale.training.checkpoint.sharded.write_sharded`), no collective while writing. Both: what
+    ``extra(directory, rank)`` writes on every rank (a round of rollouts cut in the middle:
+    :mod:`scale.training.parts.rl`). Then, once every rank's files are in, each file's size and sha256 and the
+    counters in ``trainer_state.json``, then the rename.
 
     A write that fails on any rank (a full disk: ``ENOSPC``; full weights' shards, or the writer's records in both
     forms) is agreed on by every rank before anyone waits on another: each raises the same
@@ -116,7 +119,9 @@ def save_checkpoint(acc: Accelerator, cfg: Config, plan: ModePlan, state: Traine
     else:
         acc.save_state(str(tmp), **plan.save_state_kwargs)  # collective under DeepSpeed (ZeRO shards)
         write_portable(acc, plan, model, optimizer, tmp, writer)  # collective: shards gathered
-        acc.wait_for_everyone()  # collective: every rank's files are in tmp
+    if extra is not None:
+        extra(tmp, acc.process_index)
+    acc.wait_for_everyone()  # collective: every rank's files are in tmp
     problem = None
     if writer:
         def finish() -> None:

@@ -26,10 +26,11 @@ logger = get_logger(__name__)
 
 
 def keep_reference(cfg: Config, model: torch.nn.Module, objective: Any) -> None:
-    """With ``model.adapter`` under DPO's in-step reference, keep the starting adapter's frozen copy as the
-    reference (:func:`scale.objectives.preference.add_reference_adapter`); before the optimizer sees the model."""
-    if isinstance(objective, PreferenceObjective) and objective.needs_reference and cfg.model.adapter is not None \
-            and objective.reference == "adapter":
+    """With ``model.adapter`` under DPO's in-step reference (or GRPO's KL term, ``rl.beta`` > 0), keep the starting
+    adapter's frozen copy as the reference (:func:`scale.objectives.preference.add_reference_adapter`, as TRL keeps
+    its ``ref`` adapter); before the optimizer sees the model."""
+    in_step = getattr(objective, "reference", "adapter") == "adapter"  # DPO's precomputed references need no copy
+    if getattr(objective, "needs_reference", False) and in_step and cfg.model.adapter is not None:
         add_reference_adapter(model)
 
 
