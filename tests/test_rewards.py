@@ -67,8 +67,10 @@ def test_builtins_by_definition():
     got = score(rewards, call)
     assert got.tolist() == [[1.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0, 1.0]]
     assert total(got, [r.weight for r in rewards]).tolist() == [4.5, 0.5, 4.0]
-    folded = build_rewards([{"fn": "exact_match", "column": "answer", "ignore_case": True}], 16)
-    assert score(folded, RewardCall(["Q"], [" YES "], [[1]], {"answer": ["yes"]})).tolist() == [[1.0]]
+    folded = build_rewards([{"fn": "exact_match", "column": "answer", "ignore_case": True},
+                            {"fn": "exact_match", "column": "answer", "part": "first_word", "ignore_case": True}], 16)
+    assert score(folded, RewardCall(["Q"], [" YES "], [[1]], {"answer": ["yes"]})).tolist() == [[1.0, 1.0]]
+    assert score(folded, RewardCall(["Q"], [" Yes. It is"], [[1]], {"answer": ["yes"]})).tolist() == [[0.0, 1.0]]
 
 
 def test_length_is_trls_soft_overlong_punishment():

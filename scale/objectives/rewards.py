@@ -27,6 +27,7 @@ import importlib
 import importlib.util
 import math
 import re
+import string
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,8 +53,8 @@ def completion_text(completion: Any) -> str:
 
 def _part(text: str, part: str) -> str:
     text = text.strip()
-    if part == "first_word":
-        return text.split()[0] if text.split() else ""
+    if part == "first_word":  # without the punctuation around it: " Positive." -> "Positive"
+        return text.split()[0].strip(string.punctuation) if text.split() else ""
     if part == "first_line":
         return text.splitlines()[0].strip() if text else ""
     return text
@@ -61,7 +62,8 @@ def _part(text: str, part: str) -> str:
 
 class ExactMatch:
     """Built-in ``exact_match``: 1.0 when the completion equals the row's ``column`` (both stripped; ``part``:
-    ``all`` the whole completion, ``first_word`` or ``first_line`` only that; ``ignore_case``), else 0.0.
+    ``all`` the whole completion, ``first_word`` (without the punctuation around it) or ``first_line`` only that;
+    ``ignore_case``), else 0.0.
 
     Args:
         column: the data column holding the answer.
