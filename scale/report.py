@@ -61,6 +61,42 @@ PREFERENCE_FIGURES: list[tuple[str, str, list[Panel]]] = [
                                        ("eval/logps/rejected", "eval rejected")])]),
 ]
 
+# Online RL runs (loss.objective: grpo) log each round's rewards and completions and the trained tokens' KL,
+# entropy and clip fractions (docs/rl.md); each reward function's mean gets its own line (reward_figure).
+RL_FIGURES: list[tuple[str, str, list[Panel]]] = [
+    ("rl_kl_entropy.png", "KL to the reference (left) and the policy's entropy (right), per trained token",
+     [Panel("KL (nats/token)", [("train/kl", "")], from_zero=True),
+      Panel("entropy (nats/token)", [("train/entropy", "")], from_zero=True)]),
+    ("rl_clip.png", ("Clipped importance ratios (fraction of trained tokens) and the sampler-trainer log-prob "
+                     "gap"),
+     [Panel("fraction", [("train/clip_ratio/low_mean", "low"), ("train/clip_ratio/high_mean", "high"),
+                         ("train/clip_ratio/region_mean", "either")], from_zero=True),
+      Panel("|sampler - trainer| (nats/token)", [("train/logprob_mismatch", "")], from_zero=True)]),
+    ("rl_completions.png", ("Completions: length (left) and the share cut at rl.max_completion_length or with "
+                            "equal rewards in their group (right)"),
+     [Panel("tokens", [("train/completions/mean_length", "train"), ("eval/completions/mean_length", "eval")],
+            from_zero=True),
+      Panel("fraction", [("train/completions/truncated_fraction", "truncated"),
+                         ("train/frac_reward_zero_std", "groups without spread")], from_zero=True)]),
+    ("rl_rollout_time.png", "Rollouts: sampling throughput (left) and its share of wall time (right)",
+     [Panel("tokens/s", [("train/rollout_tokens_per_s", "")], from_zero=True),
+      Panel("fraction of wall time", [("train/rollout_fraction", "")], from_zero=True)]),
+]
+
+
+def reward_figure(runs: dict[str, Rows]) -> list[tuple[str, str, list[Panel]]]:
+    """The rewards of an online-RL run: the total and every function's mean, train (per round) and eval (greedy
+    held-out completions); ``[]`` when no run logged one."""
+    keys = sorted({k for rows in runs.values() for r in rows for k in r
+                   if k.startswith(("train/reward/", "eval/reward/")) and k.endswith("/mean")})
+    if not keys:
+        return []
+    label = {k: k.removeprefix("train/reward/").removeprefix("eval/reward/").removesuffix("/mean") for k in keys}
+    return [("rl_rewards.png", "Rewards: the weighted total and each function's mean (train: each round's sampled "
+             "completions; eval: greedy completions of the held-out prompts)",
+             [Panel("reward", [(k, f"{k.split('/')[0]} {label[k]}") for k in keys])])]
+
+
 # (file name, title, panels). Keys sharing a panel share a unit; different units get their own panel.
 FIGURES: list[tuple[str, str, list[Panel]]] = [
     ("loss.png", "Loss (SFT: weighted cross-entropy over each row's tail tokens; preference: mean pair loss)",
@@ -86,6 +122,7 @@ FIGURES: list[tuple[str, str, list[Panel]]] = [
      [Panel("MFU (fraction of peak FLOP/s)", [("train/mfu", "")], from_zero=True)]),
     ("loss_scale.png", "Mixed-precision loss scale", [Panel("loss scale", [("train/loss_scale", "")], log=True)]),
     *PREFERENCE_FIGURES,
+    *RL_FIGURES,
 ]
 MAX_STEP_LABELS = 12  # eval points labelled with their step when a run has at most this many evaluations
 HEADROOM = 1.15  # from_zero panels end 15% above their largest value, so no line runs along the top frame
@@ -147,14 +184,16 @@ def summarize(runs: dict[str, Rows]) -> str:
     """A markdown table, one row per run: last step, final train loss, eval first → last, throughput, memory.
 
     The eval columns are those some run logged (classification: accuracy and target NLL; prompt/completion
-    and chat: exact match; preference pairs: reward accuracy and margin); a run without one shows ``n/a``.
+    and chat: exact match; preference pairs: reward accuracy and margin; online RL: the held-out mean reward);
+    a run without one shows ``n/a``.
     """
     with_mem = any(series(rows, "train/peak_mem_gib")[1] for rows in runs.values())
     evals = [(key, title) for key, title in (("eval/accuracy", "eval/accuracy"),
                                              ("eval/target_nll", "eval/target_nll (nats)"),
                                              ("eval/exact_match", "eval/exact_match"),
                                              ("eval/rewards/accuracies", "eval/rewards/accuracies"),
-                                             ("eval/rewards/margins", "eval/rewards/margins"))
+                                             ("eval/rewards/margins", "eval/rewards/margins"),
+                                             ("eval/reward/total/mean", "eval/reward/total/mean"))
              if any(series(rows, key)[1] for rows in runs.values())]
 
     def span(rows: Rows, key: str) -> str:
@@ -197,7 +236,7 @@ def plot(runs: dict[str, Rows], out: Path, run_dirs: dict[str, Path] | None = No
     except ImportError as exc:
         raise ImportError("scale.report draws its plots with matplotlib: pip install 'scale[report]'") from exc
     written = []
-    for filename, title, panels in FIGURES:
+    for filename, title, panels in [*FIGURES, *reward_figure(runs)]:
         panels = [p for p in panels if any(series(rows, k)[0] for rows in runs.values() for k, _ in p.keys)]
         if not panels:
             continue

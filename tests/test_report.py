@@ -137,6 +137,33 @@ def test_chat_run_plots_exact_match_and_padding_and_shows_only_its_eval_columns(
     assert summary.splitlines()[2] == "| sft | 3 | 1.0000 | 2.7623 → 1.9103 | 0.0000 → 0.0408 | 110 |"
 
 
+def test_grpo_run_plots_its_rewards_kl_clipping_and_completions(tmp_path):
+    """An online-RL run (loss.objective: grpo): every reward function's mean gets a line beside the total, train and
+    eval; the KL, entropy, clip, completion and rollout figures are drawn; the summary's eval column is the
+    held-out mean reward."""
+    rows = [{"step": 0, "eval/reward/total/mean": 0.3, "eval/reward/exact_match/mean": 0.25,
+             "eval/completions/mean_length": 4.0},
+            *({"step": s, "train/loss": 0.01 * s, "train/lr": 1e-4, "train/grad_norm": 0.5,
+               "train/tokens_per_s": 100.0, "train/kl": 0.01 * s, "train/entropy": 2.0,
+               "train/clip_ratio/low_mean": 0.0, "train/clip_ratio/high_mean": 0.01,
+               "train/clip_ratio/region_mean": 0.01, "train/logprob_mismatch": 1e-6,
+               "train/reward/total/mean": 0.3 + 0.1 * s, "train/reward/exact_match/mean": 0.2 + 0.1 * s,
+               "train/reward/regex/mean": 0.5, "train/completions/mean_length": 3.5,
+               "train/completions/truncated_fraction": 0.1, "train/frac_reward_zero_std": 0.25,
+               "train/rollout_tokens_per_s": 50.0, "train/rollout_fraction": 0.4} for s in (1, 2, 3)),
+            {"step": 3, "eval/reward/total/mean": 0.7, "eval/reward/exact_match/mean": 0.65,
+             "eval/completions/mean_length": 3.0}]
+    run = write_run(tmp_path / "grpo", rows)
+    pngs, summary = R.report([run], tmp_path / "out")
+    assert {"rl_rewards.png", "rl_kl_entropy.png", "rl_clip.png", "rl_completions.png",
+            "rl_rollout_time.png"} <= {p.name for p in pngs}
+    (figure,) = R.reward_figure({"grpo": rows})
+    assert [k for k, _ in figure[2][0].keys] == ["eval/reward/exact_match/mean", "eval/reward/total/mean",
+                                                 "train/reward/exact_match/mean", "train/reward/regex/mean",
+                                                 "train/reward/total/mean"]
+    assert "eval/reward/total/mean" in summary.splitlines()[0] and "0.3000 → 0.7000" in summary.splitlines()[2]
+
+
 def test_cli_default_out_dir_and_stdout(runs, capsys):
     assert R.main([str(runs[0]), str(runs[1])]) == 0
     out = runs[0] / "report"
