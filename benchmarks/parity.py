@@ -25,7 +25,12 @@ disabled, SimPO and ORPO without one; ``loss.beta=0.5``): every row but the Ulys
 run when ``--jobs`` names them. The ``full`` job (opt-in) is the reviews job with ``model.finetune=full``: every
 weight trains, the weights compared are the final ``model/`` directory's; its derived bounds
 (:data:`tests.bounds.FULL_STEP_REL`, :func:`tests.bounds.full_loss_bounds`, :func:`tests.bounds.full_drift`) and the
-rows' weight differences in L2 print under its table.
+rows' weight differences in L2 print under its table. The ``grpo`` job (``tests.launching.GRPO``: online RL on
+configs/data/tiny_prompts.jsonl, 4 completions per prompt, every round trained twice, the KL to the adapter-less
+reference) runs when ``--jobs`` names it, on every row but the Ulysses ones: its first step of a round has a loss of
+~0 by construction (the advantages of a group sum to 0), so its loss column is ``max |loss - ref| / max |ref|`` over
+the steps, and its ``completions`` column says whether every completion the row logged is one the reference sampled
+(seeded per completion, not per rank).
 
 ``--modes`` takes items separated by commas outside parentheses (names hold commas inside them, as ``4x(2,2)``): an
 item equal to a mode name selects that row only, any other item the rows whose names contain it (``ulysses``);
@@ -48,15 +53,16 @@ if __package__ in (None, ""):  # `python benchmarks/parity.py`: make `tests.laun
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.bounds import FULL_STEP_REL, full_drift, full_loss_bounds, full_norm_rel, l2_dev  # noqa: E402
-from tests.launching import (CHATS, COMPLETIONS, LATE_TAILS, PAIRS, ROOT, modes, rel_dev,  # noqa: E402
-                             run_mode, save_tiny_directory, save_tiny_moe_directory, weight_dev)
+from tests.launching import (CHATS, COMPLETIONS, GRPO, LATE_TAILS, PAIRS, ROOT, modes, rel_dev,  # noqa: E402
+                             run_mode, save_tiny_directory, save_tiny_moe_directory, scaled_dev, weight_dev)
 
 JOBS = {"reviews": [], "completions": COMPLETIONS, "chats": CHATS, "late_tails": LATE_TAILS, "moe": [],
         "dpo": PAIRS, "simpo": [*PAIRS, "loss.objective=simpo"], "orpo": [*PAIRS, "loss.objective=orpo"],
-        "full": ["model.finetune=full"]}
-OPT_IN = ("moe", "dpo", "simpo", "orpo", "full")  # run when --jobs names them
+        "full": ["model.finetune=full"], "grpo": GRPO}
+OPT_IN = ("moe", "dpo", "simpo", "orpo", "full", "grpo")  # run when --jobs names them
 # rows a job cannot run as the others do (see the module docstring)
-SKIP = {"moe": ("from a directory", "ulysses"), "dpo": ("ulysses",), "simpo": ("ulysses",), "orpo": ("ulysses",)}
+SKIP = {"moe": ("from a directory", "ulysses"), "dpo": ("ulysses",), "simpo": ("ulysses",), "orpo": ("ulysses",),
+        "grpo": ("ulysses",)}
 
 
 def _flag(cmd: list[str], name: str) -> str | None:
@@ -149,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         JOBS["moe"] = [f"model.name_or_path={moe}", "model.tokenizer=smollm2-135m", "model.gradient_checkpointing=true"]
     for job in args.jobs.split(","):
         results = {}
-        header = f"| {job + ': mode':<34} | {'loss':>9} | {'grad_norm':>9} | {'weights':>9} | {'wall s':>6} |"
+        header = f"| {job + ': mode':<34} | {'loss':>9} | {'grad_norm':>9} | {'weights':>9} | {'wall s':>6} |" + (
+            f" {'completions':>11} |" if job == "grpo" else "")
         lines = [header, "|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|"]
         for i, (name, (cmds, overrides)) in enumerate(table.items()):
             if any(skip in name for skip in SKIP.get(job, ())):
@@ -163,10 +170,13 @@ def main(argv: list[str] | None = None) -> int:
             wall = time.perf_counter() - t0
             results[name] = res
             ref = next(iter(results.values()))
-            devs = (rel_dev(ref["loss"], res["loss"]), rel_dev(ref["grad_norm"], res["grad_norm"]),
+            loss_dev = scaled_dev if job == "grpo" else rel_dev
+            devs = (loss_dev(ref["loss"], res["loss"]), rel_dev(ref["grad_norm"], res["grad_norm"]),
                     weight_dev(ref["weights"], res["weights"]))
-            worst = max(worst, *devs)
-            lines.append(f"| {name:<34} | {devs[0]:9.2e} | {devs[1]:9.2e} | {devs[2]:9.2e} | {wall:6.1f} |")
+            same = set(res["samples"]) <= set(ref["samples"])  # grpo: the completions the row logged
+            worst = max(worst, *devs, 0.0 if same else float("inf"))
+            extra = f" {'same' if same else 'DIFFER':>11} |" if job == "grpo" else ""
+            lines.append(f"| {name:<34} | {devs[0]:9.2e} | {devs[1]:9.2e} | {devs[2]:9.2e} | {wall:6.1f} |{extra}")
             sys.stdout.write(lines[-1] + "\n")
             sys.stdout.flush()
         report += [*lines, "", f"{job}: steps {ref['steps']}, losses {[round(x, 6) for x in ref['loss']]}", ""]

@@ -44,6 +44,17 @@ PAIRS = [f"data.path={ROOT / 'configs' / 'data' / 'tiny_pairs.jsonl'}", "loss.ob
          "eval.generate_samples=0"]
 
 
+# Online RL (loss.objective=grpo) on configs/data/tiny_prompts.jsonl (addition questions with their answers): 4
+# completions of each prompt, every round trained twice (rl.num_iterations=2: the round's log-probs are stored and
+# the second step's ratios move), the KL to the adapter-less reference, an exact-answer reward and one the random
+# model's completions vary in. Global batch 8 completions = 2 prompts per step in every mode: one prompt per rank
+# on 2 ranks. Completions are seeded per prompt, not per rank: every mode samples the same ones.
+GRPO = [f"data.path={ROOT / 'configs' / 'data' / 'tiny_prompts.jsonl'}", "data.format=prompts", "loss.objective=grpo",
+        "rl.num_generations=4", "rl.num_iterations=2", "rl.max_completion_length=4", "data.max_length=32",
+        "rl.beta=0.1", "data.eval_size=4", "eval.generate_samples=0",
+        "rl.rewards=[{fn: exact_match, column: answer, part: first_word}, {fn: 'tests.rl_rewards:first_token_parity'}]"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -196,7 +207,7 @@ def read_run(out: Path) -> dict:
     train = [r for r in rows if "train/loss" in r]
     samples = out / "samples.jsonl"  # eval.generate_samples (issue 20): (step, row, completion) of each sample
     generated = [(r["step"], r["row"], r["completion"]) for r in map(json.loads, samples.read_text().splitlines())
-                 ] if samples.exists() else []
+                 ] if samples.exists() else []  # grpo: also the completions of each logged round (split: train)
     return {"loss": [r["train/loss"] for r in train], "grad_norm": [r["train/grad_norm"] for r in train],
             "lr": [r["train/lr"] for r in train], "steps": [r["step"] for r in train],
             "weights": trained_weights(out), "samples": generated,
@@ -269,6 +280,14 @@ def rel_dev(a: list[float], b: list[float]) -> float:
     if len(a) != len(b):
         return float("inf")
     return max(abs(x - y) / max(abs(x), 1e-30) for x, y in zip(a, b))
+
+
+def scaled_dev(a: list[float], b: list[float]) -> float:
+    """max_i |a_i - b_i| / max_i |a_i|: the deviation of a series whose terms pass near 0 (GRPO's loss at the first
+    step of a round is ~0 by construction: a group's advantages sum to 0), against its scale."""
+    if len(a) != len(b):
+        return float("inf")
+    return max(abs(x - y) for x, y in zip(a, b)) / max(max(map(abs, a)), 1e-30)
 
 
 def weight_dev(a: dict, b: dict) -> float:

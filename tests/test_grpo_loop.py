@@ -23,11 +23,6 @@ from tests.conftest import ROOT, tiny_cfg
 CHATML = ROOT / "configs" / "chat" / "chatml.jinja"
 
 
-def first_token_parity(completion_ids, **kwargs):
-    """A reward the tiny random model's completions vary in (so groups have a spread)."""
-    return [float(ids[0] % 2) for ids in completion_ids]
-
-
 def _write(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
@@ -127,7 +122,7 @@ JOB = ["data.format=prompts", "loss.objective=grpo", "rl.num_generations=4", "tr
        "train.gradient_accumulation_steps=1",
        "rl.steps_per_generation=2", "rl.max_completion_length=5", "data.max_length=32", "data.eval_size=4",
        ("rl.rewards=[{fn: exact_match, column: answer, part: first_word}, "
-        "{fn: 'tests.test_grpo_loop:first_token_parity', weight: 0.5}]"),
+        "{fn: 'tests.rl_rewards:first_token_parity', weight: 0.5}]"),
        "rl.beta=0.04", "rl.epsilon_high=0.28", "train.max_steps=4",
        "train.log_every=1", "train.eval_every=0", "train.save_every=1", "train.save_total_limit=null",
        "optim.lr=5e-2", "optim.warmup_steps=0", "lora.dropout=0.1", "model.gradient_checkpointing=false",

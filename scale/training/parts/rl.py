@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from torch import Tensor
 from torch.utils.data import DataLoader
 
@@ -336,9 +337,20 @@ def build_rl(launch: Launch, cfg: Config, splits: Splits, model: torch.nn.Module
         with reference():
             return logps(batch)
 
+    fsdp = acc.distributed_type == DistributedType.FSDP
+
+    def generating() -> torch.nn.Module:
+        """The unwrapped policy to generate with. Under FSDP2 generation calls the modules below the root, whose
+        own parameters (the final norm, ...) only the root's forward unshards (and keeps so: FSDP2 does not reshard
+        the root after its forward; a backward does): one root forward of one token first, every round."""
+        if fsdp:
+            with torch.no_grad():
+                model(input_ids=torch.full((1, 1), tokenizer.pad_token_id, device=acc.device), use_cache=False)
+        return unwrap(acc, model)
+
     def make_round(prompts: list[Prompt], index: int) -> Round:
         with acc.autocast():
-            return build_round(prompts, index, plan, generator, unwrap(acc, model), rewards, tokenizer, collator,
+            return build_round(prompts, index, plan, generator, generating(), rewards, tokenizer, collator,
                                gather, rank, logps, ref_logps if reference is not None else None, synced,
                                SimpleNamespace(global_step=state.step, epoch=state.epoch))
 
@@ -364,7 +376,7 @@ def build_rl(launch: Launch, cfg: Config, splits: Splits, model: torch.nn.Module
             if float(flag) > 0:
                 raise EvalInterrupted("a stop was requested during evaluation")
 
-        net = unwrap(acc, model)
+        net = generating()
         was_training = net.training
         try:
             with acc.autocast():
