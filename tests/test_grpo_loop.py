@@ -103,6 +103,23 @@ def test_bad_rl_settings_are_one_line(tmp_path, overrides, words):
     assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+def test_the_start_up_says_what_differs_from_trls_grpo_trainer(tmp_path):
+    """A TRL user reads, among the start-up's 'unlike TRL' lines, how prompts are cut, how completions are seeded,
+    bnpo's normaliser and the round's order; never the tail-loss line of the other objectives."""
+    from scale.config.names import differences_from_trl
+
+    cfg = tiny_cfg(tmp_path, "loss.objective=grpo", "data.format=prompts", "rl.rewards=[{fn: exact_match}]",
+                   "rl.num_generations=4", "train.micro_batch_size=8", "rl.max_completion_length=8",
+                   "data.max_length=64", "rl.loss_type=bnpo", "train.gradient_accumulation_steps=1",
+                   "rl.steps_per_generation=2")
+    text = " | ".join(differences_from_trl(cfg, 0))
+    for words in ("data.max_length - rl.max_completion_length = 56 tokens loses its oldest tokens (TRL: prompts are "
+                  "not cut)", "a seed of its own", "rl.loss_type=bnpo divides by the optimizer step's tokens",
+                  "trained in prompt order (TRL: shuffled first)"):
+        assert words in text, words
+    assert "trains only its tail" not in text
+
+
 def test_rounds_hold_the_same_prompts_for_any_number_of_ranks():
     """Global round k is the same prompts, in the same order, whether 1 rank samples 4 or 2 ranks sample 2 each; a
     partial last round is dropped on every rank alike; another epoch is another order."""

@@ -229,6 +229,22 @@ def trl_table() -> str:
     return "\n".join(rows)
 
 
+def rl_differences(cfg: Config) -> list[str]:
+    """What a TRL ``GRPOTrainer`` user would not expect of a ``loss.objective: grpo`` run (docs/rl.md)."""
+    rl, t = cfg.rl, cfg.train
+    budget = cfg.data.max_length - rl.max_completion_length
+    out = [(f"a prompt longer than data.max_length - rl.max_completion_length = {budget} tokens loses its oldest "
+            f"tokens (TRL: prompts are not cut)"),
+           ("every completion is sampled with a seed of its own (train.seed, the step, the prompt), the same on any "
+            "number of ranks (TRL: the global RNG of the rank)")]
+    if rl.loss_type == "bnpo":
+        out.append("rl.loss_type=bnpo divides by the optimizer step's tokens on every rank (TRL: each micro-batch by "
+                   "its own tokens on its own rank)")
+    if (rl.steps_per_generation or t.gradient_accumulation_steps) > t.gradient_accumulation_steps:
+        out.append("a round's completions are trained in prompt order (TRL: shuffled first)")
+    return out
+
+
 def differences_from_trl(cfg: Config, warmup: int) -> list[str]:
     """The run's settings that a TRL ``SFTTrainer`` user would not expect, one phrase each, for the start-up log.
 
@@ -244,11 +260,14 @@ def differences_from_trl(cfg: Config, warmup: int) -> list[str]:
         decay = "constant" if o.schedule == "constant" else f"{o.schedule} decay to {o.min_lr_ratio:g}x lr"
         out.append(f"lr {o.lr:g}: {warmup} warmup steps, then {decay} (TRL: linear from learning_rate to 0, "
                    f"no warmup; optim.schedule, optim.min_lr_ratio, optim.warmup_steps)")
-    out.append(f"a row longer than data.max_length={d.max_length} tokens loses its oldest tokens and keeps the trained "
-               f"end (TRL: max_length=1024, truncation keeps the start)")
+    if cfg.loss.samples_online():  # GRPO: TRL's GRPOTrainer's defaults (docs/rl.md)
+        out += rl_differences(cfg)
+    else:
+        out.append(f"a row longer than data.max_length={d.max_length} tokens loses its oldest tokens and keeps the "
+                   f"trained end (TRL: max_length=1024, truncation keeps the start)")
     every = f", every {t.eval_every} steps" if t.eval_every else ""
     out.append(f"evaluation at step 0{every} and at the end (TRL: none unless eval_strategy is set; train.eval_every)")
-    if not cfg.loss.trains_pairs():  # a pair trains its sides' completions, as TRL's DPOTrainer does
+    if not cfg.loss.trains_pairs() and not cfg.loss.samples_online():  # pairs, completions: as TRL trains them
         out.append("a row trains only its tail, the tokens between [[ and ]] in the row shown above (TRL: every token "
                    "of a text or chat row unless assistant_only_loss=true; a prompt-completion row's completion)")
     if cfg.loss.trains_pairs() and d.pair_conventions == "scale":

@@ -140,15 +140,21 @@ def report_start(launch: Launch, cfg: Config, data: Data, loaders: Loaders, mode
     sides, unit = max(len(splits.task.sides), 1), splits.task.unit  # preference: a loader item is a pair, 2 rows
     if bins is not None:
         logger.info(packing_text(len(splits.train) // sides, bins, lengths, cfg.data.max_length * sides, G, unit))
+    per_step = (f"{G // cfg.rl.num_generations} prompts x rl.num_generations={cfg.rl.num_generations} = {G} "
+                f"completions of <= rl.max_completion_length={cfg.rl.max_completion_length} tokens after prompts of "
+                f"{lengths.mean():.1f} tokens on average" if cfg.loss.samples_online() else
+                step_text(lengths, column(splits.train, "tail_len"), G * (sides if bins is None else 1), bins))
     logger.info("per step: %s; %s: train=%d eval=%d format=%s; parameters: trainable=%d total=%d (%.3f%%)",
-                step_text(lengths, column(splits.train, "tail_len"), G * (sides if bins is None else 1), bins),
-                unit, splits.stats["data/train_rows"], splits.stats["data/eval_rows"], splits.format, trainable,
-                total, 100 * trainable / total)
+                per_step, unit, splits.stats["data/train_rows"], splits.stats["data/eval_rows"], splits.format,
+                trainable, total, 100 * trainable / total)
     log_data_stats(splits.stats, cfg.data, unit)
     if sides > 1:  # a pair's sides are consecutive examples, named by the task
         shown = "\n".join(f"({name})\n{show_example(data.tokenizer, e)}"
                           for name, e in zip(splits.task.sides, splits.train[:sides]))
         logger.info("a train pair as trained (%s):\n%s", show_legend(), shown)
+    elif cfg.loss.samples_online():  # a prompt: nothing of it is trained, completions are sampled from it
+        logger.info("a train prompt as the model reads it (each round samples rl.num_generations=%d completions of "
+                    "it):\n%s", cfg.rl.num_generations, data.tokenizer.decode(splits.train[0].input_ids))
     else:
         logger.info("a train row as trained (%s):\n%s", show_legend(), show_example(data.tokenizer, splits.train[0]))
     for difference in differences_from_trl(cfg, min(warmup_steps(cfg.optim, max_steps), max_steps - 1)):

@@ -85,6 +85,11 @@ class Prompts(Task):
 
     name = "prompts"
 
+    @property
+    def unit(self) -> str:
+        """A row of this format is a prompt (log lines count prompts)."""
+        return "prompts"
+
     def columns(self, cfg: DataConfig) -> list[str]:
         return template_columns(cfg.prompt_template) if cfg.prompt_template else [cfg.prompt_column]
 
