@@ -90,6 +90,7 @@ def format_plan(plan: Plan) -> str:
         f"{plan.logits_tail_bytes / 2**20:.2f} MiB vs full [B, T, V] {_gib(plan.logits_full_bytes)} GiB"),
         *([plan.experts] if plan.experts else []),
         *([plan.preference["text"]] if plan.preference else []),
+        *([plan.rl["text"]] if plan.rl else []),
         "",
     ]
     labels = [MODE_LABELS[r.mode] for r in plan.ranks]

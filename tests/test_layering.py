@@ -103,11 +103,12 @@ ALLOWED: dict[str, set[str]] = {
                             "planner.census"},  # saved activations; objectives: the pairs' loss
     "planner.moe": {"modeling.moe", "planner.census", "utils.flops"},  # the plan's line for a MoE model
     "planner.pairs": {"config.schema", "objectives", "planner.activations", "utils.flops"},  # a preference job's
+    "planner.rl": {"config.schema", "planner.activations", "utils.flops"},  # grpo: rollout KV cache, no-grad forwards
     # where each launch mode keeps the bytes; modeling: the sequence-parallel guard, for the SP columns
     "planner.layouts": {"config.load", "config.schema", "modeling.attention", "modeling.finetune", "planner.activations",
                         "planner.census"},  # finetune: what trains and in which dtypes (WeightsPlan)
     "planner.plan": {"config.schema", "data.tokenize", "modeling.build", "planner.activations", "planner.census",
-                     "planner.layouts", "planner.moe", "planner.pairs", "utils.assets"},  # data: the tails
+                     "planner.layouts", "planner.moe", "planner.pairs", "planner.rl", "utils.assets"},  # data: the tails
     "planner.autobatch": {"config.schema", "config.validation", "planner.census", "planner.layouts",
                           "planner.plan"},  # the micro-batch search; train.micro_batch_size=auto at start-up
     "planner": {"planner.autobatch"},  # the face: the run's one door (plan_micro_batch)
@@ -208,7 +209,8 @@ LAYERS: dict[str, list[set[str]]] = {
                   "modeling.dropout", "modeling.finetune"},
                  {"modeling.build", "modeling.varlen"}, {"modeling"}],
     "objectives": [{"objectives"}],
-    "planner": [{"planner.census"}, {"planner.activations", "planner.moe"}, {"planner.pairs", "planner.layouts"},
+    "planner": [{"planner.census"}, {"planner.activations", "planner.moe"},
+                {"planner.pairs", "planner.rl", "planner.layouts"},
                 {"planner.plan"}, {"planner.autobatch"}, {"planner"}],
     "distributed": [{"distributed.topology", "distributed.rendezvous", "distributed.collective", "distributed.inputs",
                      "distributed.ulysses"}, {"distributed.launch", "distributed.launcher"}, {"distributed"}],

@@ -22,10 +22,18 @@ from scale.data.tokenize import build_splits
 from scale.modeling.build import load_tokenizer
 from scale.planner.activations import Activations, count_activations
 from scale.planner.census import GIB, PlanError, build_meta_model, census, load_model_config
-from scale.planner.layouts import (MODE_LABELS, MODES, OVERHEAD_FIXED_BYTES, OVERHEAD_FRACTION, SP_MODES, Rank,
-                                   predict_mode)
+from scale.planner.layouts import (
+    MODE_LABELS,
+    MODES,
+    OVERHEAD_FIXED_BYTES,
+    OVERHEAD_FRACTION,
+    SP_MODES,
+    Rank,
+    predict_mode,
+)
 from scale.planner.moe import moe_text
 from scale.planner.pairs import pair_rows, plan_pairs
+from scale.planner.rl import plan_rl, rl_rows, rl_tail
 from scale.utils.assets import resolve_data
 
 # A mode "fits" when its total leaves this fraction of the GPU free: the predictions are checked to within 10% on
@@ -61,6 +69,7 @@ class Plan:
     experts: str = ""
     preference: dict[str, Any] = field(default_factory=dict)  # pairs: scale.planner.pairs.plan_pairs; else empty
     finetune: str = "lora"  # model.finetune: what the trainable parameters are (a LoRA adapter, or every weight)
+    rl: dict[str, Any] = field(default_factory=dict)  # loss.objective=grpo: scale.planner.rl.plan_rl; else empty
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -98,7 +107,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
                         "start-up; scale-plan resolves it against --gpu-mem)")
     hf_config = load_model_config(cfg.model, model_config)
     counts: dict[str, int] = {}
-    tail, tail_note = data_tail(cfg, counts)
+    tail, tail_note = rl_tail(cfg) if cfg.loss.samples_online() else data_tail(cfg, counts)
     if cfg.data.packing:  # bins of data.max_length tokens (pairs: 2 x), any of which may be trained
         bins = (f"{cfg.train.micro_batch_size} bins of pairs x 2 x {cfg.data.max_length} tokens (planned as "
                 f"{2 * cfg.train.micro_batch_size} rows x {cfg.data.max_length})" if cfg.loss.trains_pairs() else
@@ -111,6 +120,8 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     user_cfg, cfg = cfg, with_tail(cfg, tail)  # the counts below see the data's tail as loss.threshold
     if cfg.loss.trains_pairs():  # P pairs are 2P rows: everything below counts rows
         cfg = pair_rows(cfg)
+    if cfg.loss.samples_online():  # completions, their tail's logits unchunked
+        cfg = rl_rows(cfg)
     gc_setting, on = cfg.model.gradient_checkpointing, bool(cfg.model.gradient_checkpointing)
     models = {on: build_meta_model(cfg, hf_config, checkpointing=on)}
     params = census(cfg, models[on])
@@ -130,6 +141,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
     acts = {regime: checkpoint_variant(acts_by_gc[True][regime], acts_by_gc[False][regime], cfg.model)
             for regime in regimes} if gc_setting in ("every_n", "offload") else acts_by_gc[on]
     preference = plan_pairs(user_cfg, cfg, models[on], params, acts, cast, counts) if cfg.loss.trains_pairs() else {}
+    rl = plan_rl(cfg, models[on], hf_config, params, acts, cast) if cfg.loss.samples_online() else {}
     order, acts_sp = (("single",) if single_only else modes_in_order(cfg)), None
     # One rank's shard of every row (scale.distributed.ulysses), DeepSpeed's regime.
     if cfg.train.sequence_parallel_size > 1 and not single_only:
@@ -165,6 +177,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         logits_tail_bytes=cfg.train.micro_batch_size * N * a_on.vocab * 4,
         logits_full_bytes=cfg.train.micro_batch_size * T * a_on.vocab * 4, ranks=ranks, fits=fits,
         recommended=recommended, advice=advice, experts=experts, preference=preference, finetune=cfg.model.finetune,
+        rl=rl,
         assumptions=[tail_note, *assumptions(replace(user_cfg, train=cfg.train), gpus, nodes, padded),
                      loss_note(cfg, a_on)])
 
