@@ -92,8 +92,8 @@ def reward_figure(runs: dict[str, Rows]) -> list[tuple[str, str, list[Panel]]]:
     if not keys:
         return []
     label = {k: k.removeprefix("train/reward/").removeprefix("eval/reward/").removesuffix("/mean") for k in keys}
-    return [("rl_rewards.png", "Rewards: the weighted total and each function's mean (train: each round's sampled "
-             "completions; eval: greedy completions of the held-out prompts)",
+    return [("rl_rewards.png", ("Rewards: the weighted total and each function's mean (train: each round's sampled "
+                                "completions; eval: greedy completions of the held-out prompts)"),
              [Panel("reward", [(k, f"{k.split('/')[0]} {label[k]}") for k in keys])])]
 
 

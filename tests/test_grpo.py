@@ -16,7 +16,7 @@ from scale.data.collate import Collator
 from scale.data.tasks.base import Builder
 from scale.data.tasks.prompts import Prompts
 from scale.generation.rollout import Rollouts
-from scale.modeling import add_lora, load_base
+from scale.modeling.build import add_lora, load_base
 from scale.objectives.grpo import GrpoObjective, group_advantages, loss_numerator, loss_weights, token_terms
 from scale.objectives.preference import add_reference_adapter, reference_mode
 from scale.objectives.rewards import build_rewards

@@ -1,6 +1,7 @@
-"""Rollouts (scale/rl): the seeded sampler draws from the tempered, filtered softmax (a frequency test with a
-binomial bound), a completion depends on its own seed only (not on what shares its batch), the sampler's log-probs
-are the trainer's forward's, and one round's micro-batches carry what the GRPO objective reads.
+"""Rollouts (scale/generation/rollout.py, scale/training/rollouts.py): the seeded sampler draws from the tempered,
+filtered softmax (a frequency test with a binomial bound), a completion depends on its own seed only (not on what
+shares its batch), the sampler's log-probs are the trainer's forward's, and one round's micro-batches carry what the
+GRPO objective reads.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import pytest
 import torch
 
 from scale.data.collate import Collator
+from scale.generation.rollout import (Rollouts, Sampling, SeededSampler, TransformersGenerator, completion_seed,
+                                      cut_at_stop)
 from scale.objectives.grpo import GrpoObjective
 from scale.objectives.rewards import RewardError, build_rewards
-from scale.generation.rollout import Rollouts, Sampling, SeededSampler, TransformersGenerator, completion_seed, cut_at_stop
 from scale.training.rollouts import Prompt, RoundPlan, build_round
 from tests.test_grpo import _model
 
