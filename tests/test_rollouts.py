@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from scale.data.collate import Collator
-from scale.generation.rollout import (Rollouts, Sampling, SeededSampler, TransformersGenerator, completion_seed,
-                                      cut_at_stop)
+from scale.generation.rollout import (Rollouts, Sampling, SeededSampler, TransformersGenerator, check_generator,
+                                      completion_seed, cut_at_stop)
 from scale.objectives.grpo import GrpoObjective
 from scale.objectives.rewards import RewardError, build_rewards
-from scale.training.rollouts import Prompt, RoundPlan, build_round
+from scale.training.rollouts import Prompt, RoundPlan, build_round, restore_round
 from tests.test_grpo import _model
 
 EPS64 = torch.finfo(torch.float64).eps
@@ -140,6 +140,35 @@ def test_a_round_holds_what_the_objective_reads(tokenizer, tiny):
     assert rnd.stats["completions/truncated_fraction"] == sum(r["truncated"] for r in rnd.records) / 8
 
 
+def test_a_kept_round_restores_on_another_world_size(tokenizer, tiny):
+    """A round a one-rank checkpoint kept (2 micro-batches of 4, 2 iterations: old log-probs stored) restored for 2
+    ranks with the same global batch (1 micro-batch of 4 each), and that back for one rank: each rank's micro-batch
+    is the one-rank round's micro-batch of the same global position, tensor for tensor (tokens, masks, advantages,
+    stored log-probs, dapo's round weight), with its records."""
+    rewards = build_rewards([{"fn": "length", "cache": 2}], 5)
+    shape = {"num_generations": 4, "micro_batch_size": 4, "num_iterations": 2, "loss_type": "dapo",
+             "mask_truncated": True}
+    one = RoundPlan(steps_per_generation=2, gradient_accumulation_steps=2, **shape)
+    two = RoundPlan(steps_per_generation=1, gradient_accumulation_steps=1, world_size=2, **shape)
+    rnd = _round(tokenizer, tiny, rewards, one)
+    assert one.needs_old_logps and two.needs_old_logps and "old_logps" in rnd.micro[0]
+    collator = Collator(tokenizer.pad_token_id)
+
+    def same(a, b):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+
+    ranks = [restore_round([rnd.state_dict()], two, r, collator) for r in range(2)]
+    for r, part in enumerate(ranks):
+        assert len(part.micro) == 1 and part.records == rnd.records[4 * r:4 * r + 4]
+        same(part.micro[0], rnd.micro[r])
+    back = restore_round([part.state_dict() for part in ranks], one, 0, collator)
+    assert len(back.micro) == 2 and back.records == rnd.records
+    for a, b in zip(back.micro, rnd.micro):
+        same(a, b)
+
+
 def test_a_reward_failing_on_another_rank_stops_this_one(tokenizer, tiny):
     """Every rank reaches the round's all-gather; the error flag in the table stops the ranks whose functions ran
     fine too, in one line naming the failing rank (the failing rank names the function and the row)."""
@@ -153,6 +182,29 @@ def test_a_reward_failing_on_another_rank_stops_this_one(tokenizer, tiny):
 
     with pytest.raises(RewardError, match="a reward function failed on rank 1"):
         _round(tokenizer, tiny, rewards, plan, gather=gather)
+
+
+def test_a_generator_that_cannot_run_here_is_refused_in_one_line(monkeypatch):
+    """rl.generator=vllm without CUDA, or without the package, names the key and the fix (before the model loads)."""
+    import importlib.util
+
+    with pytest.raises(ValueError, match=r"^rl.generator=vllm needs a CUDA device and this run has none; set "
+                                         r"rl.generator=transformers"):
+        check_generator("vllm", cuda=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None)
+    with pytest.raises(ValueError, match=r"^rl.generator=vllm needs the vllm package: pip install 'scale\[vllm\]'"):
+        check_generator("vllm", cuda=True)
+    check_generator("transformers", cuda=False)
+
+
+def test_beta_without_a_reference_is_refused_in_one_line():
+    """rl.beta > 0 on a model without a LoRA adapter to switch off (no reference to take the KL to)."""
+    from scale.config.validation import ConfigError
+    from scale.training.parts.rl import rl_reference
+
+    with pytest.raises(ConfigError, match=r"^rl.beta > 0 needs a reference and this model has no LoRA adapter to "
+                                          r"switch off; set rl.beta=0$"):
+        rl_reference(torch.nn.Linear(2, 2))
 
 
 def test_rollouts_type():
