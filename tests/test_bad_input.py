@@ -69,8 +69,9 @@ def test_missing_column(tmp_path):
     assert _message(DataError, load_rows, DataConfig(), path) == (
         f"{path} has the columns ['review', 'label'], which fit no data format: preference needs chosen, rejected "
         f"(no 'chosen', 'rejected'); messages needs messages (no "
-        f"'messages'); prompt_completion needs prompt, completion (no 'prompt', 'completion'); classification needs "
-        f"text, label (no 'text'); text needs text (+ type, target) (no 'text'). Rename the columns, set "
+        f"'messages'); prompt_completion needs prompt, completion (no 'prompt', 'completion'); prompts needs "
+        f"prompt (no 'prompt'); classification needs text, label (no 'text'); text needs text (+ type, target) (no "
+        f"'text'). Rename the columns, set "
         f"data.*_column, or set data.format")
 
 
@@ -80,8 +81,9 @@ def test_misspelled_column(tmp_path):
     assert _message(DataError, load_rows, DataConfig(label_column="lable"), path) == (
         f"{path} has the columns ['text', 'label'], which fit no data format: preference needs chosen, rejected (no "
         f"'chosen', 'rejected'); messages needs messages (no "
-        f"'messages'); prompt_completion needs prompt, completion (no 'prompt', 'completion'); classification needs "
-        f"text, lable (no 'lable'); text needs text (+ type, target) (other columns ['label']: set data.format=text)."
+        f"'messages'); prompt_completion needs prompt, completion (no 'prompt', 'completion'); prompts needs "
+        f"prompt (no 'prompt'); classification needs text, lable (no 'lable'); text needs text (+ type, target) "
+        f"(other columns ['label']: set data.format=text)."
         f" Rename the columns, set data.*_column, or set data.format")
     assert _message(DataError, load_rows, DataConfig(format="prompt_completion"), path) == (
         f"data.format=prompt_completion needs the columns ['prompt', 'completion'] but {path} has ['text', "
@@ -131,7 +133,7 @@ def test_micro_batch_larger_than_a_rank_shard(tmp_path):
                             "(train.max_steps=null to train by epochs)")),
     ("train.max_steps=null", "set train.max_steps or train.num_epochs (exactly one): how long to train"),
     ("data.format=chat", ("data.format='chat' is not one of ['auto', 'text', 'classification', "
-                          "'prompt_completion', 'messages', 'preference']")),
+                          "'prompt_completion', 'prompts', 'messages', 'preference']")),
     ("model.quantize_4bit=maybe", "model.quantize_4bit='maybe' has the wrong type: expected bool"),
     ("loss.target_position=-3", "loss.target_position=-3 is outside the tail: it must be between -2 and -1 "
                                 "(loss.threshold=2); raise loss.threshold or move it"),
@@ -783,7 +785,8 @@ def _hi(answer="Hello."):
      ("{path} has the columns ['instruction', 'input', 'output'], which fit no data format: preference needs "
       "chosen, rejected (no 'chosen', 'rejected'); messages needs "
       "messages (no 'messages'); prompt_completion needs prompt, completion (no 'prompt', 'completion'); "
-      "classification needs text, label (no 'text', 'label'); text needs text (+ type, target) (no 'text'). "
+      "prompts needs prompt (no 'prompt'); classification needs text, label (no 'text', 'label'); text needs text "
+      "(+ type, target) (no 'text'). "
       "Rename the columns, set data.*_column, or set data.format")),
     ([{"prompt": "Q", "completion": "A"}, {"prompt": "Q2", "completion": "  "}], [],
      "row 1 (line 2) of {path}: empty 'completion'"),
