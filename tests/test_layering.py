@@ -58,7 +58,8 @@ ALLOWED: dict[str, set[str]] = {
     "utils": set(),  # the face: hands nothing on
     # config
     "config.validation": set(),  # the config's rules and ConfigError: the schema imports them
-    "config.schema": {"config.validation"},  # Config.__post_init__ runs the rules
+    "config.sections": set(),  # the data, loss and rl sections of the schema
+    "config.schema": {"config.sections", "config.validation"},  # Config.__post_init__ runs the rules
     "config.names": {"config.schema"},  # TRL/transformers names -> scale keys, closest keys to a typo
     "config.load": {"config.names", "config.schema", "config.validation", "utils.fileio"},
     "config.help": {"config.names", "config.schema", "config.validation"},  # --help and docs/config.md
@@ -200,7 +201,7 @@ DISTRIBUTED = {"distributed.collective", "distributed.inputs", "distributed.laun
 LAYERS: dict[str, list[set[str]]] = {
     "utils": [{"utils.fileio", "utils.logs", "utils.signals", "utils.compat", "utils.flops", "utils.wrapped"},
               {"utils.assets"}, {"utils"}],
-    "config": [{"config.validation"}, {"config.schema"}, {"config.names"}, {"config.load", "config.help"},
+    "config": [{"config.validation", "config.sections"}, {"config.schema"}, {"config.names"}, {"config.load", "config.help"},
                {"config"}],
     "loss": [{"loss.tail"}, {"loss.chunked"}, {"loss"}],
     "data": [{"data.read"}, {"data.sources"}, {"data.tasks"}, {"data.split"}, {"data.mixing"}, {"data.tokenize"},

@@ -128,8 +128,8 @@ it; a mapping for a whole section, `optim={lr: 0.002}`, sets those keys and keep
 keys and wrong types are errors that name the key and the closest keys (a TRL/transformers name gets its scale
 key). `scale-train --help` lists every key on one line, `scale-train --help optim` one section in full.
 
-This page is generated from the schema (`scale/config/schema.py`) and `scale/config/names.py`;
-`tests/test_config.py` fails when it is stale. Regenerate it with `python -m scale.config.help > docs/config.md`.
+This page is generated from the schema (`scale/config/schema.py`, its data/loss/rl sections in
+`scale/config/sections.py`) and `scale/config/names.py`; `tests/test_config.py` fails when it is stale. Regenerate it with `python -m scale.config.help > docs/config.md`.
 
 ## `train.micro_batch_size: auto`
 
