@@ -32,7 +32,8 @@ def _batch() -> dict[str, torch.Tensor]:
 def test_sft_is_the_default_and_meets_the_interface():
     cfg = load_config(TINY_YAML)
     objective = build_objective(cfg)
-    assert cfg.loss.objective == "sft" and objective.name == "sft" and set(OBJECTIVES) == {"sft", "dpo", "simpo", "orpo"}
+    assert cfg.loss.objective == "sft" and objective.name == "sft"
+    assert set(OBJECTIVES) == {"sft", "dpo", "simpo", "orpo", "grpo"}
     assert isinstance(objective, Objective) and isinstance(objective, LossSpec)
     assert objective == LossSpec.from_config(cfg)
     batch = _batch()
@@ -58,7 +59,8 @@ def test_sft_loss_step_is_the_tail_loss_numerator():
 
 
 def test_an_unknown_objective_is_one_config_error():
-    with pytest.raises(ConfigError, match=r"^loss\.objective='kto' is not one of \['sft', 'dpo', 'simpo', 'orpo'\]$"):
+    with pytest.raises(ConfigError,
+                       match=r"^loss\.objective='kto' is not one of \['sft', 'dpo', 'simpo', 'orpo', 'grpo'\]$"):
         load_config(TINY_YAML, ["loss.objective=kto"])
 
 
