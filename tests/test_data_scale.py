@@ -196,7 +196,8 @@ def test_multi_turn_chats_round_trip_the_cache_exactly(tmp_path, tokenizer, monk
     assert multi and all(hit.train[i].trained == e.trained for i, e in enumerate(ref.train))
     assert hit.format == "messages" and len(hit.fingerprint) == 64 and len(hit.template_sha256) == 64
     # Every Example field is stored: a new field must be added to the cache's columns.
-    assert {f.name for f in dataclasses.fields(Example)} == {"input_ids", *cache.SCALARS, *cache.LISTS, *cache.TEXTS} - {"length"}
+    stored = {"input_ids", *cache.SCALARS, *cache.LISTS, *cache.TEXTS} - {"length"}
+    assert {f.name for f in dataclasses.fields(Example)} == stored
 
 
 def test_the_cache_key_reads_every_module_that_shapes_tokens():
