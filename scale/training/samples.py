@@ -275,8 +275,9 @@ def start_samples_file(path: Path, enabled: bool, keep_until: int | None) -> Non
 def write_samples(acc: Accelerator, path: Path, step: int, records: list[dict[str, Any]],
                   to_trackers: bool = True, table: str = "eval/samples") -> None:
     """Append one evaluation's ``records`` to ``path`` in one write (then fsync), and log them as the W&B table
-    ``table`` at ``step`` (``to_trackers``). Main process; a tracker failure costs one warning. Records with
-    ``rewards`` (``loss.objective: grpo``: held-out completions, or a round's ``train/rollouts``) get the columns
+    ``table`` at ``step`` (``to_trackers``). Main process; a tracker failure costs one warning. Preference pairs'
+    records (with ``chosen``) get the margin column; other records with ``rewards`` (``loss.objective: grpo``:
+    held-out completions, or a round's ``train/rollouts``) get the columns
     ``step, split, row, prompt, completion, reward, advantage, rewards`` (the last as JSON)."""
     if not acc.is_main_process or not records:
         return
@@ -295,13 +296,13 @@ def write_samples(acc: Accelerator, path: Path, step: int, records: list[dict[st
         import wandb
 
         columns = ["step", "row", "prompt", "reference", "completion", "exact"]
-        if "rewards" in records[0]:  # grpo: a completion, its rewards and (training) its advantage
+        if "chosen" in records[0]:  # preference pairs: the answer beside chosen and rejected, and the margin
+            columns = ["step", "row", "prompt", "completion", "chosen", "rejected", "exact", "margin"]
+            records = [{**r, "margin": r.get("rewards", {}).get("margin")} for r in records]
+        elif "rewards" in records[0]:  # grpo: a completion, its rewards and (training) its advantage
             columns = ["step", "split", "row", "prompt", "completion", "reward", "advantage", "rewards"]
             records = [{**r, "prompt": r["prompt"] if isinstance(r["prompt"], str) else json.dumps(r["prompt"]),
                         "advantage": r.get("advantage"), "rewards": json.dumps(r["rewards"])} for r in records]
-        elif "chosen" in records[0]:  # preference pairs: the answer beside chosen and rejected, and the margin
-            columns = ["step", "row", "prompt", "completion", "chosen", "rejected", "exact", "margin"]
-            records = [{**r, "margin": r.get("rewards", {}).get("margin")} for r in records]
         data = wandb.Table(columns=columns, data=[[step, *(r[c] for c in columns[1:])] for r in records])
         run.log({table: data}, step=step)
     except Exception as e:  # noqa: BLE001 - a tracker must not stop training
