@@ -169,7 +169,8 @@ def modes(directory: Path | None = None) -> dict[str, tuple[list[list[str]], lis
 
 
 def run_mode(cmds: list[list[str]], overrides: list[str], out: Path, timeout: float = 600) -> dict:
-    """Start ``cmds`` together with the tiny job + ``overrides`` writing to ``out``; return its numbers.
+    """Start ``cmds`` together with the tiny job + ``overrides`` writing to ``out``; return its numbers (and under
+    ``output`` what the processes printed).
 
     Raises:
         RuntimeError: a process exits non-zero (its output tail is in the message).
@@ -182,7 +183,7 @@ def run_mode(cmds: list[list[str]], overrides: list[str], out: Path, timeout: fl
     for p, text in zip(procs, outputs):
         if p.returncode != 0:
             raise RuntimeError(f"{' '.join(p.args[:6])} ... exited {p.returncode}:\n{text[-3000:]}")
-    return read_run(out)
+    return {**read_run(out), "output": "\n".join(outputs)}
 
 
 def run_in_process(overrides: list[str], out: Path) -> dict:

@@ -90,7 +90,10 @@ ALLOWED: dict[str, set[str]] = {
     "modeling.mixed_paths": {"utils.wrapped"},  # mixed-precision paths with fewer casts (bf16 autocast where it pays)
     "modeling.kernels": {"config.validation", "utils.wrapped"},  # model.kernels: Liger-Kernel's patches, by family
     "modeling.finetune": {"config.schema", "utils.compat"},  # what trains (lora | full) and in which dtypes
-    "modeling.build": {"config.schema", "config.validation", "modeling.finetune", "modeling.moe", "utils.assets",
+    "modeling.split_experts": set(),  # the split experts forward: grouped products on the routed tokens (torch only)
+    "modeling.moe_lora": {"config.validation", "modeling.moe", "modeling.split_experts"},  # which expert LoRA path
+    "modeling.build": {"config.schema", "config.validation", "modeling.finetune", "modeling.moe", "modeling.moe_lora",
+                       "utils.assets",
                        "utils.compat"},
     # packed rows' attention one example at a time where no varlen kernel runs
     "modeling.varlen": {"loss.tail", "modeling.mixed_paths", "utils.wrapped"},
@@ -100,9 +103,10 @@ ALLOWED: dict[str, set[str]] = {
     "objectives": {"config.schema", "config.validation", "loss.chunked", "loss.tail"},
     # planner: scale-plan's counts, meta/fake tensors, no process group
     "planner.census": {"config.load", "config.schema", "modeling.build", "modeling.finetune", "modeling.moe"},  # params
-    "planner.activations": {"config.schema", "loss.chunked", "loss.tail", "modeling.moe", "objectives",
-                            "planner.census"},  # saved activations; objectives: the pairs' loss
-    "planner.moe": {"modeling.moe", "planner.census", "utils.flops"},  # the plan's line for a MoE model
+    "planner.activations": {"config.schema", "loss.chunked", "loss.tail", "modeling.moe", "modeling.split_experts",
+                            "objectives", "planner.census"},  # saved activations; objectives: the pairs' loss
+    "planner.moe": {"config.schema", "modeling.moe", "modeling.moe_lora", "modeling.split_experts",
+                    "planner.activations", "planner.census", "utils.flops"},  # the MoE line; a MoE layer's peak
     "planner.pairs": {"config.schema", "objectives", "planner.activations", "utils.flops"},  # a preference job's
     "planner.rl": {"config.schema", "planner.activations", "utils.flops"},  # grpo: rollout KV cache, no-grad forwards
     # where each launch mode keeps the bytes; modeling: the sequence-parallel guard, for the SP columns
@@ -155,7 +159,7 @@ ALLOWED: dict[str, set[str]] = {
                        "distributed.collective", "distributed.launch", "distributed.ulysses", "generation.export",
                        "generation.rollout", "generation.vllm", "modeling.attention", "modeling.build",
                        "modeling.dropout", "modeling.finetune", "modeling.kernels", "modeling.mixed_paths",
-                       "modeling.moe", "modeling.varlen", "objectives", "planner", "training.best",
+                       "modeling.moe", "modeling.moe_lora", "modeling.varlen", "objectives", "planner", "training.best",
                        "training.checkpoint", "training.evaluate", "training.metrics", "training.precision",
                        "training.rollouts", "training.samples", "training.schedule", "training.state",
                        "training.tracking", "utils.assets", "utils.signals"},
@@ -206,9 +210,9 @@ LAYERS: dict[str, list[set[str]]] = {
     "loss": [{"loss.tail"}, {"loss.chunked"}, {"loss"}],
     "data": [{"data.read"}, {"data.sources"}, {"data.tasks"}, {"data.split"}, {"data.mixing"}, {"data.tokenize"},
              {"data.token_table", "data.cache"}, {"data.collate", "data.order", "data.sequence"}, {"data"}],
-    "modeling": [{"modeling.moe", "modeling.attention", "modeling.mixed_paths", "modeling.kernels",
-                  "modeling.dropout", "modeling.finetune"},
-                 {"modeling.build", "modeling.varlen"}, {"modeling"}],
+    "modeling": [{"modeling.moe", "modeling.split_experts", "modeling.attention", "modeling.mixed_paths",
+                  "modeling.kernels", "modeling.dropout", "modeling.finetune"},
+                 {"modeling.moe_lora", "modeling.build", "modeling.varlen"}, {"modeling"}],
     "objectives": [{"objectives"}],
     "planner": [{"planner.census"}, {"planner.activations", "planner.moe"},
                 {"planner.pairs", "planner.rl", "planner.layouts"},

@@ -17,7 +17,8 @@ from scale.config.load import ConfigError
 from scale.config.schema import LoraConfig, ModelConfig
 from scale.loss.tail import forward_tail
 from scale.modeling.build import add_lora
-from scale.modeling.moe import expert_factors, moe_layout, parameter_adapters, targets_line
+from scale.modeling.moe import expert_factors, is_parameter_adapter, moe_layout, parameter_adapters, targets_line
+from scale.modeling.moe_lora import is_split
 from scale.training.parts.experts import ExpertLoad, RouterAux
 from scale.utils.compat import peft_adapts_parameters
 from tests.bounds import fp32_paths_rel
@@ -85,7 +86,7 @@ def test_all_linear_adapts_attention_and_every_expert_not_the_router(family):
     assert sorted(adapted) == sorted(layout.expert_params)  # every fused expert weight, nothing else
     assert all(adapted[n].num_experts == E for n in adapted)
     lora_linear = {n.removeprefix("base_model.model.") for n, m in model.named_modules()
-                   if hasattr(m, "lora_A") and type(m).__name__ != "ParamWrapper"}
+                   if hasattr(m, "lora_A") and not is_parameter_adapter(m)}
     assert lora_linear == linear - set(layout.router_linears)  # attention, shared experts, dense MLPs
     routers = set(layout.routers)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -95,7 +96,7 @@ def test_all_linear_adapts_attention_and_every_expert_not_the_router(family):
     for name, module in model.named_modules():
         if hasattr(module, "lora_dropout") and "default" in module.lora_dropout:
             drop = module.lora_dropout["default"]
-            if type(module).__name__ == "ParamWrapper":
+            if is_parameter_adapter(module):
                 assert isinstance(drop, torch.nn.Identity), name
             else:
                 assert isinstance(drop, torch.nn.Dropout) and drop.p == 0.05, name
@@ -146,21 +147,41 @@ def peft_layout_delta(wrapper: torch.nn.Module, e: int) -> torch.Tensor:
 
 
 class ReferenceExperts(torch.nn.Module):
-    """The experts of one layer computed token by token, expert by expert: ``y_t = sum_j w_tj * down_e(silu(gate_e
-    x_t) * up_e x_t)`` with each expert's weight ``W_e + scaling * B_e A_e`` assembled by hand (no peft code)."""
+    """The experts of one layer computed token by token, expert by expert: ``y_t = sum_j w_tj * down_e(gate(gate_up_e
+    x_t))`` with each expert's weight ``W_e + scaling * B_e A_e`` assembled by hand (no peft code) and the family's
+    gate written out: SwiGLU ``silu(g) * u`` over ``[gate; up]`` halves, or gpt-oss's clamped GLU over interleaved
+    columns with biases (its weights stored transposed, ``[E, in, out]``)."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, w_gate_up, w_down) -> None:
+    def __init__(self, experts: torch.nn.Module, w_gate_up, w_down) -> None:
         super().__init__()
-        self.gate_up = torch.stack([gate_up[e] + peft_layout_delta(w_gate_up, e) for e in range(E)]).detach()
-        self.down = torch.stack([down[e] + peft_layout_delta(w_down, e) for e in range(E)]).detach()
+        tr = experts.is_transposed
+
+        def weight(p: torch.Tensor, wrapper, e: int) -> torch.Tensor:  # [out, in]
+            return (p[e].T if tr else p[e]) + peft_layout_delta(wrapper, e)
+
+        self.gate_up = torch.stack([weight(experts.gate_up_proj, w_gate_up, e) for e in range(E)]).detach()
+        self.down = torch.stack([weight(experts.down_proj, w_down, e) for e in range(E)]).detach()
+        self.gpt_oss = type(experts).__name__ == "GptOssExperts"
+        if self.gpt_oss:
+            self.biases = (experts.gate_up_proj_bias.detach(), experts.down_proj_bias.detach())
+            self.limit, self.alpha = experts.limit, experts.alpha
+        else:
+            assert experts.config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for t in range(x.shape[0]):
             for j in range(idx.shape[1]):
                 e = int(idx[t, j])
-                g, u = (self.gate_up[e] @ x[t]).chunk(2)
-                out[t] += w[t, j].to(x.dtype) * (self.down[e] @ (torch.nn.functional.silu(g) * u))
+                gu = self.gate_up[e] @ x[t]
+                if self.gpt_oss:
+                    gu = gu + self.biases[0][e]
+                    g, u = gu[::2].clamp(max=self.limit), gu[1::2].clamp(-self.limit, self.limit)
+                    y = self.down[e] @ ((u + 1) * g * torch.sigmoid(g * self.alpha)) + self.biases[1][e]
+                else:
+                    g, u = gu.chunk(2)
+                    y = self.down[e] @ (torch.nn.functional.silu(g) * u)
+                out[t] += w[t, j].to(x.dtype) * y
         return out
 
 
@@ -170,12 +191,12 @@ def with_reference_experts(model: torch.nn.Module, layout) -> torch.nn.Module:
     ref = copy.deepcopy(model).double()
     ref.get_base_model().set_experts_implementation("eager")  # the router call stays the model's own
     adapters = parameter_adapters(ref)
-    raw = {n.replace(".base_layer", "").removeprefix("base_model.model."): p for n, p in ref.named_parameters()}
     for name in layout.experts:
         parent_name, _, leaf = name.rpartition(".")
         parent = ref.get_submodule(f"base_model.model.{parent_name}")
-        setattr(parent, leaf, ReferenceExperts(raw[f"{name}.gate_up_proj"], raw[f"{name}.down_proj"],
-                                               adapters[f"{name}.gate_up_proj"], adapters[f"{name}.down_proj"]))
+        experts = ref.get_submodule(f"base_model.model.{name}").get_base_layer()
+        setattr(parent, leaf, ReferenceExperts(experts, adapters[f"{name}.gate_up_proj"],
+                                               adapters[f"{name}.down_proj"]))
     return ref
 
 
@@ -185,10 +206,13 @@ def tail_ce(model: torch.nn.Module, batch: dict) -> torch.Tensor:
                                              targets.reshape(-1), reduction="mean")
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
-def test_one_step_trains_exactly_the_experts_that_received_tokens(family):
+@pytest.mark.parametrize("impl", [None, "peft"])  # null: the split path on these layouts
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_step_trains_exactly_the_experts_that_received_tokens(family, impl):
     torch.manual_seed(1)
-    model = lora(tiny_moe(family), checkpointing=True)  # the default: checkpointing recomputes the routers
+    model = lora(tiny_moe(family), checkpointing=True, expert_impl=impl)  # checkpointing recomputes the routers
+    paths = [is_split(model.get_submodule(f"base_model.model.{n}")) for n in moe_layout(model).experts]
+    assert paths and all(p == (impl is None) for p in paths)
     model.train()
     layout = moe_layout(model)
     load = ExpertLoad(model, layout, torch.device("cpu"))
@@ -234,12 +258,13 @@ def test_one_step_trains_exactly_the_experts_that_received_tokens(family):
         if not p.requires_grad:
             assert torch.equal(p, before[n]), n  # routers, fused expert weights, everything frozen: bit-identical
 
-    # The loss after the step (adapters non-zero), dropout off: peft's fused-expert forward against the token-by-token
-    # reference on the same routing, both in float64, summing in other orders: tests/bounds.py's fp32_paths_rel
-    # with float64's eps over the vocabulary (V) and the widest dot product (H = 2I = 32).
+    # The loss after the step (adapters non-zero), dropout off: the experts' forward (split, or peft's W + B A) against
+    # the token-by-token reference on the same routing, both in float64, summing in other orders: tests/bounds.py's
+    # fp32_paths_rel with float64's eps over the vocabulary (V) and the widest dot product (H = 2I = 32).
     model.eval()
     with torch.no_grad():
-        # transformers' default experts kernel (grouped_mm) takes float32/bf16/fp16 only: eager in float64
+        # transformers' default experts kernel (grouped_mm) takes float32/bf16/fp16 only: eager in float64 (the split
+        # path takes its per-expert loop there)
         f64 = copy.deepcopy(model).double()
         f64.get_base_model().set_experts_implementation("eager")
         seen_p, handles = routing(f64, layout)
@@ -293,7 +318,9 @@ def test_a_run_says_what_trains_logs_the_expert_load_and_exports(tmp_path, caplo
     at = [i for i, m in enumerate(lines) if m.startswith("LoRA on")][0]
     assert lines[at] == ("LoRA on qwen3_moe (top-2 of 8): attention 4 x 2 layers, experts 8 x 2 layers (gate_up_proj, "
                          "down_proj; a LoRA pair per expert), router frozen (lora.train_router=false)")
-    assert lines[at + 1].startswith("lora.dropout=0.05 on the linear layers' adapters only")
+    assert lines[at + 1] == ("experts' LoRA split: x W_e + alpha/r (x A_e) B_e on the tokens routed to each expert, "
+                             "W + B A never formed")  # lora.expert_impl null: the split path, which knows Qwen3-MoE
+    assert lines[at + 2].startswith("lora.dropout=0.05 on the linear layers' adapters only")
     longest = max(log_file_lines([r for r in caplog.records if r.name.startswith("scale")]), key=len)
     assert len(longest) <= 300, longest  # docs/outputs.md: the harness's lines under 300 characters
     assert not [m for m in lines if "rank_pattern" in m or "alpha_pattern" in m]
@@ -532,7 +559,7 @@ def test_a_saved_adapter_with_shared_experts_reloads_to_the_same_model(tmp_path)
 
     from scale.modeling.moe import explicit_targets
 
-    model = lora(tiny_moe("deepseek_v3"), dropout=0.0)
+    model = lora(tiny_moe("deepseek_v3"), dropout=0.0, expert_impl="peft")  # the reload runs peft's path: bit-equal
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -546,7 +573,7 @@ def test_a_saved_adapter_with_shared_experts_reloads_to_the_same_model(tmp_path)
             again = PeftModel.from_pretrained(tiny_moe("deepseek_v3"), tmp_path / "adapter").eval()
         got = again(input_ids=ids).logits
     shared = [n for n, m in again.named_modules() if "shared_experts" in n and hasattr(m, "lora_A")
-              and type(m).__name__ != "ParamWrapper"]
+              and not is_parameter_adapter(m)]
     assert len(shared) == 3  # gate_proj, up_proj, down_proj of the one MoE layer's shared expert
     # the same float32 operations in the same order on the same weights: equal
     assert torch.equal(got, want)

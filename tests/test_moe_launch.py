@@ -40,11 +40,16 @@ def routed(tmp_path_factory):
 @pytest.mark.launch
 @pytest.mark.parametrize("mode", MODES)
 def test_idle_experts_train_as_on_one_device(mode, routed, tmp_path):
-    """Every rank computes every expert's W + B A (transformers' grouped kernel reads the whole stack), so no rank
-    skips a parameter another one gathers or reduces: no unused-parameter error (DDP), no hang (ZeRO-3, FSDP2)."""
+    """The split expert LoRA (the default, ``lora.expert_impl`` null): every rank runs every expert's grouped products
+    (the whole stack and every LoRA factor are read, an idle expert's rows are none), so no rank skips a parameter
+    another one gathers or reduces: no unused-parameter error (DDP), no hang (ZeRO-3, FSDP2); the start-up line says
+    what each rank gathers where the weights are sharded."""
     model, reference, single_dir = routed
     cmds, overrides = modes()[mode]
     got = run_mode(cmds, overrides + EXTRA + [f"model.name_or_path={model}"], tmp_path / "run", timeout=900)
+    assert "experts' LoRA split: x W_e + alpha/r (x A_e) B_e on the tokens routed to each expert" in got["output"]
+    sharded = {"zero3": "ZeRO-3", "fsdp2": "FSDP2"}.get(mode.split()[0])
+    assert (f"{sharded}: every rank gathers each MoE layer's whole expert stack" in got["output"]) == bool(sharded)
     assert got["steps"] == reference["steps"] == [1, 2, 3, 4, 5, 6]
     assert rel_dev(reference["loss"], got["loss"]) < TOL
     assert rel_dev(reference["grad_norm"], got["grad_norm"]) < TOL

@@ -86,6 +86,12 @@ class LoraConfig:
                                                        "module names such as [q_proj, v_proj].")
     train_router: bool = _f(False, "Mixture-of-experts models: give the routers' weights a LoRA pair too; false keeps "
                                    "every router frozen (all-linear adapts attention and every expert, not routers).")
+    expert_impl: str | None = _f(None, "Mixture-of-experts models: how the experts' LoRA pairs run. split: "
+                                       "x W_e + (alpha/r) (x A_e) B_e on the tokens routed to each expert, two small "
+                                       "grouped products beside the base's (W + B A never formed); peft: peft's "
+                                       "ParamWrapper, W + B A for each layer's whole expert stack in each forward, "
+                                       "kept for backward. Same parameters and adapter files. null: split, or peft "
+                                       "with a start-up line where the split path does not know the experts' layout.")
 
 
 @dataclass

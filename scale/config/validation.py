@@ -36,6 +36,7 @@ _CHOICES = {
     "model.attn_implementation": (None, "sdpa", "eager", "flash_attention_2", "flex_attention"),
     "model.kernels": (None, "liger"),
     "model.qlora_residual_dtype": ("float32", "compute"),
+    "lora.expert_impl": (None, "split", "peft"),
     "loss.objective": ("sft", "dpo", "simpo", "orpo", "grpo"),  # what scale.objectives.build_objective builds
     "loss.dpo_loss": ("sigmoid", "ipo", "hinge"),
     "loss.reference": ("adapter", "precomputed"),

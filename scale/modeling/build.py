@@ -24,7 +24,7 @@ import torch
 
 from scale.config.schema import LoraConfig, ModelConfig
 from scale.config.validation import ConfigError
-from scale.modeling import moe
+from scale.modeling import moe, moe_lora
 from scale.modeling.finetune import make_full
 from scale.utils.assets import EMBEDDED_MODEL, resolve_model
 from scale.utils.compat import enable_checkpointing
@@ -241,13 +241,16 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
 
     A mixture-of-experts model (fused 3-D experts) gets its targets from :mod:`scale.modeling.moe`: the linear layers by
     name and every expert's weights as peft ``target_parameters``, routers frozen unless ``lora.train_router``,
-    ``lora.dropout`` on the linear layers' adapters only, the experts kept in their loaded dtype under 4-bit.
+    ``lora.dropout`` on the linear layers' adapters only, the experts kept in their loaded dtype under 4-bit; its
+    experts' LoRA computed as ``lora.expert_impl`` says (:func:`scale.modeling.moe_lora.choose_path`: split on the
+    routed tokens, or peft's ``W + B A``).
 
     Returns:
         A ``peft.PeftModel``; only ``lora_A``/``lora_B`` require grad.
 
     Raises:
-        ConfigError: ``lora.target_modules`` names a layer the model does not have.
+        ConfigError: ``lora.target_modules`` names a layer the model does not have; ``lora.expert_impl`` set on a
+            dense model, or ``split`` where the split path cannot compute the experts.
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model, prepare_model_for_kbit_training
@@ -274,7 +277,11 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
             model = get_peft_model(model, peft_cfg)
         if targets.parameters:
             moe.set_linear_dropout(model, lora_cfg.dropout)
+            moe_lora.choose_path(model, layout.experts, lora_cfg.expert_impl)
         return model
+    if lora_cfg.expert_impl is not None:
+        raise ConfigError(f"lora.expert_impl={lora_cfg.expert_impl} applies to mixture-of-experts models; this model "
+                          f"is dense: drop the key (null)")
     check_lora_targets(model, lora_cfg.target_modules)
     peft_cfg = PeftLoraConfig(
         r=lora_cfg.r,

@@ -121,12 +121,13 @@ def cast_adapter_inputs_once(model: torch.nn.Module, on: bool = True) -> int:
     The maths of the matmuls is unchanged (autocast cast the same input to the same dtype); the sums and the
     elementwise ops between layers round to bf16 (gradient difference: docs/benchmarks.md).
     """
-    from peft.tuners.lora import LoraLayer
+    import peft.tuners.lora as peft_lora
 
+    LoraLayer, ParamWrapper = peft_lora.LoraLayer, getattr(peft_lora, "ParamWrapper", ())  # () before peft 0.17
     count = 0
     for module in model.modules():
         if not isinstance(module, LoraLayer) or not isinstance(module, torch.nn.Module) \
-                or type(module).__name__ == "ParamWrapper":  # LoRA on a fused expert weight, not on an input
+                or isinstance(module, ParamWrapper):  # LoRA on a fused expert weight, not on an input
             continue
         handle = getattr(module, "_scale_input_hook", None)
         if on and handle is None:
@@ -167,12 +168,13 @@ def fuse_adapter_sum(model: torch.nn.Module, on: bool = True) -> int:
     """
     import types
 
-    from peft.tuners.lora import LoraLayer
+    import peft.tuners.lora as peft_lora
 
+    LoraLayer, ParamWrapper = peft_lora.LoraLayer, getattr(peft_lora, "ParamWrapper", ())  # () before peft 0.17
     count = 0
     for module in model.modules():
         if not isinstance(module, LoraLayer) or not isinstance(module, torch.nn.Module) \
-                or type(module).__name__ == "ParamWrapper":  # LoRA on a fused expert weight, not on an input
+                or isinstance(module, ParamWrapper):  # LoRA on a fused expert weight, not on an input
             continue
         installed = "forward" in vars(module)
         if on and not installed:

@@ -282,8 +282,9 @@ def set_linear_dropout(model: torch.nn.Module, p: float) -> int:
 
 
 def is_parameter_adapter(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is peft's LoRA on a parameter (``ParamWrapper``), not on a layer's input."""
-    return type(module).__name__ == "ParamWrapper"
+    """Whether ``module`` is peft's LoRA on a parameter (``ParamWrapper``, or the split path's subclass of it,
+    :mod:`scale.modeling.moe_lora`), not on a layer's input."""
+    return any(c.__name__ == "ParamWrapper" for c in type(module).__mro__)
 
 
 def parameter_adapters(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -354,8 +355,9 @@ def targets_line(model: torch.nn.Module, layout: MoeLayout, dropout: float, quan
                  "router frozen (lora.train_router=false)")
     lines = [f"LoRA on {layout.family} (top-{layout.top_k} of {layout.num_experts}): " + ", ".join(parts)]
     if dropout > 0 and experts:
-        lines.append(f"lora.dropout={dropout:g} on the linear layers' adapters only (an expert adapter is added to "
-                     f"the fused weight, it cannot drop its input)")
+        lines.append(f"lora.dropout={dropout:g} on the linear layers' adapters only (the expert adapters run without "
+                     f"it on both lora.expert_impl paths: peft's adds B A to the fused weight, it cannot drop its "
+                     f"input)")
     if quantized:
         lines.append("model.quantize_4bit quantizes the linear layers only: the fused expert weights stay in "
                      "model.dtype (bitsandbytes 4-bit covers nn.Linear)")

@@ -89,7 +89,8 @@ def setup(cfg: Config) -> Job:
     data = build_data(launch, cfg)  # collective: the tokenizer and the token cache's splits
     rewards = check_rl(launch, cfg) if cfg.loss.samples_online() else None  # grpo: rewards and generator, first
     model, cpu_paths = build_run_model(launch, cfg, len(data.tokenizer))  # collective
-    experts = build_experts(cfg, model, acc.device)  # a mixture of experts: its hooks, before anything is written
+    experts = build_experts(cfg, model, acc.device, {"zero3": "ZeRO-3", "fsdp": "FSDP2"}.get(launch.plan.mode)
+                            if launch.plan.partitioned else None)  # a mixture of experts: its hooks, before writing
     loaders = (rl_loaders(launch, cfg, data.splits) if rewards is not None else
                build_loaders(launch, cfg, data.splits, data.tokenizer.pad_token_id))
     check_type_weights(cfg, data.splits)

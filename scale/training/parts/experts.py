@@ -16,6 +16,7 @@ import torch
 from scale.config.schema import Config
 from scale.config.validation import ConfigError
 from scale.modeling.moe import MoeLayout, load_rewrites, moe_layout, targets_line, text_config
+from scale.modeling.moe_lora import path_lines
 
 
 class ExpertLoad:
@@ -210,8 +211,13 @@ class Experts:
     warnings: list[str] = field(default_factory=list)
 
 
-def build_experts(cfg: Config, model: torch.nn.Module, device: torch.device) -> Experts | None:
+def build_experts(cfg: Config, model: torch.nn.Module, device: torch.device, partitioned: str | None = None
+                  ) -> Experts | None:
     """The part for ``model`` (before ``prepare``: the hooks go on its routers), or None for a dense model.
+
+    Args:
+        partitioned: the launch mode's name when it shards the weights (``ZeRO-3``, ``FSDP2``): the lines then say
+            what each rank gathers.
 
     Raises:
         ConfigError: ``loss.router_aux_coef`` set on a dense model or with frozen routers (before anything is
@@ -222,6 +228,7 @@ def build_experts(cfg: Config, model: torch.nn.Module, device: torch.device) -> 
     if layout is None:
         return None
     lines = targets_line(model, layout, cfg.lora.dropout, cfg.model.quantize_4bit)
+    lines[1:1] = path_lines(model, layout, cfg.lora.expert_impl, partitioned)
     if aux is not None:
         lines.append(f"loss.router_aux_coef={aux.coef:g} (the model's load-balancing loss, added to the loss)")
     rewrites = load_rewrites(model)
