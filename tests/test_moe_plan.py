@@ -53,18 +53,22 @@ def planned(tmp: Path, *overrides: str):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_planned_moe_activations_within_10_percent_of_saved_tensor_hooks(checkpointing, tmp_path):
     """The fake-tensor count runs (it stopped with "Expected inputs of BF16 type" from grouped_mm's fake kernel) and
-    lands within 10% of what autograd saves in a real forward: the sorted token-expert pairs ``[n k, H]`` and, per
-    MoE layer, the expert stack ``W + B A`` peft's parameter LoRA computes."""
+    lands within 10% of what autograd saves in a real forward, on both expert paths: split (the routed pairs'
+    activations) and peft (the sorted pairs ``[n k, H]`` and, per MoE layer, the expert stack ``W + B A`` its
+    parameter LoRA computes)."""
     from scale.modeling.build import build_model
 
-    cfg, hf, params = planned(tmp_path, "train.micro_batch_size=4", "data.max_length=32",
-                              f"model.gradient_checkpointing={str(checkpointing).lower()}")
-    predicted = A.count_activations(cfg, C.build_meta_model(cfg, hf), params)
-    model = build_model(cfg.model, cfg.lora, V, cfg.train.seed)
-    real = real_saved_bytes(model, cfg)
-    assert abs(predicted.total / real - 1) < 0.10, (predicted, real)
-    if not checkpointing:  # each MoE layer keeps its W + B A stacks: gate_up [E, 2I, H] and down [E, H, I], fp32
-        assert predicted.total > 2 * 4 * E * 3 * I * H
+    predicted = {}
+    for impl in ("split", "peft"):
+        cfg, hf, params = planned(tmp_path, "train.micro_batch_size=4", "data.max_length=32",
+                                  f"lora.expert_impl={impl}",
+                                  f"model.gradient_checkpointing={str(checkpointing).lower()}")
+        predicted[impl] = A.count_activations(cfg, C.build_meta_model(cfg, hf), params).total
+        model = build_model(cfg.model, cfg.lora, V, cfg.train.seed)
+        real = real_saved_bytes(model, cfg)
+        assert abs(predicted[impl] / real - 1) < 0.10, (impl, predicted, real)
+    if not checkpointing:  # peft keeps each MoE layer's W + B A stacks, gate_up [E, 2I, H] and down [E, H, I], fp32
+        assert predicted["peft"] - predicted["split"] > 2 * 4 * E * 3 * I * H
 
 
 def test_planned_moe_single_device_peak_within_10_percent_of_live_tensor_bytes(tmp_path):
@@ -165,3 +169,35 @@ def test_the_docs_size_of_qwen3_30b_a3b_experts_and_the_plan_help():
     assert ("Mixture-of-experts models (Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss) plan their parameters exactly and "
             "count their activations in any dtype") in text
     assert "refuses to run" not in text and "cannot know" not in text
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_planned_moe_layer_peak_equals_the_live_bytes_of_the_run_model_on_both_paths(dtype, tmp_path):
+    """scale-plan's count of one MoE layer's forward + backward (``scale.planner.moe.count_moe_layer``, fake
+    tensors) against the live tensor bytes of the same layer of the model the run builds (``build_model``: float32
+    adapters on a bf16 base), on the same micro-batch, on both expert paths: the same tensors are allocated, so
+    within the 5% the planner promises (equal here); peft's path, which adds W + B A and its gradient, more."""
+    from scale.modeling.build import build_model
+    from scale.modeling.moe_lora import on_path
+    from scale.planner.moe import count_moe_layer
+    from tests.live_bytes import LiveBytes
+
+    B, T = 2, 24
+    cfg, hf, _ = planned(tmp_path, f"train.micro_batch_size={B}", f"data.max_length={T}", f"model.dtype={dtype}",
+                              "model.gradient_checkpointing=false")
+    meta = C.build_meta_model(cfg, hf)
+    counted = count_moe_layer(cfg, meta, C.census(cfg, meta))
+    model = build_model(cfg.model, cfg.lora, V, cfg.train.seed)
+    block = model.get_submodule("base_model.model.model.layers.0.mlp")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, T, H, generator=gen).to(getattr(torch, dtype)).requires_grad_()
+    g = torch.randn(B, T, H, generator=gen)
+    for impl in ("split", "peft"):
+        with on_path(block.experts, impl):
+            live = LiveBytes(*model.parameters(), *model.buffers(), x, g)
+            with live:  # the block's output dropped before backward, as the residual add drops it
+                (block(x).float() * g).sum().backward()
+            x.grad = None
+            model.zero_grad(set_to_none=True)
+        assert abs(counted[impl] / (live.peak - live.before) - 1) <= 0.05, (impl, counted, live.peak - live.before)
+    assert counted["peft"] > counted["split"]

@@ -28,6 +28,7 @@ from scale.config.schema import Config
 from scale.loss import chunked
 from scale.loss import tail as scale_loss
 from scale.modeling.moe import static_experts
+from scale.modeling.split_experts import force_loop
 from scale.objectives.pair_losses import side_logps
 from scale.objectives.preference import reference_mode
 from scale.planner.census import DTYPES, ParamInfo, PlanError, base_of
@@ -51,6 +52,9 @@ class Activations:
         reference: a preference job's in-step DPO reference (``loss.reference: adapter``): the peak bytes of its
             ``no_grad`` forward over the micro-batch's rows (:func:`count_reference_peak`), alive on top of the
             policy's saved activations; 0 otherwise.
+        moe_layer: a mixture-of-experts model's: the peak bytes one MoE layer's forward and backward add on the
+            experts' LoRA path the run takes (:func:`scale.planner.moe.count_moe_layer`: on peft's, ``W + B A`` and
+            its gradient); 0 for a dense model.
     """
 
     decoder: int
@@ -61,6 +65,7 @@ class Activations:
     recompute: int = 0
     loss_positions: int = 0
     reference: int = 0
+    moe_layer: int = 0
 
     @property
     def total(self) -> int:
@@ -71,6 +76,26 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder stack: the longest ``nn.ModuleList`` in the model."""
     lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
     return list(max(lists, key=len)) if lists else []
+
+
+def trained_dtypes(model: torch.nn.Module, params: list[ParamInfo], cast: torch.dtype | None
+                   ) -> tuple[Callable[[torch.nn.Parameter], torch.dtype], set[str]]:
+    """``(dtype_of, quantized)``: the dtype a fake forward gives each parameter of the meta model (its census dtype;
+    ``cast`` for every floating one when DeepSpeed casts the module; float32 for a 4-bit layer's weight, which
+    computes in the compute dtype and returns its input's) and the names of the 4-bit weights."""
+    dtypes = {p.name: p.dtype for p in params}
+    quantized = {p.name for p in params if p.quantized}
+    by_id: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), n)  # a tied weight goes by its first name, as in the census
+
+    def dtype_of(p: torch.nn.Parameter) -> torch.dtype:
+        name = by_id.get(id(p))
+        if cast is not None and p.is_floating_point():
+            return cast
+        return torch.float32 if name in quantized else dtypes.get(name, p.dtype)
+
+    return dtype_of, quantized
 
 
 @contextmanager
@@ -213,20 +238,7 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    dtypes = {p.name: p.dtype for p in params}
-    quantized = {p.name for p in params if p.quantized}
-    by_id: dict[int, str] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), n)  # a tied weight goes by its first name, as in the census
-
-    def dtype_of(p: torch.nn.Parameter) -> torch.dtype:
-        name = by_id.get(id(p))
-        if cast is not None and p.is_floating_point():
-            return cast
-        if name in quantized:  # a 4-bit layer computes in compute dtype and returns its input's dtype
-            return torch.float32
-        return dtypes.get(name, p.dtype)
-
+    dtype_of, quantized = trained_dtypes(model, params, cast)
     B, T, N = cfg.train.micro_batch_size, cfg.data.max_length, cfg.loss.threshold
     if sp > 1:  # one rank's shard: C positions per row, the tail positions it may hold
         C = -(-T // sp)  # data.max_length rounded up to a multiple of sp, split in sp shards
@@ -250,7 +262,7 @@ def count_activations(cfg: Config, model: torch.nn.Module, params: list[ParamInf
     compute = DTYPES.get(cfg.model.bnb_4bit_compute_dtype, amp_dtype if autocast else torch.float32)  # "auto": amp
     try:
         with _fake_parameters(model, mode, dtype_of), four_bit_layers(model, quantized, compute), mode, \
-                static_experts():
+                static_experts(), force_loop():
             param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
 
             def pack(t: torch.Tensor) -> torch.Tensor:
@@ -388,18 +400,7 @@ def count_reference_peak(cfg: Config, model: torch.nn.Module, params: list[Param
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    dtypes = {p.name: p.dtype for p in params}
-    quantized = {p.name for p in params if p.quantized}
-    by_id: dict[int, str] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), n)
-
-    def dtype_of(p: torch.nn.Parameter) -> torch.dtype:
-        name = by_id.get(id(p))
-        if cast is not None and p.is_floating_point():
-            return cast
-        return torch.float32 if name in quantized else dtypes.get(name, p.dtype)
-
+    dtype_of, quantized = trained_dtypes(model, params, cast)
     B, T, N = rows or cfg.train.micro_batch_size, cfg.data.max_length, cfg.loss.threshold
     autocast = cfg.train.mixed_precision != "no" and cast is None
     amp_dtype = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else torch.float16
@@ -407,7 +408,7 @@ def count_reference_peak(cfg: Config, model: torch.nn.Module, params: list[Param
     mode = FakeTensorMode()
     try:
         with _fake_parameters(model, mode, dtype_of), four_bit_layers(model, quantized, compute), mode, \
-                static_experts():
+                static_experts(), force_loop():
             batch = {"input_ids": torch.zeros(B, T, dtype=torch.long),
                      "attention_mask": torch.ones(B, T, dtype=torch.long),
                      "tail_mask": torch.ones(B, N, dtype=torch.long)}

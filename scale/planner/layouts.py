@@ -294,6 +294,7 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
     B, N = cfg.train.micro_batch_size, cfg.loss.threshold
     transient = max(act.recompute, 3 * (act.loss_positions or B * N) * act.vocab * 4)  # one chunk when chunked
     transient = max(transient, act.reference)  # DPO's in-step reference forward, after the policy's, before backward
+    transient = max(transient, act.moe_layer)  # a MoE layer's backward (peft's path: W + B A and its gradient)
     if m.quantize_4bit:  # one 4-bit weight dequantized to the compute dtype for its matmul (forward and backward)
         transient += max((p.numel for p in params if p.quantized), default=0) * nbytes(DTYPES[m.bnb_4bit_compute_dtype])
 

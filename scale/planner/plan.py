@@ -31,7 +31,7 @@ from scale.planner.layouts import (
     Rank,
     predict_mode,
 )
-from scale.planner.moe import moe_text
+from scale.planner.moe import count_moe_layer, experts_path, moe_text
 from scale.planner.pairs import pair_rows, plan_pairs
 from scale.planner.rl import plan_rl, rl_rows, rl_tail
 from scale.utils.assets import resolve_data
@@ -140,6 +140,10 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         acts_by_gc[True][regime].recompute = acts_by_gc[False][regime].per_layer
     acts = {regime: checkpoint_variant(acts_by_gc[True][regime], acts_by_gc[False][regime], cfg.model)
             for regime in regimes} if gc_setting in ("every_n", "offload") else acts_by_gc[on]
+    moe_layer = {regime: count_moe_layer(cfg, models[on], params, cast if regime else None) for regime in regimes}
+    path = experts_path(models[on])  # the experts' LoRA path the run takes (None: dense, or no expert LoRA)
+    for regime, act in acts.items():
+        act.moe_layer = moe_layer[regime].get(path, 0)
     preference = plan_pairs(user_cfg, cfg, models[on], params, acts, cast, counts) if cfg.loss.trains_pairs() else {}
     rl = plan_rl(cfg, models[on], hf_config, params, acts, cast) if cfg.loss.samples_online() else {}
     order, acts_sp = (("single",) if single_only else modes_in_order(cfg)), None
@@ -165,7 +169,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float = 80.0, nodes: int = 1,
         lambda c: make_plan(c, gpus, gpu_mem_gib, nodes, model_config, root, padded))
     a_off, a_on = acts_by_gc[False][False], acts_by_gc[True][False]
     N, T = cfg.loss.threshold, cfg.data.max_length
-    experts = moe_text(models[on], params, T, N)
+    experts = moe_text(models[on], params, T, N, moe_layer[False])
     name = str(model_config or cfg.model.name_or_path)
     n_params = sum(p.numel for p in params)
     return Plan(
@@ -326,7 +330,8 @@ def _core_assumptions(cfg: Config, gpus: int, nodes: int, rows: str) -> list[str
         (f"framework overhead = {OVERHEAD_FIXED_BYTES / GIB:.0f} GiB per process (CUDA context, cuBLAS/NCCL "
         f"workspaces) + {OVERHEAD_FRACTION:.0%} of the counted bytes (allocator fragmentation): an assumption; a mode "
         f"fits when its total leaves {HEADROOM:.0%} of --gpu-mem free ('tight': within the memory, not the margin)"),
-        ("transient = max(loss backward: 3 x [B x N, V] fp32, one recomputed layer under checkpointing) + DeepSpeed "
+        ("transient = max(loss backward: 3 x [B x N, V] fp32, one recomputed layer under checkpointing, a MoE layer's "
+        "forward + backward) + DeepSpeed "
         "reduce bucket (ZeRO-1/2) + gathered parameters (ZeRO-3: prefetch bucket + one layer; FSDP2: two layers) + "
         "one dequantized 4-bit weight: estimates"),
         (f"{gpus} GPU(s) on {nodes} node(s): per-rank bytes do not depend on the node count; recommended = the first "
