@@ -22,6 +22,11 @@ the command exits 1 at the end, so one broken section never loses the others' fi
 6. ``casts``: LoRA and QLoRA (1B shape, 8 x 1024) with the mixed-precision paths (``scale.modeling.mixed_paths``) off
    and on, and on with ``model.kernels: liger``: dtype casts (aten ``_to_copy``) and aten ops of one micro-batch's
    forward and backward, tokens/s through ``scale.train.fit``, the last loss (:func:`run_casts`).
+7. ``moe``: benchmarks/moe_experts.py, expert LoRA split (``lora.expert_impl: split``) against peft's: one
+   Qwen3-30B-A3B-shaped MoE layer in bf16 and fp32 (peak bytes, time), and the whole Qwen3-30B-A3B
+   (configs/models/qwen3-30b-a3b.json, random bf16 weights) trained through the real loop on 8 x 2048 tokens: the
+   split path's peak ``max_memory_allocated`` (goal <= 63 GB on one H200) and its tokens/s over the peft path's
+   (goal >= 2).
 
 ``--dry-run`` runs every section on the CPU at tiny shapes (the device side of ``parity`` is then the CPU on one
 thread, against all threads: the same maths, summed in other orders where a kernel splits by thread), and
@@ -54,7 +59,7 @@ if __package__ in (None, ""):  # `python benchmarks/gpu_check.py`: make `benchma
 from benchmarks.common import SHAPES, Harness, Job, build_lora_model, machine_line, reset_accelerate
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("pytest", "bench", "bare", "parity", "auto", "casts")
+SECTIONS = ("pytest", "bench", "bare", "parity", "auto", "casts", "moe")
 
 
 GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_mixed_paths.py", "tests/test_kernels.py")
@@ -329,6 +334,33 @@ def run_casts(dry: bool) -> tuple[str, dict]:
         "ok": ok, "figures": figures}
 
 
+MOE_PEAK_GOAL = 63e9  # bytes: Qwen3-30B-A3B bf16 LoRA on 8 x 2048 tokens on one H200 (unsloth's figure, issue 50)
+
+
+def run_moe(dry: bool) -> tuple[str, dict]:
+    """benchmarks/moe_experts.py: the layer (bf16, fp32) and the whole Qwen3-30B-A3B through the real loop."""
+    from benchmarks import moe_experts
+
+    argv = (["--device", "cpu", "--experts", "8", "--hidden", "64", "--width", "32", "--tokens", "2", "16",
+             "--dtypes", "fp32", "--repeats", "1", "--model", "--model-config", "tiny", "--model-tokens", "2", "32",
+             "--steps", "2"] if dry else
+            ["--device", "cuda", "--dtypes", "bf16", "fp32", "--repeats", "3", "--model", "--model-config",
+             str(ROOT / "configs" / "models" / "qwen3-30b-a3b.json"), "--model-tokens", "8", "2048",
+             "--model-dtype", "bf16", "--steps", "4"])
+    text = capture(moe_experts.main, argv)
+    rows = {m.group(1): (float(m.group(2)), float(m.group(3).replace(",", ""))) for m in re.finditer(
+        r"\n\| (peft|split) \| [\d.e+-]+ \| ([\d.e+-]+) \| ([\d,]+) \|", text)}
+    peak, speedup = rows["split"][0] * 2**30, rows["split"][1] / rows["peft"][1]
+    planned = [float(r) for r in re.findall(r"\| [\d.e+-]+ \(([\d.]+)\) \|", text)]  # scale-plan / measured
+    plan_ok = bool(planned) and all(abs(r - 1) <= 0.05 for r in planned)
+    ok = plan_ok and (dry or (peak <= MOE_PEAK_GOAL and speedup >= 2))
+    return (f"`python benchmarks/moe_experts.py {' '.join(argv)}`\n\n{text}\n\nthe layer: scale-plan within 5% of "
+            f"the measured bytes on both paths: **{plan_ok}**; model, split path: peak allocated {peak / 1e9:.1f} GB "
+            f"(goal <= {MOE_PEAK_GOAL / 1e9:.0f} GB), tokens/s {speedup:.2f}x the peft path's (goal >= 2)"
+            f"{' (dry run: no goal)' if dry else ''}: **{ok}**"), {"ok": ok, "peak": peak, "speedup": speedup,
+                                                                    "planned": planned}
+
+
 def largest_plan_total(cfg, b: int, memory_gib: float) -> float:
     from dataclasses import replace
 
@@ -377,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
                  lambda: run_auto(a.dry_run, memory, a.memory_fraction)),
         "casts": ("6. Fewer casts (scale.modeling.mixed_paths) and Liger kernels, on and off",
                   lambda: run_casts(a.dry_run)),
+        "moe": ("7. Mixture-of-experts LoRA: split against peft (layer; Qwen3-30B-A3B through the loop)",
+                lambda: run_moe(a.dry_run)),
     }
     parts, failed, t_all = [header(a.dry_run)], [], time.perf_counter()
     out = Path(a.out)

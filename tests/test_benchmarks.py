@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from benchmarks.common import Job, timed_span, window_batches
+from tests.bounds import fp32_paths_rel
 from tests.conftest import ROOT
 
 MICRO = dict(shape="tiny", seq=16, micro_batch_size=2, gradient_accumulation_steps=2, steps=3, warmup=1)
@@ -238,10 +239,11 @@ def test_gpu_check_dry_run_report(tmp_path):
     """``benchmarks/gpu_check.py --dry-run`` (what CI runs of ``make gpu-check``): one Markdown report whose sections
     hold real values: the GPU tests' counts, the harness against the bare loop with the same losses, the fp32
     parity of one thread against all (each loss and adapter within its float32 bound), the largest micro-batch
-    the plan fits, equal to ``scale.planner.autobatch.largest_micro_batch``'s, trained at both sizes, and the casts of
-    LoRA and QLoRA with the mixed-precision paths off and on (fewer with them, the Liger rows refused on CPU). The
-    ``bench`` section is benchmarks/gpu.py's dry run, asserted by test_gpu_script_dry_run_and_no_cuda_message; skipped
-    here for time."""
+    the plan fits, equal to ``scale.planner.autobatch.largest_micro_batch``'s, trained at both sizes, the casts of
+    LoRA and QLoRA with the mixed-precision paths off and on (fewer with them, the Liger rows refused on CPU), and
+    expert LoRA split against peft (a lower layer peak, the same first loss). The ``bench`` section is
+    benchmarks/gpu.py's dry run, asserted by test_gpu_script_dry_run_and_no_cuda_message; skipped here for time."""
+    import re
 
     from benchmarks import gpu_check
     from scale.config.load import load_config
@@ -277,3 +279,15 @@ def test_gpu_check_dry_run_report(tmp_path):
         assert 9 < on[2] < 12 and 9 < off[2] < 12                         # ln(49152) = 10.8 at random init
         if not torch.cuda.is_available():
             assert f"| {job} | paths on + liger | refused: model.kernels=liger needs a CUDA GPU" in report
+    # 7. expert LoRA, split against peft: the layer's peak (live tensor bytes, the same count on every machine) is
+    # lower on the split path and scale-plan counts it within 5%; the tiny model's first loss and gradient norm agree
+    # within two float32 paths' bound (vocabulary 512, hidden 64: tests/bounds.py); the last line a script reads
+    moe = report.split("## 7. Mixture-of-experts LoRA")[1]
+    layer_peak = float(re.search(r"\nfp32: split/peft peak ([\d.]+), time [\d.]+\n", moe).group(1))
+    assert 0 < layer_peak < 1
+    dev = float(re.search(r"\n\| split \| [\d.e+-]+ \| [\d.e+-]+ \| \d+ \| ([\d.e+-]+) \|", moe).group(1))
+    assert dev <= fp32_paths_rel(512, 64)
+    assert re.search(r"\nsplit/peft: peak [\d.]+, time [\d.]+\n", moe)
+    # scale-plan's count of the layer (fake tensors) against the live bytes measured, both paths: the same tensors
+    planned = [float(r) for r in re.findall(r"\| [\d.e+-]+ \(([\d.]+)\) \|", moe)]
+    assert len(planned) == 2 and all(abs(r - 1) <= 0.05 for r in planned), planned
