@@ -85,7 +85,8 @@ ALLOWED: dict[str, set[str]] = {
     "data.sequence": {"data.collate"},  # sequence-parallel rows: each rank's shard
     "data": {"data.collate", "data.read", "data.split", "data.tasks", "data.tokenize"},  # the face: hands names on
     # modeling
-    "modeling.moe": {"config.validation", "utils.compat", "utils.flops"},  # MoE: LoRA targets, expert load, counts
+    "modeling.moe": {"config.validation", "utils.compat"},  # MoE: the experts' layout, LoRA targets
+    "modeling.moe_counts": {"modeling.moe", "utils.flops"},  # MoE: what a token uses, fake-tensor experts
     "modeling.attention": {"config.schema", "config.validation"},  # which attention: kernel, packing, SP
     "modeling.mixed_paths": {"utils.wrapped"},  # mixed-precision paths with fewer casts (bf16 autocast where it pays)
     "modeling.kernels": {"config.validation", "utils.wrapped"},  # model.kernels: Liger-Kernel's patches, by family
@@ -103,10 +104,12 @@ ALLOWED: dict[str, set[str]] = {
     "objectives": {"config.schema", "config.validation", "loss.chunked", "loss.tail"},
     # planner: scale-plan's counts, meta/fake tensors, no process group
     "planner.census": {"config.load", "config.schema", "modeling.build", "modeling.finetune", "modeling.moe"},  # params
-    "planner.activations": {"config.schema", "loss.chunked", "loss.tail", "modeling.moe", "modeling.split_experts",
-                            "objectives", "planner.census"},  # saved activations; objectives: the pairs' loss
-    "planner.moe": {"config.schema", "modeling.moe", "modeling.moe_lora", "modeling.split_experts",
-                    "planner.activations", "planner.census", "utils.flops"},  # the MoE line; a MoE layer's peak
+    # saved activations; objectives: the pairs' loss
+    "planner.activations": {"config.schema", "loss.chunked", "loss.tail", "modeling.moe_counts",
+                            "modeling.split_experts", "objectives", "planner.census"},
+    # the MoE line; a MoE layer's peak
+    "planner.moe": {"config.schema", "modeling.moe", "modeling.moe_counts", "modeling.moe_lora",
+                    "modeling.split_experts", "planner.activations", "planner.census", "utils.flops"},
     "planner.pairs": {"config.schema", "objectives", "planner.activations", "utils.flops"},  # a preference job's
     "planner.rl": {"config.schema", "planner.activations", "utils.flops"},  # grpo: rollout KV cache, no-grad forwards
     # where each launch mode keeps the bytes; modeling: the sequence-parallel guard, for the SP columns
@@ -159,7 +162,8 @@ ALLOWED: dict[str, set[str]] = {
                        "distributed.collective", "distributed.launch", "distributed.ulysses", "generation.export",
                        "generation.rollout", "generation.vllm", "modeling.attention", "modeling.build",
                        "modeling.dropout", "modeling.finetune", "modeling.kernels", "modeling.mixed_paths",
-                       "modeling.moe", "modeling.moe_lora", "modeling.varlen", "objectives", "planner", "training.best",
+                       "modeling.moe", "modeling.moe_counts", "modeling.moe_lora", "modeling.varlen", "objectives",
+                       "planner", "training.best",
                        "training.checkpoint", "training.evaluate", "training.metrics", "training.precision",
                        "training.rollouts", "training.samples", "training.schedule", "training.state",
                        "training.tracking", "utils.assets", "utils.signals"},
@@ -205,14 +209,14 @@ DISTRIBUTED = {"distributed.collective", "distributed.inputs", "distributed.laun
 LAYERS: dict[str, list[set[str]]] = {
     "utils": [{"utils.fileio", "utils.logs", "utils.signals", "utils.compat", "utils.flops", "utils.wrapped"},
               {"utils.assets"}, {"utils"}],
-    "config": [{"config.validation", "config.sections"}, {"config.schema"}, {"config.names"}, {"config.load", "config.help"},
-               {"config"}],
+    "config": [{"config.validation", "config.sections"}, {"config.schema"}, {"config.names"},
+               {"config.load", "config.help"}, {"config"}],
     "loss": [{"loss.tail"}, {"loss.chunked"}, {"loss"}],
     "data": [{"data.read"}, {"data.sources"}, {"data.tasks"}, {"data.split"}, {"data.mixing"}, {"data.tokenize"},
              {"data.token_table", "data.cache"}, {"data.collate", "data.order", "data.sequence"}, {"data"}],
     "modeling": [{"modeling.moe", "modeling.split_experts", "modeling.attention", "modeling.mixed_paths",
                   "modeling.kernels", "modeling.dropout", "modeling.finetune"},
-                 {"modeling.moe_lora", "modeling.build", "modeling.varlen"}, {"modeling"}],
+                 {"modeling.moe_lora", "modeling.moe_counts", "modeling.build", "modeling.varlen"}, {"modeling"}],
     "objectives": [{"objectives"}],
     "planner": [{"planner.census"}, {"planner.activations", "planner.moe"},
                 {"planner.pairs", "planner.rl", "planner.layouts"},
@@ -319,6 +323,16 @@ def test_every_module_is_in_the_table():
     strays = {room: wing for wing, layers in LAYERS.items() for layer in layers for room in layer
               if _wing(room) != wing}
     assert strays == {}, f"a room's layer is in its own wing: {strays}"
+
+
+MAX_LINES = 450  # a module longer than this holds more than one subject: split it where the subject changes
+
+
+def test_no_module_over_max_lines():
+    """No module of the package is over :data:`MAX_LINES` lines."""
+    long = {p.relative_to(ROOT).as_posix(): n for p in sorted(SCALE.rglob("*.py"))
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
 def test_the_wings_stand_in_order():

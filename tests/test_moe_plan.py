@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from scale.config.load import load_config
-from scale.modeling.moe import active_counts, model_shape, moe_layout
+from scale.modeling.moe import moe_layout
+from scale.modeling.moe_counts import active_counts, model_shape
 from scale.planner import activations as A
 from scale.planner import census as C
 from scale.planner import plan as P

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 from scale.config.schema import Config
 from scale.loss import chunked
 from scale.loss import tail as scale_loss
-from scale.modeling.moe import static_experts
+from scale.modeling.moe_counts import static_experts
 from scale.modeling.split_experts import force_loop
 from scale.objectives.pair_losses import side_logps
 from scale.objectives.preference import reference_mode

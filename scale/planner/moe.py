@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from scale.config.schema import Config
-from scale.modeling.moe import active_counts, moe_layout, static_experts, text_config
-from scale.modeling.moe import model_shape as moe_model_shape
+from scale.modeling.moe import moe_layout, text_config
+from scale.modeling.moe_counts import active_counts, static_experts
+from scale.modeling.moe_counts import model_shape as moe_model_shape
 from scale.modeling.moe_lora import is_split, layout_problem_of, on_path
 from scale.modeling.split_experts import force_loop
 from scale.planner.activations import PeakBytes, _fake_parameters, four_bit_layers, trained_dtypes
@@ -91,9 +92,9 @@ def count_moe_layer(cfg: Config, model: torch.nn.Module, params: list[ParamInfo]
 def moe_text(model: torch.nn.Module, params: list[Any], max_length: int, threshold: int,
              layer: dict[str, int] | None = None) -> str:
     """The plan's line for a mixture-of-experts model (``""`` for a dense one): the base model's parameters and those
-    a token uses (it runs through ``k`` of the ``E`` routed experts, :func:`scale.modeling.moe.active_counts`: the
+    a token uses (it runs through ``k`` of the ``E`` routed experts, :func:`scale.modeling.moe_counts.active_counts`: the
     counts a model card gives), what the LoRA adapter adds (all of it, and the part a token uses), the training FLOPs
-    per token from the active ones (:func:`scale.modeling.moe.model_shape`, the ``train/mfu`` count) against every
+    per token from the active ones (:func:`scale.modeling.moe_counts.model_shape`, the ``train/mfu`` count) against every
     expert running, the expert stack one MoE layer holds in its training dtype and what the experts' LoRA path does
     with it (``lora.expert_impl``: split reads it in place; peft's ``ParamWrapper`` computes ``W + B A`` for the whole
     stack in each forward, which backward keeps), with what one MoE layer's forward and backward add on each path

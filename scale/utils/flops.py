@@ -125,7 +125,7 @@ def model_shape(model: Any) -> ModelShape:
     """Read a model's :class:`ModelShape` off its modules (plain, PEFT-wrapped, 4-bit or ZeRO-3 partitioned).
 
     LoRA adapter matrices are left out (they are ``lora_params``); the fused 3-D experts of a mixture-of-experts
-    model are not matmul layers here (:func:`scale.modeling.moe.model_shape` adds them); the LM head is
+    model are not matmul layers here (:func:`scale.modeling.moe_counts.model_shape` adds them); the LM head is
     ``model.get_output_embeddings()``. The attention dimensions come from the (text) config through the
     standard names, which transformers maps per family (GPT-2's ``n_layer``/``n_head`` included).
     """

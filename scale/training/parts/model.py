@@ -21,7 +21,7 @@ from scale.modeling.dropout import disable_dropout, dropout_census
 from scale.modeling.finetune import ignored_lora_line, weights_plan
 from scale.modeling.kernels import apply_kernels
 from scale.modeling.mixed_paths import paths_for, use_mixed_paths
-from scale.modeling.moe import model_shape
+from scale.modeling.moe_counts import model_shape
 from scale.modeling.varlen import use_segment_attention
 from scale.training.parts.data import on_this_machine
 from scale.training.parts.launch import Launch
@@ -119,7 +119,7 @@ def build_model_on_every_rank(acc: Accelerator, cfg: Config, plan: ModePlan, voc
 
 
 def flops_shape(model: torch.nn.Module) -> Any:
-    """The model's matmul shape for the FLOPs count (:func:`scale.modeling.moe.model_shape`: a mixture of experts counts
+    """The model's matmul shape for the FLOPs count (:func:`scale.modeling.moe_counts.model_shape`: a mixture of experts counts
     the experts a token uses), or ``None`` with one
     warning: an optional metric must never stop training."""
     try:
