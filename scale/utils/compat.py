@@ -45,12 +45,12 @@ from importlib import metadata
 from typing import Any
 
 # distribution -> (lowest tested, newest tested). Lowest = pyproject.toml's bound (tests/test_compat.py checks they
-# agree), installed by `make test-lowest`; newest = what `make test`'s .venv resolved to on 2026-12-04.
+# agree), installed by `make test-lowest`; newest = what `make test`'s .venv resolved to on 2026-12-07.
 TESTED: dict[str, tuple[str, str]] = {
     "torch": ("2.13.0", "2.13.0"),  # CI's CPU wheel only (see the module docstring)
     "accelerate": ("1.13", "1.16.0"),
     "transformers": ("5.17", "5.25.0"),
-    "peft": ("0.15", "0.21.2"),
+    "peft": ("0.15", "0.22.0"),
     "pyyaml": ("6.0", "6.0.4"),
     "tqdm": ("4.66.3", "4.70.1"),
     "gguf": ("0.10", "0.19.0"),
