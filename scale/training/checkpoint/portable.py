@@ -224,11 +224,13 @@ def load_portable(acc: Accelerator, plan: ModePlan, model: torch.nn.Module, opti
     scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, weights_only=True))
 
 
-def _prime(inner: torch.optim.Optimizer) -> None:
+def _prime(inner: torch.optim.Optimizer, params: list[torch.Tensor] | None = None) -> None:
     """Create the optimizer's per-tensor state with one step at learning rate 0 over zero gradients (as torch's
     ``set_optimizer_state_dict`` does, ``_init_optim_state``): AdamW and SGD then leave every parameter
-    bit-identical. The gradients in place before (DeepSpeed offload keeps buffers there) are put back."""
-    params = [p for g in inner.param_groups for p in g["params"]]
+    bit-identical. ``params``: the tensors it steps (default: every tensor of its param groups) get zero gradients;
+    the gradients in place before (DeepSpeed offload keeps buffers there) are put back."""
+    if params is None:
+        params = [p for g in inner.param_groups for p in g["params"]]
     grads = [p.grad for p in params]
     lrs = [g["lr"] for g in inner.param_groups]
     for p in params:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from scale.training.checkpoint.portable import SCHEDULER_FILE, _inner, _module, _set_hyper
+from scale.training.checkpoint.portable import SCHEDULER_FILE, _inner, _module, _prime, _set_hyper
 from scale.training.checkpoint.sharded import (_SEP, SHARD_DIR, WEIGHT, ShardedStateError, _dtensor_range, _zero3_rank,
                                                shapes_of, shard_files)
 
@@ -101,23 +101,6 @@ class ShardReader:
 
 
 # ---- loading into a live layout ----
-
-def _prime(inner: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
-    """Create the optimizer's per-tensor state with one step at learning rate 0 over zero gradients (as torch's
-    ``set_optimizer_state_dict`` does, ``_init_optim_state``): AdamW and SGD then leave every parameter
-    bit-identical (the update is multiplied by 0). Gradients in place before are put back."""
-    grads = [p.grad for p in params]
-    lrs = [g["lr"] for g in inner.param_groups]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for g in inner.param_groups:
-        g["lr"] = 0.0
-    inner.step()
-    for g, lr in zip(inner.param_groups, lrs):
-        g["lr"] = lr
-    for p, grad in zip(params, grads):
-        p.grad = grad
-
 
 def _set_step(inner: torch.optim.Optimizer, step: float | None) -> None:
     """Every tensor's ``step`` to the checkpoint's count (the prime step above set it to 1)."""
