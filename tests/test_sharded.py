@@ -17,6 +17,7 @@ from scale.training.checkpoint.sharded import (MODES, WEIGHT, Piece, ShardedStat
                                                local_pieces, shard_files, shard_name, write_shard)
 from scale.training.checkpoint.sharded_read import ShardReader, load_pieces
 from tests.conftest import TINY_DATA, tiny_cfg
+from tests.test_resume_across import _edit_state
 
 # Shapes that make every layout cut inside and across tensors: rows that do not divide by 2 or 3, a tensor smaller
 # than the world, a 1-D tensor, a tensor of one row.
@@ -256,20 +257,6 @@ def _shard_state(ckpt):
         return {(n, w): reader.tensor(n, w) for n in reader.shapes for w in (WEIGHT, *reader.whats)}, reader.step
     finally:
         reader.close()
-
-
-def _edit_state(ckpt, **fields):
-    from scale.training.checkpoint import record_files
-    from scale.training.state import STATE_FILE
-
-    state = json.loads((ckpt / STATE_FILE).read_text())
-    for key, value in fields.items():
-        if key == "ga":
-            state["config"]["train"]["gradient_accumulation_steps"] = value
-        else:
-            state[key] = value
-    state["files"] = record_files(ckpt)
-    (ckpt / STATE_FILE).write_text(json.dumps(state))
 
 
 @pytest.fixture(scope="module")
