@@ -14,6 +14,7 @@ run under autocast (``scale.training.parts.model``).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -107,6 +108,18 @@ def _adapter_input_hook(_module: torch.nn.Module, args: tuple[Any, ...]) -> tupl
     return (cast, *args[1:])
 
 
+def _input_lora_layers(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """peft's LoRA layers of ``model`` that adapt an input (a layer's ``lora_A`` reads it): every ``LoraLayer``
+    module but ``ParamWrapper`` (LoRA on a fused expert weight, peft >= 0.17)."""
+    import peft.tuners.lora as peft_lora
+
+    LoraLayer, ParamWrapper = peft_lora.LoraLayer, getattr(peft_lora, "ParamWrapper", ())  # () before peft 0.17
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and isinstance(module, torch.nn.Module) \
+                and not isinstance(module, ParamWrapper):
+            yield module
+
+
 def cast_adapter_inputs_once(model: torch.nn.Module, on: bool = True) -> int:
     """Under autocast (any device), cast each LoRA layer's float32 input to the autocast dtype once, at the layer's
     entry, so that the base layer and the adapter read the same copy (and layers reading the same input, q/k/v, share
@@ -121,14 +134,8 @@ def cast_adapter_inputs_once(model: torch.nn.Module, on: bool = True) -> int:
     The maths of the matmuls is unchanged (autocast cast the same input to the same dtype); the sums and the
     elementwise ops between layers round to bf16 (gradient difference: docs/benchmarks.md).
     """
-    import peft.tuners.lora as peft_lora
-
-    LoraLayer, ParamWrapper = peft_lora.LoraLayer, getattr(peft_lora, "ParamWrapper", ())  # () before peft 0.17
     count = 0
-    for module in model.modules():
-        if not isinstance(module, LoraLayer) or not isinstance(module, torch.nn.Module) \
-                or isinstance(module, ParamWrapper):  # LoRA on a fused expert weight, not on an input
-            continue
+    for module in _input_lora_layers(model):
         handle = getattr(module, "_scale_input_hook", None)
         if on and handle is None:
             module._scale_input_hook = module.register_forward_pre_hook(_adapter_input_hook)
@@ -168,14 +175,8 @@ def fuse_adapter_sum(model: torch.nn.Module, on: bool = True) -> int:
     """
     import types
 
-    import peft.tuners.lora as peft_lora
-
-    LoraLayer, ParamWrapper = peft_lora.LoraLayer, getattr(peft_lora, "ParamWrapper", ())  # () before peft 0.17
     count = 0
-    for module in model.modules():
-        if not isinstance(module, LoraLayer) or not isinstance(module, torch.nn.Module) \
-                or isinstance(module, ParamWrapper):  # LoRA on a fused expert weight, not on an input
-            continue
+    for module in _input_lora_layers(model):
         installed = "forward" in vars(module)
         if on and not installed:
             module.forward = types.MethodType(_addmm_adapter_forward, module)
