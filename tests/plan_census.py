@@ -238,9 +238,15 @@ def count(cfg, out: str, before: set[int]) -> None:
     elif hasattr(model, "_get_ddp_logging_data"):
         sizes = str(model._get_ddp_logging_data().get("bucket_sizes", ""))
         extra_gradients = sum(int(x) for x in sizes.split(",") if x.strip())   # C++ buckets: not Python tensors
+    # A tensor a collective has just finished with can still be referenced from the process group's worker thread
+    # (gloo releases a Work's inputs there, after wait() returns): such a transient is seen once, then gone. A tensor
+    # counts as "other" only when it is still alive after a barrier and a second collection: a real leftover is.
+    first = {s.data_ptr() for _, s in _live_tensors()}
+    acc.wait_for_everyone()
+    gc.collect()
     others = []
     for o, s in _live_tensors():
-        if s.data_ptr() not in kinds and s.data_ptr() not in before:
+        if s.data_ptr() not in kinds and s.data_ptr() not in before and s.data_ptr() in first:
             kinds[s.data_ptr()] = ("other", s.nbytes())
             others.append([s.nbytes(), str(o.dtype), list(o.shape)])
     totals: dict[str, int] = {}
