@@ -39,14 +39,17 @@ from tests.test_plan import NO_ACTS, STATES
 
 BASE = ["log.trackers=[]", "train.gradient_accumulation_steps=1", "model.finetune=full", "optim.name=adamw"]
 PRECISIONS = {"fp32": "no", "bf16": "bf16"}
+# FSDP2 on CPU: accelerate's FSDP2 through the test-only shim (tests/fsdp_cpu.py, enabled by plan_census.py under this
+# YAML); ZeRO-3 offload: the shipped YAML (its num_processes is overridden) and configs/deepspeed/zero3_offload.json
+YAMLS = {"fsdp2": "tests/cpu_fsdp2.yaml", "zero3_offload": "configs/accelerate/zero3_offload.yaml"}
 SHARDED = ("master", "optimizer")  # divided by N in ZeRO-1/2/3 (gradients too from ZeRO-2)
 
 
 def measure(mode: str, world: int, precision: str, out: Path) -> list[dict]:
     """Each rank's counts for one launch."""
     overrides = [*BASE, f"train.mixed_precision={PRECISIONS[precision]}"]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / f"configs/accelerate/cpu_{mode}.yaml"), "--num_processes", str(world),
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / YAMLS.get(mode,
+           f"configs/accelerate/cpu_{mode}.yaml")), "--num_processes", str(world),
            "--main_process_port", str(free_port()), str(ROOT / "tests" / "plan_census.py"), str(out),
            "--config", str(TINY_YAML), *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, check=False)
@@ -61,6 +64,7 @@ def planned(mode: str, world: int, precision: str, rank: int) -> dict[str, int]:
     params = C.census(cfg, C.build_meta_model(cfg, hf))
     r = LY.predict_mode(cfg, params, NO_ACTS, mode, world, hf, rank=rank)
     out = {k: getattr(r, k) for k in STATES}
+    out["host"] = r.host  # ZeRO-3 offload: what the plan puts in host memory (not in the states above)
     # the one measured tensor the plan adds to ZeRO-1/2's transient (scale.planner.layouts.zero12_extra_bytes)
     bf16_zero1 = mode == "zero1" and precision == "bf16"
     out["extra"] = (LY.zero12_extra_bytes([p for p in params if p.trainable], r_dtype(precision, mode))
@@ -76,7 +80,7 @@ def r_dtype(precision: str, mode: str):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="ddp,zero1,zero2,zero3")
+    p.add_argument("--modes", default="ddp,zero1,zero2,zero3,fsdp2,zero3_offload")
     p.add_argument("--worlds", default="1,2")
     p.add_argument("--precisions", default="fp32,bf16")
     p.add_argument("--json", default=None, help="also write the rows here")
@@ -84,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     mib = 2**20
     rows, ok = [], True
     head = ("| mode | N | dtype | rank | planned MiB (weights/master/grads/optim/extra) | measured MiB (.../other) | "
-            "planned | measured | diff |")
-    print(head + "\n|" + "---|" * 9, flush=True)
+            "planned | measured | diff | host planned | host measured | host diff |")
+    print(head + "\n|" + "---|" * 12, flush=True)
     for mode in args.modes.split(","):
         for world in map(int, args.worlds.split(",")):
             for precision in args.precisions.split(","):
@@ -94,26 +98,42 @@ def main(argv: list[str] | None = None) -> int:
                     counts = measure(mode, world, precision, Path(tmp) / "census.json")
                 for c in counts:
                     plan = planned(mode, world, precision, c["rank"])
-                    held = {k: c["totals"].get(k, 0) for k in STATES}
-                    other = c["totals"].get("other", 0)
+                    host_p = plan.pop("host")
+                    # the device's bytes: what each kind holds less what DeepSpeed's offload keeps in host memory
+                    host_m = c.get("host", {})
+                    held = {k: c["totals"].get(k, 0) - host_m.get(k, 0) for k in STATES}
+                    other = c["totals"].get("other", 0) - host_m.get("other", 0)
                     held["extra"] = other
                     total_p, total_m = sum(plan.values()), sum(held.values())
                     diff = total_m / total_p - 1
                     ok &= abs(diff) <= 0.05
+                    host_cells = "- | - | -"
+                    host_diff = None
+                    if host_p or host_m:
+                        host_diff = sum(host_m.values()) / max(host_p, 1) - 1
+                        ok &= abs(host_diff) <= 0.05
+                        host_cells = (f"{host_p / mib:.2f} | {sum(host_m.values()) / mib:.2f} "
+                                      f"({', '.join(f'{k} {v / mib:.2f}' for k, v in sorted(host_m.items()))}) | "
+                                      f"{host_diff:+.1%}")
                     cell = lambda d: "/".join(f"{(d['trainable'] + d['weights']) / mib:.2f}" if k == "w" else
                                               f"{d[k] / mib:.2f}"
                                               for k in ("w", "master", "gradients", "optimizer", "extra"))
                     print(f"| {LY.MODE_LABELS[mode]} | {world} | {precision} | {c['rank']} | {cell(plan)} | "
-                          f"{cell(held)} | {total_p / mib:.2f} | {total_m / mib:.2f} | {diff:+.1%} |", flush=True)
+                          f"{cell(held)} | {total_p / mib:.2f} | {total_m / mib:.2f} | {diff:+.1%} | {host_cells} |",
+                          flush=True)
                     rows.append({"mode": mode, "world": world, "precision": precision, "rank": c["rank"], "planned": plan,
-                                     "measured": held, "other": other, "others": c["others"][:5], "diff": diff,
-                                     "seconds": time.perf_counter() - t0})
+                                 "measured": held, "other": other, "others": c["others"][:5], "diff": diff,
+                                 "host_planned": host_p, "host_measured": host_m, "host_diff": host_diff,
+                                 "seconds": time.perf_counter() - t0})
     by = {(r["mode"], r["world"], r["precision"], r["rank"]): r for r in rows}
     lines = []
     for (mode, world, precision, rank), r in by.items():
         one = by.get((mode, 1, precision, 0))
         if world == 2 and one is not None and mode != "ddp":
-            keys = SHARDED + (("gradients",) if mode in ("zero2", "zero3") else ())
+            if mode == "zero3_offload":  # its sharded parts are in host memory
+                continue
+            keys = (("trainable", "gradients", "optimizer") if mode == "fsdp2" else
+                    SHARDED + (("gradients",) if mode in ("zero2", "zero3") else ()))
             ratio = ", ".join(f"{k} {one['measured'][k] / max(r['measured'][k], 1):.3f}" for k in keys)
             lines.append(f"{LY.MODE_LABELS[mode]} {precision} rank {rank}: measured N=1 / N=2: {ratio}")
     print("\nsharded parts, N = 1 over N = 2 (the paper's 1/N gives 2; ZeRO-3's gradients include its reduce bucket):")

@@ -14,7 +14,8 @@ right before that second optimizer step, the bytes of every storage this rank ho
   counters are reported apart: host scalars);
 - ``gradients``: ``param.grad``, DDP's buckets (``bucket_sizes`` from DDP's logging data), DeepSpeed's gradient
   partitions and ZeRO-3's reduce bucket;
-- ``bucket_in_backward``: DeepSpeed ZeRO-1/2's reduce bucket, seen from inside backward (it is freed at its end).
+- ``bucket_in_backward``: DeepSpeed ZeRO-1/2's reduce bucket, seen from inside backward (it is freed at its end);
+- ``host``: under ZeRO-3 offload, the part of those bytes DeepSpeed keeps in host memory, by kind (:func:`offloaded`).
 
 Set ``PLAN_CENSUS_TIMES=1`` for timings on stderr. Any other live tensor found through the garbage collector is listed under ``other`` so that a buffer the
 accounting does not know about shows up. Rank ``r`` writes ``OUT.json`` with ``.r`` appended (``.NAME.r`` for a
@@ -111,6 +112,25 @@ def _live_storages() -> set[int]:
     """Storage pointers of every tensor alive now (found through the garbage collector)."""
     gc.collect()
     return {s.data_ptr() for _, s in _live_tensors()}
+
+
+def offloaded(ds_opt, torch_opt) -> set[int]:
+    """Storage pointers of what DeepSpeed's ZeRO-3 offload keeps in host memory (on a GPU machine; on CPU every tensor
+    is in host memory, so where each would live is read from the structure that holds it): with ``offload_param``
+    the flat buffers every parameter's partition (``ds_tensor``) is a view of (``param_groups_fp16_flat_cpu_memory``);
+    with ``offload_optimizer`` the fp32 master partitions, their gradient buffers (``.grad``), the gradient partitions
+    (``grad_partitions_flat_buffer``) and the optimizer's state. Everything else (parameters kept whole, the reduce
+    bucket, gathered parameters) is on the device. DeepSpeed 0.19 ``runtime/zero/stage3.py``."""
+    found: list = []
+    if getattr(ds_opt, "offload_param", False):
+        found += list(getattr(ds_opt, "param_groups_fp16_flat_cpu_memory", []))
+    if getattr(ds_opt, "offload_optimizer", False):
+        flat = list(getattr(ds_opt, "fp32_partitioned_groups_flat", []))
+        found += flat + [t.grad for t in flat] + [getattr(ds_opt, "grad_partitions_flat_buffer", None)]
+        found += [t for state in torch_opt.state.values() for t in state.values()
+                  if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return {t.untyped_storage().data_ptr() for t in found
+            if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr()}
 
 
 def count(cfg, out: str, before: set[int]) -> None:
@@ -223,6 +243,7 @@ def count(cfg, out: str, before: set[int]) -> None:
             add(t, "master")
         for t in getattr(ds_opt, "fp32_partitioned_groups_flat", []):
             add(t, "master")
+            add(t.grad, "gradients")  # ZeRO-3 offload: its own fp32 gradient buffer per sub-group (else a view)
         for t in getattr(ds_opt, "fp32_groups_flat_partition", []):  # BF16_Optimizer (ZeRO-1, fp32 accumulation)
             add(t, "master")
         for t in getattr(ds_opt, "fp32_groups_gradients_flat", []):
@@ -253,7 +274,11 @@ def count(cfg, out: str, before: set[int]) -> None:
     for kind, nbytes in kinds.values():
         totals[kind] = totals.get(kind, 0) + nbytes
     totals["gradients"] = totals.get("gradients", 0) + extra_gradients
-    result = {"rank": acc.process_index, "world": acc.num_processes, "mode": plan.mode, "totals": totals,
+    host: dict[str, int] = {}  # ZeRO-3 offload: the storages DeepSpeed keeps in host memory, by kind
+    for ptr in offloaded(ds_opt, torch_opt) if plan.deepspeed else ():
+        kind, nbytes = kinds.get(ptr, ("other", 0))
+        host[kind] = host.get(kind, 0) + nbytes
+    result = {"host": host, "rank": acc.process_index, "world": acc.num_processes, "mode": plan.mode, "totals": totals,
               "step_scalars": steps, "bucket_in_backward": max((b for b, _ in in_backward), default=0),
               "grads_in_backward": max((g for _, g in in_backward), default=0),
               "others": sorted(others, reverse=True)[:20]}
