@@ -1,7 +1,7 @@
 """Full fine-tuning (``model.finetune=full``): what each rank really holds against ``scale-plan``, on CPU processes.
 
-    python benchmarks/full_memory.py                                  # DDP, ZeRO-1/2/3 x N = 1, 2 x fp32, bf16
-    python benchmarks/full_memory.py --modes zero2,zero3 --worlds 2 --precisions bf16
+    python benchmarks/full_memory.py                  # DDP, ZeRO-1/2/3, FSDP2, ZeRO-3 offload x N = 1, 2 x fp32, bf16
+    python benchmarks/full_memory.py --modes fsdp2,zero3_offload --worlds 2 --precisions bf16
 
 Each row is one ``accelerate launch`` (``configs/accelerate/cpu_<mode>.yaml``, ``--num_processes N``) of
 ``tests/plan_census.py`` on the tiny Llama of ``configs/train/tiny_cpu.yaml`` with every weight trained (AdamW, the
@@ -11,6 +11,15 @@ under bf16 as the run sets it). It counts every storage the rank holds right bef
 ``other``) and compares the sum with :func:`scale.planner.layouts.predict_mode`'s model states for the same mode,
 precision, world size and rank, plus the one tensor the plan counts from this measurement under ZeRO-1/2
 (:func:`scale.planner.layouts.zero12_extra_bytes`: the largest parameter's size, held at the step). One launch per row, one engine per process, as a run has.
+
+FSDP2 runs through the test-only CPU shim (``tests/cpu_fsdp2.yaml``, ``tests/fsdp_cpu.py``; measured on 2 processes),
+ZeRO-3 offload through ``configs/accelerate/zero3_offload.yaml`` (``configs/deepspeed/zero3_offload.json``: parameters
+and optimizer offloaded to the CPU; DeepSpeed swaps AdamW for ``DeepSpeedCPUAdam``, whose op compiles on first use).
+On a CPU machine the device *is* host memory, so an offload row splits each rank's bytes by the structure holding
+them (``tests/plan_census.py`` ``offloaded``): the host part is what DeepSpeed's offload keeps there on a GPU machine
+(the flat CPU buffers of the parameter partitions, the fp32 master partitions and their gradient buffers, the
+gradient partitions, the optimizer's state), compared with the plan's ``host``; the device part is the rest (whole
+persistent parameters, the reduce bucket), compared with the plan's model states.
 
 Printed: a table per row (MiB) with the planned and measured totals, their relative difference (target: within
 5%), and the sharded parts' ratio N=1 / N=2 (the ZeRO paper's 1/N). Activations are not part of these counts (they

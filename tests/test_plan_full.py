@@ -104,6 +104,16 @@ def test_zero3_full_weights(precision, wbytes, world):
         "optimizer": 8 * shard}
 
 
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp2_full_weights(precision, world):
+    # accelerate's FSDP2 keeps the fp32 parameters (bf16 is autocast in the forward): each rank holds a dim-0 shard of
+    # every weight, of its gradient and of Adam's two moments; every dim 0 of the tiny Llama is even, so no padding.
+    # Measured on 2 ranks, fp32: 6.16 / 6.16 / 12.31 MiB (benchmarks/full_memory.py, docs/benchmarks.md)
+    assert states("fsdp2", precision, world) == {"weights": 0, "trainable": 4 * PSI // world, "master": 0,
+                                                 "gradients": 4 * PSI // world, "optimizer": 8 * PSI // world}
+
+
 def test_sharded_parts_fall_as_one_over_n():
     """Master and Adam moments (ZeRO-1/2/3) and the gradient partition (ZeRO-2/3) halve from 1 to 2 ranks (padding
     aside: at most 2 x world elements per flat group, 1 per parameter and rank under ZeRO-3)."""
