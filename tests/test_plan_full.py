@@ -114,6 +114,20 @@ def test_fsdp2_full_weights(precision, world):
                                                  "gradients": 4 * PSI // world, "optimizer": 8 * PSI // world}
 
 
+def test_zero3_offload_fp32_full_weights_two_ranks():
+    """configs/deepspeed/zero3_offload.json (parameters and optimizer offloaded), fp32, 2 ranks, as measured by
+    benchmarks/full_memory.py: the device keeps the small (persistent) weights whole and the reduce bucket; host memory
+    keeps every parameter's partition (persistent ones too: DeepSpeed's flat CPU buffer), the fp32 master, the
+    gradient partition, a second fp32 gradient buffer of the master's size, and Adam's moments: 24 bytes per element
+    of the shard."""
+    cfg, hf, params = tiny("no")
+    r = LY.predict_mode(cfg, params, NO_ACTS, "zero3_offload", 2, hf)
+    shard = sum(math.ceil(p.numel / 2) for p in params)
+    whole = sum(math.ceil(p.numel / 2) * 2 for p in params if p.numel <= THRESHOLD)
+    assert (r.weights, r.trainable, r.master, r.gradients, r.optimizer) == (0, 4 * whole, 0, 4 * BUCKET, 0)
+    assert r.host == 24 * shard == 38_735_616  # 36.94 MiB per rank measured
+
+
 def test_sharded_parts_fall_as_one_over_n():
     """Master and Adam moments (ZeRO-1/2/3) and the gradient partition (ZeRO-2/3) halve from 1 to 2 ranks (padding
     aside: at most 2 x world elements per flat group, 1 per parameter and rank under ZeRO-3)."""

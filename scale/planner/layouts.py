@@ -354,7 +354,10 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
                           and persisted + elems <= ds["stage3_model_persistence_threshold"])
             persisted += elems if persistent else 0
             part = _shard_elems(elems, w) * nbytes(dtype)
-            if persistent:  # kept whole (gathered at the padded size) on every rank besides its partition; on one
+            if persistent and offload_param:  # whole on the device; its partition, like every other, in the host's
+                whole = _shard_elems(elems, w) * w * nbytes(dtype)  # flat buffer (measured: full_memory.py, N = 2)
+                held, device_part = part + whole, whole
+            elif persistent:  # kept whole (gathered at the padded size) on every rank besides its partition; on one
                 held = part + (_shard_elems(elems, w) * w * nbytes(dtype) if w > 1 else 0)  # rank they are one
                 device_part = held
             else:
@@ -369,8 +372,8 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
         gdtype = cast or trainable[0].dtype  # the reduce bucket's; the partition is fp32 for full weights
         master, grads, opt = tpart * 4, tpart * nbytes(accum or gdtype), (2 * tpart * 4 if adam else 0)
         bucket = ds["reduce_bucket_size"] * nbytes(gdtype) if ds["contiguous_gradients"] else 0
-        if offload_opt:
-            host += master + grads + opt
+        if offload_opt:  # DeepSpeed 0.19 also gives each fp32 master sub-group its own fp32 gradient buffer
+            host += master + grads + tpart * 4 + opt  # (stage3.py initialize_optimizer_states), beside the partition
             r.gradients = bucket
         else:
             r.master, r.gradients, r.optimizer = master, grads + bucket, opt
