@@ -35,7 +35,7 @@ from scale.config.schema import Config
 from scale.distributed.ulysses import sharded
 from scale.generation.export import save_serving_files, serving_tokenizer
 from scale.training.best import observe, out_of_patience, write_best
-from scale.training.checkpoint import (ADAPTER_FILE, rng_states, save_adapter, save_checkpoint, save_model,
+from scale.training.checkpoint import (model_files, rng_states, save_adapter, save_checkpoint, save_model,
                                       set_rng_states)
 from scale.training.checks import check_invariants, fingerprints
 from scale.training.commit import HeldWindow, StepCommit, nonfinite_flag, where_text
@@ -43,7 +43,7 @@ from scale.training.evaluate import evaluate
 from scale.training.job import Job, setup
 from scale.training.metrics import Progress, StepMeter, duration_text
 from scale.training.samples import SAMPLES_FILE, generate_samples, sample_metrics, write_samples
-from scale.training.state import STATE_FILE, SaveTimer
+from scale.training.state import SaveTimer
 from scale.training.tracking import finish_trackers, log_model
 from scale.training.windows import Window, skip_trained, windows
 from scale.utils.signals import EvalInterrupted, Preempted, Preemption
@@ -170,7 +170,8 @@ def conclude_step(job: Job, pbar: Any, preemption: Preemption | None, timer: Sav
         if best and acc.is_main_process:
             write_best(cfg.output_dir, state, t.keep_best)  # after the checkpoint it names is whole
         if cfg.log.wandb_log_model == "checkpoint":
-            log_model(acc, cfg, path, "adapter", state.step, [path.name], (ADAPTER_FILE, STATE_FILE))
+            full = cfg.model.finetune == "full"
+            log_model(acc, cfg, path, "model" if full else "adapter", state.step, [path.name], model_files(path, full))
         timer.reset()
     return metrics, done or stopping
 

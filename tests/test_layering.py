@@ -93,8 +93,9 @@ ALLOWED: dict[str, set[str]] = {
     "modeling.finetune": {"config.schema", "utils.compat"},  # what trains (lora | full) and in which dtypes
     "modeling.split_experts": set(),  # the split experts forward: grouped products on the routed tokens (torch only)
     "modeling.moe_lora": {"config.validation", "modeling.moe", "modeling.split_experts"},  # which expert LoRA path
+    "modeling.tokens": {"config.schema", "config.validation"},  # added tokens, embedding rows, modules_to_save
     "modeling.build": {"config.schema", "config.validation", "modeling.finetune", "modeling.moe", "modeling.moe_lora",
-                       "utils.assets",
+                       "modeling.tokens", "utils.assets",
                        "utils.compat"},
     # packed rows' attention one example at a time where no varlen kernel runs
     "modeling.varlen": {"loss.tail", "modeling.mixed_paths", "utils.wrapped"},
@@ -133,9 +134,9 @@ ALLOWED: dict[str, set[str]] = {
     "distributed": set(),  # the face: hands nothing on
     # generation
     "generation.export": {"config.load", "config.schema", "data.tasks", "modeling.build", "modeling.moe",
-                          "utils.fileio"},  # serving files, the merged model
+                          "modeling.tokens", "utils.fileio"},  # serving files, the merged model
     "generation.generator": {"config.load", "config.schema", "data.tasks", "generation.export", "modeling.build",
-                             "modeling.moe"},  # answering as the run trained
+                             "modeling.moe", "modeling.tokens"},  # answering as the run trained
     "generation.rollout": set(),  # rl.generator: the rollout interface and the transformers engine (seeded sampling)
     "generation.vllm": {"generation.rollout"},  # rl.generator=vllm: a colocated vLLM engine, the adapter synced
     "generation": set(),  # the face: hands nothing on
@@ -215,7 +216,7 @@ LAYERS: dict[str, list[set[str]]] = {
     "data": [{"data.read"}, {"data.sources"}, {"data.tasks"}, {"data.split"}, {"data.mixing"}, {"data.tokenize"},
              {"data.token_table", "data.cache"}, {"data.collate", "data.order", "data.sequence"}, {"data"}],
     "modeling": [{"modeling.moe", "modeling.split_experts", "modeling.attention", "modeling.mixed_paths",
-                  "modeling.kernels", "modeling.dropout", "modeling.finetune"},
+                  "modeling.kernels", "modeling.dropout", "modeling.finetune", "modeling.tokens"},
                  {"modeling.moe_lora", "modeling.moe_counts", "modeling.build", "modeling.varlen"}, {"modeling"}],
     "objectives": [{"objectives"}],
     "planner": [{"planner.census"}, {"planner.activations", "planner.moe"},

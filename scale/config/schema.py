@@ -68,6 +68,13 @@ class ModelConfig:
     adapter: str | None = _f(None, "Start the LoRA adapter from a saved peft adapter directory (an SFT run's "
                                    "<output_dir>/adapter) instead of a fresh one; `lora.*` must match its "
                                    "adapter_config.json. Under loss.objective=dpo its frozen copy is the reference.")
+    new_tokens: list[str] = _f([], "Tokens added to the tokenizer (tokenizer.add_tokens; axolotl's `tokens`, "
+                                   "LLaMA-Factory's `add_tokens`); the embeddings grow to the tokenizer's length as "
+                                   "transformers' resize_token_embeddings does (docs/full.md). With LoRA, "
+                                   "`lora.modules_to_save` must train the embeddings.")
+    new_special_tokens: list[str] = _f([], "Special tokens added (add_special_tokens additional_special_tokens: never "
+                                           "split, skipped when decoding with skip_special_tokens; LLaMA-Factory's "
+                                           "`add_special_tokens`); the embeddings grow as with `new_tokens`.")
     tiny_hidden_size: int = _f(64, "'tiny-llama' only: hidden size (features).")
     tiny_num_layers: int = _f(2, "'tiny-llama' only: decoder layers.")
     tiny_num_heads: int = _f(4, "'tiny-llama' only: attention heads.")
@@ -92,6 +99,10 @@ class LoraConfig:
                                        "ParamWrapper, W + B A for each layer's whole expert stack in each forward, "
                                        "kept for backward. Same parameters and adapter files. null: split, or peft "
                                        "with a start-up line where the split path does not know the experts' layout.")
+    modules_to_save: list[str] | None = _f(None, "Modules trained in full beside the adapter (peft's modules_to_save: "
+                                                 "e.g. [embed_tokens, lm_head] when tokens are added, or norms); "
+                                                 "a head tied to the embeddings stays tied (peft >= 0.18's "
+                                                 "ensure_weight_tying). null: none.")
 
 
 @dataclass

@@ -96,6 +96,7 @@ def validate(cfg: Any) -> None:
     _validate_datasets(cfg.data)
     _validate_preference(cfg)
     _validate_finetune(cfg)
+    _validate_tokens(cfg)
     _validate_rl(cfg)
     if cfg.train.eval_every < 0:
         raise ConfigError("train.eval_every must be >= 0 (0 evaluates only at step 0 and the end)")
@@ -286,6 +287,24 @@ def _validate_finetune(cfg: Any) -> None:  # a Config
         raise ConfigError(f"{full} with loss.objective=dpo and loss.reference=adapter: the in-step reference is the "
                           f"model with its LoRA adapter disabled, and a full run has none; set "
                           f"loss.reference=precomputed (one pass of the starting weights before training)")
+
+
+def _validate_tokens(cfg: Any) -> None:  # a Config
+    """``model.new_tokens``/``new_special_tokens`` and ``lora.modules_to_save``: non-empty names, each once; new tokens
+    under LoRA need ``lora.modules_to_save`` (which modules it must name is checked on the model:
+    :func:`scale.modeling.tokens.check_new_rows_train`)."""
+    m, save = cfg.model, cfg.lora.modules_to_save
+    for key, names in (("model.new_tokens", m.new_tokens), ("model.new_special_tokens", m.new_special_tokens),
+                       ("lora.modules_to_save", save or [])):
+        bad = [n for n in names if not isinstance(n, str) or not n]
+        if bad or len(set(names)) != len(names):
+            raise ConfigError(f"{key}={names!r}: every entry must be a non-empty string, each once")
+    added = [("model.new_tokens", m.new_tokens), ("model.new_special_tokens", m.new_special_tokens)]
+    key, names = next(((k, v) for k, v in added if v), (None, None))
+    if key is not None and m.finetune == "lora" and not save:
+        raise ConfigError(f"{key}={names} with model.finetune=lora and no lora.modules_to_save: the new tokens' "
+                          f"embedding rows would never train; set lora.modules_to_save=[embed_tokens, lm_head] (the "
+                          f"model's embedding and head) or model.finetune=full")
 
 
 def _validate_preference(cfg: Any) -> None:

@@ -19,6 +19,7 @@ from scale.data.tasks.chat_spans import render_chat
 from scale.data.tasks.chat_template import chat_template
 from scale.modeling.build import load_base, load_tokenizer
 from scale.modeling.moe import explicit_targets
+from scale.modeling.tokens import grow_embeddings
 from scale.utils.fileio import replace_dir, temp_dir_for
 
 logger = logging.getLogger("scale.export")  # the lines of scale-export (scale/export.py) and of the merge
@@ -159,7 +160,9 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     if not (run_dir / "adapter" / "adapter_config.json").exists():
         raise FileNotFoundError(f"{run_dir}/adapter has no adapter_config.json: train with train.save_adapter=true")
     tokenizer, stops, note = serving_tokenizer(cfg, run_dir)
-    base = dequantized_base(cfg.model, len(load_tokenizer(cfg.model)), cfg.train.seed)
+    rows = len(load_tokenizer(cfg.model))  # with model.new_tokens: the rows the run trained
+    base = dequantized_base(cfg.model, rows, cfg.train.seed)
+    grow_embeddings(base, rows, cfg.train.seed)  # as the run grew them (their trained rows: the adapter's)
     with explicit_targets():  # a mixture-of-experts adapter names its targets in full (scale.modeling.moe)
         merged = PeftModel.from_pretrained(base, run_dir / "adapter").merge_and_unload()
     merged.config.use_cache = True

@@ -20,6 +20,7 @@ from scale.data.tasks.base import encode, special_affixes
 from scale.generation.export import serving_tokenizer
 from scale.modeling.build import load_base, load_tokenizer
 from scale.modeling.moe import explicit_targets
+from scale.modeling.tokens import grow_embeddings
 
 Messages = list[dict[str, Any]]
 
@@ -176,7 +177,9 @@ def load_model(path: str | Path) -> torch.nn.Module:
     from peft import PeftModel
 
     cfg = load_config(run_dir / "config.yaml")
-    base = load_base(cfg.model, len(load_tokenizer(cfg.model)), cfg.train.seed)
+    rows = len(load_tokenizer(cfg.model))  # with model.new_tokens: the rows the run trained
+    base = load_base(cfg.model, rows, cfg.train.seed)
+    grow_embeddings(base, rows, cfg.train.seed)  # as the run grew them (their trained rows: the adapter's)
     with explicit_targets():  # a mixture-of-experts adapter names its targets in full (scale.modeling.moe)
         return PeftModel.from_pretrained(base, run_dir / "adapter").eval()
 

@@ -14,6 +14,7 @@ the LoRA matrices, or, under ``model.finetune=full``, the base with every weight
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from scale.config.schema import LoraConfig, ModelConfig
 from scale.config.validation import ConfigError
 from scale.modeling import moe, moe_lora
 from scale.modeling.finetune import make_full
+from scale.modeling.tokens import add_tokens, grow_embeddings, peft_save_kwargs
 from scale.utils.assets import EMBEDDED_MODEL, resolve_model
 from scale.utils.compat import enable_checkpointing
 
@@ -69,7 +71,9 @@ def load_tokenizer(cfg: ModelConfig) -> Any:
             if tok.pad_token_id is None:
                 tok.pad_token = tok.eos_token
             _TOKENIZERS[memo] = tok
-    return copy.deepcopy(_TOKENIZERS[memo])
+    tok = copy.deepcopy(_TOKENIZERS[memo])
+    add_tokens(tok, cfg)  # model.new_tokens / new_special_tokens
+    return tok
 
 
 @contextlib.contextmanager
@@ -188,6 +192,8 @@ def load_base(cfg: ModelConfig, vocab_size: int, seed: int, device_map: Any = No
     if cfg.name_or_path == TINY:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
+            if cfg.new_tokens or cfg.new_special_tokens:  # built for the tokenizer as it comes, grown like any model
+                vocab_size = len(load_tokenizer(dataclasses.replace(cfg, new_tokens=[], new_special_tokens=[])))
             config = tiny_llama_config(cfg, vocab_size)
             if cfg.attn_implementation is not None:
                 config._attn_implementation = cfg.attn_implementation
@@ -236,7 +242,8 @@ def disable_cpu_inference_packing(model: torch.nn.Module) -> int:
     return count
 
 
-def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfig) -> torch.nn.Module:
+def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfig, grew: int | None = None
+             ) -> torch.nn.Module:
     """Freeze the base, prepare k-bit training, enable checkpointing and wrap with a LoRA adapter.
 
     A mixture-of-experts model (fused 3-D experts) gets its targets from :mod:`scale.modeling.moe`: the linear layers by
@@ -255,6 +262,10 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model, prepare_model_for_kbit_training
 
+    added = next((f"model.{k}={v}" for k, v in (("new_tokens", model_cfg.new_tokens),
+                                                   ("new_special_tokens", model_cfg.new_special_tokens)) if v),
+                 "the tokenizer's length")
+    saved = peft_save_kwargs(model, lora_cfg, grew, added)  # lora.modules_to_save, checked (scale.modeling.tokens)
     layout = moe.moe_layout(model)  # None for a dense model
     loaded = {n: p.dtype for n, p in model.named_parameters()} if layout is not None else {}
     if model_cfg.quantize_4bit and model_cfg.qlora_residual_dtype == "compute":
@@ -272,7 +283,8 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
         targets = moe.lora_targets(layout, lora_cfg.target_modules, lora_cfg.train_router, linear_names(model))
         peft_cfg = PeftLoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, task_type="CAUSAL_LM",
                                   lora_dropout=0.0 if targets.parameters else lora_cfg.dropout,
-                                  target_modules=targets.modules, target_parameters=targets.parameters or None)
+                                  target_modules=targets.modules, target_parameters=targets.parameters or None,
+                                  **saved)
         with moe.explicit_targets():
             model = get_peft_model(model, peft_cfg)
         if targets.parameters:
@@ -289,6 +301,7 @@ def add_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfi
         lora_dropout=lora_cfg.dropout,
         target_modules=lora_cfg.target_modules,
         task_type="CAUSAL_LM",
+        **saved,
     )
     return get_peft_model(model, peft_cfg)
 
@@ -356,7 +369,8 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, vocab_size: int, s
     Args:
         model_cfg: the model section.
         lora_cfg: the lora section (unread under ``full``).
-        vocab_size: tokenizer size (``tiny-llama`` only).
+        vocab_size: the tokenizer's length: ``tiny-llama``'s rows; shorter embeddings grow to it (as transformers
+            resizes: :func:`scale.modeling.tokens.grow_embeddings`), before LoRA wraps the model.
         seed: RNG seed for tiny weights and LoRA init.
         device_map: per-rank device for 4-bit loading.
 
@@ -364,11 +378,12 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, vocab_size: int, s
         The PEFT model (``lora``) or the transformers model (``full``), in train mode.
     """
     base = load_base(model_cfg, vocab_size, seed, device_map)
+    grew = grow_embeddings(base, vocab_size, seed)  # a tokenizer longer than the embeddings: as transformers resizes
     if model_cfg.finetune == "full":
         return make_full(base, checkpointing_kwargs(model_cfg) if model_cfg.gradient_checkpointing else None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = add_lora(base, model_cfg, lora_cfg)
+        model = add_lora(base, model_cfg, lora_cfg, grew)
     if model_cfg.adapter is not None:
         load_adapter(model, model_cfg.adapter, lora_cfg)
     model.train()

@@ -11,10 +11,10 @@ from scale.training.checkpoint.rules import (adapt_to_checkpoint, check_fresh_st
                                              saved_precision)
 from scale.training.checkpoint.saving import (load_checkpoint, register_hooks, save_adapter, save_checkpoint,
                                              save_model, unwrap)
-from scale.training.checkpoint.store import (CheckpointError, clear_previous_run, list_checkpoints, pick_resume,
-                                             record_files, resolve_resume, rotate, verify)
+from scale.training.checkpoint.store import (CheckpointError, clear_previous_run, list_checkpoints, model_files,
+                                             pick_resume, record_files, resolve_resume, rotate, verify)
 
 __all__ = ["ADAPTER_FILE", "CheckpointError", "adapt_to_checkpoint", "check_fresh_start", "check_resume",
            "clear_previous_run", "compare_configs", "derived_seed", "list_checkpoints", "load_checkpoint",
-           "pick_resume", "record_files", "register_hooks", "resolve_resume", "rng_states", "rotate", "save_adapter",
+           "model_files", "pick_resume", "record_files", "register_hooks", "resolve_resume", "rng_states", "rotate", "save_adapter",
            "save_checkpoint", "save_model", "saved_precision", "set_rng_states", "unwrap", "verify"]

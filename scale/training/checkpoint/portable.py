@@ -145,9 +145,23 @@ def write_adapter(peft_model: torch.nn.Module, weights: dict[str, torch.Tensor],
     transformers then load the checkpoint as they load the final ``adapter/``. Not a collective: the tensors are
     whole already.
     """
+    names = trained_aliases(peft_model)  # a tied head's copy too: peft saves every wrapper's tensor, by its name
+    weights = {alias: weights[name] for alias, name in names.items() if name in weights} | weights
     peft_model.save_pretrained(str(directory), state_dict=weights, selected_adapters=["default"],
                                safe_serialization=True, save_embedding_layers=False)
     (directory / "README.md").unlink(missing_ok=True)  # peft's model card: not part of a checkpoint
+
+
+def trained_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """``{name: the parameter's first name}`` for every name of a trainable parameter, shared ones included: with
+    ``lora.modules_to_save`` on a tied head (peft's ``ensure_weight_tying``) the head's copy is the embeddings' copy
+    under a second name, which ``named_parameters`` leaves out and peft's save and load ask for."""
+    first: dict[int, str] = {}
+    out = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if p.requires_grad:
+            out[n] = first.setdefault(id(p), n)
+    return out
 
 
 def parameter_names(peft_model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -165,7 +179,9 @@ def parameter_names(peft_model: torch.nn.Module, weights: dict[str, torch.Tensor
     from peft import get_peft_model_state_dict
 
     # each name's index as its tensor: peft renames the keys only (a sharded parameter itself would be gathered)
-    marks = {n: torch.tensor(i) for i, n in enumerate(trainable)}
+    aliases = trained_aliases(peft_model)
+    index = {n: i for i, n in enumerate(trainable)}
+    marks = {alias: torch.tensor(index[name]) for alias, name in aliases.items()}
     saved = get_peft_model_state_dict(peft_model, state_dict=marks, adapter_name="default",
                                       save_embedding_layers=False)
     names = {key: trainable[int(t)] for key, t in saved.items()}

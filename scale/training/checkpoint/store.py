@@ -60,6 +60,16 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, unreadable on some rank, or does not match the run."""
 
 
+def model_files(path: Path, full: bool) -> tuple[str, ...]:
+    """The files of checkpoint ``path`` that hold what it trained, relative to it, for a W&B model artifact
+    (``log.wandb_log_model=checkpoint``): a LoRA checkpoint's peft adapter (``adapter_config.json``,
+    ``adapter_model.safetensors``), a full fine-tune's every shard (``weights/shard-*.safetensors``: the fp32 weights
+    with their optimizer state, :mod:`scale.training.checkpoint.sharded`), and ``trainer_state.json``."""
+    trained = (sorted(p.relative_to(path).as_posix() for p in (path / "weights").glob("*.safetensors")) if full
+               else ["adapter_config.json", "adapter_model.safetensors"])
+    return (*trained, STATE_FILE)
+
+
 def checkpoint_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
