@@ -148,3 +148,24 @@ def test_sweep_program_with_wandb_agents_default_command(tmp_path):
     assert [r["step"] for r in read_jsonl(tmp_path / "trial" / "metrics.jsonl") if "train/loss" in r] == [2]
     [trial] = (tmp_path / "trial" / "wandb").glob("offline-run-*")
     assert read_run(trial)["id"] == "sweep0001"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("finetune", ["full", "lora"])
+def test_checkpoint_artifact_holds_what_the_checkpoint_trained(tmp_path, monkeypatch, finetune):
+    """log.wandb_log_model=checkpoint, offline: each checkpoint's artifact holds the files that carry its weights (a
+    full run's every shard, a LoRA run's peft adapter) beside trainer_state.json, named as in the checkpoint."""
+    from scale.train import run
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    run(tiny_cfg(tmp_path, f"model.finetune={finetune}", "log.trackers=[wandb]", "log.wandb_log_model=checkpoint",
+                 "train.max_steps=2", "train.save_every=2", "train.eval_every=0", "log.peak_flops=false",
+                 "eval.generate_samples=0", "train.save_adapter=false"))
+    (top,) = (tmp_path / "wandb").glob("offline-run-*")
+    (name, aliases, files), = read_run(top)["artifact_files"]
+    trained = (["weights/shard-00000-of-00001.safetensors"] if finetune == "full"
+               else ["adapter_config.json", "adapter_model.safetensors"])
+    assert name.startswith("model-" if finetune == "full" else "adapter-") and "step_000002" in aliases
+    assert files == sorted([*trained, "trainer_state.json"])
+    assert all((tmp_path / "checkpoints" / "step_000002" / f).is_file() for f in files)

@@ -40,9 +40,10 @@ def records(path: str | Path):
 
 
 def read_run(run_dir: str | Path) -> dict:
-    """``{"id", "history": {step: {key: value}}, "artifacts": [names], "summary": {key: value}}`` of one
+    """``{"id", "history": {step: {key: value}}, "artifacts": [names], "artifact_files": [(name, aliases, [paths])],
+    "summary": {key: value}}`` of one
     ``offline-run-*`` directory (history rows of one step merged, as W&B shows them)."""
-    out = {"id": None, "history": {}, "artifacts": [], "summary": {}}
+    out = {"id": None, "history": {}, "artifacts": [], "artifact_files": [], "summary": {}}
     for path in Path(run_dir).glob("*.wandb"):
         for rec in records(path):
             kind = rec.WhichOneof("record_type")
@@ -56,6 +57,8 @@ def read_run(run_dir: str | Path) -> dict:
                 out["history"].setdefault(step, {}).update(row)
             elif kind == "artifact":
                 out["artifacts"].append(rec.artifact.name)
+                out["artifact_files"].append((rec.artifact.name, list(rec.artifact.aliases),
+                                              sorted(e.path for e in rec.artifact.manifest.contents)))
             elif kind == "summary":
                 for i in rec.summary.update:
                     out["summary"][i.key or "/".join(i.nested_key)] = json.loads(i.value_json)

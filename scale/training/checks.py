@@ -2,7 +2,8 @@
 
     train.check_invariants=true    # writes check/* to metrics.jsonl after the last step
 
-- the frozen base is bit-identical to what was loaded (sha256 over every base tensor);
+- the frozen base is bit-identical to what was loaded (sha256 over every base tensor; ``lora.modules_to_save``'s
+  trained copies count with the adapter, the originals they were copied from with the base);
 - every rank that holds a full copy has the same LoRA weights (ranks did not fork);
 - every ``lora_B`` is non-zero (an adapter that never moved, or was saved empty under ZeRO-3, shows here).
 
@@ -45,7 +46,8 @@ def fingerprints(acc: Accelerator, model: torch.nn.Module) -> dict[str, Any] | N
     for name in sorted(state):
         t = state[name].detach().cpu().contiguous()
         raw = t.view(-1).view(torch.uint8).numpy().tobytes()
-        digests["lora" if "lora_" in name else "base"].update(name.encode() + raw)
+        trained = "lora_" in name or ".modules_to_save." in name  # lora.modules_to_save: peft's trained copies
+        digests["lora" if trained else "base"].update(name.encode() + raw)
         if "lora_B" in name:
             lora_b.append(t.numel() > 0 and bool(t.abs().max() > 0))
     return {"lora": digests["lora"].hexdigest(), "base": digests["base"].hexdigest(),

@@ -184,7 +184,11 @@ def parameter_names(peft_model: torch.nn.Module, weights: dict[str, torch.Tensor
     marks = {alias: torch.tensor(index[name]) for alias, name in aliases.items()}
     saved = get_peft_model_state_dict(peft_model, state_dict=marks, adapter_name="default",
                                       save_embedding_layers=False)
-    names = {key: trainable[int(t)] for key, t in saved.items()}
+    names = {key: trainable[int(t)] for key, t in saved.items() if t.dim() == 0}
+    # peft 0.15 reads a lora.modules_to_save copy from the module itself, not from the state dict it is given (fixed
+    # by huggingface/peft#2450's change): its saved key is its name without the adapter's ``modules_to_save.default``
+    names |= {alias.replace(".modules_to_save.default.", "."): name for alias, name in aliases.items()
+              if ".modules_to_save.default." in alias and alias.replace(".modules_to_save.default.", ".") not in names}
     return {names.get(key, key): t for key, t in weights.items()}
 
 

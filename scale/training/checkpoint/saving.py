@@ -54,7 +54,9 @@ def unwrap(acc: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
 def _trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full trainable tensors on CPU; an FSDP2 shard (``DTensor``) is gathered first: a collective, every rank calls."""
     full = lambda p: p.full_tensor() if hasattr(p, "full_tensor") else p  # noqa: E731
-    return {n: full(p.detach()).cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    # remove_duplicate=False: a tied head's lora.modules_to_save copy under its second name too, as peft saves it
+    return {n: full(p.detach()).cpu().contiguous() for n, p in model.named_parameters(remove_duplicate=False)
+            if p.requires_grad}
 
 
 def register_hooks(acc: Accelerator) -> None:
@@ -245,7 +247,10 @@ def save_adapter(acc: Accelerator, plan: ModePlan, model: torch.nn.Module, out: 
         unwrapped = unwrap(acc, model)
         restore_inference_config(unwrapped)
         tmp = temp_dir_for(out)
-        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        # save_embedding_layers=False: peft's "auto" saves the grown base embeddings whole (original rows, wrapper
+        # and all) once they were resized; what trained of them is lora.modules_to_save's copy, saved anyway, and a
+        # loader grows the base to the saved tokenizer's length first (docs/full.md)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
         replace_dir(tmp, out)
     acc.wait_for_everyone()  # collective: every rank must reach this
 
