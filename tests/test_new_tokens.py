@@ -100,6 +100,18 @@ def test_config_refuses_new_tokens_lora_would_not_train(tmp_path):
     assert tiny_cfg(tmp_path, *TOKENS, "model.finetune=full").model.new_special_tokens == NEW
 
 
+def test_a_checkpoint_written_before_the_keys_compares_as_without_tokens(tmp_path):
+    from scale.config.load import to_dict
+    from scale.training.checkpoint import compare_configs
+
+    current = to_dict(tiny_cfg(tmp_path), redacted=False)
+    saved = to_dict(tiny_cfg(tmp_path))
+    del saved["model"]["new_tokens"], saved["model"]["new_special_tokens"], saved["lora"]["modules_to_save"]
+    assert compare_configs(saved, current) == ([], [])
+    assert compare_configs(saved, to_dict(tiny_cfg(tmp_path, "model.new_tokens=[x]", "model.finetune=full"),
+                                          redacted=False))[0][0].startswith("model.finetune")
+
+
 def test_build_refuses_rows_lora_leaves_untrained(base_dir, tmp_path):
     """An untied head's new rows need it in lora.modules_to_save too; a tokenizer longer than the embeddings (no
     model.new_tokens) grows them just the same and is refused without them; an unknown module is named."""

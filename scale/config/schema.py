@@ -239,8 +239,9 @@ class LogConfig:
     group: str | None = _f(None, "W&B run group (e.g. one sweep or one experiment of several runs).")
     tags: list[str] = _f([], "W&B run tags.")
     wandb_log_model: bool | str = _f(False, "Log the adapter as a W&B artifact (type model): false, 'end' (the "
-                                            "final adapter/), 'checkpoint' (every checkpoint's adapter too). "
-                                            "`scale-export` adds merged/ when online.")
+                                            "final adapter/, or a full run's model/), 'checkpoint' (every "
+                                            "checkpoint's adapter, or a full run's shards, too). `scale-export` "
+                                            "adds merged/ when online.")
     peak_flops: float | bool | str | None = _f(None, "Peak FLOP/s of one device for train/mfu: a number (e.g. 989e12 "
                                                      "for an H100 SXM in bf16), 'measure' (time a dense GEMM at the "
                                                      "run's compute dtype at start-up, ~1 s), false (no MFU), or "

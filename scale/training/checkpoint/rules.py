@@ -39,7 +39,8 @@ HARMLESS = ("output_dir", "log.", "train.log_every", "train.eval_every", "train.
 
 # Keys added after checkpoints were first written, with the value every run had before: a checkpoint without
 # the key compares as if it held it.
-ADDED_KEYS = {"loss.objective": "sft", "model.finetune": "lora", "train.max_shard_size": "5GB"}
+ADDED_KEYS = {"loss.objective": "sft", "model.finetune": "lora", "train.max_shard_size": "5GB", "model.new_tokens": [],
+              "model.new_special_tokens": [], "lora.modules_to_save": None}
 # Keys that may change on a resume when the global batch stays the same (another number of processes).
 BATCH_KEYS = ("train.micro_batch_size", "train.gradient_accumulation_steps")
 
