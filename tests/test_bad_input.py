@@ -174,6 +174,11 @@ def _acc(dt, zero=None, n=2):
     (["model.quantize_4bit=true"], _acc(DistributedType.DEEPSPEED, zero=3),
      "zero3 shards 4-bit weights only when model.bnb_4bit_quant_storage equals the compute dtype; set "
      "model.bnb_4bit_quant_storage=float32"),
+    (["lora.modules_to_save=[embed_tokens]", "model.new_special_tokens=[<|tool|>]"],
+     _acc(DistributedType.DEEPSPEED, zero=3),
+     "lora.modules_to_save=['embed_tokens'], model.new_special_tokens=['<|tool|>'] under zero3: resizing and training "
+     "whole modules inside a partitioned model is not tested here (peft 0.15 saves a module's local partition); "
+     "launch with DDP or ZeRO-1/2"),
 ])
 def test_launch_mode_contradicts_training_config(overrides, acc, message):
     assert _message(LaunchError, plan_for_mode, load_config(TINY_YAML, overrides), acc) == message

@@ -407,6 +407,13 @@ def plan_for_mode(cfg: Config, acc: Accelerator) -> ModePlan:
     if cfg.train.on_nonfinite == "skip" and ds:
         raise LaunchError("train.on_nonfinite=skip cannot work under DeepSpeed: its optimizer steps inside "
                           "backward(), before the loop sees the gradient norm; use train.on_nonfinite=error")
+    grown = [f"{k}={v}" for k, v in (("lora.modules_to_save", cfg.lora.modules_to_save if m.finetune == "lora" else None),
+                                      ("model.new_tokens", m.new_tokens),
+                                      ("model.new_special_tokens", m.new_special_tokens)) if v]
+    if grown and plan.partitioned:
+        raise LaunchError(f"{', '.join(grown)} under {mode}: resizing and training whole modules inside a partitioned "
+                          f"model is not tested here (peft 0.15 saves a module's local partition); launch with DDP "
+                          f"or ZeRO-1/2")
     if m.gradient_checkpointing:
         plan.notes.append(f"checkpointing use_reentrant={m.use_reentrant}")
     if m.quantize_4bit:
