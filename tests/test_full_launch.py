@@ -1,8 +1,8 @@
 """A full fine-tune under ZeRO-2 on 2 CPU processes (gloo) through the real ``accelerate launch``: DeepSpeed's fp32
 partitions checked at start-up, the numbers of one device within the derived bounds, every weight moved and equal on
 both ranks, the final ``model/`` whole, and its checkpoint resumed on one device (the shards: ZeRO-2 x 2 ->
-one process) to one device's final weights. One launch (~30 s on 2 cores); the other modes are benchmarks/parity.py's
-``full`` rows."""
+one process) to one device's final weights (one launch, ~30 s on 2 cores); FSDP2's checkpoint after an evaluation (one
+launch, ~10 s). The other modes are benchmarks/parity.py's ``full`` rows."""
 
 from __future__ import annotations
 
@@ -59,3 +59,27 @@ def test_zero2_full_weights_match_one_device_and_resume_on_one(tmp_path):
     bounds = full_loss_bounds(single["loss"], single["lr"], single["grad_norm"], 1.0, n)[3:]
     assert all(abs(a - b) / a < bd for a, b, bd in zip(single["loss"][3:], resumed["loss"], bounds))
     assert l2_dev(single["weights"], resumed["weights"]) < drift[-1]
+
+
+def test_fsdp2_full_checkpoint_after_an_evaluation_holds_the_final_weights(tmp_path):
+    """An evaluation's forward (no backward after it) leaves FSDP2's root unit unsharded: its parameters are whole
+    plain tensors until the next forward. The sharded save must still write each rank's dim-0 rows; read back, the
+    last checkpoint's shards are the final ``model/`` directory's weights bit for bit."""
+    from scale.training.checkpoint.sharded_read import ShardReader
+
+    cmds, overrides = modes()["fsdp2 2x(2,2)"]
+    out = tmp_path / "fsdp2"
+    args = ["--config", str(TINY), f"output_dir={out}", *JOB, *overrides, *FULL, "train.save_every=3",
+            "train.eval_every=3"]
+    env = {**os.environ, "WANDB_MODE": "offline", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmds[0] + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    ckpt = out / "checkpoints" / "step_000006"
+    assert sorted(p.name for p in (ckpt / "weights").iterdir()) == [
+        "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    reader = ShardReader(ckpt)
+    last = {name: reader.tensor(name) for name in reader.shapes}
+    reader.close()
+    saved = read_run(out)["weights"]
+    assert saved.keys() == last.keys() and len(saved) == 20
+    assert all(saved[k].dtype == torch.float32 and torch.equal(saved[k], last[k]) for k in saved)

@@ -155,6 +155,20 @@ def _dtensor_range(t: Any) -> tuple[int, torch.Tensor]:
     return (offset[0] * row if t.dim() else 0), t.to_local().reshape(-1)
 
 
+def reshard_fsdp(module: torch.nn.Module) -> None:
+    """Put every FSDP2 unit of ``module`` back in its sharded state (``FSDPModule.reshard``), so each parameter is its
+    dim-0 ``DTensor`` again. A forward that no backward follows (an evaluation, the frozen reference) leaves the
+    root unit's parameters unsharded (FSDP2 keeps them for the backward it expects, ``reshard_after_forward`` is not
+    applied to the root): ``p.data`` is then the whole plain tensor. A no-op for modules FSDP2 did not wrap."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6: no FSDP2 to reshard
+        return
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def _state_keys(inner: torch.optim.Optimizer) -> list[str]:
     """The per-element optimizer-state keys (AdamW: ``exp_avg``, ``exp_avg_sq``; the scalar ``step`` excluded)."""
     return sorted({k for st in inner.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0})
@@ -186,6 +200,8 @@ def local_pieces(mode: str, module: torch.nn.Module, inner: torch.optim.Optimize
     """
     out: list[Piece] = []
     keys = _state_keys(inner)
+    if mode == "fsdp":
+        reshard_fsdp(module)
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue

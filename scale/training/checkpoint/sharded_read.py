@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from scale.training.checkpoint.portable import SCHEDULER_FILE, _inner, _module, _prime, _set_hyper
 from scale.training.checkpoint.sharded import (_SEP, SHARD_DIR, WEIGHT, ShardedStateError, _dtensor_range, _zero3_rank,
-                                               shapes_of, shard_files)
+                                               reshard_fsdp, shapes_of, shard_files)
 
 
 class ShardReader:
@@ -137,6 +137,8 @@ def load_pieces(mode: str, engine: Any, module: torch.nn.Module, inner: torch.op
     Raises:
         ShardedStateError: the checkpoint's tensors are not this model's (names or shapes), or a range is uncovered.
     """
+    if mode == "fsdp":
+        reshard_fsdp(module)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     shapes = shapes_of(module)
     if shapes != reader.shapes:
