@@ -59,9 +59,6 @@ def test_finetuning_type_is_read_as_finetune(tmp_path):
      "train.mixed_precision=bf16 for bf16 compute"),
     (["train.mixed_precision=fp16"], "model.finetune=full with train.mixed_precision=fp16: the loss scaler's state is "
      "not kept for full weights; set train.mixed_precision=bf16 (or no)"),
-    (["loss.objective=dpo", "data.format=preference"], "model.finetune=full with loss.objective=dpo and "
-     "loss.reference=adapter: the in-step reference is the model with its LoRA adapter disabled, and a full run has "
-     "none; set loss.reference=precomputed (one pass of the starting weights before training)"),
 ])
 def test_full_refuses_what_does_not_fit(tmp_path, capsys, overrides, message):
     from scale.cli import main
@@ -73,6 +70,26 @@ def test_full_refuses_what_does_not_fit(tmp_path, capsys, overrides, message):
     # the same keys without model.finetune=full are accepted by the config reader
     without = [o for o in overrides if not o.startswith(("model.adapter", "train.mixed_precision=fp16"))]
     load_config(TINY_YAML, without)
+
+
+def test_dpo_reference_of_full_weights_is_the_frozen_copy(tmp_path):
+    """Under model.finetune=full, DPO's default reference (adapter: there is no adapter to switch off) resolves to
+    model in place, as TRL's DPOTrainer copies the model given no ref_model and no peft_config; an explicit
+    precomputed stays; a LoRA run keeps the adapter, and loss.reference=model there is one line naming the fix."""
+    from scale.config.load import to_dict
+
+    dpo = ["loss.objective=dpo", "data.format=preference"]
+    cfg = load_config(TINY_YAML, ["model.finetune=full", *dpo])
+    assert cfg.loss.reference == "model" and to_dict(cfg)["loss"]["reference"] == "model"  # what config.yaml records
+    assert load_config(TINY_YAML, ["model.finetune=full", *dpo, "loss.reference=precomputed"]).loss.reference == \
+        "precomputed"
+    assert load_config(TINY_YAML, dpo).loss.reference == "adapter"
+    assert load_config(TINY_YAML, ["model.finetune=full"]).loss.reference == "adapter"  # sft reads none
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY_YAML, [*dpo, "loss.reference=model"])
+    assert str(e.value) == ("loss.reference=model with model.finetune=lora: the reference is the base itself with the "
+                            "LoRA adapter switched off (no second copy of the weights); set loss.reference=adapter "
+                            "(or precomputed)")
 
 
 def test_lora_keys_under_full_are_one_warning_line(tmp_path):

@@ -190,3 +190,31 @@ def test_dpo_full_weights_with_a_precomputed_reference(tmp_path):
         assert abs(first[f"train/rewards/{side}"]) <= 0.5 * TINY_JOB_REL * abs(first[f"train/logps/{side}"])
     assert abs(first["train/loss"] - math.log(2)) <= 0.5 * TINY_JOB_REL * (abs(first["train/logps/chosen"])
                                                                          + abs(first["train/logps/rejected"]))
+
+
+@pytest.mark.parametrize("where", ["built-in", "directory"])
+def test_dpo_full_weights_with_the_frozen_copy_as_reference(tmp_path, where, caplog):
+    """loss.reference=model (the default of a full DPO run): a frozen copy of the starting weights, loaded again by
+    the policy's own path (the built-in tiny-llama from train.seed, or a save_pretrained directory), in the step. At
+    step 1 the policy is its reference and both run the same forward on the same micro-batch: the rewards are exactly
+    0 and the loss is ln 2 as fp32 computes it (-log sigmoid(0) = log 2, rounded once). After the step the policy has
+    moved and the reference has not: step 2's rewards are not 0. The copy never trains and is never saved."""
+    import logging
+    import math
+
+    from tests.launching import PAIRS, from_directory, save_tiny_directory
+
+    model = from_directory(save_tiny_directory(tmp_path / "base")) if where == "directory" else []
+    with caplog.at_level(logging.INFO):
+        run(tiny_cfg(tmp_path / "run", "model.finetune=full", *model, "train.max_steps=2", "train.eval_every=0",
+                     "train.log_every=1", "data.max_train_examples=16", "train.save_adapter=false", *PAIRS))
+    rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
+    first, second = rows[0], rows[1]
+    assert first["train/rewards/chosen"] == 0.0 and first["train/rewards/rejected"] == 0.0
+    assert first["train/rewards/margins"] == 0.0 and first["train/rewards/accuracies"] == 0.0
+    assert abs(first["train/loss"] - math.log(2)) <= 2 ** -24 * math.log(2)  # one fp32 rounding of ln 2
+    assert second["train/rewards/margins"] != 0.0
+    assert "reference: model" in (tmp_path / "run" / "config.yaml").read_text()  # resolved in place, recorded
+    line = next(r.getMessage() for r in caplog.records if "reference (" in r.getMessage())
+    assert line.split("] ", 1)[-1].startswith("reference (loss.reference=model): a frozen copy of the starting weights, float32 forward, "
+                           "3227968 of its 3227968 elements on this rank (single: whole)")

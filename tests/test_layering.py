@@ -127,7 +127,8 @@ ALLOWED: dict[str, set[str]] = {
     "distributed.collective": set(),  # on_every_rank, main_process_first, shared_run_id
     # paths, output_dir, GPU-only kernels, trackers: checked before any process group
     "distributed.inputs": {"config.schema", "config.validation"},
-    "distributed.ulysses": {"data.sequence"},  # sequence-parallel attention, loaders, eval forward (DeepSpeed Ulysses)
+    "distributed.ulysses": {"data.sequence"},
+    "distributed.frozen": set(),  # a frozen model (the full run's reference) wrapped as the policy is  # sequence-parallel attention, loaders, eval forward (DeepSpeed Ulysses)
     "distributed.launch": {"config.load", "config.schema", "config.validation", "distributed.inputs",
                            "distributed.rendezvous", "distributed.topology"},
     "distributed.launcher": {"config.load", "distributed.topology"},  # scale-train --accelerate-config (no torch)
@@ -160,7 +161,8 @@ ALLOWED: dict[str, set[str]] = {
     # training/parts/: each part of a run builds itself (launch, data, model, loaders, ...)
     "training.parts": {"config.schema", "config.validation", "data.cache", "data.collate", "data.mixing", "data.order",
                        "data.read", "data.sequence", "data.tasks", "data.token_table", "data.tokenize",
-                       "distributed.collective", "distributed.launch", "distributed.ulysses", "generation.export",
+                       "distributed.collective", "distributed.frozen", "distributed.launch", "distributed.ulysses",
+                       "generation.export",
                        "generation.rollout", "generation.vllm", "modeling.attention", "modeling.build",
                        "modeling.dropout", "modeling.finetune", "modeling.kernels", "modeling.mixed_paths",
                        "modeling.moe", "modeling.moe_counts", "modeling.moe_lora", "modeling.varlen", "objectives",
@@ -199,7 +201,7 @@ ALLOWED: dict[str, set[str]] = {
     "job": {"training.job"},  # kept for scripts outside the package
 }
 # Rooms that may import accelerate / torch.distributed / deepspeed (distributed, training and the root's loop only).
-DISTRIBUTED = {"distributed.collective", "distributed.inputs", "distributed.launch", "distributed.rendezvous",
+DISTRIBUTED = {"distributed.collective", "distributed.frozen", "distributed.inputs", "distributed.launch", "distributed.rendezvous",
                "distributed.ulysses", "training.checkpoint", "training.checks", "training.commit",
                "training.evaluate", "training.job", "training.metrics", "training.parts", "training.precision",
                "training.samples", "training.startup", "training.tracking", "training.windows", "train", "cli"}
@@ -223,7 +225,7 @@ LAYERS: dict[str, list[set[str]]] = {
                 {"planner.pairs", "planner.rl", "planner.layouts"},
                 {"planner.plan"}, {"planner.autobatch"}, {"planner"}],
     "distributed": [{"distributed.topology", "distributed.rendezvous", "distributed.collective", "distributed.inputs",
-                     "distributed.ulysses"}, {"distributed.launch", "distributed.launcher"}, {"distributed"}],
+                     "distributed.ulysses", "distributed.frozen"}, {"distributed.launch", "distributed.launcher"}, {"distributed"}],
     "generation": [{"generation.export", "generation.rollout"}, {"generation.generator", "generation.vllm"},
                    {"generation"}],
     "training": [{"training.state", "training.schedule", "training.precision", "training.metrics", "training.checks"},

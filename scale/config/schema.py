@@ -267,6 +267,11 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
+        if self.model.finetune == "full" and self.loss.objective == "dpo" and self.loss.reference == "adapter":
+            # full weights have no adapter to switch off: the frozen copy of the starting weights, as TRL's
+            # DPOTrainer copies the model when given no ref_model and no peft_config (docs/full.md); config.yaml
+            # and the checkpoint record what ran
+            self.loss.reference = "model"
         validate(self)  # the rules live in their own room (scale/config/validation.py)
 
     def dropout_off(self) -> bool:

@@ -175,8 +175,10 @@ class LossConfig:
                                      "(conservative DPO), in [0, 0.5).")
     simpo_gamma: float = _f(0.5, "objective=simpo: target reward margin gamma.")
     reference: str = _f("adapter", "objective=dpo: the reference model: adapter (the same model in the step, its "
-                                   "LoRA adapter disabled, or the starting adapter frozen) | precomputed (one "
-                                   "pass before training; the step runs the policy only).")
+                                   "LoRA adapter disabled, or the starting adapter frozen) | model (model.finetune="
+                                   "full: a frozen copy of the starting weights, sharded as the policy under "
+                                   "ZeRO-3/FSDP2; adapter resolves to it under full) | precomputed (one pass "
+                                   "before training; the step runs the policy only).")
     fused: str | None = _f(None, "Kernel of the chunked tail loss (where chunk_size chunks): null: "
                                  "scale.loss.chunked's (exact, any device); liger: Liger-Kernel's fused linear "
                                  "cross-entropy (CUDA only, pip install liger-kernel; unweighted tails: no "
@@ -220,7 +222,8 @@ class RlConfig:
     epsilon: float = _f(0.2, "Clip range of the importance ratio: 1 - epsilon below.")
     epsilon_high: float | None = _f(None, "Clip range above: 1 + epsilon_high (DAPO: 0.28); null: epsilon.")
     importance_sampling_level: str = _f("token", "token | sequence (GSPO: one ratio per completion).")
-    beta: float = _f(0.0, "KL coefficient to the reference (the model without its adapter); 0: no reference pass.")
+    beta: float = _f(0.0, "KL coefficient to the reference (LoRA: the model without its adapter; model.finetune="
+                          "full: a frozen copy of the starting weights); 0: no reference pass.")
     kl_bias_correction: bool = _f(True, "Multiply the KL by the ratio (TRL's use_bias_correction_kl).")
     steps_per_generation: int | None = _f(None, "Micro-batches per round of rollouts on each rank (a multiple of "
                                                 "train.gradient_accumulation_steps); null: one optimizer step's.")

@@ -15,13 +15,17 @@ model), or, when the run starts from an adapter (an SFT run's), with that adapte
 named :data:`REFERENCE_ADAPTER` (:func:`add_reference_adapter`, as TRL's ``DPOTrainer`` keeps its ``ref`` adapter). Or
 precomputed (``loss.reference: precomputed``): one pass before training (:func:`reference_logps`) stores every pair's
 reference logps, and the step runs the policy only (the batch's ``ref_logps``).
+
+**A second copy** (``loss.reference: model``, full fine-tunes, which have no adapter to switch off): a frozen copy
+of the starting weights, loaded and wrapped by the run (:mod:`scale.distributed.frozen`), set as
+:attr:`PreferenceObjective.reference_model`; this module only calls it.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -167,9 +171,15 @@ def tail_logps(model: torch.nn.Module, batch: dict[str, Tensor], padding_side: s
     return side_logps(tail_logits, targets, batch["tail_mask"])
 
 
-def reference_forward(model: torch.nn.Module, batch: dict[str, Tensor], padding_side: str = "left") -> Tensor:
-    """``[2P]`` the reference's summed tail logps of a pair batch, float32 (float64 for float64 logits), computed
-    under :func:`reference_mode` (no graph kept)."""
+def reference_forward(model: torch.nn.Module, batch: dict[str, Tensor], padding_side: str = "left",
+                      frozen: torch.nn.Module | None = None) -> Tensor:
+    """``[2P]`` the reference's summed tail logps of a pair batch, float32 (float64 for float64 logits), no graph
+    kept: ``frozen`` (``loss.reference: model``, a full run's frozen copy of the starting weights, already in eval
+    mode and wrapped for the launch mode; this module only calls it) when given, else ``model`` under
+    :func:`reference_mode`."""
+    if frozen is not None:
+        with torch.no_grad():
+            return tail_logps(frozen, batch, padding_side)[0].detach()
     with reference_mode(model):
         logps, _ = tail_logps(model, batch, padding_side)
     return logps.detach()
@@ -218,9 +228,12 @@ class PreferenceObjective:
         dpo_loss: ``loss.dpo_loss`` (``dpo`` only).
         label_smoothing: ``loss.label_smoothing``.
         simpo_gamma: ``loss.simpo_gamma``.
-        reference: ``loss.reference``: ``adapter`` (in the step) | ``precomputed`` (``dpo`` only).
+        reference: ``loss.reference``: ``adapter`` (in the step) | ``model`` (in the step: ``reference_model``) |
+            ``precomputed`` (``dpo`` only).
         padding_side: ``data.padding_side``.
         conventions: ``data.pair_conventions``: ``trl`` gives ORPO TRL's NLL term (:func:`orpo_trl_terms`).
+        reference_model: ``loss.reference: model``: the frozen copy of the starting weights, set by the run once it
+            is built and wrapped (:mod:`scale.distributed.frozen`); None: the policy under :func:`reference_mode`.
     """
 
     name: str = "dpo"
@@ -231,6 +244,7 @@ class PreferenceObjective:
     reference: str = "adapter"
     padding_side: str = "left"
     conventions: str = "scale"
+    reference_model: torch.nn.Module | None = field(default=None, repr=False, compare=False)
 
     #: what :meth:`metrics` returns, in order (the meter logs ``train/<name>``)
     metric_names: ClassVar[tuple[str, ...]] = METRICS
@@ -273,7 +287,8 @@ class PreferenceObjective:
             return simpo_loss(lc, lr, nc, nr, self.beta, self.simpo_gamma, self.label_smoothing)
         if self.name == "orpo":
             return orpo_loss(lc, lr, nc, nr, self.beta)
-        ref = batch["ref_logps"] if self.needs_reference_pass else reference_forward(model, batch, self.padding_side)
+        ref = (batch["ref_logps"] if self.needs_reference_pass else
+               reference_forward(model, batch, self.padding_side, self.reference_model))
         rc, rr = pairs_of(ref.to(logps.dtype))
         return dpo_loss(lc, lr, rc, rr, nc, nr, self.beta, self.dpo_loss, self.label_smoothing)
 
@@ -314,7 +329,8 @@ class PreferenceObjective:
         """
         logps, lengths = tail_logps(model, batch, self.padding_side)
         (lc, lr), (nc, nr) = pairs_of(logps), pairs_of(lengths)
-        ref = reference_forward(model, batch, self.padding_side).to(logps.dtype) if self.needs_reference else None
+        ref = (reference_forward(model, batch, self.padding_side, self.reference_model).to(logps.dtype)
+               if self.needs_reference else None)
         if self.name == "simpo":
             terms = simpo_loss(lc, lr, nc, nr, self.beta, self.simpo_gamma, self.label_smoothing)
         elif self.name == "orpo":

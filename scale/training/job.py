@@ -38,7 +38,8 @@ from scale.training.parts.loaders import build_loaders, warn_larger_than_split
 from scale.training.parts.log import build_generation, build_log, pick_eval_samples
 from scale.training.parts.model import build_run_model, flops_shape
 from scale.training.parts.optimizer import make_optimizer
-from scale.training.parts.preference import keep_reference, precompute_references
+from scale.training.parts.preference import (keep_reference, load_frozen_reference, precompute_references,
+                                             wrap_reference)
 from scale.training.parts.resume import resume_or_start
 from scale.training.parts.rl import Rl, build_rl, check_rl, pick_rl_metrics, rl_loaders
 from scale.training.precision import check_full_precision, resolve_peak_flops
@@ -89,6 +90,7 @@ def setup(cfg: Config) -> Job:
     data = build_data(launch, cfg)  # collective: the tokenizer and the token cache's splits
     rewards = check_rl(launch, cfg) if cfg.loss.samples_online() else None  # grpo: rewards and generator, first
     model, cpu_paths = build_run_model(launch, cfg, len(data.tokenizer))  # collective
+    frozen = load_frozen_reference(launch, cfg, len(data.tokenizer))  # collective; full + dpo/grpo's reference
     experts = build_experts(cfg, model, acc.device, {"zero3": "ZeRO-3", "fsdp": "FSDP2"}.get(launch.plan.mode)
                             if launch.plan.partitioned else None)  # a mixture of experts: its hooks, before writing
     loaders = (rl_loaders(launch, cfg, data.splits) if rewards is not None else
@@ -110,6 +112,9 @@ def setup(cfg: Config) -> Job:
     shape = flops_shape(model)  # before prepare: acc.unwrap_model imports deepspeed whenever it is installed
     model, optimizer, train_dl, eval_dl = prepare(launch, cfg, model, optimizer, scheduler, loaders.train,
                                                   loaders.eval)  # collective
+    frozen = wrap_reference(launch, cfg, frozen)  # collective: sharded as the policy; never saved
+    if frozen is not None and hasattr(base, "reference_model"):
+        base.reference_model = frozen  # loss.reference=model: the objective calls it in the step
     precompute_references(acc, cfg, model, base, data.splits, data.tokenizer.pad_token_id,
                           [train_dl, eval_dl])  # collective; loss.reference=precomputed only
     counts = parameter_counts(model)  # (trainable, total)
@@ -124,7 +129,7 @@ def setup(cfg: Config) -> Job:
     flops_fn = model_flops(cfg, shape, counts[0]) if shape is not None else None
     chat = bool(data.splits.template_sha256)  # a chat template rendered the rows (classification, text: none did)
     gen = build_generation(launch, cfg, samples, chat, state, base)
-    rl = build_rl(launch, cfg, data.splits, model, base, state, rewards, loaders.plan, chat) \
+    rl = build_rl(launch, cfg, data.splits, model, base, state, rewards, loaders.plan, chat, frozen) \
         if rewards is not None else None  # grpo: the loop trains its rollouts instead of the train loader
     return Job(cfg, acc, launch.plan, model, optimizer, scheduler, rl.source if rl else train_dl, eval_dl, objective,
                log, state, flops_fn, peak.flops, max_steps, gen, data.splits.task, sequence=launch.sequence, chat=chat,

@@ -291,7 +291,7 @@ def model_flops(cfg: Config, model_config: Any, trainable: int) -> Callable[...,
         ``data.pair_conventions: trl``: every position's), padding positions counted; with DPO's in-step reference
         (``loss.reference: adapter``) its forward too, :func:`scale.utils.flops.reference_flops_per_token`).
     """
-    in_step_reference = cfg.loss.objective == "dpo" and cfg.loss.reference == "adapter"
+    in_step_reference = cfg.loss.objective == "dpo" and cfg.loss.reference in ("adapter", "model")
     whole_rows = cfg.loss.objective == "orpo" and cfg.data.pair_conventions == "trl"  # TRL's NLL: every position
 
     def flops_fn(rows: int, seq_len: int, kept: int | None = None) -> float:

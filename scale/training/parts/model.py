@@ -43,18 +43,8 @@ def build_run_model(launch: Launch, cfg: Config, vocab_size: int) -> tuple[torch
         ConfigError: the model does not fit ``data.padding_free``/``data.packing`` or the sequence-parallel size;
             ``model.kernels`` has no kernels for its family.
     """
-    acc, plan, sp = launch.acc, launch.plan, cfg.train.sequence_parallel_size
-
-    def prepare_model() -> torch.nn.Module:
-        model = build_model(cfg.model, cfg.lora, vocab_size, cfg.train.seed, device_map=plan.device_map)
-        check_packing(model, cfg.data.padding_free, cfg.data.packing)  # before anything is written
-        return model
-
-    if plan.mode == "zero3":  # from_pretrained under ZeRO-3 runs collectives
-        model = build_model_on_every_rank(acc, cfg, plan, vocab_size)  # collective
-    else:
-        model = (on_every_rank if on_this_machine(cfg.model.name_or_path) else main_process_first)(
-            acc, prepare_model)  # collective
+    plan, sp = launch.plan, cfg.train.sequence_parallel_size
+    model = load_run_model(launch, cfg, vocab_size)  # collective
     check_sequence_parallel(model, cfg.model, sp, cfg.data.packing or cfg.data.padding_free, cfg.data.max_length)
     ignored = ignored_lora_line(cfg)
     if ignored:
@@ -64,16 +54,45 @@ def build_run_model(launch: Launch, cfg: Config, vocab_size: int) -> tuple[torch
     line = set_dropout(cfg, model)
     if line:
         logger.info(line, main_process_only=True)
-    kernels = apply_kernels(model, cfg.model.kernels)
+    kernels, switched = shape_forward(launch, cfg, model)
     if kernels:
         logger.info("model.kernels=%s: %s", cfg.model.kernels, ", ".join(kernels), main_process_only=True)
+    return model, switched
+
+
+def load_run_model(launch: Launch, cfg: Config, vocab_size: int) -> torch.nn.Module:
+    """:func:`scale.modeling.build.build_model` on the ranks in the order the launch mode needs (every rank at once
+    under ZeRO-3 or for a model on this machine, a hub id on the main process first), checked against the packing
+    settings. Collective. The frozen DPO/GRPO reference of a full run is loaded here too, by the same path."""
+    plan = launch.plan
+
+    def prepare_model() -> torch.nn.Module:
+        model = build_model(cfg.model, cfg.lora, vocab_size, cfg.train.seed, device_map=plan.device_map)
+        check_packing(model, cfg.data.padding_free, cfg.data.packing)  # before anything is written
+        return model
+
+    if plan.mode == "zero3":  # from_pretrained under ZeRO-3 runs collectives
+        return build_model_on_every_rank(launch.acc, cfg, plan, vocab_size)  # collective
+    return (on_every_rank if on_this_machine(cfg.model.name_or_path) else main_process_first)(
+        launch.acc, prepare_model)  # collective
+
+
+def shape_forward(launch: Launch, cfg: Config, model: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """What changes how ``model``'s forward computes, applied in place: ``model.kernels``, the mixed-precision
+    paths under bf16 (not partitioned), the per-example attention of packed rows on the CPU. The policy and the
+    frozen reference get the same, so that at step 0 they compute the same numbers bit for bit.
+
+    Returns:
+        ``(kernels, switched)``: the kernels patched in and the mixed-precision paths switched on (their names).
+    """
+    kernels = apply_kernels(model, cfg.model.kernels)
     paths = [n for n in paths_for(launch.device.type)
              if not (launch.sequence is not None and n == "attention_fp32_short")]
-    switched = (use_mixed_paths(model, paths) if cfg.train.mixed_precision == "bf16" and not plan.partitioned
+    switched = (use_mixed_paths(model, paths) if cfg.train.mixed_precision == "bf16" and not launch.plan.partitioned
                 else [])
     if launch.device.type == "cpu" and (cfg.data.padding_free or cfg.data.packing) and launch.sequence is None:
         use_segment_attention(model)  # packed rows: one causal sdpa call per example instead of an [L, L] mask
-    return model, switched
+    return kernels, switched
 
 
 def set_dropout(cfg: Config, model: torch.nn.Module) -> str | None:

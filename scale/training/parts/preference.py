@@ -1,10 +1,12 @@
 """The preference part of a run (``loss.objective``: dpo | simpo | orpo on ``data.format: preference`` pairs): the
-objective and the data checked together, the starting adapter's frozen copy as the DPO reference, and the reference
-pass of ``loss.reference: precomputed``. The pair loaders are :mod:`scale.training.parts.loaders`'s.
+objective and the data checked together, the starting adapter's frozen copy as the DPO reference, a full run's
+frozen copy of the starting weights (``loss.reference: model``; GRPO's KL reference too), and the reference pass of
+``loss.reference: precomputed``. The pair loaders are :mod:`scale.training.parts.loaders`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,12 @@ from scale.data.order import PackedRows
 from scale.data.tasks.preference import PairCollator, PairedExamples
 from scale.data.token_table import Reordered
 from scale.data.tokenize import Splits
+from scale.distributed.frozen import frozen_elements, wrap_frozen
+from scale.modeling.dropout import disable_dropout
+from scale.modeling.finetune import weights_plan
 from scale.objectives.preference import PreferenceObjective, add_reference_adapter, reference_logps
+from scale.training.parts.launch import Launch
+from scale.training.parts.model import load_run_model, shape_forward
 
 logger = get_logger(__name__)
 
@@ -32,6 +39,52 @@ def keep_reference(cfg: Config, model: torch.nn.Module, objective: Any) -> None:
     in_step = getattr(objective, "reference", "adapter") == "adapter"  # DPO's precomputed references need no copy
     if getattr(objective, "needs_reference", False) and in_step and cfg.model.adapter is not None:
         add_reference_adapter(model)
+
+
+def frozen_reference_key(cfg: Config) -> str | None:
+    """The key that makes a run keep a frozen copy of its starting weights as its reference (a full fine-tune has
+    no adapter to switch off): ``loss.reference`` (dpo with ``model``) or ``rl.beta`` (grpo with beta > 0); None
+    when the run keeps none."""
+    if cfg.model.finetune != "full":
+        return None
+    if cfg.loss.objective == "dpo" and cfg.loss.reference == "model":
+        return "loss.reference=model"
+    if cfg.loss.samples_online() and cfg.rl.beta > 0:
+        return f"rl.beta={cfg.rl.beta}"
+    return None
+
+
+def load_frozen_reference(launch: Launch, cfg: Config, vocab_size: int) -> torch.nn.Module | None:
+    """A full run's reference (:func:`frozen_reference_key`): the starting weights loaded again from
+    ``model.name_or_path`` by the policy's own path (:func:`scale.training.parts.model.load_run_model`; ``tiny-llama``
+    from ``train.seed``), every parameter frozen, dropout off, eval mode, no gradient checkpointing, the policy's
+    forward changes (:func:`scale.training.parts.model.shape_forward`). Before ``prepare``; wrapped after it by
+    :func:`wrap_reference`. None when the run keeps none. Collective."""
+    if frozen_reference_key(cfg) is None:
+        return None
+    again = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gradient_checkpointing=False))
+    ref = load_run_model(launch, again, vocab_size)  # collective
+    ref.requires_grad_(False)
+    disable_dropout(ref)
+    shape_forward(launch, cfg, ref)
+    return ref.eval()
+
+
+def wrap_reference(launch: Launch, cfg: Config, ref: torch.nn.Module | None) -> torch.nn.Module | None:
+    """:func:`load_frozen_reference`'s model wrapped for the launch mode (:func:`scale.distributed.frozen.wrap_frozen`:
+    ZeRO-3 and FSDP2 partition it 1/N, the other modes hold it whole; never saved), after the policy's
+    ``prepare``, with its start-up line. Collective."""
+    if ref is None:
+        return None
+    acc, mode = launch.acc, launch.plan.mode
+    wrapped = wrap_frozen(acc, ref)  # collective
+    local, whole = frozen_elements(wrapped)
+    dtype = weights_plan(cfg, mode).module_dtype
+    logger.info("reference (%s): a frozen copy of the starting weights, %s forward, %d of its %d elements on this "
+                "rank (%s%s); rebuilt from model.name_or_path, never in checkpoints", frozen_reference_key(cfg),
+                dtype, local, whole, mode, ": partitioned" if launch.plan.partitioned else ": whole",
+                main_process_only=True)
+    return wrapped
 
 
 def precompute_references(acc: Accelerator, cfg: Config, model: torch.nn.Module, objective: Any, splits: Splits,

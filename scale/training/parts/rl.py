@@ -115,18 +115,22 @@ def rl_loaders(launch: Launch, cfg: Config, splits: Splits) -> RlLoaders:
                      rounds_per_epoch=n // (plan.prompts * world))
 
 
-def rl_reference(model: torch.nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
-    """The reference under ``rl.beta`` > 0: a context in which ``model`` runs as it (no graph): the model with its
-    LoRA adapter switched off, or the starting adapter's frozen copy (:func:`scale.objectives.preference.
-    reference_mode`, as DPO's in-step reference). A run training full weights plugs its frozen reference in here.
+def rl_reference(model: torch.nn.Module, frozen: torch.nn.Module | None = None
+                 ) -> tuple[torch.nn.Module, Callable[[], contextlib.AbstractContextManager]]:
+    """The reference under ``rl.beta`` > 0: ``(module, context)``, the module to run and the context to run it in
+    (no graph): a full run's frozen copy of the starting weights (``frozen``, :func:`scale.training.parts.preference.
+    load_frozen_reference`, wrapped as the policy), else the policy with its LoRA adapter switched off, or the
+    starting adapter's frozen copy (:func:`scale.objectives.preference.reference_mode`, as DPO's in-step reference).
 
     Raises:
-        ConfigError: the model has no adapter to switch off.
+        ConfigError: no frozen reference and the model has no adapter to switch off.
     """
+    if frozen is not None:
+        return frozen, torch.no_grad
     if not has_adapter(model):
         raise ConfigError("rl.beta > 0 needs a reference and this model has no LoRA adapter to switch off; set "
                           "rl.beta=0")
-    return lambda: reference_mode(model)
+    return model, lambda: reference_mode(model)
 
 
 def stop_ids(cfg: Config, tokenizer: Any, stops: list[int]) -> tuple[int, ...]:
@@ -308,8 +312,10 @@ class Rl:
 
 
 def build_rl(launch: Launch, cfg: Config, splits: Splits, model: torch.nn.Module, objective: GrpoObjective,
-             state: TrainerState, rewards: list[Reward], plan: RoundPlan, chat: bool) -> Rl:
-    """The rollout source and the evaluation of a ``grpo`` run, after ``prepare`` and the resume.
+             state: TrainerState, rewards: list[Reward], plan: RoundPlan, chat: bool,
+             frozen: torch.nn.Module | None = None) -> Rl:
+    """The rollout source and the evaluation of a ``grpo`` run, after ``prepare`` and the resume; ``frozen``: a full
+    run's frozen reference (the KL term's, ``rl.beta`` > 0), else None.
 
     Raises:
         ConfigError: ``rl.beta`` > 0 without a reference (:func:`rl_reference`), an ``rl.stop`` of several tokens.
@@ -321,7 +327,7 @@ def build_rl(launch: Launch, cfg: Config, splits: Splits, model: torch.nn.Module
     sampling = Sampling(rl.temperature, rl.top_p, rl.top_k, rl.max_completion_length, ids, tokenizer.pad_token_id)
     generator: Generator = make_generator(cfg, sampling)
     greedy = TransformersGenerator(Sampling(0.0, 1.0, 0, rl.max_completion_length, ids, tokenizer.pad_token_id))
-    reference = rl_reference(model) if objective.needs_reference else None
+    reference = rl_reference(model, frozen) if objective.needs_reference else None
     collator = Collator(tokenizer.pad_token_id, cfg.data.padding_side)
     synced = launch.plan.partitioned and acc.num_processes > 1
     rank = acc.process_index
@@ -329,13 +335,14 @@ def build_rl(launch: Launch, cfg: Config, splits: Splits, model: torch.nn.Module
     def gather(t: Tensor) -> Tensor:
         return acc.gather(t.to(acc.device))
 
-    def logps(batch: dict[str, Tensor]) -> Tensor:
+    def logps(batch: dict[str, Tensor], net: torch.nn.Module = model) -> Tensor:
         with torch.no_grad(), acc.autocast():
-            return objective.forward_logps(model, {k: v.to(acc.device) for k, v in batch.items()})[0]
+            return objective.forward_logps(net, {k: v.to(acc.device) for k, v in batch.items()})[0]
 
     def ref_logps(batch: dict[str, Tensor]) -> Tensor:
-        with reference():
-            return logps(batch)
+        net, context = reference
+        with context():
+            return logps(batch, net)
 
     fsdp = acc.distributed_type == DistributedType.FSDP
 
