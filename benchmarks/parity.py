@@ -25,7 +25,11 @@ disabled, SimPO and ORPO without one; ``loss.beta=0.5``): every row but the Ulys
 run when ``--jobs`` names them. The ``full`` job (opt-in) is the reviews job with ``model.finetune=full``: every
 weight trains, the weights compared are the final ``model/`` directory's; its derived bounds
 (:data:`tests.bounds.FULL_STEP_REL`, :func:`tests.bounds.full_loss_bounds`, :func:`tests.bounds.full_drift`) and the
-rows' weight differences in L2 print under its table. The ``grpo`` job (``tests.launching.GRPO``: online RL on
+rows' weight differences in L2 print under its table. The ``full_dpo`` job (opt-in) is the ``dpo`` job on full
+weights: its reference is the frozen copy of the starting weights (``loss.reference: model``, the default under
+``model.finetune=full``: partitioned under ZeRO-3 and FSDP2), the same bounds printed under its table (the DPO loss
+moves with the weights by at most ``||g|| ||dW||`` to first order, as the SFT loss; the reference is the same
+forward of the same starting weights in every row); every row but the Ulysses ones. The ``grpo`` job (``tests.launching.GRPO``: online RL on
 configs/data/tiny_prompts.jsonl, 4 completions per prompt, every round trained twice, the KL to the adapter-less
 reference) runs when ``--jobs`` names it, on every row but the Ulysses ones: its first step of a round has a loss of
 ~0 by construction (the advantages of a group sum to 0), so its loss column is ``max |loss - ref| / max |ref|`` over
@@ -58,11 +62,11 @@ from tests.launching import (CHATS, COMPLETIONS, GRPO, LATE_TAILS, PAIRS, ROOT, 
 
 JOBS = {"reviews": [], "completions": COMPLETIONS, "chats": CHATS, "late_tails": LATE_TAILS, "moe": [],
         "dpo": PAIRS, "simpo": [*PAIRS, "loss.objective=simpo"], "orpo": [*PAIRS, "loss.objective=orpo"],
-        "full": ["model.finetune=full"], "grpo": GRPO}
-OPT_IN = ("moe", "dpo", "simpo", "orpo", "full", "grpo")  # run when --jobs names them
+        "full": ["model.finetune=full"], "full_dpo": ["model.finetune=full", *PAIRS], "grpo": GRPO}
+OPT_IN = ("moe", "dpo", "simpo", "orpo", "full", "full_dpo", "grpo")  # run when --jobs names them
 # rows a job cannot run as the others do (see the module docstring)
 SKIP = {"moe": ("from a directory", "ulysses"), "dpo": ("ulysses",), "simpo": ("ulysses",), "orpo": ("ulysses",),
-        "grpo": ("ulysses",)}
+        "full_dpo": ("ulysses",), "grpo": ("ulysses",)}
 
 
 def _flag(cmd: list[str], name: str) -> str | None:
@@ -180,12 +184,12 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(lines[-1] + "\n")
             sys.stdout.flush()
         report += [*lines, "", f"{job}: steps {ref['steps']}, losses {[round(x, 6) for x in ref['loss']]}", ""]
-        if job == "full":  # the bounds the arithmetic allows (docs/full.md), beside the tolerance asked for
+        if job in ("full", "full_dpo"):  # the bounds the arithmetic allows (docs/full.md), beside the tolerance asked for
             n = sum(t.numel() for t in ref["weights"].values())
             loss = full_loss_bounds(ref["loss"], ref["lr"], ref["grad_norm"], 1.0, n)  # tiny_cpu.yaml clips at 1.0
             drift = full_drift(ref["lr"], ref["grad_norm"], 1.0, n)[-1]
             l2 = ", ".join(f"{name} {l2_dev(ref['weights'], r['weights']):.2e}" for name, r in results.items())
-            report += [f"full: derived bounds (tests/bounds.py, first order): loss {FULL_STEP_REL:.2e} at step 1 "
+            report += [f"{job}: derived bounds (tests/bounds.py, first order): loss {FULL_STEP_REL:.2e} at step 1 "
                        f"(the same weights), {max(loss):.2e} by step {len(loss)}; grad_norm {full_norm_rel(n):.2e} at "
                        f"step 1; final weights ||dW||_2 {drift:.2e} (||W||_2 "
                        f"{l2_dev(ref['weights'], {k: 0 * v for k, v in ref['weights'].items()}):.1f}); measured "

@@ -72,7 +72,8 @@ def _gib(n: int) -> str:
 
 
 ROWS = (("base weights", "weights"), ("trainable (LoRA)", "trainable"), ("fp32 master", "master"),
-        ("gradients", "gradients"), ("optimizer state", "optimizer"), ("saved activations", "activations"),
+        ("gradients", "gradients"), ("optimizer state", "optimizer"), ("frozen reference", "reference"),
+        ("saved activations", "activations"),
         ("LM head + loss", "logits"), ("transient", "transient"), ("overhead (assumed)", "overhead"),
         ("TOTAL per rank", "total"), ("host memory per rank", "host"))
 
@@ -97,6 +98,8 @@ def format_plan(plan: Plan) -> str:
     width = max(12, *(len(x) + 2 for x in labels))
     lines = [f"{'GiB per rank':<22}" + "".join(f"{x:>{width}}" for x in labels)]
     for title, attr in ROWS:
+        if attr == "reference" and not any(r.reference for r in plan.ranks):
+            continue  # only a full run's DPO (loss.reference=model) or GRPO (rl.beta > 0) keeps one
         title = "trained weights (all)" if attr == "trainable" and plan.finetune == "full" else title
         lines.append(f"{title:<22}" + "".join(f"{_gib(getattr(r, attr)):>{width}}" for r in plan.ranks))
     fit_cells = []

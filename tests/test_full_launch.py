@@ -83,3 +83,31 @@ def test_fsdp2_full_checkpoint_after_an_evaluation_holds_the_final_weights(tmp_p
     saved = read_run(out)["weights"]
     assert saved.keys() == last.keys() and len(saved) == 20
     assert all(saved[k].dtype == torch.float32 and torch.equal(saved[k], last[k]) for k in saved)
+
+
+def test_zero3_dpo_full_weights_with_the_frozen_copy_matches_one_device(tmp_path):
+    """DPO on full weights under ZeRO-3 on 2 processes with loss.reference=model (the default): the frozen copy is
+    partitioned as the policy (rank 0 holds half of every tensor, and the small ones DeepSpeed keeps gathered
+    whole), and the run gives one device's numbers: at step 1 the policy is its
+    reference in both (rewards exactly 0, loss ln 2 within FULL_STEP_REL), at step 2 within the first-order bound."""
+    from scale.training.metrics import read_jsonl
+    from tests.launching import PAIRS, run_mode
+
+    dpo = [*PAIRS, *FULL, "train.max_steps=2", "data.max_train_examples=16"]
+    cmds, overrides = modes()["zero3 2x(2,2)"]
+    got = run_mode(cmds, overrides + dpo, tmp_path / "zero3")
+    line = next(ln for ln in got["output"].splitlines() if "reference (loss.reference=model)" in ln)
+    local, whole = (int(w) for w in line.split("forward, ")[1].split(" elements")[0].split(" of its "))
+    # the 3,145,728-element embedding is split in halves; DeepSpeed keeps the 82,240 elements of the tensors at or
+    # below stage3_param_persistence_threshold (every other one: norms, attention, MLP) whole on every rank besides
+    # their halves (tests/test_plan_full.py counts the same)
+    assert whole == 3227968 and local == 3145728 // 2 + 82240 // 2 + 82240, line
+    single = run_in_process(["train.micro_batch_size=8", "train.gradient_accumulation_steps=1", *dpo],
+                            tmp_path / "single")
+    for out in ("zero3", "single"):
+        first = next(r for r in read_jsonl(tmp_path / out / "metrics.jsonl") if "train/loss" in r)
+        assert first["train/rewards/chosen"] == first["train/rewards/rejected"] == 0.0
+    n = 3227968
+    bounds = full_loss_bounds(single["loss"], single["lr"], single["grad_norm"], 1.0, n)
+    assert all(abs(a - b) / a < bd for a, b, bd in zip(single["loss"], got["loss"], bounds)), (single, got)
+    assert abs(got["grad_norm"][0] / single["grad_norm"][0] - 1) < full_norm_rel(n)

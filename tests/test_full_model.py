@@ -218,3 +218,21 @@ def test_dpo_full_weights_with_the_frozen_copy_as_reference(tmp_path, where, cap
     line = next(r.getMessage() for r in caplog.records if "reference (" in r.getMessage())
     assert line.split("] ", 1)[-1].startswith("reference (loss.reference=model): a frozen copy of the starting weights, float32 forward, "
                            "3227968 of its 3227968 elements on this rank (single: whole)")
+
+
+def test_grpo_full_weights_takes_its_kl_to_the_frozen_copy(tmp_path, caplog):
+    """GRPO with rl.beta > 0 on full weights (before: refused, no adapter to switch off): the KL term's reference
+    is the frozen copy of the starting weights. A round trained twice (rl.num_iterations=2): at step 1 the policy is
+    its reference and the per-token KL exp(l_ref - l) - (l_ref - l) - 1 is exactly 0 (the same forward on the same
+    rows); at step 2 the policy has moved and the reference has not."""
+    import logging
+
+    from tests.launching import GRPO
+
+    with caplog.at_level(logging.INFO):
+        run(tiny_cfg(tmp_path, "model.finetune=full", *GRPO, "train.max_steps=2", "train.eval_every=0",
+                     "train.log_every=1", "train.save_adapter=false"))
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    assert rows[0]["train/kl"] == 0.0 and rows[1]["train/kl"] > 0
+    assert any("reference (rl.beta=0.1): a frozen copy of the starting weights" in r.getMessage()
+               for r in caplog.records)

@@ -111,11 +111,11 @@ ALLOWED: dict[str, set[str]] = {
     # the MoE line; a MoE layer's peak
     "planner.moe": {"config.schema", "modeling.moe", "modeling.moe_counts", "modeling.moe_lora",
                     "modeling.split_experts", "planner.activations", "planner.census", "utils.flops"},
-    "planner.pairs": {"config.schema", "objectives", "planner.activations", "utils.flops"},  # a preference job's
+    "planner.pairs": {"config.schema", "objectives", "planner.activations", "planner.census", "utils.flops"},  # a preference job's
     "planner.rl": {"config.schema", "planner.activations", "utils.flops"},  # grpo: rollout KV cache, no-grad forwards
     # where each launch mode keeps the bytes; modeling: the sequence-parallel guard, for the SP columns
     "planner.layouts": {"config.load", "config.schema", "modeling.attention", "modeling.finetune", "planner.activations",
-                        "planner.census"},  # finetune: what trains and in which dtypes (WeightsPlan)
+                        "planner.census", "planner.pairs"},  # finetune: what trains and in which dtypes (WeightsPlan)
     "planner.plan": {"config.schema", "data.tokenize", "modeling.build", "planner.activations", "planner.census",
                      "planner.layouts", "planner.moe", "planner.pairs", "planner.rl", "utils.assets"},  # data: the tails
     "planner.autobatch": {"config.schema", "config.validation", "planner.census", "planner.layouts",

@@ -201,3 +201,36 @@ def test_which_mode_fits_llama_on_8_x_80_gb(name):
         assert zero3_floor > 80 * gib and not plan.fits["zero3"] and not plan.fits["fsdp2"]
         assert plan.recommended == "zero3_offload"
         assert by["zero3_offload"].host >= (4 + 4 + 8) * psi // 8  # master, gradients, Adam in host memory
+
+
+def reference_bytes(mode: str, precision: str, world: int, *extra: str) -> int:
+    cfg, hf, params = tiny(precision, *extra)
+    return LY.predict_mode(cfg, params, NO_ACTS, mode, world, hf).reference
+
+
+DPO = ["loss.objective=dpo", "data.format=preference"]  # model.finetune=full: loss.reference resolves to model
+
+
+@pytest.mark.parametrize("precision,wbytes", [("no", 4), ("bf16", 2)])
+def test_the_frozen_reference_of_full_weights_per_rank(precision, wbytes):
+    """DPO's loss.reference=model and GRPO's rl.beta > 0 on full weights keep a second copy of every weight, in the
+    dtype the forward reads: whole and fp32 under one device and DDP (autocast reads the fp32 parameters), whole in
+    DeepSpeed's dtype under ZeRO-1/2 (stage 0), 1/N under ZeRO-3 (each partition ceil(n/2), and the tensors at or
+    below the persistence threshold whole as well: every one but the embedding) and FSDP2 (dim-0 halves: every
+    tensor's rows are even). Hand counts from the tiny model's sizes."""
+    assert reference_bytes("single", precision, 1, *DPO) == 4 * PSI
+    assert reference_bytes("ddp", precision, 2, *DPO) == 4 * PSI
+    for mode in ("zero1", "zero2"):
+        assert reference_bytes(mode, precision, 2, *DPO) == wbytes * PSI
+    small = PSI - V * H  # every tensor but the embedding, all of even size: partition n/2 plus the whole n
+    assert reference_bytes("zero3", precision, 2, *DPO) == wbytes * (V * H // 2 + small // 2 + small)
+    assert reference_bytes("fsdp2", precision, 2, *DPO) == 4 * PSI // 2
+    grpo = ["loss.objective=grpo", "data.format=prompts", "rl.num_generations=2", "rl.max_completion_length=4",
+            "rl.rewards=[{fn: exact_match, column: answer}]"]
+    assert reference_bytes("zero3", precision, 2, *grpo, "rl.beta=0.1") == reference_bytes("zero3", precision, 2, *DPO)
+    # none kept: a precomputed reference, GRPO without a KL term, SFT, and LoRA (its reference is the adapter off)
+    for extra in ([*DPO, "loss.reference=precomputed"], [*grpo, "rl.beta=0"], []):
+        assert reference_bytes("zero3", precision, 2, *extra) == 0
+    cfg = load_config(TINY_YAML, ["log.trackers=[]", *DPO])
+    hf = C.load_model_config(cfg.model)
+    assert LY.predict_mode(cfg, C.census(cfg, C.build_meta_model(cfg, hf)), NO_ACTS, "ddp", 2, hf).reference == 0

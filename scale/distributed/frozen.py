@@ -82,8 +82,9 @@ def wrap_frozen(acc: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
 
 def frozen_elements(model: torch.nn.Module) -> tuple[int, int]:
     """``(local, whole)``: the parameter elements of a (wrapped) model held on this rank, and its full size
-    (ZeRO-3: each partition ``ds_tensor`` against ``ds_numel``; FSDP2: each DTensor's local shard against its
-    global shape; otherwise both the plain count). Shared tensors count once."""
+    (ZeRO-3: each partition ``ds_tensor`` against ``ds_numel``, plus the whole of a parameter ZeRO-3 keeps
+    gathered, ``ds_persist``: those below ``stage3_param_persistence_threshold``; FSDP2: each DTensor's local
+    shard against its global shape; otherwise both the plain count). Shared tensors count once."""
     local = whole = 0
     seen: set[int] = set()
     for p in model.parameters():
@@ -91,7 +92,8 @@ def frozen_elements(model: torch.nn.Module) -> tuple[int, int]:
             continue
         seen.add(id(p))
         if hasattr(p, "ds_tensor"):
-            local, whole = local + p.ds_tensor.numel(), whole + p.ds_numel
+            kept = p.ds_numel if getattr(p, "ds_persist", False) else 0
+            local, whole = local + p.ds_tensor.numel() + kept, whole + p.ds_numel
         elif hasattr(p, "to_local"):
             local, whole = local + p.to_local().numel(), whole + p.numel()
         else:

@@ -41,8 +41,9 @@ class WeightsPlan:
         grad_accum_dtype: the dtype gradients are accumulated and reduced in (``float32`` for full weights; under
             ZeRO + bf16 the harness sets DeepSpeed's ``data_types.grad_accum_dtype``).
         optimizer_state_dtype: the optimizer's moments (``float32``).
-        reference: DPO's reference (``loss.reference``): ``adapter`` (LoRA: the adapter disabled) or ``precomputed``
-            (one pass of the starting weights before training); None without DPO.
+        reference: DPO's reference (``loss.reference``): ``adapter`` (LoRA: the adapter disabled), ``model`` (full
+            weights: a frozen copy of the starting weights, :func:`frozen_reference_key`) or ``precomputed`` (one
+            pass of the starting weights before training); None without DPO.
         notes: the decisions in words, for the start-up log.
     """
 
@@ -76,6 +77,19 @@ def weights_plan(cfg: Config, mode: str) -> WeightsPlan:
     notes = (f"full weights: {module} weights in the forward{how}, fp32 gradient accumulation, fp32 "
              f"{cfg.optim.name} state",)
     return WeightsPlan("full", module, "float32", zero and bf16, "float32", "float32", reference, notes)
+
+
+def frozen_reference_key(cfg: Config) -> str | None:
+    """The key that makes a run keep a frozen copy of its starting weights as its reference (a full fine-tune has
+    no adapter to switch off): ``loss.reference`` (dpo with ``model``) or ``rl.beta`` (grpo with beta > 0); None
+    when the run keeps none."""
+    if cfg.model.finetune != "full":
+        return None
+    if cfg.loss.objective == "dpo" and cfg.loss.reference == "model":
+        return "loss.reference=model"
+    if cfg.loss.samples_online() and cfg.rl.beta > 0:
+        return f"rl.beta={cfg.rl.beta}"
+    return None
 
 
 def make_full(model: torch.nn.Module, checkpointing: dict[str, Any] | None) -> torch.nn.Module:

@@ -26,9 +26,10 @@ import torch
 from scale.config.load import configs_dir
 from scale.config.schema import Config
 from scale.modeling.attention import sequence_parallel_problem
-from scale.modeling.finetune import weights_plan
+from scale.modeling.finetune import frozen_reference_key, weights_plan
 from scale.planner.activations import Activations
 from scale.planner.census import DTYPES, GIB, ParamInfo, nbytes, nf4_bytes
+from scale.planner.pairs import frozen_reference_bytes
 
 # Launch modes, cheapest first: bytes moved between ranks per optimizer step (W = all weights, G = trainable
 # gradients): single 0; DDP all-reduce of G; ZeRO-1/2 reduce-scatter of G + all-gather of the updated trainable
@@ -71,6 +72,9 @@ class Rank:
             gradients until the end of backward; ZeRO-2/3: the gradient partition, plus ZeRO-3's persistent
             reduce bucket).
         optimizer: optimizer state (AdamW ``exp_avg`` and ``exp_avg_sq``; its ``step`` counters are host scalars).
+        reference: a full run's frozen reference (DPO ``loss.reference: model``, GRPO ``rl.beta`` > 0): a second copy
+            of every weight in the forward's dtype, whole under one device, DDP and ZeRO-1/2, 1/N under ZeRO-3
+            (with the parameters it keeps whole) and FSDP2 (:func:`frozen_reference_bytes`).
         activations: saved for backward, one micro-batch (checkpointing as configured).
         logits: saved from the LM head on (its inputs, the loss's fp32 log-probabilities), one micro-batch.
         transient: short-lived buffers at the step's peak (see the module docstring).
@@ -86,6 +90,7 @@ class Rank:
     master: int = 0
     gradients: int = 0
     optimizer: int = 0
+    reference: int = 0
     activations: int = 0
     logits: int = 0
     transient: int = 0
@@ -96,7 +101,7 @@ class Rank:
 
     @property
     def model_states(self) -> int:
-        return self.weights + self.trainable + self.master + self.gradients + self.optimizer
+        return self.weights + self.trainable + self.master + self.gradients + self.optimizer + self.reference
 
     @property
     def allocated(self) -> int:
@@ -408,6 +413,12 @@ def predict_mode(cfg: Config, params: list[ParamInfo], acts: dict[bool, Activati
                            for i in range(act.layers)), default=0)
         transient += 2 * layer_bytes  # one decoder layer gathered, the next prefetched
         r.notes.append("dim-0 shards of every parameter (padded to equal rows; optimizer state unpadded)")
+    if frozen_reference_key(cfg) is not None:
+        ds = deepspeed_settings(mode, hf_config, root) if mode in ("zero3", "zero3_offload") else None
+        r.reference, ref_host = frozen_reference_bytes(params, mode, world, cast, ds)
+        r.host += ref_host
+        r.notes.append(f"{frozen_reference_key(cfg)}: a frozen copy of every weight, "
+                       f"{'1/N' if partitioned else 'whole'} ({r.reference / 2**30:.2f} GiB)")
     r.transient = transient
     r.overhead = OVERHEAD_FIXED_BYTES + int(OVERHEAD_FRACTION * r.allocated)
     if full and (note := full_weights_note(r, cfg, sum(p.numel for p in params), w, cast)):

@@ -1,6 +1,7 @@
 """What a preference job adds to the plan: ``P`` pairs of a micro-batch counted as ``2P`` rows (:func:`pair_rows`),
 the in-step reference forward's peak or the pre-pass of ``loss.reference: precomputed``, the starting adapter's
-frozen copy, and the FLOPs per pair (:func:`plan_pairs`).
+frozen copy, and the FLOPs per pair (:func:`plan_pairs`); a full run's frozen reference per rank
+(:func:`frozen_reference_bytes`, DPO's ``loss.reference: model`` and GRPO's ``rl.beta`` > 0).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from scale.config.schema import Config
 from scale.objectives.preference import REFERENCE_ADAPTER
 from scale.planner.activations import Activations, count_reference_peak
+from scale.planner.census import ParamInfo, nbytes
 from scale.utils.flops import flops_per_token, model_shape, reference_flops_per_token
 
 def pair_rows(cfg: Config) -> Config:
@@ -37,6 +39,8 @@ def plan_pairs(user_cfg: Config, cfg: Config, model: torch.nn.Module, params: li
       takes the larger of it and the loss backward). ``precomputed``: nothing in the step; one pass before training over
       every train and eval pair, ``2 x train.eval_micro_batch_size`` rows at a time, with no gradients or optimizer
       state yet.
+    - **A frozen copy** (``loss.reference: model``, full weights): the same in-step forward, from a second copy of
+      every weight, counted per rank by :func:`frozen_reference_bytes` (``Rank.reference``).
     - **A starting adapter** (``model.adapter``) under the in-step reference: its frozen copy, the peft adapter
       ``reference`` (:func:`scale.objectives.preference.add_reference_adapter`), is appended to ``params`` as frozen
       parameters of the LoRA matrices' shapes and dtypes, so every launch mode holds (or shards) it as weights.
@@ -61,7 +65,7 @@ def plan_pairs(user_cfg: Config, cfg: Config, model: torch.nn.Module, params: li
     loss = cfg.loss
     P, rows, T, N = user_cfg.train.micro_batch_size, cfg.train.micro_batch_size, cfg.data.max_length, loss.threshold
     reference = loss.reference if loss.objective == "dpo" else "none"
-    in_step = reference == "adapter"
+    in_step = reference in ("adapter", "model")
     peak = {regime: count_reference_peak(cfg, model, params, cast if regime else None) for regime in (False, True)
             } if in_step else {False: 0, True: 0}
     for regime, a in acts.items():
@@ -85,6 +89,10 @@ def plan_pairs(user_cfg: Config, cfg: Config, model: torch.nn.Module, params: li
     ref_text = {"adapter": (f"loss.reference=adapter: one more forward of the {rows} rows per micro-batch under "
                             f"no_grad, {peak[False] / 2**20:.1f} MiB at its peak on top of the policy's saved "
                             f"activations (in 'transient'), {forward:.3g} FLOPs per pair"),
+                "model": (f"loss.reference=model: a frozen copy of every weight (per rank: 'frozen reference'), one "
+                          f"more forward of the {rows} rows per micro-batch under no_grad, "
+                          f"{peak[False] / 2**20:.1f} MiB at its peak on top of the policy's saved activations (in "
+                          f"'transient'), {forward:.3g} FLOPs per pair"),
                 "precomputed": (f"loss.reference=precomputed: nothing in the step; one pass before training over "
                                 f"{train_pairs + eval_pairs} pairs ({eval_rows} rows at a time, "
                                 f"{prepass / 2**20:.1f} MiB at its peak on top of the weights), "
@@ -95,3 +103,50 @@ def plan_pairs(user_cfg: Config, cfg: Config, model: torch.nn.Module, params: li
                    f"{out['step_flops_per_pair']:.3g} (policy {policy:.3g} over 2 x {T} positions)")
     return out
 
+
+def frozen_reference_bytes(params: list[ParamInfo], mode: str, world: int, cast: torch.dtype | None,
+                           ds: dict[str, Any] | None = None) -> tuple[int, int]:
+    """``(device, host)`` bytes one rank holds of a full run's frozen reference (:mod:`scale.distributed.frozen`
+    builds it): every parameter again, in the dtype the forward reads (``cast`` under DeepSpeed bf16, else as
+    loaded: fp32 for full weights). One device, DDP and ZeRO-1/2 (DeepSpeed stage 0): whole. ZeRO-3: each parameter's
+    partition ``ceil(n / N)``, plus the whole of those DeepSpeed keeps gathered (``stage3_param_persistence_threshold``,
+    the reference engine's own ``stage3_model_persistence_threshold``); with ``offload_param`` the partitions are in
+    host memory. FSDP2: dim-0 shards padded to ``ceil(rows / N)`` rows (FSDP2 stores the padded rows).
+
+    Args:
+        params: the policy's :func:`scale.planner.census.census` (every weight: full fine-tune).
+        mode: a :data:`scale.planner.layouts.MODES` name.
+        world: processes.
+        cast: DeepSpeed's mixed-precision dtype, or None.
+        ds: ``deepspeed_settings(mode, ...)`` under ZeRO-3.
+    """
+    w = world if mode != "single" else 1
+    if mode in ("zero3", "zero3_offload"):
+        offload = (ds or {}).get("offload_param", {}).get("device", "none") == "cpu"
+        device = host = persisted = 0
+        for p in params:
+            dtype = cast or p.dtype
+            elems = p.numel
+            persistent = (ds is not None and elems <= ds["stage3_param_persistence_threshold"]
+                          and persisted + elems <= ds["stage3_model_persistence_threshold"])
+            persisted += elems if persistent else 0
+            part = _ceil_div(elems, w) * nbytes(dtype)
+            if persistent:
+                device += part + (_ceil_div(elems, w) * w * nbytes(dtype) if w > 1 else 0)
+            elif offload:
+                host += part
+            else:
+                device += part
+        return device, host
+    if mode == "fsdp2":
+        out = 0
+        for p in params:
+            rows = p.shape[0] if p.shape else 1
+            out += _ceil_div(rows, w) * (p.numel // max(rows, 1)) * nbytes(p.dtype)
+        return out, 0
+    dtype_of = (lambda p: cast) if mode in ("zero1", "zero2") and cast is not None else (lambda p: p.dtype)
+    return sum(p.numel * nbytes(dtype_of(p)) for p in params), 0
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

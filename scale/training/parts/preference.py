@@ -24,7 +24,7 @@ from scale.data.token_table import Reordered
 from scale.data.tokenize import Splits
 from scale.distributed.frozen import frozen_elements, wrap_frozen
 from scale.modeling.dropout import disable_dropout
-from scale.modeling.finetune import weights_plan
+from scale.modeling.finetune import frozen_reference_key, weights_plan
 from scale.objectives.preference import PreferenceObjective, add_reference_adapter, reference_logps
 from scale.training.parts.launch import Launch
 from scale.training.parts.model import load_run_model, shape_forward
@@ -39,19 +39,6 @@ def keep_reference(cfg: Config, model: torch.nn.Module, objective: Any) -> None:
     in_step = getattr(objective, "reference", "adapter") == "adapter"  # DPO's precomputed references need no copy
     if getattr(objective, "needs_reference", False) and in_step and cfg.model.adapter is not None:
         add_reference_adapter(model)
-
-
-def frozen_reference_key(cfg: Config) -> str | None:
-    """The key that makes a run keep a frozen copy of its starting weights as its reference (a full fine-tune has
-    no adapter to switch off): ``loss.reference`` (dpo with ``model``) or ``rl.beta`` (grpo with beta > 0); None
-    when the run keeps none."""
-    if cfg.model.finetune != "full":
-        return None
-    if cfg.loss.objective == "dpo" and cfg.loss.reference == "model":
-        return "loss.reference=model"
-    if cfg.loss.samples_online() and cfg.rl.beta > 0:
-        return f"rl.beta={cfg.rl.beta}"
-    return None
 
 
 def load_frozen_reference(launch: Launch, cfg: Config, vocab_size: int) -> torch.nn.Module | None:
