@@ -277,7 +277,15 @@ def _trl_run(tmp_path, tokenizer, monkeypatch, chat, rows, first, **overrides):
     import trl.trainer.grpo_trainer as grpo_module
     from datasets import Dataset
 
-    monkeypatch.setattr(grpo_module, "shuffle_sequence_dict", lambda batch: batch)  # keep the round's order
+    ga = overrides["gradient_accumulation_steps"]
+    order = RoundPlan(steps_per_generation=overrides.get("steps_per_generation", ga) // ga).order
+
+    def ours(batch):  # TRL's shuffle of a round replaced by the order ours trains it in (RoundPlan.order)
+        perm = order(len(next(v for v in batch.values() if v is not None)))
+        return {k: v if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0) else
+                v[perm] if isinstance(v, torch.Tensor) else [v[i] for i in perm] for k, v in batch.items()}
+
+    monkeypatch.setattr(grpo_module, "shuffle_sequence_dict", ours)
     model = _model(tokenizer)
     settings = {"num_generations": 4, "max_completion_length": 8, "temperature": 0.7, "learning_rate": LR,
                 "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 1e9,

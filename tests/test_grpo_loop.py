@@ -115,7 +115,7 @@ def test_the_start_up_says_what_differs_from_trls_grpo_trainer(tmp_path):
     text = " | ".join(differences_from_trl(cfg, 0))
     for words in (("data.max_length - rl.max_completion_length = 56 tokens loses its oldest tokens (TRL: prompts are "
                    "not cut)"), "a seed of its own", "rl.loss_type=bnpo divides by the optimizer step's tokens",
-                  "trained in prompt order (TRL: shuffled first)"):
+                  "dealt to its optimizer steps round-robin, the same for any number of ranks (TRL: shuffled first)"):
         assert words in text, words
     assert "trains only its tail" not in text
 

@@ -169,6 +169,37 @@ def test_a_kept_round_restores_on_another_world_size(tokenizer, tiny):
         same(a, b)
 
 
+def test_the_steps_of_a_round_train_the_same_completions_on_any_number_of_ranks(tokenizer, tiny):
+    """A round of 2 optimizer steps (steps_per_generation 2 x accumulation 1): on one rank (micro-batches of 4) and
+    re-sliced for 2 ranks (micro-batches of 2), each step trains the same 4 completions (rows and advantages), every
+    other one of the round's (round-robin: RoundPlan.order), so a resume on another world size continues the round
+    as it was being trained, and a fresh round on 2 ranks trains what one rank trains step for step; and a round
+    whose size is not the run's is refused in one line."""
+    rewards = build_rewards([{"fn": "length", "cache": 2}], 5)
+    shape = {"num_generations": 4, "steps_per_generation": 2, "gradient_accumulation_steps": 1}
+    one, two = RoundPlan(micro_batch_size=4, **shape), RoundPlan(micro_batch_size=2, world_size=2, **shape)
+    rnd = _round(tokenizer, tiny, rewards, one)
+    collator = Collator(tokenizer.pad_token_id)
+    ranks = [restore_round([rnd.state_dict()], two, r, collator) for r in range(2)]
+
+    def rows(*batches):
+        return sorted((tuple(b["input_ids"][i][b["attention_mask"][i].bool()].tolist()), float(b["advantages"][i]))
+                      for b in batches for i in range(len(b["advantages"])))
+
+    whole = [rows(*[_one(s) for s in rnd.items[k::2]]) for k in range(2)]
+    for step in range(2):
+        assert rows(rnd.micro[step]) == rows(*[part.micro[step] for part in ranks]) == whole[step]
+    with pytest.raises(ValueError, match=r"^the checkpoint's round holds 8 completions; this run's rounds hold 4 on "
+                                         r"each of 1 rank\(s\)$"):
+        restore_round([rnd.state_dict()], RoundPlan(micro_batch_size=2, **shape), 0, collator)
+
+
+def _one(s):
+    """A one-row micro-batch of a :class:`Sampled` (what :func:`rows` reads)."""
+    ids = torch.tensor([s.prompt_ids + s.completion_ids])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "advantages": torch.tensor([s.advantage])}
+
+
 def test_a_reward_failing_on_another_rank_stops_this_one(tokenizer, tiny):
     """Every rank reaches the round's all-gather; the error flag in the table stops the ranks whose functions ran
     fine too, in one line naming the failing rank (the failing rank names the function and the row)."""

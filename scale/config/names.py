@@ -241,7 +241,8 @@ def rl_differences(cfg: Config) -> list[str]:
         out.append("rl.loss_type=bnpo divides by the optimizer step's tokens on every rank (TRL: each micro-batch by "
                    "its own tokens on its own rank)")
     if (rl.steps_per_generation or t.gradient_accumulation_steps) > t.gradient_accumulation_steps:
-        out.append("a round's completions are trained in prompt order (TRL: shuffled first)")
+        out.append("a round's completions are dealt to its optimizer steps round-robin, the same for any number of "
+                   "ranks (TRL: shuffled first)")
     return out
 
 

@@ -10,9 +10,10 @@ num_generations`` per rank, drawn from the train split in an order fixed by ``tr
 (:class:`PromptRounds`: global round ``k`` is the same prompts for any number of ranks with the same global batch).
 Each rank samples ``rl.num_generations`` completions of each of its own prompts (a prompt's group never spans two
 ranks), each completion seeded by ``train.seed``, the round and the prompt (:func:`scale.generation.rollout.
-completion_seed`), so a rerun, a resume or another launch mode draws the same completions. Micro-batch ``k`` holds
-completions ``k x micro_batch_size ...`` in prompt order (TRL shuffles the round first; a step's loss does not
-depend on the order when a round is one step, the default).
+completion_seed`), so a rerun, a resume or another launch mode draws the same completions. A round of several
+optimizer steps deals its completions to them round-robin (:meth:`RoundPlan.order`: which completions a step trains
+does not depend on the number of ranks; TRL shuffles the round first); a round of one step (the default) is trained
+in prompt order.
 
 Collective: one all-gather per round of a ``[completions, F + 3]`` table (every function's reward, the completion's
 kept tokens, its length, its truncation, an error flag), from which every rank computes the same advantages
@@ -52,8 +53,7 @@ class Prompt:
     """One prompt of the ``prompts`` format, tokenized.
 
     Attributes:
-        index: its position in the train split (with the round, it seeds its completions).
-        row: its data-file row (error messages, ``samples.jsonl``).
+        index, row: its position in the train split (with the round, it seeds its completions); its data-file row.
         prompt_ids: its tokens as the model reads them (template, generation prompt, BOS).
         prompt: as the file holds it (text, or a list of messages): what reward functions get.
         columns: the row's other columns (reward functions get them by name).
@@ -129,15 +129,21 @@ class RoundPlan:
         are stored before its first step."""
         return self.gradient_accumulation_steps % self.micro_batches != 0
 
+    def order(self, n: int) -> list[int]:
+        """The order a rank trains its ``n`` completions of a round in (they come in prompt order): step ``s`` of the
+        ``S = steps_per_generation / gradient_accumulation_steps`` takes every ``S``-th completion from the ``s``-th.
+        ``n`` being a multiple of ``S``, a step's completions over all ranks are those whose index in the round is
+        ``s`` mod ``S``: the same for any number of ranks. ``S`` 1 (the default): prompt order."""
+        S = self.steps_per_generation // self.gradient_accumulation_steps
+        return [j for s in range(S) for j in range(s, n, S)]
+
 
 @dataclass
 class Sampled:
     """One completion of a round: what training it needs (CPU tensors, unpadded).
 
     Attributes:
-        prompt_ids, completion_ids: its row's two parts.
-        row: its prompt's data-file row.
-        advantage: its advantage.
+        prompt_ids, completion_ids, row, advantage: its row's two parts, its prompt's data-file row, its advantage.
         keep: trained (``False``: truncated under ``rl.mask_truncated_completions``).
         sampler_logps, old_logps, ref_logps: ``[len(completion_ids)]`` float32: the sampler's, the round's
             policy's (when stored) and the reference's (``rl.beta`` > 0) token log-probs, or ``None``.
@@ -159,8 +165,8 @@ class Round:
 
     Attributes:
         index: the round's seed index (the optimizer step it starts at).
-        items: its completions on this rank, in prompt order.
-        tokens_kept: the trained tokens of the round on every rank (``dapo``'s normaliser).
+        items, tokens_kept: its completions on this rank, in prompt order; the trained tokens of the round on every
+            rank (``dapo``'s normaliser).
         micro: its ``steps_per_generation`` micro-batches (CPU tensors; the loop moves them).
         records: one per completion on this rank: ``row, prompt, completion, rewards {fn: value}, reward,
             advantage, tokens, truncated`` (``samples.jsonl``).
@@ -195,12 +201,13 @@ def right_aligned(values: list[Tensor], width: int, dtype: torch.dtype = torch.f
 
 def micro_batches(items: list[Sampled], plan: RoundPlan, collator: Collator, tokens_kept: float) -> list[dict[str,
                                                                                                             Tensor]]:
-    """This rank's items as ``len(items) / micro_batch_size`` padded micro-batches: rows ``prompt + completion``
-    (the completion is the tail), ``loss_mask`` (the tail, 0 on a masked truncated completion), ``advantages [B]``,
-    the stored log-probs right-aligned like the tail, and ``dapo``'s ``round_weight`` (the round's trained tokens /
-    (``steps_per_generation`` x ranks)), ``row``."""
+    """This rank's items, in :meth:`RoundPlan.order`, as ``len(items) / micro_batch_size`` padded micro-batches: rows
+    ``prompt + completion`` (the completion is the tail), ``loss_mask`` (the tail, 0 on a masked truncated
+    completion), ``advantages [B]``, the stored log-probs right-aligned like the tail, and ``dapo``'s ``round_weight``
+    (the round's trained tokens / (``steps_per_generation`` x ranks)), ``row``."""
     out = []
     mb = plan.micro_batch_size
+    items = [items[j] for j in plan.order(len(items))]
     for k in range(0, len(items), mb):
         chunk = items[k:k + mb]
         batch = collator([Example(s.prompt_ids + s.completion_ids, len(s.completion_ids), row=s.row) for s in chunk])
@@ -227,21 +234,18 @@ def round_stats(per_func: Tensor, rewards: Tensor, advantages: Tensor, std_zero:
     for f, name in enumerate(names):
         out[f"reward/{name}/mean"] = float(torch.nanmean(per_func[:, f]))
         out[f"reward/{name}/std"] = float(nanstd(per_func[:, f]))
-    out["reward/total/mean"] = float(torch.nanmean(rewards))
-    out["reward/total/std"] = float(nanstd(rewards))
+    out["reward/total/mean"], out["reward/total/std"] = float(torch.nanmean(rewards)), float(nanstd(rewards))
     out["frac_reward_zero_std"] = float(std_zero.float().mean())
     out["advantage/std"] = float(advantages.std()) if advantages.numel() > 1 else 0.0
     out["advantage/min"], out["advantage/max"] = float(advantages.min()), float(advantages.max())
-    lengths = lengths.double()
-    out["completions/mean_length"] = float(lengths.mean())
+    out["completions/mean_length"] = float((lengths := lengths.double()).mean())
     out["completions/min_length"], out["completions/max_length"] = float(lengths.min()), float(lengths.max())
-    out["completions/truncated_fraction"] = float(truncated.double().mean())
-    done = lengths[~truncated.bool()]
+    out["completions/truncated_fraction"], done = float(truncated.double().mean()), lengths[~truncated.bool()]
     out["completions/mean_terminated_length"] = float(done.mean()) if done.numel() else 0.0
     return out
 
 
-def _value(x: float) -> float | None:
+def _value(x: float) -> float | None:  # a reward of None (NaN in the table) stays None in the records
     return None if math.isnan(x) else x
 
 
@@ -306,26 +310,18 @@ def build_round(prompts: list[Prompt], round_index: int, plan: RoundPlan, genera
     Args:
         prompts: this rank's ``plan.prompts`` prompts of the round.
         round_index: the round's seed index (the optimizer step it starts at).
-        plan: the round's shape.
-        generator: what samples (:mod:`scale.generation.rollout`).
-        gen_model: the policy to sample with (unwrapped).
-        rewards: ``rl.rewards``, built.
-        tokenizer: decodes completions (special tokens dropped).
-        collator: pads a micro-batch's rows (``data.padding_side``).
+        plan, generator, gen_model, rewards: the round's shape, what samples (:mod:`scale.generation.rollout`),
+            the policy to sample with (unwrapped), ``rl.rewards`` built.
+        tokenizer, collator: decodes completions (special tokens dropped); pads a micro-batch's rows.
         gather: the all-gather over ranks of a ``[n, k]`` tensor (same ``n`` on every rank) -> ``[world x n, k]``
             in rank order; collective.
         rank: this rank's index.
-        old_logps: ``batch -> [B, N]`` the policy's tail logps under ``no_grad`` (used when
-            ``plan.needs_old_logps``).
-        ref_logps: ``batch -> [B, N]`` the reference's (``rl.beta`` > 0).
+        old_logps, ref_logps: ``batch -> [B, N]`` the policy's tail logps under ``no_grad`` (used when
+            ``plan.needs_old_logps``), the reference's (``rl.beta`` > 0).
         synced: the weights are partitioned (ZeRO-3, FSDP): generation runs in lock-step.
         trainer_state: what reward functions get as ``trainer_state`` (``global_step``, ``epoch``).
 
-    Returns:
-        The :class:`Round`.
-
-    Raises:
-        RewardError: a reward function failed on some rank.
+    Returns the :class:`Round`; raises RewardError when a reward function failed on some rank.
     """
     G = plan.num_generations
     if len(prompts) * G != plan.completions:
@@ -354,12 +350,13 @@ def build_round(prompts: list[Prompt], round_index: int, plan: RoundPlan, genera
                 stats=stats)
     rnd.micro = micro_batches(items, plan, collator, rnd.tokens_kept)
     if (plan.needs_old_logps and old_logps is not None) or ref_logps is not None:
+        ordered = [items[j] for j in plan.order(n)]
         for k, batch in enumerate(rnd.micro):  # the round's policy and the reference, once per round (no graph)
             for key, fn in (("old_logps", old_logps if plan.needs_old_logps else None), ("ref_logps", ref_logps)):
                 if fn is not None:
                     values = fn(batch).detach().float().cpu()
                     batch[key] = values
-                    for b, s in enumerate(items[k * plan.micro_batch_size:(k + 1) * plan.micro_batch_size]):
+                    for b, s in enumerate(ordered[k * plan.micro_batch_size:(k + 1) * plan.micro_batch_size]):
                         setattr(s, key, values[b, values.shape[1] - len(s.completion_ids):].clone())
     names = [r.name for r in rewards]
     for i, p in enumerate(asked):
@@ -374,11 +371,15 @@ def build_round(prompts: list[Prompt], round_index: int, plan: RoundPlan, genera
 
 def restore_round(parts: list[dict[str, Any]], plan: RoundPlan, rank: int, collator: Collator) -> Round:
     """The round a checkpoint kept (every rank's :meth:`Round.state_dict`, in rank order), re-sliced for this run's
-    ranks (another world size with the same global batch takes the same completions in the same global order) and
-    batched again: the same completions, advantages and stored log-probs as the run that saved it."""
+    ranks and batched again: the same completions, advantages and stored log-probs as the run that saved it, and on
+    another world size with the same global batch and steps per round each remaining step trains the same
+    completions (:meth:`RoundPlan.order`). Raises ValueError when the round's size is not this run's."""
     items = [Sampled(**i) for part in parts for i in part["items"]]
     records = [r for part in parts for r in part["records"]]
     n = len(items) // plan.world_size
+    if n != plan.completions:
+        raise ValueError(f"the checkpoint's round holds {len(items)} completions; this run's rounds hold "
+                         f"{plan.completions} on each of {plan.world_size} rank(s)")
     mine = slice(rank * n, (rank + 1) * n)
     rnd = Round(parts[0]["index"], items[mine], parts[0]["tokens_kept"], records=records[mine],
                 stats=parts[0]["stats"])
@@ -402,16 +403,15 @@ def evaluate_prompts(prompts: list[Prompt], generator: Generator, net: torch.nn.
         net: the unwrapped policy.
         batch_size: prompts per ``generate`` call (``train.eval_micro_batch_size``).
         check: called before every ``generate`` call on every rank; raises to stop (a pre-emption).
-        budget: the prompt budget (:attr:`RoundPlan.prompt_budget`).
-        keep_records: how many of the first prompts' records to return (``eval.generate_samples``).
+        budget, keep_records: the prompt budget (:attr:`RoundPlan.prompt_budget`); how many of the first prompts'
+            records to return (``eval.generate_samples``).
 
     Returns:
         ``(metrics, records)``: ``eval/reward/<fn>/mean``, ``eval/reward/total/mean``,
         ``eval/completions/mean_length``, ``eval/completions/truncated_fraction`` and ``eval/prompts`` over the split;
         this rank's first records (rank 0 holds the split's first prompts).
 
-    Raises:
-        RewardError: a reward function failed on some rank.
+    Raises RewardError when a reward function failed on some rank.
     """
     per = math.ceil(len(prompts) / world)
     mine = list(range(rank * per, min((rank + 1) * per, len(prompts))))

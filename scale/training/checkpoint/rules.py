@@ -45,6 +45,16 @@ ADDED_KEYS = {"loss.objective": "sft", "model.finetune": "lora", "train.max_shar
 BATCH_KEYS = ("train.micro_batch_size", "train.gradient_accumulation_steps")
 
 
+# rl.steps_per_generation scales with the accumulation on such a resume (:func:`adapt_to_checkpoint`).
+ROUND_KEY = "rl.steps_per_generation"
+
+
+def _round_steps(flat: dict[str, Any]) -> float | None:
+    """A round's optimizer steps per iteration (``rl.steps_per_generation / train.gradient_accumulation_steps``)."""
+    spg, ga = flat.get(ROUND_KEY), flat.get("train.gradient_accumulation_steps")
+    return None if spg is None or not ga else spg / ga
+
+
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -78,6 +88,8 @@ def compare_configs(saved: dict[str, Any], current: dict[str, Any], same_global_
         if key != "train.resume_from" and not same:
             line = f"{key}: checkpoint {a.get(key)!r} -> now {b.get(key)!r}"
             harmless = key.startswith(HARMLESS) or (same_global_batch and key in BATCH_KEYS)
+            if key == ROUND_KEY:  # regrouped with the accumulation: a round of rollouts keeps its optimizer steps
+                harmless = same_global_batch and _round_steps(a) == _round_steps(b)
             if key in ("train.max_steps", "train.num_epochs"):  # a longer (or shorter) run: same maths per step
                 harmless = b.get("optim.schedule") == "constant"
                 if not harmless:
@@ -271,7 +283,7 @@ def check_resume(acc: Accelerator, cfg: Config, plan: ModePlan, path: Path | Non
                           + "; ".join(errors) + ". Resume with the checkpoint's config (" + str(path / STATE_FILE)
                           + ") or start a new run in another output_dir.")
     for line in warnings:
-        if not (regrouped and line.startswith("train.gradient_accumulation_steps:")):
+        if not (regrouped and line.startswith(("train.gradient_accumulation_steps:", f"{ROUND_KEY}:"))):
             logger.warning("resume: %s (does not change the maths)", line, main_process_only=True)
     if not native(state, plan, acc) and not trains_full(state) and not (path / OPTIMIZER_FILE).is_file():
         raise CheckpointError(f"checkpoint {path} was written by {state.world_size} process(es) before checkpoints "
@@ -311,10 +323,15 @@ def adapt_to_checkpoint(cfg: Config, data_parallel_size: int) -> str | None:
         if ga == before:
             return None
         cfg.train.gradient_accumulation_steps = ga
+        spg = cfg.rl.steps_per_generation
+        rounds = ""
+        if spg and (spg * ga) % before == 0:  # a round of rollouts keeps its completions and its optimizer steps
+            cfg.rl.steps_per_generation = spg * ga // before
+            rounds = f"; rl.steps_per_generation {spg} -> {cfg.rl.steps_per_generation} keeps a round's steps"
         return (f"resume on {data_parallel_size} data-parallel rank(s), checkpoint written on "
                 f"{state.data_parallel_size or state.world_size}: train.gradient_accumulation_steps {before} -> {ga} "
                 f"keeps global_batch_size={saved_G} (micro_batch_size {cfg.train.micro_batch_size} x {ga} x "
-                f"{data_parallel_size})")
+                f"{data_parallel_size}){rounds}")
     return None
 
 
