@@ -77,7 +77,8 @@ test: test-unit test-lowest test-launch
 
 # The GPU proof in one command on a CUDA machine: make gpu-check TORCH=torch [WHEELS=dir]. pytest -m gpu, LoRA/QLoRA
 # throughput and MFU, memory against scale-plan, harness against a bare loop, fp32 device-vs-CPU parity, the default
-# job at the largest micro-batch that fits; one report, gpu_check.md (benchmarks/gpu_check.py; ARGS="--skip bare").
+# job at the largest micro-batch that fits, casts, MoE LoRA, GRPO with the vLLM generator; one report, gpu_check.md
+# (benchmarks/gpu_check.py; ARGS="--skip bare").
 gpu-check: setup
 	$(BIN)/python benchmarks/gpu_check.py --out gpu_check.md $(ARGS)
 

@@ -27,6 +27,11 @@ the command exits 1 at the end, so one broken section never loses the others' fi
    (configs/models/qwen3-30b-a3b.json, random bf16 weights) trained through the real loop on 8 x 2048 tokens: the
    split path's peak ``max_memory_allocated`` (goal <= 63 GB on one H200) and its tokens/s over the peft path's
    (goal >= 2).
+8. ``vllm``: benchmarks/vllm_check.py, ``rl.generator: vllm`` (the colocated engine, only the LoRA adapter synced):
+   the same seeds give the same completions twice, vLLM's log-probs within bf16 rounding of the trainer's, a moved
+   adapter changes the samples (and vLLM then matches the trainer with it, not without it), and 2 GRPO steps
+   through the loop twice (the same rollouts, ``train/logprob_mismatch`` within the bound). Where vllm or CUDA is
+   missing (and in every dry run) one line: the refusal a run gets.
 
 ``--dry-run`` runs every section on the CPU at tiny shapes (the device side of ``parity`` is then the CPU on one
 thread, against all threads: the same maths, summed in other orders where a kernel splits by thread), and
@@ -59,7 +64,7 @@ if __package__ in (None, ""):  # `python benchmarks/gpu_check.py`: make `benchma
 from benchmarks.common import SHAPES, Harness, Job, build_lora_model, machine_line, reset_accelerate
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("pytest", "bench", "bare", "parity", "auto", "casts", "moe")
+SECTIONS = ("pytest", "bench", "bare", "parity", "auto", "casts", "moe", "vllm")
 
 
 GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_mixed_paths.py", "tests/test_kernels.py")
@@ -367,6 +372,13 @@ def run_moe(dry: bool) -> tuple[str, dict]:
                                                                     "planned": planned}
 
 
+def run_vllm(dry: bool) -> tuple[str, dict]:
+    """benchmarks/vllm_check.py (section 8); one line where vllm or CUDA is missing (every dry run)."""
+    from benchmarks import vllm_check
+
+    return vllm_check.run(dry)
+
+
 def largest_plan_total(cfg, b: int, memory_gib: float) -> float:
     from dataclasses import replace
 
@@ -417,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
                   lambda: run_casts(a.dry_run)),
         "moe": ("7. Mixture-of-experts LoRA: split against peft (layer; Qwen3-30B-A3B through the loop)",
                 lambda: run_moe(a.dry_run)),
+        "vllm": ("8. GRPO with rl.generator=vllm: the engine against the trainer, steps through the loop",
+                 lambda: run_vllm(a.dry_run)),
     }
     parts, failed, t_all = [header(a.dry_run)], [], time.perf_counter()
     out = Path(a.out)

@@ -236,6 +236,29 @@ def test_speedup_throughput_and_profile_categories():
     assert cats["host (Python, autograd engine, between ops)"] == pytest.approx(20 - 16.51)
 
 
+def test_gpu_check_vllm_section_is_one_line_where_it_cannot_run(tmp_path, monkeypatch):
+    """Section 8 (GRPO with rl.generator=vllm) in a dry run, or on a machine without vllm: the report holds one line,
+    the refusal a run gets (no CUDA, or no package), and the section passes; --dry-run and make gpu-check list it."""
+    import importlib.util
+
+    from benchmarks import gpu_check
+
+    out = tmp_path / "report.md"
+    others = [s for s in gpu_check.SECTIONS if s != "vllm"]
+    assert gpu_check.main(["--dry-run", "--skip", *others, "--out", str(out)]) == 0
+    section = out.read_text().split("## 8. GRPO with rl.generator=vllm: the engine against the trainer, steps through "
+                                    "the loop\n\n")[1]
+    assert section.startswith("skipped: rl.generator=vllm needs a CUDA device and this run has none; set "
+                              "rl.generator=transformers (in-process generate, any device)\n\n("), section
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    text, info = gpu_check.run_vllm(False)
+    assert (text, info) == ("skipped: rl.generator=vllm needs the vllm package: pip install 'scale[vllm]' (or set "
+                            "rl.generator=transformers)", {"ok": True, "skipped": True})
+    assert "8. ``vllm``" in gpu_check.__doc__ and "GRPO with the vLLM generator" in (ROOT / "Makefile").read_text()
+
+
 def test_gpu_check_dry_run_report(tmp_path):
     """``benchmarks/gpu_check.py --dry-run`` (what CI runs of ``make gpu-check``): one Markdown report whose sections
     hold real values: the GPU tests' counts, the harness against the bare loop with the same losses, the fp32
@@ -280,6 +303,7 @@ def test_gpu_check_dry_run_report(tmp_path):
         assert 9 < on[2] < 12 and 9 < off[2] < 12                         # ln(49152) = 10.8 at random init
         if not torch.cuda.is_available():
             assert f"| {job} | paths on + liger | refused: model.kernels=liger needs a CUDA GPU" in report
+    assert "\n## 8. GRPO with rl.generator=vllm" in report and "failed sections: none" in report  # (dry: one line)
     # 7. expert LoRA, split against peft: the layer's peak (live tensor bytes, the same count on every machine) is
     # lower on the split path and scale-plan counts it within 5%; the tiny model's first loss and gradient norm agree
     # within two float32 paths' bound (vocabulary 512, hidden 64: tests/bounds.py); the last line a script reads
