@@ -160,9 +160,10 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     if not (run_dir / "adapter" / "adapter_config.json").exists():
         raise FileNotFoundError(f"{run_dir}/adapter has no adapter_config.json: train with train.save_adapter=true")
     tokenizer, stops, note = serving_tokenizer(cfg, run_dir)
-    rows = len(load_tokenizer(cfg.model))  # with model.new_tokens: the rows the run trained
+    run_tokenizer = load_tokenizer(cfg.model)
+    rows = len(run_tokenizer)  # with model.new_tokens: the rows the run trained
     base = dequantized_base(cfg.model, rows, cfg.train.seed)
-    grow_embeddings(base, rows, cfg.train.seed)  # as the run grew them (their trained rows: the adapter's)
+    grow_embeddings(base, rows, cfg.train.seed, run_tokenizer.vocab_size)  # as the run grew them (the adapter trained them)
     with explicit_targets():  # a mixture-of-experts adapter names its targets in full (scale.modeling.moe)
         merged = PeftModel.from_pretrained(base, run_dir / "adapter").merge_and_unload()
     merged.config.use_cache = True

@@ -177,9 +177,10 @@ def load_model(path: str | Path) -> torch.nn.Module:
     from peft import PeftModel
 
     cfg = load_config(run_dir / "config.yaml")
-    rows = len(load_tokenizer(cfg.model))  # with model.new_tokens: the rows the run trained
+    run_tokenizer = load_tokenizer(cfg.model)
+    rows = len(run_tokenizer)  # with model.new_tokens: the rows the run trained
     base = load_base(cfg.model, rows, cfg.train.seed)
-    grow_embeddings(base, rows, cfg.train.seed)  # as the run grew them (their trained rows: the adapter's)
+    grow_embeddings(base, rows, cfg.train.seed, run_tokenizer.vocab_size)  # as the run grew them (the adapter trained them)
     with explicit_targets():  # a mixture-of-experts adapter names its targets in full (scale.modeling.moe)
         return PeftModel.from_pretrained(base, run_dir / "adapter").eval()
 

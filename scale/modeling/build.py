@@ -378,7 +378,7 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, vocab_size: int, s
         The PEFT model (``lora``) or the transformers model (``full``), in train mode.
     """
     base = load_base(model_cfg, vocab_size, seed, device_map)
-    grew = grow_embeddings(base, vocab_size, seed)  # a tokenizer longer than the embeddings: as transformers resizes
+    grew = grow_embeddings(base, vocab_size, seed, load_tokenizer(model_cfg).vocab_size)  # added tokens only
     if model_cfg.finetune == "full":
         return make_full(base, checkpointing_kwargs(model_cfg) if model_cfg.gradient_checkpointing else None)
     with torch.random.fork_rng(devices=[]):

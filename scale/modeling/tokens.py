@@ -43,7 +43,7 @@ def embedding_rows(model: torch.nn.Module) -> int:
     return int(getattr(weight, "ds_shape", weight.shape)[0])
 
 
-def grow_embeddings(model: torch.nn.Module, rows: int, seed: int) -> int | None:
+def grow_embeddings(model: torch.nn.Module, rows: int, seed: int, base_vocab: int | None = None) -> int | None:
     """Grow ``model``'s input embeddings (and an untied LM head) to ``rows`` as transformers does:
     ``model.resize_token_embeddings(rows, mean_resizing=True)``, the new rows drawn from ``seed`` (the global RNG kept).
     Under ZeRO-3 transformers gathers the partitioned weights itself (every rank calls).
@@ -52,12 +52,16 @@ def grow_embeddings(model: torch.nn.Module, rows: int, seed: int) -> int | None:
         model: a transformers ``PreTrainedModel`` (before LoRA wraps it).
         rows: the tokenizer's length (``len(tokenizer)``).
         seed: ``train.seed``.
+        base_vocab: the tokenizer's vocabulary without its added tokens (``tokenizer.vocab_size``). Embeddings
+            shorter than it belong to a model made for another tokenizer: the missing rows are not added tokens,
+            and nothing is grown.
 
     Returns:
-        The rows before, or None when ``rows`` does not exceed them (nothing changed).
+        The rows before, or None when nothing changed (``rows`` does not exceed them, or they are short of
+        ``base_vocab``).
     """
     before = embedding_rows(model)
-    if rows <= before:
+    if rows <= before or (base_vocab is not None and before < base_vocab):
         return None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
