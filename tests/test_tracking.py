@@ -152,16 +152,18 @@ def test_sweep_program_with_wandb_agents_default_command(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("finetune", ["full", "lora"])
-def test_checkpoint_artifact_holds_what_the_checkpoint_trained(tmp_path, monkeypatch, finetune):
+def test_checkpoint_artifact_holds_what_the_checkpoint_trained(tmp_path, finetune):
     """log.wandb_log_model=checkpoint, offline: each checkpoint's artifact holds the files that carry its weights (a
-    full run's every shard, a LoRA run's peft adapter) beside trainer_state.json, named as in the checkpoint."""
-    from scale.train import run
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
-    run(tiny_cfg(tmp_path, f"model.finetune={finetune}", "log.trackers=[wandb]", "log.wandb_log_model=checkpoint",
-                 "train.max_steps=2", "train.save_every=2", "train.eval_every=0", "log.peak_flops=false",
-                 "eval.generate_samples=0", "train.save_adapter=false"))
+    full run's every shard, a LoRA run's peft adapter) beside trainer_state.json, named as in the checkpoint. In a
+    process of its own: wandb keeps one session per process, and a session an earlier test started in this one
+    would put the run's files under that test's directory."""
+    proc = subprocess.run([sys.executable, "-m", "scale.train", "--config", str(TINY_YAML), f"data.path={TINY_DATA}",
+                           f"output_dir={tmp_path}", f"model.finetune={finetune}", "log.trackers=[wandb]",
+                           "log.wandb_log_model=checkpoint", "train.max_steps=2", "train.save_every=2",
+                           "train.eval_every=0", "log.peak_flops=false", "eval.generate_samples=0",
+                           "train.save_adapter=false"], env=ENV, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     (top,) = (tmp_path / "wandb").glob("offline-run-*")
     (name, aliases, files), = read_run(top)["artifact_files"]
     trained = (["weights/shard-00000-of-00001.safetensors"] if finetune == "full"
