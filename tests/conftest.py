@@ -41,14 +41,20 @@ def log_file_lines(records) -> list[str]:
     return lines
 
 
-@pytest.fixture(autouse=True)
-def _reset_accelerate():
-    """Accelerator state is process-global; reset it so each in-process run starts clean."""
-    yield
+def reset_accelerate() -> None:
+    """Reset accelerate's process-global state (``AcceleratorState``, ``GradientState``), so the next in-process run
+    starts clean; a module-scoped fixture that trains calls it after its run."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def _reset_accelerate():
+    """Accelerator state is process-global; reset it so each in-process run starts clean."""
+    yield
+    reset_accelerate()
 
 
 @pytest.fixture(scope="session")

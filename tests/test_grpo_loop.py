@@ -18,7 +18,7 @@ from scale.data.read import DataError
 from scale.train import run
 from scale.training.metrics import read_jsonl
 from scale.training.parts.rl import ROUND_DIR, PromptRounds
-from tests.conftest import ROOT, tiny_cfg
+from tests.conftest import ROOT, reset_accelerate, tiny_cfg
 
 CHATML = ROOT / "configs" / "chat" / "chatml.jinja"
 
@@ -146,13 +146,6 @@ JOB = ["data.format=prompts", "loss.objective=grpo", "rl.num_generations=4", "tr
        "eval.generate_samples=2", "log.trackers=[]"]
 
 
-def _reset():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """4 steps (2 rounds of 2 steps), a checkpoint after every step: steps 1 and 3 cut a round."""
@@ -160,7 +153,7 @@ def reference(tmp_path_factory):
     data = _write(tmp / "prompts.jsonl", PROMPTS)
     out = tmp / "run"
     run(tiny_cfg(out, f"data.path={data}", *JOB))
-    _reset()
+    reset_accelerate()
     return out, data
 
 
@@ -242,7 +235,7 @@ def test_sigterm_in_the_middle_of_a_round_resumes_bit_exact(reference, tmp_path,
                    "train.save_every=0", "train.save_every_minutes=null")
     with pytest.raises(Preempted):
         run(cfg, stop)
-    _reset()
+    reset_accelerate()
     assert (tmp_path / "checkpoints" / "step_000003" / ROUND_DIR / "rank0.pt").is_file()
     monkeypatch.undo()
     run(tiny_cfg(tmp_path, f"data.path={data}", *JOB, "train.resume_from=latest"))

@@ -16,7 +16,7 @@ from scale.config.validation import ConfigError
 from scale.train import run
 from scale.training.metrics import read_jsonl
 from tests.bounds import TINY_JOB_REL
-from tests.conftest import tiny_cfg
+from tests.conftest import reset_accelerate, tiny_cfg
 
 NEW = ["<|review|>", "<|sentiment|>"]
 # the new tokens in every row, so their input rows get gradient too (the head's rows get it from every softmax)
@@ -30,13 +30,6 @@ def _peft_ties() -> bool:
     from peft import LoraConfig
 
     return "ensure_weight_tying" in inspect.signature(LoraConfig).parameters
-
-
-def _reset():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +55,7 @@ def base_dir(tmp_path_factory):
 def lora_run(tmp_path_factory, base_dir):
     out = tmp_path_factory.mktemp("lora_tokens")
     run(tiny_cfg(out, f"model.name_or_path={base_dir}", *JOB, "train.check_invariants=true"))
-    _reset()
+    reset_accelerate()
     return out
 
 
